@@ -1,0 +1,34 @@
+# Quick start: `make run` traces the built-in default model, `make test` runs the tests.
+# Both create .venv at the repository root first if it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean setup
+
+setup: $(STAMP)
+
+# torch==2.13.0 is installed first and alone: the CPU wheel is what we test, and installing it
+# before anything else stops a dependency from pulling the newest (CUDA) build.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[hf,dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ampscope trace
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_trace.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
