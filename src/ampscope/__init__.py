@@ -1,1 +1,18 @@
-"""ampscope."""
+"""ampscope: which precision every tensor of a PyTorch model really runs in, and why.
+
+    import ampscope
+    t = ampscope.trace("gpt2", setting="fp32+amp-bf16", workload="train")
+    t.to_json("trace.json")
+
+    with ampscope.capture(model) as t:   # around your own training step
+        ...
+"""
+
+from ampscope.api import capture, trace
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import LoadedModel
+from ampscope.settings import Setting, parse_setting
+from ampscope.trace import Trace
+
+__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "parse_setting", "trace"]
+__version__ = "0.1.0"

@@ -1,2 +1,126 @@
-def main() -> int:
+"""`ampscope` command line: parse, call the library, render. No analysis lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ampscope.errors import AmpscopeError
+
+DEFAULT_MODEL = "gpt2"
+DEFAULT_SETTING = "fp32+amp-bf16"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ampscope",
+        description="Which precision does every tensor of a PyTorch model really run in?",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command")
+
+    trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
+    trace.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                       help="model spec: a name from `ampscope models`, hf:PATH, or "
+                            "package.module:factory (default: %(default)s)")
+    trace.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                       help="precision setting, e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32 "
+                            "(default: %(default)s)")
+    trace.add_argument("--workload", "-w", default="train",
+                       choices=["train", "forward", "generate"], help="default: %(default)s")
+    trace.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    trace.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    trace.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                       help="optimizer of the train step (default: %(default)s)")
+    trace.add_argument("--new-tokens", type=int, default=4,
+                       help="tokens sampled by the generate workload (default: %(default)s)")
+    trace.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout)")
+    trace.add_argument("--ops", action="store_true", help="add the op-level listing")
+    trace.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    models = sub.add_parser("models", help="list the built-in models and the HF zoo")
+    models.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from ampscope.api import trace
+    from ampscope.render.text import render_trace
+
+    if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
+        raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
+    status = _console(stderr=True)
+    with status.status(f"Tracing {args.model}: {args.workload} under {args.setting}…"):
+        result = trace(args.model, setting=args.setting, workload=args.workload,
+                       batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                       new_tokens=args.new_tokens)
+    if args.json == "-":
+        sys.stdout.write(result.to_json() + "\n")
+        return 0
+    if args.json:
+        try:
+            result.to_json(args.json)
+        except OSError as e:
+            raise AmpscopeError(f"cannot write {args.json}: {e.strerror}") from e
+    _console().print(render_trace(result, ops=args.ops))
+    if args.json:
+        status.print(f"[dim]Wrote {args.json}[/dim]")
     return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ampscope.models import list_models
+
+    table = Table(show_edge=False)
+    table.add_column("model")
+    table.add_column("family")
+    table.add_column("parameters", justify="right")
+    table.add_column("description")
+    for info in list_models():
+        table.add_row(info.name, info.family, f"{info.parameters:,}", info.description)
+    _console().print(table)
+    _console().print("[dim]Also: hf:PATH (a config.json or checkpoint folder) and "
+                     "package.module:factory (your own model).[/dim]")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not [a for a in argv if a != "--debug"]:
+        argv.append("trace")  # bare `ampscope` traces the built-in default model
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args([*argv, "trace"])
+    commands = {"trace": cmd_trace, "models": cmd_models}
+    try:
+        return commands[args.command](args)
+    except AmpscopeError as e:
+        if args.debug:
+            raise
+        print(f"ampscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ampscope: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the model (or ampscope) raised: one line unless --debug
+        if args.debug:
+            raise
+        where = f" while tracing {args.model}" if getattr(args, "model", None) else ""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"ampscope: error{where}: {type(e).__name__}: {first} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,9 +60,10 @@ class LoadedModel:
         if workload == "forward":
             return {self.input_name: ids}
         if self.targets_are_shifted_inputs:
-            targets = tokens[:, 1:].to(torch.int64)
+            # contiguous: models flatten targets with .view(-1), as nanoGPT does
+            targets = tokens[:, 1:].contiguous().to(torch.int64)
         else:
-            targets = tokens[:, :seq].to(torch.int64)
+            targets = tokens[:, :seq].contiguous().to(torch.int64)
         return {self.input_name: ids, self.target_name: targets}
 
     def loss(self, batch: Batch) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""The dtype flow through modules and ops, with identical repeated blocks collapsed.
+
+A transformer's blocks (`transformer.h.0` … `transformer.h.11`) usually run in the same dtypes;
+a table that lists each of them says nothing twelve times. Consecutive blocks of one container
+whose rows are identical (relative names, types and dtypes) become one row per member named
+`transformer.h.0–11.attn`. Consecutive identical steps (sampling calls the model once per token)
+collapse the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ampscope.records import ModuleCall, OpCall, TensorMeta
+
+R = TypeVar("R")
+
+# The first dotted segment that is a number splits a name into container, index and rest.
+_BLOCK = re.compile(r"^(?P<container>(?:[^.]+\.)*?[^.]+)\.(?P<index>\d+)(?P<rest>(?:\..+)?)$")
+
+
+@dataclass(frozen=True)
+class FlowRow:
+    name: str  # may be collapsed: "transformer.h.0–11.attn.c_attn"
+    kind: str  # module type or op name
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    depth: int = 0
+    repeats: int = 1  # how many blocks or steps this row stands for
+    note: str = ""  # e.g. "autocast cast", a source location
+
+    @property
+    def changes_dtype(self) -> bool:
+        """Floating activations leave in another dtype than they came in."""
+        fin = {d for d in self.inputs if d.startswith(("float", "bfloat"))}
+        fout = {d for d in self.outputs if d.startswith(("float", "bfloat"))}
+        return bool(fin and fout and fin != fout)
+
+
+def dtypes(metas: tuple[TensorMeta, ...]) -> tuple[str, ...]:
+    return tuple(m.dtype for m in metas)
+
+
+def split_block(name: str) -> tuple[str, int, str] | None:
+    """"transformer.h.3.attn.c_attn" -> ("transformer.h", 3, ".attn.c_attn")."""
+    m = _BLOCK.match(name)
+    if not m:
+        return None
+    return m["container"], int(m["index"]), m["rest"]
+
+
+def _steps(calls: Sequence[ModuleCall]) -> list[list[ModuleCall]]:
+    """Split forward module calls into steps, one per call of the outermost module."""
+    steps: list[list[ModuleCall]] = []
+    for c in calls:
+        if c.depth == 0 or not steps:
+            steps.append([])
+        steps[-1].append(c)
+    return steps
+
+
+def collapse_blocks(rows: list[FlowRow]) -> list[FlowRow]:
+    """Merge runs of consecutive, identical blocks of one container into ranged rows."""
+    out: list[FlowRow] = []
+    i = 0
+    while i < len(rows):
+        head = split_block(rows[i].name)
+        if head is None:
+            out.append(rows[i])
+            i += 1
+            continue
+        container = head[0]
+        # Gather the blocks of this container that follow one another: [(index, rows)]
+        blocks: list[tuple[int, list[FlowRow]]] = []
+        j = i
+        while j < len(rows):
+            parts = split_block(rows[j].name)
+            if parts is None or parts[0] != container:
+                break
+            if not blocks or blocks[-1][0] != parts[1]:
+                blocks.append((parts[1], []))
+            blocks[-1][1].append(rows[j])
+            j += 1
+        out.extend(_merge_identical(container, blocks))
+        i = j
+    return out
+
+
+def _signature(container: str, block: list[FlowRow]) -> tuple:
+    return tuple((split_block(r.name)[2], r.kind, r.inputs, r.outputs, r.note) for r in block)
+
+
+def _merge_identical(container: str, blocks: list[tuple[int, list[FlowRow]]]) -> list[FlowRow]:
+    out: list[FlowRow] = []
+    k = 0
+    while k < len(blocks):
+        first, rows = blocks[k]
+        sig = _signature(container, rows)
+        last = k
+        step = 0  # +1 in forward order, -1 in backward order
+        while last + 1 < len(blocks):
+            delta = blocks[last + 1][0] - blocks[last][0]
+            if delta not in (1, -1) or (step and delta != step):
+                break
+            if _signature(container, blocks[last + 1][1]) != sig:
+                break
+            step, last = delta, last + 1
+        count = last - k + 1
+        low, high = sorted((first, blocks[last][0]))
+        label = f"{low}–{high}" if count > 1 else str(first)
+        for r in rows:
+            rest = split_block(r.name)[2]
+            out.append(FlowRow(f"{container}.{label}{rest}", r.kind, r.inputs, r.outputs,
+                               r.depth, r.repeats * count, r.note))
+        k = last + 1
+    return out
+
+
+def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tuple[int, list[R]]]:
+    """Consecutive steps with identical keys -> (count, first step)."""
+    out: list[tuple[int, list[R]]] = []
+    for step in steps:
+        if out and [key(r) for r in out[-1][1]] == [key(r) for r in step]:
+            out[-1] = (out[-1][0] + 1, out[-1][1])
+        else:
+            out.append((1, step))
+    return out
+
+
+def module_flow(calls: Sequence[ModuleCall], phase: str = "forward") -> list[FlowRow]:
+    """Rows of module input → output dtypes for one phase, blocks and steps collapsed."""
+    selected = [c for c in calls if c.phase == phase]
+    if phase == "forward":
+        steps = _steps(selected)
+    else:
+        steps = [selected] if selected else []
+    rows: list[FlowRow] = []
+    for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
+        note = f"× {count} steps" if count > 1 else ""
+        step_rows = [FlowRow(c.name or "(model)", c.type, dtypes(c.inputs), dtypes(c.outputs),
+                             c.depth, 1, note if c.depth == 0 else "") for c in step]
+        rows.extend(collapse_blocks(step_rows))
+    return rows
+
+
+def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
+    """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
+    rows = [
+        FlowRow(o.module or "(model)", o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
+                "autocast cast" if o.autocast_cast else (o.source or ""))
+        for o in ops if phase is None or o.phase == phase
+    ]
+    return collapse_blocks(rows)

@@ -1,0 +1,72 @@
+"""Tensor inventory by dtype: how many tensors and elements of each category are in each dtype."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from ampscope.trace import Trace
+
+
+@cache
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in records ("bfloat16" -> 2)."""
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class DtypeCount:
+    category: str  # "parameters", "gradients", "buffers", "optimizer state", "inputs", "outputs"
+    dtype: str
+    tensors: int
+    elements: int
+    detail: str = ""  # e.g. optimizer state keys, input names
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * itemsize(self.dtype)
+
+
+def _count(category: str, items: list[tuple[str, tuple[int, ...], str]]) -> list[DtypeCount]:
+    """items: (dtype, shape, label) -> one row per dtype, labels joined when few."""
+    rows: dict[str, list] = {}
+    for dtype, shape, label in items:
+        row = rows.setdefault(dtype, [0, 0, []])
+        row[0] += 1
+        row[1] += numel(shape)
+        row[2].append(label)
+    out = []
+    for dtype, (tensors, elements, labels) in rows.items():
+        distinct = list(dict.fromkeys(labels))
+        detail = ", ".join(distinct) if len(distinct) <= 4 else ""
+        out.append(DtypeCount(category, dtype, tensors, elements, detail))
+    return out
+
+
+def dtype_inventory(trace: Trace) -> list[DtypeCount]:
+    rows = _count("parameters", [(p.dtype, p.shape, p.name) for p in trace.parameters])
+    rows += _count("gradients", [(p.grad_dtype, p.shape, p.name) for p in trace.parameters
+                                 if p.grad_dtype is not None])
+    rows += _count("buffers", [(b.dtype, b.shape, b.name.rsplit(".", 1)[-1]) for b in trace.buffers])
+    rows += _count("optimizer state", [(s.dtype, s.shape, s.key) for s in trace.optimizer_state])
+    rows += _count("inputs", [(i.dtype, i.shape, i.name) for i in trace.inputs])
+    rows += _count("outputs", [(o.dtype, o.shape, o.name) for o in trace.outputs])
+    return rows
+
+
+def state_key_dtypes(trace: Trace) -> dict[str, Counter]:
+    """Optimizer state key -> Counter of dtypes."""
+    keys: dict[str, Counter] = {}
+    for s in trace.optimizer_state:
+        keys.setdefault(s.key, Counter())[s.dtype] += 1
+    return keys

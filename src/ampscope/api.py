@@ -1,0 +1,102 @@
+"""The Python API: `trace()` runs a workload under a setting; `capture()` records user code."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ampscope import workloads
+from ampscope.analysis.findings import derive_findings
+from ampscope.capture.session import Capture
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.settings import Setting, applied, check_available, parse_setting
+from ampscope.trace import Trace
+
+
+def load(model: str | nn.Module | LoadedModel, device: str = "cpu") -> LoadedModel:
+    """A model spec, a module or a LoadedModel, as a LoadedModel."""
+    from ampscope.models import registry  # importing the zoo is not free: only when needed
+
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, nn.Module):
+        return registry.wrap_module(model, type(model).__name__)
+    if isinstance(model, str):
+        return registry.resolve(model, device=device)
+    raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
+
+
+def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
+    if isinstance(inputs, torch.Tensor):
+        batch = {lm.input_name: inputs}
+        if workload == "train" and not lm.targets_are_shifted_inputs:
+            batch[lm.target_name] = inputs  # HF-style: labels are the inputs, shifted inside
+        elif workload == "train":
+            raise AmpscopeError(
+                f"a train step needs targets: pass inputs={{'{lm.input_name}': ..., "
+                f"'{lm.target_name}': ...}}"
+            )
+        return batch
+    if isinstance(inputs, dict):
+        return dict(inputs)
+    raise AmpscopeError("inputs must be a tensor of token ids or a dict of named tensors")
+
+
+def trace(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    setting: str | Setting = "fp32",
+    workload: workloads.Workload = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+) -> Trace:
+    """Run `workload` once under `setting` and return what every tensor's dtype was.
+
+    The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
+    (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
+    the model raised. Random token ids are made when `inputs` is None.
+    """
+    setting = parse_setting(setting) if isinstance(setting, str) else setting
+    check_available(setting)
+    if isinstance(workload, str) and workload not in workloads.WORKLOADS:
+        raise AmpscopeError(
+            f"unknown workload {workload!r}; choose one of {', '.join(workloads.WORKLOADS)}"
+        )
+    if optimizer not in workloads.OPTIMIZERS:
+        raise AmpscopeError(
+            f"unknown optimizer {optimizer!r}; choose one of {', '.join(workloads.OPTIMIZERS)}"
+        )
+    lm = load(model, device=setting.device)
+    workload_name = workload if isinstance(workload, str) else getattr(workload, "__name__", "custom")
+    if inputs is None:
+        if seq < 1 or batch < 1:
+            raise AmpscopeError("batch and seq must be positive")
+        if seq > lm.max_seq_len:
+            raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
+        generator = torch.Generator().manual_seed(seed)
+        data = lm.make_batch(batch, seq, workload_name, generator, device=setting.device)
+    else:
+        data = _as_batch(lm, inputs, workload_name)
+
+    with applied(setting, lm.module):
+        capture = Capture(lm.module, model_name=lm.name, setting=setting.to_dict(),
+                          workload=workload_name)
+        with capture.recording():
+            outputs = workloads.run(lm, workload, data, setting, optimizer=optimizer,
+                                    new_tokens=new_tokens, seed=seed)
+        result = capture.finish(inputs=data, outputs=outputs)
+    result.findings = derive_findings(result)
+    return result
+
+
+def capture(model: nn.Module, *, name: str | None = None) -> Capture:
+    """`with ampscope.capture(model) as t: ...` records whatever runs inside into the Trace `t`.
+
+    The model's own code, autocast regions and optimizer run as written; ampscope only watches.
+    """
+    return Capture(model, model_name=name, setting={"name": "as-run"}, workload="custom")

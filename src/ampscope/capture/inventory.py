@@ -1,0 +1,85 @@
+"""The tensor inventory: parameters (with gradient dtypes), buffers, optimizer state, inputs.
+
+Taken at the end of a capture, while the run's own tensors are still in the model. Tied
+parameters (wte/lm_head) are listed once, under their first name, with the other names in
+`tied_to`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ampscope.records import (
+    BufferRecord,
+    InputRecord,
+    OptimizerStateRecord,
+    ParameterRecord,
+    dtype_name,
+)
+
+TARGET_NAMES = frozenset({"targets", "target", "labels", "label", "y"})
+
+
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it goes by, first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def parameters(model: nn.Module) -> list[ParameterRecord]:
+    names = parameter_names(model)
+    return [
+        ParameterRecord(
+            name=names[id(p)][0],
+            dtype=dtype_name(p.dtype),
+            shape=tuple(p.shape),
+            requires_grad=p.requires_grad,
+            grad_dtype=dtype_name(p.grad.dtype) if p.grad is not None else None,
+            tied_to=tuple(names[id(p)][1:]),
+        )
+        for p in model.parameters()
+    ]
+
+
+def buffers(model: nn.Module) -> list[BufferRecord]:
+    records = []
+    for module_name, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            persistent = name not in module._non_persistent_buffers_set
+            records.append(BufferRecord(full, dtype_name(b.dtype), tuple(b.shape), persistent))
+    return records
+
+
+def optimizer_state(
+    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module
+) -> list[OptimizerStateRecord]:
+    names = parameter_names(model)
+    records = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                param = names.get(id(p), ["<not in model>"])[0]
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        records.append(OptimizerStateRecord(
+                            param, key, dtype_name(value.dtype), tuple(value.shape)
+                        ))
+    return records
+
+
+def named_tensors(named: dict[str, object], role: str | None = None) -> list[InputRecord]:
+    """Records for named model inputs or outputs; `role` None means infer input/target."""
+    records = []
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            r = role or ("target" if name in TARGET_NAMES else "input")
+            records.append(InputRecord(name, r, dtype_name(value.dtype), tuple(value.shape)))
+    return records

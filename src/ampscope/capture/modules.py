@@ -1,0 +1,176 @@
+"""Which module is running, forward and backward, and a `ModuleCall` record for each call.
+
+Built on public PyTorch hooks, the same ones `torch.distributed._tools.mod_tracker.ModTracker`
+uses: global module forward hooks for the forward pass, and `register_multi_grad_hook` on each
+module's outputs (its backward starts) and inputs (its backward ends). ModTracker itself keeps
+only a set of class-path names; we need qualified names in the traced model, call records with
+dtypes and an innermost-module stack for attributing ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.utils._pytree import tree_leaves
+
+from ampscope.records import ModuleCall, TensorMeta
+
+
+def tensor_metas(values: object) -> tuple[TensorMeta, ...]:
+    return tuple(TensorMeta.of(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class PhaseClock(Protocol):
+    def now(self) -> str: ...
+
+
+class _OpenCall:
+    """A module call whose record is not complete yet."""
+
+    __slots__ = ("index", "name", "type", "phase", "depth", "inputs", "outputs")
+
+    def __init__(self, index: int, name: str, type_: str, phase: str, depth: int, inputs):
+        self.index, self.name, self.type, self.phase = index, name, type_, phase
+        self.depth, self.inputs = depth, inputs
+        self.outputs: tuple[TensorMeta, ...] = ()
+
+    def close(self) -> ModuleCall:
+        return ModuleCall(
+            self.index, self.name, self.type, self.phase, self.depth, self.inputs, self.outputs
+        )
+
+
+class ModuleTracker:
+    """Records module calls and knows the innermost running module.
+
+    `names` maps modules of the traced model to their qualified names; a module outside it
+    (a loss module built on the fly) is named by its class.
+    """
+
+    def __init__(self, names: dict[nn.Module, str]):
+        self._names = names
+        self._forward_stack: list[_OpenCall] = []
+        self._backward_stack: list[_OpenCall] = []
+        self._open_backward: list[_OpenCall] = []
+        self._calls: list[_OpenCall] = []
+        self._handles: list = []
+        self._engine_callback_queued = False
+        # Set by the capture session: the phase clock, and what to do when the root module is
+        # called (a new step begins) and when a backward pass is over.
+        self.phase: PhaseClock | None = None
+        self.on_root_forward: Callable[[], None] | None = None
+        self.on_backward_end: Callable[[], None] | None = None
+
+    # -- queries used while ops run
+    def current(self) -> str:
+        stack = self._backward_stack if in_backward() else self._forward_stack
+        return stack[-1].name if stack else ""
+
+    def records(self) -> list[ModuleCall]:
+        return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
+
+    # -- install / remove
+    def __enter__(self) -> ModuleTracker:
+        self._handles = [
+            register_module_forward_pre_hook(self._forward_pre),
+            register_module_forward_hook(self._forward_post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- forward
+    def _name(self, module: nn.Module) -> str:
+        name = self._names.get(module)
+        return name if name is not None else type(module).__name__
+
+    def _forward_pre(self, module: nn.Module, args) -> None:
+        if in_backward():  # a module called inside a custom backward: not a model call
+            return
+        name = self._name(module)
+        if name == "" and not self._forward_stack and self.on_root_forward is not None:
+            self.on_root_forward()
+        phase = self.phase.now() if self.phase is not None else "forward"
+        call = _OpenCall(
+            len(self._calls), name, type(module).__name__, phase,
+            len(self._forward_stack), tensor_metas(args),
+        )
+        self._calls.append(call)
+        self._forward_stack.append(call)
+        if torch.is_grad_enabled():
+            needing_grad = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing_grad:
+                register_multi_grad_hook(needing_grad, self._backward_end_hook(module), mode="all")
+
+    def _forward_post(self, module: nn.Module, args, output) -> None:
+        if in_backward() or not self._forward_stack:
+            return
+        call = self._forward_stack.pop()
+        call.outputs = tensor_metas(output)
+        if torch.is_grad_enabled():
+            needing_grad = [
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if needing_grad:
+                register_multi_grad_hook(
+                    needing_grad, self._backward_start_hook(module, call.depth), mode="any"
+                )
+
+    # -- backward
+    def _backward_start_hook(self, module: nn.Module, depth: int):
+        name, type_ = self._name(module), type(module).__name__
+
+        def hook(grad: torch.Tensor) -> None:
+            self._queue_end_of_backward()
+            call = _OpenCall(len(self._calls), name, type_, "backward", depth, tensor_metas(grad))
+            self._calls.append(call)
+            self._backward_stack.append(call)
+            self._open_backward.append(call)
+
+        return hook
+
+    def _backward_end_hook(self, module: nn.Module):
+        name = self._name(module)
+
+        def hook(grads) -> None:
+            for i in range(len(self._backward_stack) - 1, -1, -1):
+                call = self._backward_stack[i]
+                if call.name == name:
+                    call.outputs = tensor_metas([g for g in grads if g is not None])
+                    del self._backward_stack[i]
+                    self._open_backward.remove(call)
+                    return
+
+        return hook
+
+    def _queue_end_of_backward(self) -> None:
+        # Modules whose inputs need no gradient (an embedding fed token ids) never see their
+        # backward end: close them when the whole backward pass is over.
+        if self._engine_callback_queued:
+            return
+        self._engine_callback_queued = True
+
+        def end_of_backward() -> None:
+            self._backward_stack.clear()
+            self._open_backward.clear()
+            self._engine_callback_queued = False
+            if self.on_backward_end is not None:
+                self.on_backward_end()
+
+        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)

@@ -1,0 +1,144 @@
+"""Op calls at both levels.
+
+`FunctionRecorder` (a TorchFunctionMode) sees what user code called — `F.linear`, `x.float()` —
+with the dtypes it passed, above autocast. `OpRecorder` (a TorchDispatchMode) sits below
+autocast and autograd and sees the aten ops that really ran, including the `_to_copy` casts
+autocast inserted and every backward and optimizer op.
+
+An aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself
+a cast (`F.linear` under autocast casts its input, weight and bias) while autocast is on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ampscope.capture.modules import ModuleTracker, PhaseClock
+from ampscope.capture.source import user_source
+from ampscope.records import FunctionCall, OpCall, TensorMeta, dtype_name
+
+# User-level calls that change dtype on purpose: a `_to_copy` under them is the user's cast.
+EXPLICIT_CASTS = frozenset({
+    "Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
+    "Tensor.type", "Tensor.type_as", "Tensor.long", "Tensor.int", "Tensor.short",
+    "Tensor.bool", "Tensor.byte", "Tensor.char", "Tensor.cpu", "Tensor.cuda",
+    "torch.Tensor.to", "torch._C.TensorBase.to",
+})
+_CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
+
+_name_cache: dict[Callable, str] = {}
+
+
+def func_name(func: Callable) -> str:
+    """Readable name of a torch-level callable: "torch.nn.functional.linear", "Tensor.float"."""
+    name = _name_cache.get(func)
+    if name is None:
+        name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
+        name = name.replace("torch.Tensor.", "Tensor.").replace("torch._C.TensorBase.", "Tensor.")
+        if name.startswith("TensorBase."):
+            name = "Tensor." + name[len("TensorBase."):]
+        _name_cache[func] = name
+    return name
+
+
+def _metas(values) -> tuple[TensorMeta, ...]:
+    return tuple(TensorMeta.of(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
+class FunctionRecorder(TorchFunctionMode):
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock):
+        super().__init__()
+        self.calls: list[FunctionCall] = []
+        self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
+        self._tracker = tracker
+        self._phase = phase
+        # What the dispatch mode needs to know about the call now running.
+        self.current: int | None = None
+        self.current_is_cast = False
+        self.current_autocast: str | None = None
+        self.current_source: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype, .grad: attribute reads
+            return func(*args, **kwargs)
+        name = func_name(func)
+        outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source)
+        device = "cpu"
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                device = a.device.type
+                break
+        autocast = (
+            dtype_name(torch.get_autocast_dtype(device))
+            if device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+            else None
+        )
+        source = user_source(skip=2)
+        index = len(self.calls)
+        ops_before = self.ops_seen
+        self.current, self.current_is_cast = index, name in EXPLICIT_CASTS
+        self.current_autocast, self.current_source = autocast, source
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
+        outputs = _metas(out)
+        # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
+        if outputs or self.ops_seen != ops_before:
+            self.calls.append(FunctionCall(
+                index=index, func=name, module=self._tracker.current(),
+                phase=self._phase.now(), inputs=_metas((args, kwargs)), outputs=outputs,
+                source=source, autocast=autocast,
+            ))
+        return out
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: FunctionRecorder,
+                 names: dict[int, tuple[weakref.ref, str]]):
+        super().__init__()
+        self.ops: list[OpCall] = []
+        self._tracker = tracker
+        self._phase = phase
+        self._functions = functions
+        self._names = names  # id(tensor) -> (weakref, parameter/buffer name)
+
+    def _name_of(self, t: torch.Tensor) -> str | None:
+        entry = self._names.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._functions.ops_seen += 1
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        phase = self._phase.now()
+        functions = self._functions
+        caller = functions.current if phase != "backward" else None
+        autocast_cast = (
+            func in _CAST_OPS
+            and caller is not None
+            and not functions.current_is_cast
+            and functions.current_autocast is not None
+        )
+        grad_fn = None
+        if phase == "backward":
+            node = torch._C._current_autograd_node()
+            grad_fn = node.name() if node is not None else None
+        self.ops.append(OpCall(
+            index=len(self.ops), op=str(func), module=self._tracker.current(), phase=phase,
+            inputs=tuple(TensorMeta.of(t) for t in inputs), outputs=_metas(out),
+            autocast_cast=autocast_cast, caller=caller,
+            source=functions.current_source if caller is not None else None,
+            input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,
+        ))
+        return out

@@ -1,0 +1,153 @@
+"""`Capture`: one run of anything under all recorders at once → a `Trace` of plain records."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch import nn
+
+from ampscope.analysis.findings import derive_findings
+from ampscope.capture import inventory
+from ampscope.capture.modules import ModuleTracker, in_backward
+from ampscope.capture.ops import FunctionRecorder, OpRecorder
+from ampscope.trace import ModelInfo, Trace
+
+
+class _PhaseClock:
+    """Which phase the run is in. Backward is read off the autograd engine. Once a backward
+    pass has run, what follows until the model's next forward call — gradient clipping,
+    GradScaler unscaling, `optimizer.step()` — is the optimizer phase."""
+
+    def __init__(self) -> None:
+        self.after_backward = False
+        self.in_optimizer_step = False
+
+    def now(self) -> str:
+        if in_backward():
+            return "backward"
+        if self.in_optimizer_step or self.after_backward:
+            return "optimizer"
+        return "forward"
+
+
+class Capture:
+    """Records whatever runs inside `with Capture(model) as trace:`.
+
+    The yielded `Trace` is filled in when the block exits. Nothing of the user's is changed:
+    hooks and modes are removed on exit, also when the block raised.
+    """
+
+    def __init__(self, model: nn.Module, *, model_name: str | None = None,
+                 setting: dict | None = None, workload: str = "custom") -> None:
+        self.model = model
+        self.trace = Trace(
+            model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
+            setting=setting or {}, workload=workload,
+        )
+        # Strong references until `finish`: a workload's optimizer is gone by the time the
+        # inventory is taken, and its state is part of what the trace must report.
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._inputs: dict[str, torch.Tensor] | None = None
+        self._handles: list = []
+
+    # -- recorders
+    def _start(self) -> None:
+        model = self.model
+        clock = self._clock = _PhaseClock()
+        tracker = self._tracker = ModuleTracker({m: n for n, m in model.named_modules()})
+        tracker.phase = clock
+        tracker.on_root_forward = self._on_root_forward
+        tracker.on_backward_end = self._on_backward_end
+        names: dict[int, tuple[weakref.ref, str]] = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            names.setdefault(id(t), (weakref.ref(t), name))
+        self._functions = FunctionRecorder(tracker, clock)
+        self._ops = OpRecorder(tracker, clock, self._functions, names)
+        self._handles = [
+            model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
+            register_optimizer_step_pre_hook(self._on_step_begin),
+            register_optimizer_step_post_hook(self._on_step_end),
+        ]
+        tracker.__enter__()
+        self._functions.__enter__()
+        self._ops.__enter__()
+
+    def _stop(self) -> None:
+        # Each step undoes one thing; run them all even if one fails.
+        try:
+            self._ops.__exit__(None, None, None)
+        finally:
+            try:
+                self._functions.__exit__(None, None, None)
+            finally:
+                self._tracker.__exit__()
+                for handle in self._handles:
+                    handle.remove()
+
+    def _on_root_forward(self) -> None:
+        self._clock.after_backward = False  # a new step begins
+
+    def _on_model_call(self, module, args, kwargs) -> None:
+        if self._inputs is None:
+            try:
+                bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                bound = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
+            self._inputs = {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
+
+    def _on_step_begin(self, optimizer, args, kwargs) -> None:
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+        self._clock.in_optimizer_step = True
+
+    def _on_step_end(self, optimizer, args, kwargs) -> None:
+        self._clock.in_optimizer_step = False
+
+    def _on_backward_end(self) -> None:
+        self._clock.after_backward = True
+
+    # -- running
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the body; leaves the trace unfinished (call `finish`)."""
+        self._start()
+        try:
+            yield
+        finally:
+            self._stop()
+
+    def __enter__(self) -> Trace:
+        self._start()
+        return self.trace
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop()
+        if exc_type is None:
+            self.finish()
+            self.trace.findings = derive_findings(self.trace)
+
+    def finish(self, inputs: dict[str, torch.Tensor] | None = None,
+               outputs: dict[str, torch.Tensor] | None = None) -> Trace:
+        """Fill the trace from the recorders and the model's current tensors."""
+        model, trace = self.model, self.trace
+        trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
+        trace.modules = self._tracker.records()
+        trace.calls = self._functions.calls
+        trace.ops = self._ops.ops
+        trace.parameters = inventory.parameters(model)
+        trace.buffers = inventory.buffers(model)
+        trace.optimizer_state = inventory.optimizer_state(self._optimizers, model)
+        self._optimizers = []
+        if inputs is not None or not trace.inputs:
+            trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))
+        if outputs:
+            trace.outputs = inventory.named_tensors(outputs, role="output")
+        return trace

@@ -1,0 +1,117 @@
+"""The plain records a capture emits.
+
+Records are frozen dataclasses of names, dtypes, shapes and source locations — never live
+tensors or modules — so a trace keeps no activation alive and can be saved, compared and
+analysed without the model. Dtypes are torch names without the `torch.` prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Phase = str  # "forward", "backward" or "optimizer" (sampling steps are "forward")
+PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"`."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a record keeps of one tensor argument or result."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(dtype_name(t.dtype), tuple(t.shape))
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of one module, in call order. In the backward phase `inputs` are the
+    gradients flowing in (grad_output) and `outputs` the gradients it produced (grad_input)."""
+
+    index: int
+    name: str  # qualified name in the traced model ("" for the root)
+    type: str  # class name
+    phase: Phase
+    depth: int  # nesting depth: the root module is 0
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """A call made by user code at the torch level (`F.linear`, `Tensor.float`), seen by a
+    TorchFunctionMode: the dtypes the user passed, before autocast changes anything."""
+
+    index: int
+    func: str  # e.g. "torch.nn.functional.linear", "Tensor.float"
+    module: str  # innermost module running at the time
+    phase: Phase
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    source: str | None  # "model.py:61" in user code
+    autocast: str | None  # autocast dtype in force ("bfloat16"), None when disabled
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One aten op that really ran, seen by a TorchDispatchMode below autocast and autograd."""
+
+    index: int
+    op: str  # "aten.addmm.default"
+    module: str
+    phase: Phase
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    # True for the `_to_copy` casts that autocast inserted (not asked for by user code).
+    autocast_cast: bool
+    # The user-level call this op ran under (index into FunctionCall list), if any.
+    caller: int | None
+    source: str | None
+    # Names of parameters/buffers among the inputs, aligned with `inputs` (None = activation).
+    input_names: tuple[str | None, ...]
+    # In backward: the autograd node that ran it (e.g. "AddmmBackward0").
+    grad_fn: str | None = None
+
+
+@dataclass(frozen=True)
+class ParameterRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+    grad_dtype: str | None  # None when no gradient was produced
+    # Other names of the same storage (tied weights such as wte/lm_head).
+    tied_to: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BufferRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    persistent: bool
+
+
+@dataclass(frozen=True)
+class OptimizerStateRecord:
+    param: str
+    key: str  # "exp_avg", "exp_avg_sq", "step", "momentum_buffer"
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    name: str
+    role: str  # "input" or "target"
+    dtype: str
+    shape: tuple[int, ...]

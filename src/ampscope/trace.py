@@ -1,0 +1,172 @@
+"""`Trace`: everything one capture saw, as plain records, and its JSON form.
+
+The JSON core (`ampscope.trace/1`) is a contract other programs read: see docs/json-schema.md.
+Fields may be added; the names and meanings of the existing ones do not change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ampscope.records import (
+    BufferRecord,
+    FunctionCall,
+    InputRecord,
+    ModuleCall,
+    OpCall,
+    OptimizerStateRecord,
+    ParameterRecord,
+    TensorMeta,
+)
+
+SCHEMA = "ampscope.trace/1"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    cls: str
+    parameters: int  # counted once per tensor: tied weights once
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One fact in plain words, with the kind of cause behind it (see analysis/findings.py)."""
+
+    text: str
+    cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "autocast-policy",
+    #             "type-promotion", "explicit-cast", "optimizer"
+    source: str | None = None
+
+
+@dataclass
+class Trace:
+    model: ModelInfo
+    setting: dict
+    workload: str
+    modules: list[ModuleCall] = field(default_factory=list)
+    calls: list[FunctionCall] = field(default_factory=list)
+    ops: list[OpCall] = field(default_factory=list)
+    parameters: list[ParameterRecord] = field(default_factory=list)
+    buffers: list[BufferRecord] = field(default_factory=list)
+    optimizer_state: list[OptimizerStateRecord] = field(default_factory=list)
+    inputs: list[InputRecord] = field(default_factory=list)
+    outputs: list[InputRecord] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "model": {"name": self.model.name, "class": self.model.cls,
+                      "parameters": self.model.parameters},
+            "setting": self.setting,
+            "workload": self.workload,
+            "modules": [_module(m) for m in self.modules],
+            "ops": [_op(o) for o in self.ops],
+            "calls": [_call(c) for c in self.calls],
+            "tensors": {
+                "parameters": [_parameter(p) for p in self.parameters],
+                "buffers": [_plain(b) for b in self.buffers],
+                "optimizer_state": [_plain(s) for s in self.optimizer_state],
+                "inputs": [_plain(i) for i in self.inputs],
+                "outputs": [_plain(o) for o in self.outputs],
+            },
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Trace:
+        """Read back what `to_dict` wrote (the JSON carries everything the analyses need)."""
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not an {SCHEMA} document (schema: {data.get('schema')!r})")
+        model = data["model"]
+        tensors = data["tensors"]
+        return cls(
+            model=ModelInfo(model["name"], model["class"], model["parameters"]),
+            setting=data["setting"],
+            workload=data["workload"],
+            modules=[
+                ModuleCall(i, m["name"], m["type"], m["phase"], m.get("depth", 0),
+                           _metas(m["in"], m.get("in_shapes")), _metas(m["out"], m.get("out_shapes")))
+                for i, m in enumerate(data["modules"])
+            ],
+            ops=[
+                OpCall(i, o["op"], o["module"], o["phase"], _metas(o["in"], o.get("in_shapes")),
+                       _metas(o["out"], o.get("out_shapes")), o["autocast_cast"], o.get("caller"),
+                       o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
+                       o.get("grad_fn"))
+                for i, o in enumerate(data["ops"])
+            ],
+            calls=[
+                FunctionCall(i, c["func"], c["module"], c["phase"], _metas(c["in"], c.get("in_shapes")),
+                             _metas(c["out"], c.get("out_shapes")), c.get("source"), c.get("autocast"))
+                for i, c in enumerate(data.get("calls", []))
+            ],
+            parameters=[
+                ParameterRecord(p["name"], p["dtype"], tuple(p["shape"]), p["requires_grad"],
+                                p["grad_dtype"], tuple(p.get("tied_to", ())))
+                for p in tensors["parameters"]
+            ],
+            buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b["persistent"])
+                     for b in tensors["buffers"]],
+            optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"], tuple(s["shape"]))
+                             for s in tensors["optimizer_state"]],
+            inputs=[InputRecord(i["name"], i["role"], i["dtype"], tuple(i["shape"]))
+                    for i in tensors["inputs"]],
+            outputs=[InputRecord(o["name"], o["role"], o["dtype"], tuple(o["shape"]))
+                     for o in tensors.get("outputs", [])],
+            findings=[Finding(f["text"], f["cause"], f.get("source")) for f in data["findings"]],
+        )
+
+
+def _dtypes(metas: tuple[TensorMeta, ...]) -> list[str]:
+    return [m.dtype for m in metas]
+
+
+def _shapes(metas: tuple[TensorMeta, ...]) -> list[list[int]]:
+    return [list(m.shape) for m in metas]
+
+
+def _metas(dtypes: list[str], shapes: list[list[int]] | None) -> tuple[TensorMeta, ...]:
+    shapes = shapes or [[] for _ in dtypes]
+    return tuple(TensorMeta(d, tuple(s)) for d, s in zip(dtypes, shapes, strict=True))
+
+
+def _module(m: ModuleCall) -> dict:
+    return {"name": m.name, "type": m.type, "phase": m.phase, "in": _dtypes(m.inputs),
+            "out": _dtypes(m.outputs), "depth": m.depth,
+            "in_shapes": _shapes(m.inputs), "out_shapes": _shapes(m.outputs)}
+
+
+def _op(o: OpCall) -> dict:
+    return {"op": o.op, "module": o.module, "phase": o.phase, "in": _dtypes(o.inputs),
+            "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
+            "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
+            "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn}
+
+
+def _call(c: FunctionCall) -> dict:
+    return {"func": c.func, "module": c.module, "phase": c.phase, "in": _dtypes(c.inputs),
+            "out": _dtypes(c.outputs), "source": c.source, "autocast": c.autocast,
+            "in_shapes": _shapes(c.inputs), "out_shapes": _shapes(c.outputs)}
+
+
+def _parameter(p: ParameterRecord) -> dict:
+    return {"name": p.name, "dtype": p.dtype, "shape": list(p.shape),
+            "grad_dtype": p.grad_dtype, "requires_grad": p.requires_grad,
+            "tied_to": list(p.tied_to)}
+
+
+def _plain(record) -> dict:
+    d = asdict(record)
+    if "shape" in d:
+        d["shape"] = list(d["shape"])
+    return d

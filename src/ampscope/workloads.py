@@ -1,0 +1,86 @@
+"""What runs under capture: one forward pass, one training step, or a few sampled tokens.
+
+Each workload is written as a training or sampling script would write it, because ampscope
+must show what such a script really does: autocast around the forward pass and the loss only,
+`backward()` and the optimizer step outside it, a GradScaler with fp16 autocast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.settings import Setting
+
+WORKLOADS = ("train", "forward", "generate")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+Workload = str | Callable[[nn.Module, Batch], object]
+
+
+def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    # Hyperparameters are GPT-2-like; they change values, never dtypes.
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=6e-4)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    raise AmpscopeError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str) -> dict:
+    module = lm.module
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise AmpscopeError(f"{lm.name} has no parameter that requires grad; nothing to train")
+    opt = make_optimizer(optimizer, params)
+    # fp16 autocast needs loss scaling to keep small gradients from flushing to zero;
+    # pure fp16 parameters cannot be unscaled by GradScaler, so scripts skip it there.
+    use_scaler = setting.autocast_dtype == torch.float16 and setting.param_dtype != torch.float16
+    scaler = torch.amp.GradScaler(setting.device) if use_scaler else None
+    with setting.autocast():
+        loss = lm.loss(batch)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    return {"loss": loss.detach()}
+
+
+def forward(lm: LoadedModel, batch: Batch, setting: Setting) -> dict:
+    lm.module.eval()
+    with torch.no_grad(), setting.autocast():
+        logits = lm.logits(batch)
+    return {"logits": logits}
+
+
+def generate(lm: LoadedModel, batch: Batch, setting: Setting, new_tokens: int,
+             generator: torch.Generator) -> dict:
+    lm.module.eval()
+    with torch.no_grad(), setting.autocast():
+        tokens = lm.generate(batch[lm.input_name], new_tokens, generator)
+    return {"tokens": tokens}
+
+
+def run(lm: LoadedModel, workload: Workload, batch: Batch, setting: Setting, *,
+        optimizer: str = "adamw", new_tokens: int = 4, seed: int = 0) -> dict:
+    """Run one workload; returns its named outputs (loss, logits or tokens)."""
+    if callable(workload):
+        with setting.autocast():
+            out = workload(lm.module, batch)
+        return {"output": out} if isinstance(out, torch.Tensor) else {}
+    if workload == "train":
+        return train_step(lm, batch, setting, optimizer)
+    if workload == "forward":
+        return forward(lm, batch, setting)
+    if workload == "generate":
+        return generate(lm, batch, setting, new_tokens, torch.Generator().manual_seed(seed))
+    raise AmpscopeError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
