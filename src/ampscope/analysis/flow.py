@@ -146,6 +146,15 @@ def module_flow(calls: Sequence[ModuleCall], phase: str = "forward") -> list[Flo
     return rows
 
 
+def dtype_changes(rows: list[FlowRow]) -> list[FlowRow]:
+    """The innermost rows where floating activations change dtype (a parent that only passes
+    on its child's change is left out)."""
+    return [
+        r for i, r in enumerate(rows)
+        if r.changes_dtype and not (i + 1 < len(rows) and rows[i + 1].depth > r.depth)
+    ]
+
+
 def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
     """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
     rows = [

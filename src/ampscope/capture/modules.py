@@ -9,6 +9,7 @@ dtypes and an innermost-module stack for attributing ops.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -114,7 +115,11 @@ class ModuleTracker:
         self._calls.append(call)
         self._forward_stack.append(call)
         if torch.is_grad_enabled():
-            needing_grad = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+            # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
+            # autograd after the step (with the gradients it buffered). A module fed a leaf is
+            # closed by the end-of-backward callback instead.
+            needing_grad = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)
+                            and t.requires_grad and t.grad_fn is not None]
             if needing_grad:
                 register_multi_grad_hook(needing_grad, self._backward_end_hook(module), mode="all")
 
@@ -133,10 +138,16 @@ class ModuleTracker:
                 )
 
     # -- backward
+    # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
+    # after the step, and it must not keep the tracker (and all its records) alive.
     def _backward_start_hook(self, module: nn.Module, depth: int):
         name, type_ = self._name(module), type(module).__name__
+        tracker = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
+            self = tracker()
+            if self is None:
+                return
             self._queue_end_of_backward()
             call = _OpenCall(len(self._calls), name, type_, "backward", depth, tensor_metas(grad))
             self._calls.append(call)
@@ -147,8 +158,12 @@ class ModuleTracker:
 
     def _backward_end_hook(self, module: nn.Module):
         name = self._name(module)
+        tracker = weakref.ref(self)
 
         def hook(grads) -> None:
+            self = tracker()
+            if self is None:
+                return
             for i in range(len(self._backward_stack) - 1, -1, -1):
                 call = self._backward_stack[i]
                 if call.name == name:

@@ -8,11 +8,11 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch import nn
 
 from ampscope.analysis.findings import derive_findings
 from ampscope.capture import inventory

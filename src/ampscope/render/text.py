@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.flow import FlowRow, module_flow, op_flow
+from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
 from ampscope.analysis.summary import dtype_inventory
 from ampscope.trace import Trace
 
@@ -14,15 +14,26 @@ DTYPE_STYLES = {
     "float64": "blue", "float32": "green", "bfloat16": "cyan", "float16": "magenta",
     "float8_e4m3fn": "red", "float8_e5m2": "red",
 }
+# Tables use the short names people write ("bf16"); JSON keeps torch's names.
+SHORT_DTYPES = {
+    "float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+    "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
+}
 
 
-def dtype_text(dtypes: tuple[str, ...] | list[str]) -> Text:
+def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Text:
     text = Text()
     for i, d in enumerate(dtypes):
         if i:
-            text.append(", ")
-        text.append(d, style=DTYPE_STYLES.get(d, "yellow"))
+            text.append(" ")
+        text.append(SHORT_DTYPES.get(d, d) if short else d, style=DTYPE_STYLES.get(d, "yellow"))
     return text or Text("—", style="dim")
+
+
+def short_op(op: str) -> str:
+    """"aten.addmm.default" -> "addmm"; "aten.add.Tensor" -> "add.Tensor"."""
+    return op.removeprefix("aten.").removesuffix(".default")
 
 
 def header(trace: Trace) -> Text:
@@ -46,23 +57,23 @@ def inventory_table(trace: Trace) -> Table:
                     ("which", {})]:
         table.add_column(col, **kw)
     for row in dtype_inventory(trace):
-        table.add_row(row.category, dtype_text([row.dtype]), str(row.tensors),
+        table.add_row(row.category, dtype_text([row.dtype], short=False), str(row.tensors),
                       f"{row.elements:,}", f"{row.bytes / 1e6:.2f}", row.detail)
     return table
 
 
-def flow_table(rows: list[FlowRow], title: str, first_column: str = "module") -> Table:
+def flow_table(rows: list[FlowRow], title: str, kind_column: str = "type") -> Table:
+    """Module or op rows: name, kind, in → out dtypes; rows that change dtype in bold."""
     table = Table(title=title, title_justify="left", show_edge=False)
-    table.add_column(first_column)
-    table.add_column("type")
+    table.add_column("module", overflow="fold")
+    table.add_column(kind_column)
     table.add_column("in")
     table.add_column("out")
-    table.add_column("", style="dim")
+    table.add_column("note", style="dim")
     for r in rows:
         name = Text("  " * r.depth + r.name, style="bold" if r.changes_dtype else "")
-        note = "dtype changes" if r.changes_dtype else ""
-        note = ", ".join(x for x in (note, r.note) if x)
-        table.add_row(name, r.kind, dtype_text(r.inputs), dtype_text(r.outputs), note)
+        kind = short_op(r.kind) if kind_column == "op" else r.kind
+        table.add_row(name, kind, dtype_text(r.inputs), dtype_text(r.outputs), r.note)
     return table
 
 
@@ -77,9 +88,10 @@ def findings_list(trace: Trace) -> Text:
 
 
 def render_trace(trace: Trace, *, ops: bool = False) -> RenderableType:
+    flow = module_flow(trace.modules)
     parts: list[RenderableType] = [header(trace), Text(), inventory_table(trace), Text(),
-                                   flow_table(module_flow(trace.modules), "Modules, forward pass")]
-    changes = [r for r in module_flow(trace.modules) if r.changes_dtype]
+                                   flow_table(flow, "Modules, forward pass")]
+    changes = dtype_changes(flow)
     if changes:
         text = Text("Where activations change dtype\n", style="italic")
         for r in changes:
@@ -93,6 +105,6 @@ def render_trace(trace: Trace, *, ops: bool = False) -> RenderableType:
         for phase in ("forward", "backward", "optimizer"):
             rows = op_flow(trace.ops, phase)
             if rows:
-                parts += [Text(), flow_table(rows, f"Ops, {phase}", first_column="module")]
+                parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
     parts += [Text(), findings_list(trace)]
     return Group(*parts)

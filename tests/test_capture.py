@@ -1,0 +1,183 @@
+"""Capture on tiny CPU models: the dtype facts PyTorch really produces, asserted from the trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.models import gpt2
+
+
+def linear_weights(trace) -> set[str]:
+    return {p.name for p in trace.parameters if p.name.endswith(".weight") and len(p.shape) == 2
+            and "wte" not in p.name and "wpe" not in p.name} | {"lm_head.weight"}
+
+
+def test_gpt2_amp_bf16_train_step_is_what_pytorch_does():
+    """The issue's reference case, on the real 124M gpt2 (batch 1, seq 32)."""
+    t = ampscope.trace("gpt2", setting="fp32+amp-bf16", workload="train", seq=32)
+    assert t.model.parameters == 124_439_808
+    # parameters fp32
+    assert {p.dtype for p in t.parameters} == {"float32"}
+    # every Linear's output is bf16 in the forward pass
+    linears = [m for m in t.modules if m.type == "Linear" and m.phase == "forward"]
+    assert len(linears) == 12 * 4 + 1
+    assert {m.outputs[0].dtype for m in linears} == {"bfloat16"}
+    # LayerNorm runs on the fp32 residual stream (CPU autocast: layer_norm follows its input)
+    assert {m.outputs[0].dtype for m in t.modules if m.type == "LayerNorm"
+            and m.phase == "forward"} == {"float32"}
+    # loss fp32
+    assert [(o.name, o.dtype) for o in t.outputs] == [("loss", "float32")]
+    # gradients fp32, one per parameter
+    assert {p.grad_dtype for p in t.parameters} == {"float32"}
+    # AdamW state fp32
+    keys = {(s.key, s.dtype) for s in t.optimizer_state}
+    assert keys == {("step", "float32"), ("exp_avg", "float32"), ("exp_avg_sq", "float32")}
+    # autocast inserted a bf16 cast of every Linear weight (wte's, via the tied lm_head)
+    cast_weights = {o.input_names[0] for o in t.ops
+                    if o.autocast_cast and o.outputs[0].dtype == "bfloat16" and o.input_names[0]}
+    assert {"transformer.wte.weight"} | {n for n in linear_weights(t) if n != "lm_head.weight"} \
+        <= cast_weights
+    # ... and those casts are aten._to_copy ops in the forward phase
+    assert {o.op for o in t.ops if o.autocast_cast} == {"aten._to_copy.default"}
+    assert {o.phase for o in t.ops if o.autocast_cast} == {"forward"}
+
+
+def test_phases_are_labelled(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
+    phases = [o.phase for o in t.ops]
+    # forward first, then backward, then optimizer, never interleaved
+    first_back, first_opt = phases.index("backward"), phases.index("optimizer")
+    assert set(phases[:first_back]) == {"forward"}
+    assert set(phases[first_back:first_opt]) == {"backward"}
+    assert set(phases[first_opt:]) == {"optimizer"}
+    assert all(o.grad_fn for o in t.ops if o.phase == "backward" and o.op != "aten.ones_like.default")
+    backward_modules = [m for m in t.modules if m.phase == "backward"]
+    assert backward_modules[0].name == ""  # the model's backward starts first
+    assert {m.name for m in backward_modules} >= {"lm_head", "transformer.h.0.attn.c_attn"}
+
+
+def test_pure_bf16_train_step(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="bf16", workload="train", seq=8)
+    assert {p.dtype for p in t.parameters} == {"bfloat16"}
+    assert {p.grad_dtype for p in t.parameters} == {"bfloat16"}
+    assert {s.dtype for s in t.optimizer_state if s.key != "step"} == {"bfloat16"}
+    assert not any(o.autocast_cast for o in t.ops)
+
+
+def test_nanochat_dtype_choices(nanochat_tiny):
+    t = ampscope.trace(nanochat_tiny, setting="fp32+amp-bf16", workload="train", seq=16)
+    assert {(b.name, b.dtype) for b in t.buffers} == {("cos", "bfloat16"), ("sin", "bfloat16")}
+    assert [(i.name, i.dtype) for i in t.inputs] == [("idx", "int32"), ("targets", "int64")]
+    # logits go back to fp32 before cross-entropy: an explicit .float() in the model's code
+    ce = [c for c in t.calls if c.func.endswith("cross_entropy")]
+    assert ce and ce[0].inputs[0].dtype == "float32"
+    casts = [f for f in t.findings if f.cause == "explicit-cast"]
+    assert any("bfloat16 → float32" in f.text and f.source.startswith("nanochat.py:")
+               for f in casts)
+    # the source line really is a `.float()`
+    line = int(casts[0].source.split(":")[1])
+    import ampscope.models.nanochat as nc
+    assert ".float()" in open(nc.__file__).read().splitlines()[line - 1]
+
+
+def test_nanochat_samples_with_int64_ids_through_its_kv_cache(nanochat_tiny):
+    t = ampscope.trace(nanochat_tiny, setting="fp32+amp-bf16", workload="generate", seq=8,
+                       new_tokens=3)
+    assert [(i.name, i.dtype) for i in t.inputs] == [("idx", "int64")]
+    assert {o.phase for o in t.ops} == {"forward"}
+    root_calls = [m for m in t.modules if m.depth == 0]
+    assert len(root_calls) == 3  # prefill, then one call per further token through the cache
+    assert [tuple(m.inputs[0].shape) for m in root_calls] == [(1, 8), (1, 1), (1, 1)]
+
+
+def test_forward_workload_has_no_backward_and_no_gradients(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="forward", seq=8)
+    assert {o.phase for o in t.ops} == {"forward"}
+    assert all(p.grad_dtype is None for p in t.parameters)
+    assert not t.optimizer_state
+    assert [(o.name, o.dtype) for o in t.outputs] == [("logits", "bfloat16")]
+
+
+def test_fp16_autocast_uses_a_grad_scaler():
+    model = gpt2.load("gpt2-tiny")
+    t = ampscope.trace(model, setting="fp32+amp-fp16", workload="train", seq=4)
+    assert any("non_finite_check_and_unscale" in o.op for o in t.ops if o.phase == "optimizer")
+    assert {m.outputs[0].dtype for m in t.modules if m.type == "Linear"
+            and m.phase == "forward"} == {"float16"}
+
+
+def test_records_hold_no_tensors_and_round_trip_through_json(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="train", seq=8)
+
+    def walk(value):
+        assert not isinstance(value, (torch.Tensor, nn.Module, torch.optim.Optimizer))
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(t)
+    again = ampscope.Trace.from_dict(t.to_dict())
+    assert again.to_dict() == t.to_dict()
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_trace_keeps_no_activation_alive(gpt2_tiny):
+    ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="train", seq=8)  # warm-up
+    before = live_tensors()
+    traces = [ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="train", seq=8)
+              for _ in range(2)]
+    # A leak would keep the batch, activations or gradients of each step: dozens of tensors.
+    assert all(t.ops for t in traces) and live_tensors() <= before
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, y=None):
+        h = self.norm(self.fc1(x))
+        out = self.fc2(h)
+        return out if y is None else nn.functional.mse_loss(out.float(), y)
+
+
+def test_capture_records_the_users_own_training_step():
+    torch.manual_seed(0)
+    model = TwoLayer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    with ampscope.capture(model) as t:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert [(i.name, i.role, i.dtype) for i in t.inputs] == [
+        ("x", "input", "float32"), ("y", "target", "float32")]
+    assert [(m.name, m.outputs[0].dtype) for m in t.modules if m.phase == "forward"] == [
+        ("", "float32"), ("fc1", "bfloat16"), ("norm", "bfloat16"), ("fc2", "bfloat16")]
+    assert {(s.key, s.dtype) for s in t.optimizer_state} == {("momentum_buffer", "float32")}
+    # gradient clipping and the SGD step both count as the optimizer phase
+    clip = [c for c in t.calls if "norm" in c.func and c.phase == "optimizer"]
+    assert clip
+    assert any(f.cause == "explicit-cast" for f in t.findings)
+    # the user's model was trained for real: capture only watches
+    assert model.fc1.weight.grad is not None

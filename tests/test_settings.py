@@ -1,0 +1,91 @@
+"""Settings: the grammar, canonical names, availability, and exact restore of global state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampscope.errors import AmpscopeError
+from ampscope.settings import GRAMMAR, GlobalState, applied, check_available, parse_setting
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "params", "amp", "matmul"),
+    [
+        ("fp32", "fp32", torch.float32, None, "highest"),
+        ("bf16", "bf16", torch.bfloat16, None, "highest"),
+        ("fp16", "fp16", torch.float16, None, "highest"),
+        ("fp32+amp-bf16", "fp32+amp-bf16", torch.float32, torch.bfloat16, "highest"),
+        ("bf16+amp-bf16", "bf16+amp-bf16", torch.bfloat16, torch.bfloat16, "highest"),
+        ("fp32+amp-fp16", "fp32+amp-fp16", torch.float32, torch.float16, "highest"),
+        ("fp32+tf32", "fp32+tf32", torch.float32, None, "high"),
+        ("cpu:fp32+amp-bf16", "fp32+amp-bf16", torch.float32, torch.bfloat16, "highest"),
+        (" FP32+TF32+AMP-BF16 ", "fp32+amp-bf16+tf32", torch.float32, torch.bfloat16, "high"),
+    ],
+)
+def test_parse(text, name, params, amp, matmul):
+    s = parse_setting(text)
+    assert (s.name, s.device, s.param_dtype, s.autocast_dtype, s.matmul_precision) == (
+        name, "cpu", params, amp, matmul)
+
+
+def test_device_prefix_is_kept_in_the_name():
+    s = parse_setting("cuda:fp32+amp-fp16")
+    assert (s.device, s.name) == ("cuda", "cuda:fp32+amp-fp16")
+
+
+@pytest.mark.parametrize("bad", ["", "fp8", "fp32+amp-fp32", "fp32+amp", "tpu:fp32",
+                                 "fp32+tf32+tf32", "fp32++amp-bf16", "fp32+amp-bf16+amp-fp16"])
+def test_malformed_settings_show_the_grammar(bad):
+    with pytest.raises(AmpscopeError) as e:
+        parse_setting(bad)
+    assert GRAMMAR in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_to_dict_matches_the_json_contract():
+    assert parse_setting("fp32+amp-bf16").to_dict() == {
+        "name": "fp32+amp-bf16", "device": "cpu", "emulated": False,
+        "param_dtype": "float32", "autocast_dtype": "bfloat16", "matmul_precision": "highest",
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_setting_without_cuda_is_refused():
+    with pytest.raises(AmpscopeError, match="needs a cuda device"):
+        check_available(parse_setting("cuda:fp32"))
+
+
+def test_applied_restores_global_state_after_an_error():
+    torch.set_float32_matmul_precision("medium")
+    torch.manual_seed(123)
+    before = GlobalState.save()
+    try:
+        with pytest.raises(RuntimeError, match="boom"), applied(parse_setting("fp32+tf32")):
+            assert torch.get_float32_matmul_precision() == "high"
+            torch.set_default_dtype(torch.float64)
+            torch.set_autocast_enabled("cpu", True)
+            torch.set_autocast_dtype("cpu", torch.float16)
+            torch.set_grad_enabled(False)
+            torch.rand(10)  # advances the RNG
+            raise RuntimeError("boom")
+        after = GlobalState.save()
+        assert after.matmul_precision == "medium"
+        assert after.default_dtype == torch.float32
+        assert after.autocast == before.autocast
+        assert after.grad_enabled is True
+        assert torch.equal(after.cpu_rng, before.cpu_rng)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_bf16_setting_converts_a_copy_and_restores_the_users_tensors():
+    model = torch.nn.Linear(4, 4)
+    storage = model.weight.data_ptr()
+    values = model.weight.detach().clone()
+    with applied(parse_setting("bf16"), model):
+        assert model.weight.dtype == torch.bfloat16
+        model.weight.data.add_(1)  # an optimizer step on the run's copy
+    assert model.weight.data_ptr() == storage  # the user's own memory, not a copy
+    assert model.weight.dtype == torch.float32
+    assert torch.equal(model.weight.data, values)
