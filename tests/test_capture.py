@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 
-import pytest
 import torch
 from torch import nn
 
@@ -82,8 +81,10 @@ def test_nanochat_dtype_choices(nanochat_tiny):
                for f in casts)
     # the source line really is a `.float()`
     line = int(casts[0].source.split(":")[1])
+    from pathlib import Path
+
     import ampscope.models.nanochat as nc
-    assert ".float()" in open(nc.__file__).read().splitlines()[line - 1]
+    assert ".float()" in Path(nc.__file__).read_text().splitlines()[line - 1]
 
 
 def test_nanochat_samples_with_int64_ids_through_its_kv_cache(nanochat_tiny):
