@@ -14,6 +14,11 @@ from ampscope.trace import Finding, Trace
 _FLOATS = ("float64", "float32", "bfloat16", "float16")
 
 
+def plural(n: int, noun: str) -> str:
+    """"1 cast", "2 casts"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _names(names: list[str], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -25,7 +30,8 @@ def parameter_findings(trace: Trace) -> list[Finding]:
     by_dtype = Counter(p.dtype for p in trace.parameters)
     main, _ = by_dtype.most_common(1)[0]
     others = [p.name for p in trace.parameters if p.dtype != main]
-    text = f"All {len(trace.parameters)} parameters are {main}"
+    n = len(trace.parameters)
+    text = f"All {n} parameters are {main}" if n > 1 else f"The only parameter is {main}"
     if others:
         odd = ", ".join(f"{p.name} ({p.dtype})" for p in trace.parameters if p.dtype != main)
         text = f"{text}, except {odd}" if len(others) <= 4 else (
@@ -88,7 +94,7 @@ def autocast_cast_findings(trace: Trace) -> list[Finding]:
     param_casts = [o for o in casts if o.input_names and o.input_names[0]]
     targets = Counter(o.outputs[0].dtype for o in casts if o.outputs)
     dtype_text = ", ".join(f"{n} to {d}" for d, n in targets.items())
-    text = (f"Autocast inserted {len(casts)} casts in the forward pass ({total / 1e6:.2f} MB): "
+    text = (f"Autocast inserted {plural(len(casts), 'cast')} in the forward pass ({total / 1e6:.2f} MB): "
             f"{dtype_text}; {len(param_casts)} of them cast parameters or buffers.")
     return [Finding(text, "autocast-policy")]
 
@@ -104,10 +110,10 @@ def gradient_findings(trace: Trace) -> list[Finding]:
         return []
     differ = [p for p in with_grad if p.grad_dtype != p.dtype]
     if not differ:
-        return [Finding(f"Gradients have their parameters' dtypes ({len(with_grad)} gradients).",
+        return [Finding(f"Gradients have their parameters' dtypes ({plural(len(with_grad), 'gradient')}).",
                         "parameter-dtype")]
     listed = ", ".join(f"{p.name} {p.dtype}→{p.grad_dtype}" for p in differ[:4])
-    return [Finding(f"{len(differ)} gradients differ from their parameter's dtype: {listed}.",
+    return [Finding(f"{plural(len(differ), 'gradient')} differ from their parameter's dtype: {listed}.",
                     "parameter-dtype")]
 
 
