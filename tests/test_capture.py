@@ -182,3 +182,21 @@ def test_capture_records_the_users_own_training_step():
     assert any(f.cause == "explicit-cast" for f in t.findings)
     # the user's model was trained for real: capture only watches
     assert model.fc1.weight.grad is not None
+
+
+def test_trace_a_plain_module_with_a_custom_step():
+    torch.manual_seed(0)
+    model = TwoLayer()
+    batch = {"x": torch.randn(3, 8), "y": torch.randn(3, 4)}
+
+    def step(module, b):
+        module(b["x"], b["y"]).backward()
+
+    t = ampscope.trace(model, batch, setting="bf16+amp-bf16", workload=step)
+    assert t.workload == "step"
+    assert {p.dtype for p in t.parameters} == {"bfloat16"}
+    assert {p.grad_dtype for p in t.parameters} == {"bfloat16"}
+    # the explicit .float() before the loss shows up with its line in this file
+    assert any(f.cause == "explicit-cast" and f.source.startswith("test_capture.py:")
+               for f in t.findings)
+    assert model.fc1.weight.dtype == torch.float32 and model.fc1.weight.grad is None

@@ -14,14 +14,21 @@ from ampscope.settings import Setting, applied, check_available, parse_setting
 from ampscope.trace import Trace
 
 
-def load(model: str | nn.Module | LoadedModel, device: str = "cpu") -> LoadedModel:
+def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
+         have_inputs: bool = False) -> LoadedModel:
     """A model spec, a module or a LoadedModel, as a LoadedModel."""
-    from ampscope.models import registry  # importing the zoo is not free: only when needed
+    from ampscope.models import registry
 
     if isinstance(model, LoadedModel):
         return model
     if isinstance(model, nn.Module):
-        return registry.wrap_module(model, type(model).__name__)
+        try:
+            return registry.wrap_module(model, type(model).__name__)
+        except AmpscopeError:
+            if not have_inputs:
+                raise
+            # With inputs given, nothing needs the vocabulary or context length.
+            return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62)
     if isinstance(model, str):
         return registry.resolve(model, device=device)
     raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
@@ -71,7 +78,7 @@ def trace(
         raise AmpscopeError(
             f"unknown optimizer {optimizer!r}; choose one of {', '.join(workloads.OPTIMIZERS)}"
         )
-    lm = load(model, device=setting.device)
+    lm = load(model, device=setting.device, have_inputs=inputs is not None)
     workload_name = workload if isinstance(workload, str) else getattr(workload, "__name__", "custom")
     if inputs is None:
         if seq < 1 or batch < 1:

@@ -37,10 +37,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="tokens sampled by the generate workload (default: %(default)s)")
     trace.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout)")
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
-    trace.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    trace.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
 
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
-    models.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     return parser
 
 
@@ -71,7 +73,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             raise AmpscopeError(f"cannot write {args.json}: {e.strerror}") from e
     _console().print(render_trace(result, ops=args.ops))
     if args.json:
-        status.print(f"[dim]Wrote {args.json}[/dim]")
+        print(f"Wrote {args.json}", file=sys.stderr)  # plain: a path must not be wrapped
     return 0
 
 

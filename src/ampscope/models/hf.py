@@ -1,0 +1,354 @@
+"""Hugging Face causal LMs: a zoo of published architectures, local checkpoints, and the adapter.
+
+Every zoo entry is the published configuration of a real model, built from its config with
+random weights: nothing is downloaded, and on the meta device nothing is allocated, so even
+llama-3-70b can be traced (predicted) or counted on a laptop. Weights do not change which dtype
+an op runs in, so random weights answer the precision and cost questions as well as real ones.
+
+Every model is built with `attn_implementation="sdpa"` and in float32 whatever the config says
+(transformers 5 honours a config's `dtype`, often bfloat16, in `from_config`): the parameter
+dtype is the setting's choice, not the checkpoint's.
+
+`transformers` is imported only here and only when an HF spec is resolved (it takes seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# The attention kernel every HF model is built with: the same one nanoGPT and nanochat call.
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """A published architecture: a transformers config class name and its arguments."""
+
+    config_class: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+
+# Figures from each model's config.json on the Hugging Face Hub. Parameter counts (tied weights
+# once) are checked against the published ones in tests/test_models_registry.py.
+_LLAMA3_ROPE = {"rope_theta": 500000.0}
+ZOO: dict[str, ZooEntry] = {
+    "opt-125m": ZooEntry(
+        "OPTConfig",
+        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
+             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768,
+             pad_token_id=1, bos_token_id=2, eos_token_id=2),
+        "facebook/opt-125m: learned positions, ReLU MLP, LayerNorm",
+    ),
+    "gpt2-hf": ZooEntry(
+        "GPT2Config", {}, "openai-community/gpt2 in transformers' implementation (Conv1D layers)"
+    ),
+    "llama-3.2-1b": ZooEntry(
+        "LlamaConfig",
+        dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+             max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE,
+             rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        "meta-llama/Llama-3.2-1B: GQA 32/8, tied embeddings, 128k context",
+    ),
+    "llama-3-8b": ZooEntry(
+        "LlamaConfig",
+        dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
+        "meta-llama/Meta-Llama-3-8B: GQA 32/8, untied embeddings",
+    ),
+    "llama-3-70b": ZooEntry(
+        "LlamaConfig",
+        dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+             num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
+        "meta-llama/Meta-Llama-3-70B: GQA 64/8 (predict on meta; too big for most CPUs)",
+    ),
+    "mistral-7b": ZooEntry(
+        "MistralConfig",
+        dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+             max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+        "mistralai/Mistral-7B-v0.1: GQA 32/8, sliding-window attention",
+    ),
+    "qwen2.5-0.5b": ZooEntry(
+        "Qwen2Config",
+        dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+             max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+             tie_word_embeddings=True, use_sliding_window=False,
+             bos_token_id=151643, eos_token_id=151643),
+        "Qwen/Qwen2.5-0.5B: GQA 14/2, qkv biases, tied embeddings",
+    ),
+    "smollm2-135m": ZooEntry(
+        "LlamaConfig",
+        dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+        "HuggingFaceTB/SmolLM2-135M: deep and narrow Llama, tied embeddings",
+    ),
+}  # fmt: skip
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise AmpscopeError(
+            "Hugging Face models need transformers; install it with `pip install 'ampscope[hf]'`"
+        ) from e
+    return transformers
+
+
+def _dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    """transformers renamed `torch_dtype` to `dtype` in 4.56 and warns on the old name since."""
+    major, minor = (int(part) for part in _transformers().__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+def zoo_config(name: str) -> PretrainedConfig:
+    """The zoo entry's config, set to build in float32 with SDPA attention."""
+    entry = ZOO[name]
+    config_class = getattr(_transformers(), entry.config_class)
+    return config_class(
+        **entry.kwargs, attn_implementation=ATTN_IMPLEMENTATION, **_dtype_kwargs(torch.float32)
+    )
+
+
+def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -> nn.Module:
+    """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
+    transformers = _transformers()
+    try:
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=ATTN_IMPLEMENTATION, **_dtype_kwargs(torch.float32)
+            )
+    except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
+        raise AmpscopeError(
+            f"cannot build a causal LM from {type(config).__name__}: {_first_line(e)}"
+        ) from e
+
+
+def load_zoo(name: str, *, device: str | torch.device = "cpu") -> LoadedModel:
+    """Build zoo entry `name` with random weights."""
+    module = build_from_config(zoo_config(name), device=device)
+    return hf_loaded_model(module, name=name)
+
+
+def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedModel:
+    """`hf:PATH`: a config.json file, or a folder with config.json and optionally weights.
+
+    Weights are loaded from safetensors files if the folder has any (through `from_pretrained`
+    with `local_files_only=True`), else from a single `.bin`/`.pt`/`.pth` checkpoint (or a
+    sharded `pytorch_model.bin.index.json`) with `torch.load(weights_only=True)`, which cannot
+    run code from the file. Without weight files, or on the meta device, weights are random.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise AmpscopeError(
+            f"hf:{path}: no such file or folder; give a config.json or a folder with one"
+        )
+    folder = path if path.is_dir() else path.parent
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise AmpscopeError(
+            f"hf:{path}: no config.json in this folder; save one with config.save_pretrained()"
+        )
+    name = f"hf:{path}"
+    config = _read_config(config_file)
+    if torch.device(device).type == "meta" or not path.is_dir():
+        return hf_loaded_model(build_from_config(config, device=device), name=name)
+
+    if sorted(folder.glob("*.safetensors")):
+        return hf_loaded_model(_from_pretrained(folder, config).to(device), name=name)
+    checkpoint = _torch_checkpoint(folder)
+    module = build_from_config(config, device=device)
+    if checkpoint is not None:
+        _load_state_dict(module, checkpoint, folder)
+    return hf_loaded_model(module, name=name)
+
+
+def _from_pretrained(folder: Path, config: PretrainedConfig) -> nn.Module:
+    """Load safetensors weights from `folder` in float32, without touching the network."""
+    transformers = _transformers()
+    progress_bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..." on stderr
+    try:
+        module = transformers.AutoModelForCausalLM.from_pretrained(
+            folder,
+            config=config,
+            local_files_only=True,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            **_dtype_kwargs(torch.float32),
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise AmpscopeError(f"hf:{folder}: cannot load its weights: {_first_line(e)}") from e
+    finally:
+        if progress_bar:
+            transformers.utils.logging.enable_progress_bar()
+    # from_pretrained switches to eval mode; from_config and every other spec leave an
+    # nn.Module in its default training mode. Keep all specs alike: the workload decides.
+    return module.train()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_config(config_file: Path) -> PretrainedConfig:
+    transformers = _transformers()
+    try:
+        config_dict = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AmpscopeError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(config_dict, dict) or "model_type" not in config_dict:
+        raise AmpscopeError(
+            f"{config_file} has no model_type; write it with config.save_pretrained()"
+        )
+    model_type = config_dict.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    except ValueError as e:  # unknown model_type
+        raise AmpscopeError(f"{config_file}: {_first_line(e)}") from e
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    return config
+
+
+def _torch_checkpoint(folder: Path) -> list[Path] | None:
+    """The torch checkpoint file(s) in `folder`, or None when it has none."""
+    index = folder / "pytorch_model.bin.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / shard for shard in sorted(set(weight_map.values()))]
+    files = sorted(p for ext in ("bin", "pt", "pth") for p in folder.glob(f"*.{ext}"))
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files)
+        raise AmpscopeError(f"hf:{folder}: several checkpoints ({names}); keep one per folder")
+    return files or None
+
+
+def _load_state_dict(module: nn.Module, files: list[Path], folder: Path) -> None:
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # weights_only refuses pickled code; say so in one line
+            raise AmpscopeError(
+                f"cannot load {file} with weights_only=True: {_first_line(e)}"
+            ) from e
+        # Training scripts often save {"model": state_dict, "optimizer": ..., ...}.
+        for key in ("state_dict", "model"):
+            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
+                loaded = loaded[key]
+        state.update(loaded)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatches raise even with strict=False
+        detail = str(e).strip().splitlines()[-1].strip()  # the first line only names the class
+        raise AmpscopeError(f"hf:{folder}: checkpoint does not match config.json ({detail})") from e
+    # A checkpoint may store a tied weight under one of its names only (lm_head = embedding).
+    names_by_param: dict[int, list[str]] = {}
+    for param_name, param in module.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(param_name)
+    aliases = {n: names for names in names_by_param.values() for n in names}
+    missing = [k for k in missing if not any(alias in state for alias in aliases.get(k, []))]
+    if missing or unexpected:
+        keys, kind = (missing, "missing") if missing else (unexpected, "unexpected")
+        problem = f"{len(keys)} {kind} keys such as {keys[0]!r}"
+        raise AmpscopeError(
+            f"hf:{folder}: checkpoint does not match config.json ({problem}); check both come from one model"
+        )
+
+
+def _valid_token_id(config: PretrainedConfig, vocab_size: int) -> int:
+    """A token id to pad with: the config's pad or eos token when it exists in the vocab, else 0."""
+    for candidate in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if isinstance(candidate, int) and 0 <= candidate < vocab_size:
+            return candidate
+    return 0
+
+
+def _max_seq_len(config: PretrainedConfig) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    raise AmpscopeError(
+        f"{type(config).__name__} names no context length (max_position_embeddings)"
+    )
+
+
+def hf_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    # HF causal LMs shift the labels internally: the labels are the input ids themselves.
+    return module(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+
+
+def hf_generate(
+    module: nn.Module, idx: torch.Tensor, max_new_tokens: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Sample through HF's `generate`, which keeps a KV cache like nanochat's sampler.
+
+    HF takes no `torch.Generator`: sampling draws from the global RNG, which the caller seeds
+    and restores; `generator` is unused. `eos_token_id=None` makes every run produce exactly
+    `max_new_tokens` tokens (a random model samples its eos token now and then).
+    """
+    del generator
+    vocab_size = module.config.vocab_size
+    return module.generate(
+        idx,
+        attention_mask=torch.ones_like(idx),  # no padding; also silences HF's warning
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        top_k=50,
+        pad_token_id=_valid_token_id(module.config, vocab_size),
+        eos_token_id=None,
+    )
+
+
+def hf_loaded_model(module: nn.Module, *, name: str) -> LoadedModel:
+    """Wrap a transformers `PreTrainedModel` (causal LM) in a LoadedModel."""
+    config = module.config
+    # Without this a plain forward builds a KV cache (`use_cache` defaults to True), whose
+    # updates would show up in forward and train traces; `generate` still uses one.
+    config.use_cache = False
+    # transformers 5 derives the loss from the class name; for GPT2LMHeadModel that fails and
+    # every first loss logs "`loss_type=None` ... unrecognized. Using the default loss:
+    # `ForCausalLMLoss`". Name that default up front: same loss, no log line.
+    if getattr(module, "loss_type", "") is None:
+        module.loss_type = "ForCausalLM"
+    return LoadedModel(
+        name=name,
+        module=module,
+        vocab_size=config.vocab_size,
+        max_seq_len=_max_seq_len(config),
+        family="hf",
+        input_name="input_ids",
+        target_name="labels",
+        targets_are_shifted_inputs=False,
+        loss_fn=hf_loss,
+        generate_fn=hf_generate,
+        notes=["generate() samples with HF's generate and its KV cache, from the global RNG"],
+    )

@@ -1,0 +1,338 @@
+"""Model specs: one string names any model ampscope can build.
+
+    gpt2, nanochat-d20, ...   built-in reference GPTs (ampscope.models.gpt2 / .nanochat)
+    llama-3-8b, opt-125m, ... Hugging Face architectures built from config (ampscope.models.hf)
+    hf:PATH                   a local config.json, or a folder with one and optional weights
+    package.module:factory    the user's own code: factory() returns an nn.Module or LoadedModel
+
+`resolve` builds the model reproducibly (seeded, in a forked RNG, so the caller's RNG state and
+default dtype are as they were) and `list_models` describes the named ones, counting parameters
+on the meta device so that listing allocates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+from ampscope.models import hf
+from ampscope.models.base import LoadedModel
+
+# Built-in families: modules under ampscope.models exposing PRESETS and load(preset, device=).
+BUILTIN_FAMILIES = ("gpt2", "nanochat")
+
+_FAMILY_DESCRIPTIONS = {
+    "gpt2": "GPT-2 as in nanoGPT's model.py",
+    "nanochat": "nanochat's GPT: RoPE, QK-norm, ReLU², untied, bf16 rotary tables",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A named model: what `ampscope models` lists."""
+
+    name: str
+    family: str  # "gpt2", "nanochat", "hf"
+    parameters: int  # tied weights counted once
+    description: str
+
+
+def _family_module(family: str):
+    return importlib.import_module(f"ampscope.models.{family}")
+
+
+def _builtin_family(name: str) -> str | None:
+    for family in BUILTIN_FAMILIES:
+        if name in _family_module(family).PRESETS:
+            return family
+    return None
+
+
+def model_names() -> list[str]:
+    """Every built-in and zoo name, in listing order."""
+    names = [name for family in BUILTIN_FAMILIES for name in _family_module(family).PRESETS]
+    return names + list(hf.ZOO)
+
+
+def _load_named(name: str, device: str | torch.device) -> LoadedModel:
+    family = _builtin_family(name)
+    if family is not None:
+        return _family_module(family).load(name, device=device)
+    if name in hf.ZOO:
+        return hf.load_zoo(name, device=device)
+    raise _unknown_name(name)
+
+
+def _unknown_name(name: str) -> AmpscopeError:
+    if Path(name).exists():
+        return AmpscopeError(f"unknown model {name!r}; to load this path write 'hf:{name}'")
+    close = difflib.get_close_matches(name, model_names(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return AmpscopeError(
+        f"unknown model {name!r}; {hint}`ampscope models` lists them, "
+        "or give hf:PATH or package.module:factory"
+    )
+
+
+# --- user factories -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cwd_on_sys_path() -> Iterator[None]:
+    """Let `mymodels:build` import from the working directory, as `python -m` would."""
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _find_factory(spec: str) -> Callable[[], object]:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise AmpscopeError(f"bad model spec {spec!r}; write package.module:factory")
+    with _cwd_on_sys_path():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name or module_name.startswith(f"{e.name}."):  # it is missing
+                raise AmpscopeError(
+                    f"cannot import module {module_name!r} for {spec!r}; run from the folder "
+                    "that contains it or install its package"
+                ) from e
+            raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
+        except Exception as e:
+            raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
+    factory: object = module
+    for part in attr_path.split("."):
+        if not hasattr(factory, part):
+            candidates = [n for n in dir(factory) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, candidates, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise AmpscopeError(f"{module_name!r} has no factory {attr_path!r}{hint}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise AmpscopeError(f"{spec!r} is a {type(factory).__name__}, not a callable factory")
+    return factory
+
+
+def wrap_module(module: nn.Module, spec: str) -> LoadedModel:
+    """A factory's nn.Module as a LoadedModel: HF adapter, or the nanoGPT convention."""
+    transformers = sys.modules.get("transformers")  # a PreTrainedModel means it is imported
+    if transformers is not None and isinstance(module, transformers.PreTrainedModel):
+        return hf.hf_loaded_model(module, name=spec)
+    config = getattr(module, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    max_seq_len = getattr(config, "block_size", None) or getattr(config, "sequence_len", None)
+    if not isinstance(vocab_size, int) or not isinstance(max_seq_len, int):
+        raise AmpscopeError(
+            f"{spec!r} returned a {type(module).__name__} without config.vocab_size and "
+            "config.block_size (or sequence_len); return an ampscope LoadedModel instead"
+        )
+    return LoadedModel(name=spec, module=module, vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+
+def _load_factory(spec: str, device: torch.device) -> LoadedModel:
+    factory = _find_factory(spec)
+    try:
+        with torch.device(device):  # factories that build on the default device build there
+            built = factory()
+    except Exception as e:
+        raise AmpscopeError(f"{spec} raised {_one_line(e)}") from e
+    if isinstance(built, nn.Module):
+        built = wrap_module(built, spec)
+    if not isinstance(built, LoadedModel):
+        raise AmpscopeError(
+            f"{spec} returned a {type(built).__name__}; return an nn.Module or an ampscope "
+            "LoadedModel"
+        )
+    _move_keeping_ties(built.module, device)
+    return built
+
+
+def _move_keeping_ties(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)`, re-tying shared parameters that the move split.
+
+    Moving to or from meta replaces each Parameter per owning module, so a tied lm_head would
+    become a second tensor (and be counted twice).
+    """
+
+    def already_there(t: torch.Tensor) -> bool:  # "cuda" means whichever cuda:N it is on
+        return t.device.type == device.type and device.index in (None, t.device.index)
+
+    if all(already_there(t) for t in [*module.parameters(), *module.buffers()]):
+        return
+    shared: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    module.to(device)
+    for first, *others in (names for names in shared.values() if len(names) > 1):
+        param = module.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, param)
+
+
+# --- resolve --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _isolated_construction(seed: int, device: torch.device) -> Iterator[None]:
+    """Seeded construction that leaves the caller's RNG states and default dtype untouched."""
+    accelerator = device.type if device.type in ("cuda", "mps", "xpu") else None
+    fork = (
+        torch.random.fork_rng(devices=[device.index or 0], device_type=accelerator)
+        if accelerator
+        else torch.random.fork_rng(devices=[])
+    )
+    default_dtype = torch.get_default_dtype()
+    try:
+        with fork:
+            torch.manual_seed(seed)
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
+    """Build the model a spec names, with weights seeded by `seed`, on `device`.
+
+    Raises AmpscopeError (one line, with what to do) for unknown names, unreadable paths,
+    failing factories, and named models that clearly cannot fit in this machine's memory.
+    """
+    spec = spec.strip()
+    device = torch.device(device)
+    with _isolated_construction(seed, device):
+        if spec.startswith("hf:"):
+            return hf.load_local(spec.removeprefix("hf:"), device=device)
+        if ":" in spec:
+            return _load_factory(spec, device)
+        if spec not in model_names():
+            raise _unknown_name(spec)
+        if device.type != "meta":
+            check_fits_in_memory(spec, _model_info(spec).parameters, device=device)
+        return _load_named(spec, device)
+
+
+# --- listing ---------------------------------------------------------------------------------
+
+
+def _describe_builtin(family: str, name: str) -> str:
+    config = _family_module(family).PRESETS[name]
+    layers, width = getattr(config, "n_layer", None), getattr(config, "n_embd", None)
+    shape = f", {layers} layers × {width}" if layers and width else ""
+    return f"{_FAMILY_DESCRIPTIONS.get(family, family)}{shape}"
+
+
+@functools.cache
+def _model_info(name: str) -> ModelInfo:
+    with _isolated_construction(0, torch.device("meta")):
+        loaded = _load_named(name, "meta")
+    family = _builtin_family(name)
+    description = _describe_builtin(family, name) if family else hf.ZOO[name].description
+    return ModelInfo(name, loaded.family, loaded.num_parameters, description)
+
+
+def list_models() -> list[ModelInfo]:
+    """Every built-in and zoo model with its parameter count (zoo only with transformers)."""
+    have_transformers = importlib.util.find_spec("transformers") is not None
+    return [_model_info(name) for name in model_names() if have_transformers or name not in hf.ZOO]
+
+
+# --- memory guard ----------------------------------------------------------------------------
+
+
+def available_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """Memory available to a new process: MemAvailable on Linux, else physical memory, else None."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # macOS and other Unixes: total physical memory, an upper bound
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _device_memory_bytes(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(device)[0], f"{device}'s free"
+    if device.type == "cpu":
+        return available_memory_bytes(), "this machine's"
+    return None, ""
+
+
+def _format_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _format_bytes(n: float) -> str:
+    gb = n / 1e9
+    return f"{gb:.0f} GB" if gb >= 10 else f"{gb:.1f} GB"
+
+
+def memory_shortfall(
+    name: str,
+    parameters: int,
+    *,
+    bytes_per_parameter: float,
+    available_bytes: int | None,
+    what: str = "in float32",
+    where: str = "this machine's",
+) -> str | None:
+    """The one-line refusal when `parameters` clearly cannot fit, else None (pure)."""
+    needed = parameters * bytes_per_parameter
+    if available_bytes is None or needed <= available_bytes:
+        return None
+    return (
+        f"{name} has {_format_count(parameters)} parameters ({_format_bytes(needed)} {what}), "
+        f"more than {where} {_format_bytes(available_bytes)}; pick a smaller model "
+        "or predict on the meta device"
+    )
+
+
+def check_fits_in_memory(
+    name: str,
+    parameters: int,
+    *,
+    bytes_per_parameter: float = 4,
+    what: str = "in float32",
+    device: str | torch.device = "cpu",
+) -> None:
+    """Raise AmpscopeError if the weights alone (times what a run needs per parameter) exceed
+    the memory free on `device`. An fp32 build needs 4 bytes per parameter; an fp32 Adam train
+    step at least 16 (weights, gradients, two moments)."""
+    available, where = _device_memory_bytes(torch.device(device))
+    message = memory_shortfall(
+        name,
+        parameters,
+        bytes_per_parameter=bytes_per_parameter,
+        available_bytes=available,
+        what=what,
+        where=where,
+    )
+    if message:
+        raise AmpscopeError(message)

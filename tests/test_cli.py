@@ -1,0 +1,144 @@
+"""The command line: what it prints, the JSON it writes, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ampscope.cli import main
+
+CONTRACT_KEYS = {"schema", "model", "setting", "workload", "modules", "ops", "tensors", "findings"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_trace_prints_inventory_flow_and_findings(capsys):
+    code, out, err = run(capsys, "trace", "gpt2-tiny", "--seq", "8")
+    assert code == 0
+    assert "setting fp32+amp-bf16 on cpu" in out
+    assert "transformer.h.0–1.attn.c_attn" in out  # the two blocks, collapsed
+    assert "Autocast inserted" in out
+    assert "Ops, forward" not in out
+
+
+def test_ops_flag_adds_the_op_listing(capsys):
+    code, out, _ = run(capsys, "trace", "gpt2-tiny", "--seq", "8", "--ops")
+    assert code == 0
+    assert "Ops, forward" in out and "Ops, backward" in out and "Ops, optimizer" in out
+    assert "autocast cast" in out
+
+
+def test_json_follows_the_contract(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    code, _, err = run(capsys, "trace", "nanochat-tiny", "--setting", "fp32+amp-bf16",
+                       "--seq", "8", "--json", str(path))
+    assert code == 0 and f"Wrote {path}" in err
+    data = json.loads(path.read_text())
+    assert CONTRACT_KEYS <= data.keys()
+    assert data["schema"] == "ampscope.trace/1"
+    assert data["model"] == {"name": "nanochat-tiny", "class": "GPT",
+                             "parameters": data["model"]["parameters"]}
+    assert data["setting"] == {"name": "fp32+amp-bf16", "device": "cpu", "emulated": False,
+                               "param_dtype": "float32", "autocast_dtype": "bfloat16",
+                               "matmul_precision": "highest"}
+    assert data["workload"] == "train"
+    m = data["modules"][1]
+    assert {"name", "type", "phase", "in", "out"} <= m.keys()
+    op = next(o for o in data["ops"] if o["autocast_cast"])
+    assert {"op", "module", "phase", "in", "out", "autocast_cast", "source"} <= op.keys()
+    assert op["op"] == "aten._to_copy.default" and op["out"] == ["bfloat16"]
+    tensors = data["tensors"]
+    assert {"parameters", "buffers", "optimizer_state", "inputs"} <= tensors.keys()
+    assert {"name", "dtype", "shape", "grad_dtype"} <= tensors["parameters"][0].keys()
+    assert {"param", "key", "dtype"} <= tensors["optimizer_state"][0].keys()
+    assert tensors["inputs"][0] | {"role": None} == {"name": "idx", "dtype": "int32",
+                                                     "shape": [1, 8], "role": None}
+    assert all({"text", "cause", "source"} <= f.keys() for f in data["findings"])
+
+
+def test_json_to_stdout(capsys):
+    code, out, _ = run(capsys, "trace", "gpt2-tiny", "--seq", "4", "-w", "forward",
+                       "--json", "-")
+    assert code == 0 and json.loads(out)["workload"] == "forward"
+
+
+def test_models_lists_builtins_and_the_zoo(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    assert "124,439,808" in out  # gpt2
+    assert "llama-3-70b" in out and "70,553,706,496" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "gtp2"], "did you mean 'gpt2'"),
+        (["trace", "gpt2-tiny", "--setting", "fp32+amp"], "[DEVICE:]PARAMS[+amp-AMP][+tf32]"),
+        (["trace", "gpt2-tiny", "--seq", "100000"], "context length"),
+        (["trace", "gpt2-tiny", "--seq", "0"], "positive"),
+        (["trace", "hf:/no/such/dir"], "/no/such/dir"),
+        (["trace", "gpt2-tiny", "--seq", "4", "--json", "/no/such/dir/t.json"], "cannot write"),
+        (["trace", "no_such_module_xyz:build"], "no_such_module_xyz"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_code_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("ampscope: error") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_impossible_setting_is_refused(capsys):
+    code, _, err = run(capsys, "trace", "gpt2-tiny", "--setting", "cuda:fp32")
+    assert code == 2 and "needs a cuda device" in err
+
+
+RAISING_MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from types import SimpleNamespace
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(vocab_size=16, block_size=8)
+            self.emb = nn.Embedding(16, 4)
+
+        def forward(self, idx, targets=None):
+            raise ValueError("shapes do not match\\nsecond line")
+
+    def build():
+        return Broken()
+''')
+
+
+def test_a_model_that_raises_gets_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_model.py").write_text(RAISING_MODEL)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "trace", "broken_model:build", "--seq", "4")
+    assert code == 2
+    assert err.strip() == ("ampscope: error while tracing broken_model:build: ValueError: "
+                           "shapes do not match (run with --debug for the traceback)")
+    with pytest.raises(ValueError, match="shapes do not match"):
+        main(["--debug", "trace", "broken_model:build", "--seq", "4"])
+
+
+def test_console_script_traces_the_default_model_on_no_arguments():
+    """`ampscope` alone (the README's run command) traces gpt2; here through `-m` on a tiny
+    stand-in would not test the default, so check the parsed default instead."""
+    from ampscope.cli import DEFAULT_MODEL, _parser
+    args = _parser().parse_args(["trace"])
+    assert (args.model, args.setting, args.workload) == (DEFAULT_MODEL, "fp32+amp-bf16", "train")
+    done = subprocess.run([sys.executable, "-m", "ampscope", "--help"], capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0 and "trace" in done.stdout
