@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ampscope.analysis.findings import derive_findings
-from ampscope.records import InputRecord, OpCall, ParameterRecord, TensorMeta
+from ampscope.records import InputRecord, OpCall, ParameterRecord
 from ampscope.render.text import render_trace
 from ampscope.trace import ModelInfo, Trace
 from tests.test_flow import BF16, F32, blocks
