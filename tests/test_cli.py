@@ -142,3 +142,11 @@ def test_console_script_traces_the_default_model_on_no_arguments():
     done = subprocess.run([sys.executable, "-m", "ampscope", "--help"], capture_output=True,
                           text=True, check=False)
     assert done.returncode == 0 and "trace" in done.stdout
+
+
+def test_a_train_step_too_big_for_this_machine_is_refused(capsys, monkeypatch):
+    from ampscope.models import registry
+    monkeypatch.setattr(registry, "available_memory_bytes", lambda *a, **k: 10**6)
+    code, _, err = run(capsys, "trace", "gpt2-tiny", "--seq", "4")
+    assert code == 2
+    assert "gpt2-tiny has" in err and "as 4 float32 copies for a train run" in err

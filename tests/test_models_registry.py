@@ -422,8 +422,8 @@ def test_memory_shortfall_message():
         "llama-3-70b", PUBLISHED["llama-3-70b"], bytes_per_parameter=4, available_bytes=24 * 10**9
     )
     assert message == (
-        "llama-3-70b has 70.6B parameters (282 GB in float32), more than this machine's 24 GB; "
-        "pick a smaller model or predict on the meta device"
+        "llama-3-70b has 70.6B parameters (282 GB in float32), more than this machine's 24 GB "
+        "free; pick a smaller model or a lighter workload"
     )
     small = registry.memory_shortfall(
         "smollm2-135m", PUBLISHED["smollm2-135m"], bytes_per_parameter=16,

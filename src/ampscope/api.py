@@ -10,6 +10,7 @@ from ampscope.analysis.findings import derive_findings
 from ampscope.capture.session import Capture
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.records import dtype_name
 from ampscope.settings import Setting, applied, check_available, parse_setting
 from ampscope.trace import Trace
 
@@ -32,6 +33,22 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
     if isinstance(model, str):
         return registry.resolve(model, device=device)
     raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
+
+
+def _check_run_fits(lm: LoadedModel, setting: Setting, workload: str, optimizer: str) -> None:
+    """Refuse in one line a run that clearly cannot fit: the working copy of the weights, and
+    for a train step their gradients and optimizer state, on top of the model as loaded."""
+    from ampscope.models.registry import check_fits_in_memory
+
+    if lm.module is None or any(p.is_meta for p in lm.module.parameters()):
+        return
+    per_param = 1  # the run's own copy of every weight (see settings.applied)
+    if workload == "train":
+        per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
+    itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
+    what = f"as {per_param} {dtype_name(setting.param_dtype)} copies for a {workload} run"
+    check_fits_in_memory(lm.name, lm.num_parameters, bytes_per_parameter=per_param * itemsize,
+                         what=what, device=setting.device)
 
 
 def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
@@ -80,6 +97,7 @@ def trace(
         )
     lm = load(model, device=setting.device, have_inputs=inputs is not None)
     workload_name = workload if isinstance(workload, str) else getattr(workload, "__name__", "custom")
+    _check_run_fits(lm, setting, workload_name, optimizer)
     if inputs is None:
         if seq < 1 or batch < 1:
             raise AmpscopeError("batch and seq must be positive")

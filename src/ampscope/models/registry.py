@@ -309,8 +309,8 @@ def memory_shortfall(
         return None
     return (
         f"{name} has {_format_count(parameters)} parameters ({_format_bytes(needed)} {what}), "
-        f"more than {where} {_format_bytes(available_bytes)}; pick a smaller model "
-        "or predict on the meta device"
+        f"more than {where} {_format_bytes(available_bytes)} free; pick a smaller model "
+        "or a lighter workload"
     )
 
 
