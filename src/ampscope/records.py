@@ -15,6 +15,16 @@ Phase = str  # "forward", "backward" or "optimizer" (sampling steps are "forward
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer")
 
 
+# User-level calls that change dtype on purpose, as `capture.ops.func_name` spells them. A cast
+# aten op under one of these is the user's; under any other call while autocast is on, it is
+# autocast's.
+EXPLICIT_CASTS = frozenset({
+    "Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
+    "Tensor.type", "Tensor.type_as", "Tensor.long", "Tensor.int", "Tensor.short",
+    "Tensor.bool", "Tensor.byte", "Tensor.char", "Tensor.cpu", "Tensor.cuda",
+})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"`."""
     return str(dtype).removeprefix("torch.")

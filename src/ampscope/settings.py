@@ -118,9 +118,6 @@ def check_available(setting: Setting) -> None:
             f"setting {setting.name!r} needs a {setting.device} device and this machine has none; "
             "use a cpu setting (emulating other devices is not supported yet)"
         )
-    if setting.autocast_dtype == torch.float16 and setting.device == "cpu":
-        # CPU autocast supports fp16 since PyTorch 2.3; it is slow but real.
-        pass
 
 
 # --- global state -------------------------------------------------------------------------

@@ -106,8 +106,9 @@ class Trace:
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
-                FunctionCall(i, c["func"], c["module"], c["phase"], _metas(c["in"], c.get("in_shapes")),
-                             _metas(c["out"], c.get("out_shapes")), c.get("source"), c.get("autocast"))
+                FunctionCall(c.get("index", i), c["func"], c["module"], c["phase"],
+                             _metas(c["in"], c.get("in_shapes")), _metas(c["out"], c.get("out_shapes")),
+                             c.get("source"), c.get("autocast"))
                 for i, c in enumerate(data.get("calls", []))
             ],
             parameters=[
@@ -154,7 +155,7 @@ def _op(o: OpCall) -> dict:
 
 
 def _call(c: FunctionCall) -> dict:
-    return {"func": c.func, "module": c.module, "phase": c.phase, "in": _dtypes(c.inputs),
+    return {"index": c.index, "func": c.func, "module": c.module, "phase": c.phase, "in": _dtypes(c.inputs),
             "out": _dtypes(c.outputs), "source": c.source, "autocast": c.autocast,
             "in_shapes": _shapes(c.inputs), "out_shapes": _shapes(c.outputs)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ampscope.analysis.summary import itemsize, numel
+from ampscope.records import EXPLICIT_CASTS
 from ampscope.trace import Finding, Trace
 
 _FLOATS = ("float64", "float32", "bfloat16", "float16")
@@ -68,9 +69,7 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
     for call in trace.calls:
         if call.phase != "forward" or not call.inputs or not call.outputs:
             continue
-        if not call.func.startswith("Tensor.") or call.func.split(".")[-1] not in (
-            "to", "float", "half", "bfloat16", "double", "type", "type_as"
-        ):
+        if call.func not in EXPLICIT_CASTS:
             continue
         src, dst = call.inputs[0].dtype, call.outputs[0].dtype
         if src != dst and src in _FLOATS and dst in _FLOATS:

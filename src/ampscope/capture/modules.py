@@ -65,7 +65,6 @@ class ModuleTracker:
         self._names = names
         self._forward_stack: list[_OpenCall] = []
         self._backward_stack: list[_OpenCall] = []
-        self._open_backward: list[_OpenCall] = []
         self._calls: list[_OpenCall] = []
         self._handles: list = []
         self._engine_callback_queued = False
@@ -152,7 +151,6 @@ class ModuleTracker:
             call = _OpenCall(len(self._calls), name, type_, "backward", depth, tensor_metas(grad))
             self._calls.append(call)
             self._backward_stack.append(call)
-            self._open_backward.append(call)
 
         return hook
 
@@ -169,7 +167,6 @@ class ModuleTracker:
                 if call.name == name:
                     call.outputs = tensor_metas([g for g in grads if g is not None])
                     del self._backward_stack[i]
-                    self._open_backward.remove(call)
                     return
 
         return hook
@@ -183,7 +180,6 @@ class ModuleTracker:
 
         def end_of_backward() -> None:
             self._backward_stack.clear()
-            self._open_backward.clear()
             self._engine_callback_queued = False
             if self.on_backward_end is not None:
                 self.on_backward_end()

@@ -21,15 +21,8 @@ from torch.utils._pytree import tree_leaves
 
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
-from ampscope.records import FunctionCall, OpCall, TensorMeta, dtype_name
+from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, TensorMeta, dtype_name
 
-# User-level calls that change dtype on purpose: a `_to_copy` under them is the user's cast.
-EXPLICIT_CASTS = frozenset({
-    "Tensor.to", "Tensor.float", "Tensor.half", "Tensor.bfloat16", "Tensor.double",
-    "Tensor.type", "Tensor.type_as", "Tensor.long", "Tensor.int", "Tensor.short",
-    "Tensor.bool", "Tensor.byte", "Tensor.char", "Tensor.cpu", "Tensor.cuda",
-    "torch.Tensor.to", "torch._C.TensorBase.to",
-})
 _CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
 
 _name_cache: dict[Callable, str] = {}
