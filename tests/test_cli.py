@@ -150,3 +150,11 @@ def test_a_train_step_too_big_for_this_machine_is_refused(capsys, monkeypatch):
     code, _, err = run(capsys, "trace", "gpt2-tiny", "--seq", "4")
     assert code == 2
     assert "gpt2-tiny has" in err and "as 4 float32 copies for a train run" in err
+
+
+def test_models_json(capsys):
+    code, out, _ = run(capsys, "models", "--json", "-")
+    data = json.loads(out)
+    assert code == 0 and data["schema"] == "ampscope.models/1"
+    assert {"name": "gpt2", "family": "gpt2", "parameters": 124_439_808} .items() <= next(
+        m for m in data["models"] if m["name"] == "gpt2").items()

@@ -27,7 +27,11 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
             return registry.wrap_module(model, type(model).__name__)
         except AmpscopeError:
             if not have_inputs:
-                raise
+                raise AmpscopeError(
+                    f"pass inputs= (a tensor or a dict of tensors) to trace a "
+                    f"{type(model).__name__}: it has no config.vocab_size and block_size to "
+                    "make token ids from"
+                ) from None
             # With inputs given, nothing needs the vocabulary or context length.
             return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62)
     if isinstance(model, str):
@@ -124,4 +128,4 @@ def capture(model: nn.Module, *, name: str | None = None) -> Capture:
 
     The model's own code, autocast regions and optimizer run as written; ampscope only watches.
     """
-    return Capture(model, model_name=name, setting={"name": "as-run"}, workload="custom")
+    return Capture(model, model_name=name, workload="custom")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -10,6 +12,15 @@ from ampscope.errors import AmpscopeError
 
 DEFAULT_MODEL = "gpt2"
 DEFAULT_SETTING = "fp32+amp-bf16"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MAX_MESSAGE = 300
+
+
+def one_line(message: str) -> str:
+    """The first line of a message, without terminal colour codes, cut to a readable length."""
+    lines = _ANSI.sub("", message).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                        help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
 
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
+    models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
     return parser
@@ -63,18 +75,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
         result = trace(args.model, setting=args.setting, workload=args.workload,
                        batch=args.batch, seq=args.seq, optimizer=args.optimizer,
                        new_tokens=args.new_tokens)
-    if args.json == "-":
-        sys.stdout.write(result.to_json() + "\n")
-        return 0
     if args.json:
-        try:
-            result.to_json(args.json)
-        except OSError as e:
-            raise AmpscopeError(f"cannot write {args.json}: {e.strerror}") from e
+        _write_json(result.to_json(), args.json)
+        if args.json == "-":
+            return 0
     _console().print(render_trace(result, ops=args.ops))
-    if args.json:
-        print(f"Wrote {args.json}", file=sys.stderr)  # plain: a path must not be wrapped
     return 0
+
+
+def _write_json(text: str, path: str) -> None:
+    """Write to PATH, or stdout for '-'; say where it went on stderr."""
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    except OSError as e:
+        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
+    print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -82,12 +101,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from ampscope.models import list_models
 
+    infos = list_models()
+    if args.json:
+        document = {"schema": "ampscope.models/1", "models": [
+            {"name": i.name, "family": i.family, "parameters": i.parameters,
+             "description": i.description} for i in infos]}
+        _write_json(json.dumps(document, indent=1), args.json)
+        if args.json == "-":
+            return 0
     table = Table(show_edge=False)
     table.add_column("model")
     table.add_column("family")
     table.add_column("parameters", justify="right")
     table.add_column("description")
-    for info in list_models():
+    for info in infos:
         table.add_row(info.name, info.family, f"{info.parameters:,}", info.description)
     _console().print(table)
     _console().print("[dim]Also: hf:PATH (a config.json or checkpoint folder) and "
@@ -109,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AmpscopeError as e:
         if args.debug:
             raise
-        print(f"ampscope: error: {e}", file=sys.stderr)
+        print(f"ampscope: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ampscope: interrupted", file=sys.stderr)
@@ -118,8 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         where = f" while tracing {args.model}" if getattr(args, "model", None) else ""
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"ampscope: error{where}: {type(e).__name__}: {first} "
+        print(f"ampscope: error{where}: {type(e).__name__}: {one_line(str(e))} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

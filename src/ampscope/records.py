@@ -63,7 +63,7 @@ class FunctionCall:
 
     index: int
     func: str  # e.g. "torch.nn.functional.linear", "Tensor.float"
-    module: str  # innermost module running at the time
+    module: str | None  # innermost module running ("" = the model itself, None = no module)
     phase: Phase
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
@@ -77,7 +77,7 @@ class OpCall:
 
     index: int
     op: str  # "aten.addmm.default"
-    module: str
+    module: str | None  # as in FunctionCall
     phase: Phase
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]

@@ -122,7 +122,21 @@ def check_available(setting: Setting) -> None:
 
 # --- global state -------------------------------------------------------------------------
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+def _autocast_devices() -> tuple[str, ...]:
+    """Device types whose autocast state this build can read (cpu and cuda always; mps, xpu
+    where supported)."""
+    devices = []
+    for device in ("cpu", "cuda", "mps", "xpu"):
+        try:
+            torch.is_autocast_enabled(device)
+            torch.get_autocast_dtype(device)
+        except (RuntimeError, ValueError):
+            continue
+        devices.append(device)
+    return tuple(devices)
+
+
+AUTOCAST_DEVICES = _autocast_devices()
 
 
 @dataclass
@@ -145,7 +159,7 @@ class GlobalState:
         return cls(
             autocast={
                 d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                for d in _AUTOCAST_DEVICES
+                for d in AUTOCAST_DEVICES
             },
             matmul_precision=torch.get_float32_matmul_precision(),
             default_dtype=torch.get_default_dtype(),

@@ -36,8 +36,8 @@ class Finding:
     """One fact in plain words, with the kind of cause behind it (see analysis/findings.py)."""
 
     text: str
-    cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "autocast-policy",
-    #             "type-promotion", "explicit-cast", "optimizer"
+    cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "output-dtype",
+    #             "autocast-policy", "explicit-cast", "optimizer"
     source: str | None = None
 
 
@@ -99,8 +99,9 @@ class Trace:
                 for i, m in enumerate(data["modules"])
             ],
             ops=[
-                OpCall(i, o["op"], o["module"], o["phase"], _metas(o["in"], o.get("in_shapes")),
-                       _metas(o["out"], o.get("out_shapes")), o["autocast_cast"], o.get("caller"),
+                OpCall(i, o["op"], o.get("module"), o["phase"], _metas(o["in"], o.get("in_shapes")),
+                       _metas(o["out"], o.get("out_shapes")), o.get("autocast_cast", False),
+                       o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"))
                 for i, o in enumerate(data["ops"])
@@ -112,19 +113,23 @@ class Trace:
                 for i, c in enumerate(data.get("calls", []))
             ],
             parameters=[
-                ParameterRecord(p["name"], p["dtype"], tuple(p["shape"]), p["requires_grad"],
-                                p["grad_dtype"], tuple(p.get("tied_to", ())))
+                ParameterRecord(p["name"], p["dtype"], tuple(p["shape"]),
+                                p.get("requires_grad", True), p.get("grad_dtype"),
+                                tuple(p.get("tied_to", ())))
                 for p in tensors["parameters"]
             ],
-            buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b["persistent"])
-                     for b in tensors["buffers"]],
-            optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"], tuple(s["shape"]))
-                             for s in tensors["optimizer_state"]],
-            inputs=[InputRecord(i["name"], i["role"], i["dtype"], tuple(i["shape"]))
-                    for i in tensors["inputs"]],
-            outputs=[InputRecord(o["name"], o["role"], o["dtype"], tuple(o["shape"]))
+            # Fields beyond DESIGN.md's core are optional on reading.
+            buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b.get("persistent", True))
+                     for b in tensors.get("buffers", [])],
+            optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"],
+                                                  tuple(s.get("shape", ())))
+                             for s in tensors.get("optimizer_state", [])],
+            inputs=[InputRecord(i["name"], i.get("role", "input"), i["dtype"], tuple(i["shape"]))
+                    for i in tensors.get("inputs", [])],
+            outputs=[InputRecord(o["name"], o.get("role", "output"), o["dtype"], tuple(o["shape"]))
                      for o in tensors.get("outputs", [])],
-            findings=[Finding(f["text"], f["cause"], f.get("source")) for f in data["findings"]],
+            findings=[Finding(f["text"], f["cause"], f.get("source"))
+                      for f in data.get("findings", [])],
         )
 
 

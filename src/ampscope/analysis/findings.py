@@ -99,8 +99,9 @@ def autocast_cast_findings(trace: Trace) -> list[Finding]:
 
 
 def output_findings(trace: Trace) -> list[Finding]:
-    return [Finding(f"The {o.name} is {o.dtype}.", "output-dtype")
-            for o in trace.outputs if o.name in ("loss", "logits")]
+    verb = {"loss": "is", "logits": "are"}
+    return [Finding(f"The {o.name} {verb[o.name]} {o.dtype}.", "output-dtype")
+            for o in trace.outputs if o.name in verb]
 
 
 def gradient_findings(trace: Trace) -> list[Finding]:

@@ -140,7 +140,7 @@ def module_flow(calls: Sequence[ModuleCall], phase: str = "forward") -> list[Flo
     rows: list[FlowRow] = []
     for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
         note = f"× {count} steps" if count > 1 else ""
-        step_rows = [FlowRow(c.name or "(model)", c.type, dtypes(c.inputs), dtypes(c.outputs),
+        step_rows = [FlowRow(module_label(c.name), c.type, dtypes(c.inputs), dtypes(c.outputs),
                              c.depth, 1, note if c.depth == 0 else "") for c in step]
         rows.extend(collapse_blocks(step_rows))
     return rows
@@ -155,10 +155,17 @@ def dtype_changes(rows: list[FlowRow]) -> list[FlowRow]:
     ]
 
 
+def module_label(name: str | None) -> str:
+    """"" is the model itself; None means no module was running (an optimizer step)."""
+    if name is None:
+        return "(no module)"
+    return name or "(model)"
+
+
 def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
     """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
     rows = [
-        FlowRow(o.module or "(model)", o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
+        FlowRow(module_label(o.module), o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
                 "autocast cast" if o.autocast_cast else (o.source or ""))
         for o in ops if phase is None or o.phase == phase
     ]

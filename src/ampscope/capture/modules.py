@@ -75,9 +75,10 @@ class ModuleTracker:
         self.on_backward_end: Callable[[], None] | None = None
 
     # -- queries used while ops run
-    def current(self) -> str:
+    def current(self) -> str | None:
+        """Qualified name of the innermost running module; None outside any module."""
         stack = self._backward_stack if in_backward() else self._forward_stack
-        return stack[-1].name if stack else ""
+        return stack[-1].name if stack else None
 
     def records(self) -> list[ModuleCall]:
         return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
@@ -86,7 +87,7 @@ class ModuleTracker:
     def __enter__(self) -> ModuleTracker:
         self._handles = [
             register_module_forward_pre_hook(self._forward_pre),
-            register_module_forward_hook(self._forward_post, always_call=True),
+            register_module_forward_hook(self._forward_post, with_kwargs=True, always_call=True),
         ]
         return self
 
@@ -113,21 +114,24 @@ class ModuleTracker:
         )
         self._calls.append(call)
         self._forward_stack.append(call)
+
+    def _forward_post(self, module: nn.Module, args, kwargs, output) -> None:
+        if in_backward() or not self._forward_stack:
+            return
+        call = self._forward_stack.pop()
+        # Global pre-hooks see positional arguments only; the post-hook sees keyword tensors
+        # too (Hugging Face modules take `hidden_states=`), and dtypes cannot change in place.
+        call.inputs = tensor_metas((args, kwargs))
+        call.outputs = tensor_metas(output)
         if torch.is_grad_enabled():
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
-            needing_grad = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)
-                            and t.requires_grad and t.grad_fn is not None]
-            if needing_grad:
-                register_multi_grad_hook(needing_grad, self._backward_end_hook(module), mode="all")
-
-    def _forward_post(self, module: nn.Module, args, output) -> None:
-        if in_backward() or not self._forward_stack:
-            return
-        call = self._forward_stack.pop()
-        call.outputs = tensor_metas(output)
-        if torch.is_grad_enabled():
+            inputs_needing_grad = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                                   and t.requires_grad and t.grad_fn is not None]
+            if inputs_needing_grad:
+                register_multi_grad_hook(inputs_needing_grad, self._backward_end_hook(module),
+                                         mode="all")
             needing_grad = [
                 t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
@@ -150,7 +154,13 @@ class ModuleTracker:
             self._queue_end_of_backward()
             call = _OpenCall(len(self._calls), name, type_, "backward", depth, tensor_metas(grad))
             self._calls.append(call)
-            self._backward_stack.append(call)
+            # Keep the deepest module innermost: a parent that returns its child's output as is
+            # starts its backward on the same gradient, after the child.
+            stack = self._backward_stack
+            position = len(stack)
+            while position and stack[position - 1].depth > depth:
+                position -= 1
+            stack.insert(position, call)
 
         return hook
 

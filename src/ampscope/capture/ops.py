@@ -22,7 +22,10 @@ from torch.utils._pytree import tree_leaves
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
 from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, TensorMeta, dtype_name
+from ampscope.settings import AUTOCAST_DEVICES
 
+# Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
+BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 _CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
 
 _name_cache: dict[Callable, str] = {}
@@ -56,6 +59,7 @@ class FunctionRecorder(TorchFunctionMode):
         self.current_is_cast = False
         self.current_autocast: str | None = None
         self.current_source: str | None = None
+        self.current_phase: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,24 +74,30 @@ class FunctionRecorder(TorchFunctionMode):
                 break
         autocast = (
             dtype_name(torch.get_autocast_dtype(device))
-            if device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+            if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
             else None
         )
         source = user_source(skip=2)
         index = len(self.calls)
         ops_before = self.ops_seen
+        # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
+        # the clock, but it and everything it dispatches (the ones_like seed) are backward.
+        phase = "backward" if name in BACKWARD_CALLS else self._phase.now()
+        module = self._tracker.current()
+        outer_phase, self.current_phase = self.current_phase, phase
         self.current, self.current_is_cast = index, name in EXPLICIT_CASTS
         self.current_autocast, self.current_source = autocast, source
         try:
             out = func(*args, **kwargs)
         finally:
             self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
+            self.current_phase = outer_phase
         outputs = _metas(out)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
             self.calls.append(FunctionCall(
-                index=index, func=name, module=self._tracker.current(),
-                phase=self._phase.now(), inputs=_metas((args, kwargs)), outputs=outputs,
+                index=index, func=name, module=module,
+                phase=phase, inputs=_metas((args, kwargs)), outputs=outputs,
                 source=source, autocast=autocast,
             ))
         return out
@@ -114,8 +124,10 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._functions.ops_seen += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        phase = self._phase.now()
         functions = self._functions
+        phase = self._phase.now()
+        if phase != "backward" and functions.current_phase == "backward":
+            phase = "backward"  # the gradient seed of loss.backward(), before the engine runs
         caller = functions.current if phase != "backward" else None
         autocast_cast = (
             func in _CAST_OPS

@@ -18,6 +18,7 @@ from ampscope.analysis.findings import derive_findings
 from ampscope.capture import inventory
 from ampscope.capture.modules import ModuleTracker, in_backward
 from ampscope.capture.ops import FunctionRecorder, OpRecorder
+from ampscope.records import dtype_name
 from ampscope.trace import ModelInfo, Trace
 
 
@@ -134,10 +135,30 @@ class Capture:
             self.finish()
             self.trace.findings = derive_findings(self.trace)
 
+    def _observed_setting(self) -> dict:
+        """For `capture()` around user code: the setting as the run showed it."""
+        model = self.model
+        counts: dict[torch.dtype, int] = {}
+        device = "cpu"
+        for p in model.parameters():
+            device = p.device.type
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        main = max(counts, key=counts.__getitem__) if counts else None
+        autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
+        return {
+            "name": "as-run", "device": device, "emulated": False,
+            "param_dtype": dtype_name(main) if main else None,
+            "autocast_dtype": autocast,
+            "matmul_precision": torch.get_float32_matmul_precision(),
+        }
+
     def finish(self, inputs: dict[str, torch.Tensor] | None = None,
                outputs: dict[str, torch.Tensor] | None = None) -> Trace:
         """Fill the trace from the recorders and the model's current tensors."""
         model, trace = self.model, self.trace
+        if not trace.setting:
+            trace.setting = self._observed_setting()
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
         trace.modules = self._tracker.records()
         trace.calls = self._functions.calls

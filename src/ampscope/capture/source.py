@@ -18,27 +18,36 @@ _AMPSCOPE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _MODELS_DIR = os.path.join(_AMPSCOPE_DIR, "models") + os.sep
 _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
 
-_internal_cache: dict[CodeType, bool] = {}
+TORCH, AMPSCOPE, USER = 0, 1, 2
+_kind_cache: dict[CodeType, int] = {}
 
 
-def _is_internal(code: CodeType) -> bool:
-    cached = _internal_cache.get(code)
-    if cached is None:
+def _kind(code: CodeType) -> int:
+    kind = _kind_cache.get(code)
+    if kind is None:
         path = code.co_filename
-        cached = (
-            path.startswith(_TORCH_DIR)
-            or (path.startswith(_AMPSCOPE_DIR) and not path.startswith(_MODELS_DIR))
-            or path == _CONTEXTLIB
-        )
-        _internal_cache[code] = cached
-    return cached
+        if path.startswith(_TORCH_DIR) or path == _CONTEXTLIB:
+            kind = TORCH
+        elif path.startswith(_AMPSCOPE_DIR) and not path.startswith(_MODELS_DIR):
+            kind = AMPSCOPE
+        else:
+            kind = USER
+        _kind_cache[code] = kind
+    return kind
 
 
 def user_source(skip: int = 2) -> str | None:
-    """`file.py:line` of the innermost frame in user code, or None if there is none."""
+    """`file.py:line` of the innermost frame outside PyTorch, if that frame is user code.
+
+    When the innermost such frame is ampscope's own (a workload's `optimizer.step()`), there
+    is no user line to name: None, rather than the line that called ampscope.
+    """
     frame = sys._getframe(skip)
     while frame is not None:
-        if not _is_internal(frame.f_code):
+        kind = _kind(frame.f_code)
+        if kind == USER:
             return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        if kind == AMPSCOPE:
+            return None
         frame = frame.f_back
     return None

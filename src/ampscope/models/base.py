@@ -41,6 +41,7 @@ class LoadedModel:
     # Hugging Face causal LMs shift labels themselves: their target is the input itself.
     targets_are_shifted_inputs: bool = True
     loss_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
+    logits_fn: Callable[[nn.Module, Batch], torch.Tensor] | None = None
     generate_fn: Callable[[nn.Module, torch.Tensor, int, torch.Generator], torch.Tensor] | None = (
         None
     )
@@ -73,6 +74,8 @@ class LoadedModel:
         return out[1] if isinstance(out, tuple) else out
 
     def logits(self, batch: Batch) -> torch.Tensor:
+        if self.logits_fn is not None:
+            return self.logits_fn(self.module, batch)
         out = self.module(batch[self.input_name])
         if isinstance(out, tuple):
             return out[0]

@@ -2,7 +2,7 @@
 
 Every zoo entry is the published configuration of a real model, built from its config with
 random weights: nothing is downloaded, and on the meta device nothing is allocated, so even
-llama-3-70b can be traced (predicted) or counted on a laptop. Weights do not change which dtype
+llama-3-70b can be counted on a laptop (on the meta device). Weights do not change which dtype
 an op runs in, so random weights answer the precision and cost questions as well as real ones.
 
 Every model is built with `attn_implementation="sdpa"` and in float32 whatever the config says
@@ -80,7 +80,7 @@ ZOO: dict[str, ZooEntry] = {
              num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
              max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
              bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
-        "meta-llama/Meta-Llama-3-70B: GQA 64/8 (predict on meta; too big for most CPUs)",
+        "meta-llama/Meta-Llama-3-70B: GQA 64/8 (too big to run on most CPUs)",
     ),
     "mistral-7b": ZooEntry(
         "MistralConfig",
@@ -301,9 +301,16 @@ def _max_seq_len(config: PretrainedConfig) -> int:
     )
 
 
+# `use_cache=False` on every plain forward: otherwise HF builds a KV cache whose updates would
+# show up in forward and train traces (`generate` still uses one). Passed per call rather than
+# set on the config, so a user's model is left as it was.
 def hf_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     # HF causal LMs shift the labels internally: the labels are the input ids themselves.
     return module(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+
+
+def hf_logits(module: nn.Module, batch: Batch) -> torch.Tensor:
+    return module(input_ids=batch["input_ids"], use_cache=False).logits
 
 
 def hf_generate(
@@ -311,8 +318,8 @@ def hf_generate(
 ) -> torch.Tensor:
     """Sample through HF's `generate`, which keeps a KV cache like nanochat's sampler.
 
-    HF takes no `torch.Generator`: sampling draws from the global RNG, which the caller seeds
-    and restores; `generator` is unused. `eos_token_id=None` makes every run produce exactly
+    HF takes no `torch.Generator`: sampling draws from the global RNG, which the generate
+    workload seeds and `settings.applied` restores; `generator` is unused. `eos_token_id=None` makes every run produce exactly
     `max_new_tokens` tokens (a random model samples its eos token now and then).
     """
     del generator
@@ -328,16 +335,16 @@ def hf_generate(
     )
 
 
-def hf_loaded_model(module: nn.Module, *, name: str) -> LoadedModel:
-    """Wrap a transformers `PreTrainedModel` (causal LM) in a LoadedModel."""
+def hf_loaded_model(module: nn.Module, *, name: str, built_here: bool = True) -> LoadedModel:
+    """Wrap a transformers `PreTrainedModel` (causal LM) in a LoadedModel.
+
+    A model the user passed in (`built_here=False`) is not touched at all.
+    """
     config = module.config
-    # Without this a plain forward builds a KV cache (`use_cache` defaults to True), whose
-    # updates would show up in forward and train traces; `generate` still uses one.
-    config.use_cache = False
     # transformers 5 derives the loss from the class name; for GPT2LMHeadModel that fails and
     # every first loss logs "`loss_type=None` ... unrecognized. Using the default loss:
-    # `ForCausalLMLoss`". Name that default up front: same loss, no log line.
-    if getattr(module, "loss_type", "") is None:
+    # `ForCausalLMLoss`". Name that default up front on models we built: same loss, no log.
+    if built_here and getattr(module, "loss_type", "") is None:
         module.loss_type = "ForCausalLM"
     return LoadedModel(
         name=name,
@@ -349,6 +356,7 @@ def hf_loaded_model(module: nn.Module, *, name: str) -> LoadedModel:
         target_name="labels",
         targets_are_shifted_inputs=False,
         loss_fn=hf_loss,
+        logits_fn=hf_logits,
         generate_fn=hf_generate,
         notes=["generate() samples with HF's generate and its KV cache, from the global RNG"],
     )

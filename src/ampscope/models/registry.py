@@ -138,7 +138,7 @@ def wrap_module(module: nn.Module, spec: str) -> LoadedModel:
     """A factory's nn.Module as a LoadedModel: HF adapter, or the nanoGPT convention."""
     transformers = sys.modules.get("transformers")  # a PreTrainedModel means it is imported
     if transformers is not None and isinstance(module, transformers.PreTrainedModel):
-        return hf.hf_loaded_model(module, name=spec)
+        return hf.hf_loaded_model(module, name=spec, built_here=False)
     config = getattr(module, "config", None)
     vocab_size = getattr(config, "vocab_size", None)
     max_seq_len = getattr(config, "block_size", None) or getattr(config, "sequence_len", None)
@@ -276,7 +276,7 @@ def available_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
 
 def _device_memory_bytes(device: torch.device) -> tuple[int | None, str]:
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.mem_get_info(device)[0], f"{device}'s free"
+        return torch.cuda.mem_get_info(device)[0], f"{device}'s"
     if device.type == "cpu":
         return available_memory_bytes(), "this machine's"
     return None, ""

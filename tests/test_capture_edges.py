@@ -1,0 +1,112 @@
+"""Capture details that are easy to get wrong: attribution at module and phase boundaries,
+keyword inputs, sources, and leaving a Hugging Face model exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampscope
+from ampscope.cli import one_line
+from ampscope.trace import Trace
+
+
+def test_backward_ops_belong_to_the_innermost_module(gpt2_tiny):
+    """mlp returns c_proj's output unchanged: c_proj's backward matmuls are c_proj's, not mlp's."""
+    t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
+    backward_mm = {(o.module, o.grad_fn) for o in t.ops
+                   if o.phase == "backward" and o.op == "aten.mm.default"}
+    assert ("transformer.h.0.mlp.c_proj", "AddmmBackward0") in backward_mm
+    assert not any(m.endswith((".mlp", ".attn")) for m, _ in backward_mm)
+
+
+def test_loss_backward_and_its_seed_are_backward(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
+    assert [c.phase for c in t.calls if c.func == "Tensor.backward"] == ["backward"]
+    seed = next(o for o in t.ops if o.op == "aten.ones_like.default")
+    assert seed.phase == "backward"
+
+
+def test_ops_outside_modules_have_no_module_and_no_user_source(gpt2_tiny):
+    t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
+    optimizer_ops = [o for o in t.ops if o.phase == "optimizer"]
+    assert optimizer_ops and {o.module for o in optimizer_ops} == {None}
+    # the workload's own optimizer.step() is ampscope's line, not the user's
+    assert {o.source for o in optimizer_ops} == {None}
+    assert next(o for o in t.ops if o.phase == "forward").module == ""  # the model itself
+
+
+def test_capture_names_the_users_lines_and_the_setting_it_saw():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with ampscope.capture(model) as t:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+        opt.step()  # the line the optimizer ops must point at
+    step_sources = {o.source for o in t.ops if o.phase == "optimizer"}
+    assert len(step_sources) == 1 and step_sources.pop().startswith("test_capture_edges.py:")
+    assert t.setting == {"name": "as-run", "device": "cpu", "emulated": False,
+                         "param_dtype": "float32", "autocast_dtype": "bfloat16",
+                         "matmul_precision": "highest"}
+
+
+@pytest.fixture
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_hf_modules_called_with_keywords_show_their_inputs(tiny_llama):
+    t = ampscope.trace(tiny_llama, setting="fp32+amp-bf16", workload="train", seq=8)
+    layers = [m for m in t.modules if m.type == "LlamaDecoderLayer" and m.phase == "forward"]
+    assert len(layers) == 2
+    assert all("float32" in [i.dtype for i in m.inputs] for m in layers)
+
+
+def test_a_users_hf_model_is_left_untouched(tiny_llama):
+    config_before = tiny_llama.config.to_dict()
+    loss_type = getattr(tiny_llama, "loss_type", "absent")
+    for workload in ("train", "forward", "generate"):
+        ampscope.trace(tiny_llama, setting="fp32", workload=workload, seq=8, new_tokens=2)
+    assert tiny_llama.config.to_dict() == config_before
+    assert getattr(tiny_llama, "loss_type", "absent") == loss_type
+
+
+def test_a_core_only_document_reads_back():
+    """DESIGN.md's example: only the fixed core fields."""
+    core = {
+        "schema": "ampscope.trace/1",
+        "model": {"name": "gpt2", "class": "GPT", "parameters": 124439808},
+        "setting": {"name": "fp32+amp-bf16", "device": "cpu"},
+        "workload": "train",
+        "modules": [{"name": "transformer.h.0.attn.c_attn", "type": "Linear",
+                     "phase": "forward", "in": ["float32"], "out": ["bfloat16"]}],
+        "ops": [{"op": "aten.addmm.default", "module": "transformer.h.0.attn.c_attn",
+                 "phase": "forward", "in": ["bfloat16", "bfloat16", "bfloat16"],
+                 "out": ["bfloat16"], "autocast_cast": False, "source": "model.py:61"}],
+        "tensors": {
+            "parameters": [{"name": "transformer.wte.weight", "dtype": "float32",
+                            "shape": [50257, 768], "grad_dtype": "float32"}],
+            "buffers": [{"name": "cos", "dtype": "bfloat16", "shape": [1, 2048, 1, 32]}],
+            "optimizer_state": [{"param": "transformer.wte.weight", "key": "exp_avg",
+                                 "dtype": "float32"}],
+            "inputs": [{"name": "idx", "dtype": "int64", "shape": [1, 256]}],
+        },
+        "findings": [{"text": "Logits are cast to float32 before cross_entropy.",
+                      "cause": "explicit-cast", "source": "model.py:245"}],
+    }
+    t = Trace.from_dict(core)
+    assert t.ops[0].source == "model.py:61" and t.parameters[0].grad_dtype == "float32"
+    assert t.modules[0].outputs[0].dtype == "bfloat16"
+
+
+def test_error_lines_are_one_readable_line():
+    assert one_line("\x1b[1mWeights only load failed\x1b[0m\nmore") == "Weights only load failed"
+    long = one_line("x" * 5000)
+    assert len(long) == 300 and long.endswith("…")
