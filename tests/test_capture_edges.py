@@ -110,3 +110,38 @@ def test_error_lines_are_one_readable_line():
     assert one_line("\x1b[1mWeights only load failed\x1b[0m\nmore") == "Weights only load failed"
     long = one_line("x" * 5000)
     assert len(long) == 300 and long.endswith("…")
+
+
+class Flaky(torch.nn.Module):
+    """Raises on its first call only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("first call fails")
+        return self.fc(x)
+
+
+def test_a_module_that_raises_inside_caught_user_code_keeps_tracking_right():
+    import warnings
+
+    model = torch.nn.Sequential(Flaky(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught, ampscope.capture(model) as t:
+        warnings.simplefilter("always")
+        try:
+            model(x)
+        except ValueError:
+            pass
+        model(x)
+    assert not [w for w in caught if "hook" in str(w.message).lower()]
+    # the failed call is closed; the second call's modules nest under a fresh root call
+    names = [(m.name, m.depth) for m in t.modules]
+    assert names == [("", 0), ("0", 1), ("", 0), ("0", 1), ("0.fc", 2), ("1", 1)]
+    addmm = [o.module for o in t.ops if o.op == "aten.addmm.default"]
+    assert addmm == ["0.fc", "1"]

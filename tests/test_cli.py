@@ -149,7 +149,7 @@ def test_a_train_step_too_big_for_this_machine_is_refused(capsys, monkeypatch):
     monkeypatch.setattr(registry, "available_memory_bytes", lambda *a, **k: 10**6)
     code, _, err = run(capsys, "trace", "gpt2-tiny", "--seq", "4")
     assert code == 2
-    assert "gpt2-tiny has" in err and "as 4 float32 copies for a train run" in err
+    assert "gpt2-tiny has" in err and "as 4 float32 copies of the weights for a train run" in err
 
 
 def test_models_json(capsys):

@@ -28,7 +28,7 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
         except AmpscopeError:
             if not have_inputs:
                 raise AmpscopeError(
-                    f"pass inputs= (a tensor or a dict of tensors) to trace a "
+                    f"pass inputs= (a tensor or a dict of tensors) to trace this "
                     f"{type(model).__name__}: it has no config.vocab_size and block_size to "
                     "make token ids from"
                 ) from None
@@ -47,10 +47,11 @@ def _check_run_fits(lm: LoadedModel, setting: Setting, workload: str, optimizer:
     if lm.module is None or any(p.is_meta for p in lm.module.parameters()):
         return
     per_param = 1  # the run's own copy of every weight (see settings.applied)
-    if workload == "train":
+    if workload not in ("forward", "generate"):  # a custom step may train: count as one
         per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
     itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
-    what = f"as {per_param} {dtype_name(setting.param_dtype)} copies for a {workload} run"
+    what = (f"as {per_param} {dtype_name(setting.param_dtype)} copies of the weights "
+            f"for a {workload} run")
     check_fits_in_memory(lm.name, lm.num_parameters, bytes_per_parameter=per_param * itemsize,
                          what=what, device=setting.device)
 

@@ -25,6 +25,10 @@ EXPLICIT_CASTS = frozenset({
 })
 
 
+# Names under which a model's forward takes its targets: such inputs get the role "target".
+TARGET_NAMES = frozenset({"targets", "target", "labels", "label", "y"})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"`."""
     return str(dtype).removeprefix("torch.")

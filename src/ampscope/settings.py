@@ -153,9 +153,9 @@ class GlobalState:
 
     @classmethod
     def save(cls) -> GlobalState:
-        cuda_rng = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda_rng = torch.cuda.get_rng_state_all()
+        # Saved whenever CUDA exists, not only once initialised: a cuda run seeds and draws
+        # from it.
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         return cls(
             autocast={
                 d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))

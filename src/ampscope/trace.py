@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ampscope.records import (
+    TARGET_NAMES,
     BufferRecord,
     FunctionCall,
     InputRecord,
@@ -124,7 +125,9 @@ class Trace:
             optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"],
                                                   tuple(s.get("shape", ())))
                              for s in tensors.get("optimizer_state", [])],
-            inputs=[InputRecord(i["name"], i.get("role", "input"), i["dtype"], tuple(i["shape"]))
+            inputs=[InputRecord(i["name"], i.get("role") or ("target" if i["name"] in TARGET_NAMES
+                                                            else "input"),
+                                i["dtype"], tuple(i["shape"]))
                     for i in tensors.get("inputs", [])],
             outputs=[InputRecord(o["name"], o.get("role", "output"), o["dtype"], tuple(o["shape"]))
                      for o in tensors.get("outputs", [])],

@@ -13,14 +13,13 @@ import torch
 from torch import nn
 
 from ampscope.records import (
+    TARGET_NAMES,
     BufferRecord,
     InputRecord,
     OptimizerStateRecord,
     ParameterRecord,
     dtype_name,
 )
-
-TARGET_NAMES = frozenset({"targets", "target", "labels", "label", "y"})
 
 
 def parameter_names(model: nn.Module) -> dict[int, list[str]]:

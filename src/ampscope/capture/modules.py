@@ -115,7 +115,10 @@ class ModuleTracker:
         self._calls.append(call)
         self._forward_stack.append(call)
 
-    def _forward_post(self, module: nn.Module, args, kwargs, output) -> None:
+    def _forward_post(self, module: nn.Module, args, *rest) -> None:
+        # Normally (module, args, kwargs, output); when the module raised, PyTorch calls
+        # always_call hooks as (module, args, output) even when registered with_kwargs.
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         if in_backward() or not self._forward_stack:
             return
         call = self._forward_stack.pop()

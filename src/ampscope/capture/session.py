@@ -62,6 +62,7 @@ class Capture:
     # -- recorders
     def _start(self) -> None:
         model = self.model
+        self._matmul_precision = torch.get_float32_matmul_precision()
         clock = self._clock = _PhaseClock()
         tracker = self._tracker = ModuleTracker({m: n for n, m in model.named_modules()})
         tracker.phase = clock
@@ -141,8 +142,9 @@ class Capture:
         counts: dict[torch.dtype, int] = {}
         device = "cpu"
         for p in model.parameters():
-            device = p.device.type
             if p.is_floating_point():
+                if not counts:
+                    device = p.device.type
                 counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
         main = max(counts, key=counts.__getitem__) if counts else None
         autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
@@ -150,7 +152,7 @@ class Capture:
             "name": "as-run", "device": device, "emulated": False,
             "param_dtype": dtype_name(main) if main else None,
             "autocast_dtype": autocast,
-            "matmul_precision": torch.get_float32_matmul_precision(),
+            "matmul_precision": self._matmul_precision,
         }
 
     def finish(self, inputs: dict[str, torch.Tensor] | None = None,

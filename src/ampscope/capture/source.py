@@ -15,7 +15,11 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _AMPSCOPE_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
-_MODELS_DIR = os.path.join(_AMPSCOPE_DIR, "models") + os.sep
+# The reference models are model code like any user's; the rest of models/ (the HF adapter,
+# the registry) is ampscope's own machinery.
+_REFERENCE_MODELS = frozenset(
+    os.path.join(_AMPSCOPE_DIR, "models", f) for f in ("gpt2.py", "nanochat.py")
+)
 _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
 
 TORCH, AMPSCOPE, USER = 0, 1, 2
@@ -28,7 +32,7 @@ def _kind(code: CodeType) -> int:
         path = code.co_filename
         if path.startswith(_TORCH_DIR) or path == _CONTEXTLIB:
             kind = TORCH
-        elif path.startswith(_AMPSCOPE_DIR) and not path.startswith(_MODELS_DIR):
+        elif path.startswith(_AMPSCOPE_DIR) and path not in _REFERENCE_MODELS:
             kind = AMPSCOPE
         else:
             kind = USER
