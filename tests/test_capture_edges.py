@@ -144,3 +144,9 @@ def test_a_module_that_raises_inside_caught_user_code_keeps_tracking_right():
     assert names == [("", 0), ("0", 1), ("", 0), ("0", 1), ("0.fc", 2), ("1", 1)]
     addmm = [o.module for o in t.ops if o.op == "aten.addmm.default"]
     assert addmm == ["0.fc", "1"]
+
+
+def test_ops_are_aten_ops_only(gpt2_tiny):
+    """The optimizer's profiler range is no computation and is not listed."""
+    t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
+    assert {o.op.split(".")[0] for o in t.ops} == {"aten"}

@@ -29,9 +29,15 @@ EXPLICIT_CASTS = frozenset({
 TARGET_NAMES = frozenset({"targets", "target", "labels", "label", "y"})
 
 
+_dtype_names: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"`."""
-    return str(dtype).removeprefix("torch.")
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
@@ -43,8 +42,57 @@ def func_name(func: Callable) -> str:
     return name
 
 
+# --- the hot path -------------------------------------------------------------------------
+# Every op of a step passes through here, so these helpers avoid pytree (a generic flattener
+# that costs more than the op records themselves) and build each dtype name, TensorMeta and op
+# name once.
+
+
+def tensors_in(values, out: list | None = None) -> list[torch.Tensor]:
+    """The tensors in op arguments or results: nested lists, tuples and dicts, in order."""
+    if out is None:
+        out = []
+    if isinstance(values, torch.Tensor):
+        out.append(values)
+    elif isinstance(values, (list, tuple)):
+        for v in values:
+            tensors_in(v, out)
+    elif isinstance(values, dict):
+        for v in values.values():
+            tensors_in(v, out)
+    return out
+
+
+_meta_cache: dict[tuple, TensorMeta] = {}
+
+
+def meta_of(t: torch.Tensor) -> TensorMeta:
+    key = (t.dtype, t.shape)
+    meta = _meta_cache.get(key)
+    if meta is None:
+        meta = TensorMeta(dtype_name(t.dtype), tuple(t.shape))
+        if len(_meta_cache) < 100_000:
+            _meta_cache[key] = meta
+    return meta
+
+
 def _metas(values) -> tuple[TensorMeta, ...]:
-    return tuple(TensorMeta.of(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+    return tuple(meta_of(t) for t in tensors_in(values))
+
+
+_op_names: dict = {}
+
+
+def op_name(func) -> str:
+    name = _op_names.get(func)
+    if name is None:
+        name = _op_names[func] = str(func)
+    return name
+
+
+# Ops that are no computation: the profiler range `Optimizer.step` opens.
+_SKIPPED_NAMESPACES = frozenset({"profiler"})
+_DETACH = torch.ops.aten.detach.default
 
 
 class FunctionRecorder(TorchFunctionMode):
@@ -67,11 +115,10 @@ class FunctionRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
         name = func_name(func)
         outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source)
-        device = "cpu"
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor):
-                device = a.device.type
-                break
+        inputs = tensors_in(args)
+        if kwargs:
+            tensors_in(kwargs, inputs)
+        device = inputs[0].device.type if inputs else "cpu"
         autocast = (
             dtype_name(torch.get_autocast_dtype(device))
             if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
@@ -97,7 +144,7 @@ class FunctionRecorder(TorchFunctionMode):
         if outputs or self.ops_seen != ops_before:
             self.calls.append(FunctionCall(
                 index=index, func=name, module=module,
-                phase=phase, inputs=_metas((args, kwargs)), outputs=outputs,
+                phase=phase, inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
                 source=source, autocast=autocast,
             ))
         return out
@@ -122,8 +169,17 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace in _SKIPPED_NAMESPACES:
+            return out
+        if func is _DETACH and types:
+            # Autograd saving or unpacking an op's output goes through Python dispatch only
+            # because a mode is active, and shows up as this detach: it does not run in an
+            # unobserved step, so it is not recorded (DebugMode leaves it out too).
+            return out
         self._functions.ops_seen += 1
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in(args)
+        if kwargs:
+            tensors_in(kwargs, inputs)
         functions = self._functions
         phase = self._phase.now()
         if phase != "backward" and functions.current_phase == "backward":
@@ -140,8 +196,8 @@ class OpRecorder(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
         self.ops.append(OpCall(
-            index=len(self.ops), op=str(func), module=self._tracker.current(), phase=phase,
-            inputs=tuple(TensorMeta.of(t) for t in inputs), outputs=_metas(out),
+            index=len(self.ops), op=op_name(func), module=self._tracker.current(), phase=phase,
+            inputs=tuple(meta_of(t) for t in inputs), outputs=_metas(out),
             autocast_cast=autocast_cast, caller=caller,
             source=functions.current_source if caller is not None else None,
             input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,
