@@ -171,6 +171,7 @@ class Capture:
         self._optimizers = []
         if inputs is not None or not trace.inputs:
             trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))
+        self._inputs = None  # the trace keeps records, not the user's tensors
         if outputs:
             trace.outputs = inventory.named_tensors(outputs, role="output")
         return trace
