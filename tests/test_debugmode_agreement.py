@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-# DebugMode is private and moves between releases (torch 2.11 on the GPU machine): skip there
-# rather than fail at import.
-DebugMode = pytest.importorskip("torch.utils._debug_mode").DebugMode
-_calls = pytest.importorskip("torch.utils._debug_mode._calls")
-_AnnotateCall, _OpCall = _calls._AnnotateCall, _calls._OpCall
 from torch.utils._pytree import tree_leaves
 
 import ampscope
 from ampscope import workloads
 from ampscope.models import gpt2, nanochat
 from ampscope.settings import applied, parse_setting
+
+# DebugMode is private and moves between releases (torch 2.11 on the GPU machine): skip there
+# rather than fail at import.
+DebugMode = pytest.importorskip("torch.utils._debug_mode").DebugMode
+_calls = pytest.importorskip("torch.utils._debug_mode._calls")
+_AnnotateCall, _OpCall = _calls._AnnotateCall, _calls._OpCall
 
 MODELS = {"gpt2-tiny": gpt2, "nanochat-tiny": nanochat}
 BATCH, SEQ = 2, 16
