@@ -8,11 +8,12 @@
         ...
 """
 
-from ampscope.api import capture, trace
+from ampscope.api import capture, matrix, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.settings import Setting, parse_setting
 from ampscope.trace import Trace
 
-__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "parse_setting", "trace"]
+__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "matrix",
+           "parse_setting", "trace"]
 __version__ = "0.1.0"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
 from ampscope import workloads
+from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.findings import derive_findings
 from ampscope.capture.session import Capture
 from ampscope.errors import AmpscopeError
@@ -122,6 +125,44 @@ def trace(
         result = capture.finish(inputs=data, outputs=outputs)
     result.findings = derive_findings(result)
     return result
+
+
+DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
+
+
+def matrix(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    settings: Sequence[str | Setting] = DEFAULT_MATRIX_SETTINGS,
+    workload: workloads.Workload = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+    on_setting: Callable[[int, str], None] | None = None,
+) -> tuple[Matrix, list[Trace]]:
+    """Trace one workload under each setting (same weights, same batch) and line them up.
+
+    `on_setting(i, name)` is called before setting i runs (for a progress display).
+    """
+    parsed = [parse_setting(s) if isinstance(s, str) else s for s in settings]
+    if not parsed:
+        raise AmpscopeError("give at least one setting")
+    for s in parsed:
+        check_available(s)
+    devices = {s.device for s in parsed}
+    if len(devices) > 1 and isinstance(model, str):
+        raise AmpscopeError("settings on several devices are not supported in one matrix yet")
+    lm = load(model, device=parsed[0].device, have_inputs=inputs is not None)
+    traces = []
+    for i, s in enumerate(parsed):
+        if on_setting is not None:
+            on_setting(i, s.name)
+        traces.append(trace(lm, inputs, setting=s, workload=workload, batch=batch, seq=seq,
+                            optimizer=optimizer, new_tokens=new_tokens, seed=seed))
+    return build_matrix(traces), traces
 
 
 def capture(model: nn.Module, *, name: str | None = None) -> Capture:

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from ampscope.api import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError
 
 DEFAULT_MODEL = "gpt2"
@@ -32,30 +33,52 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
-    trace.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                       help="model spec: a name from `ampscope models`, hf:PATH, or "
-                            "package.module:factory (default: %(default)s)")
+    _add_model_argument(trace)
     trace.add_argument("--setting", "-s", default=DEFAULT_SETTING,
                        help="precision setting, e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32 "
                             "(default: %(default)s)")
-    trace.add_argument("--workload", "-w", default="train",
-                       choices=["train", "forward", "generate"], help="default: %(default)s")
-    trace.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
-    trace.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
-    trace.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
-                       help="optimizer of the train step (default: %(default)s)")
-    trace.add_argument("--new-tokens", type=int, default=4,
-                       help="tokens sampled by the generate workload (default: %(default)s)")
-    trace.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout)")
+    _add_run_arguments(trace)
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
-    trace.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
+
+    matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
+    _add_model_argument(matrix)
+    matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(matrix)
 
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
     return parser
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model spec: a name from `ampscope models`, hf:PATH, or "
+                             "package.module:factory (default: %(default)s)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every command that runs a model takes: the workload and its size, and --json."""
+    parser.add_argument("--workload", "-w", default="train",
+                        choices=["train", "forward", "generate"], help="default: %(default)s")
+    parser.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    parser.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                        help="optimizer of the train step (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=4,
+                        help="tokens sampled by the generate workload (default: %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
+        raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
+    return {"workload": args.workload, "batch": args.batch, "seq": args.seq,
+            "optimizer": args.optimizer, "new_tokens": args.new_tokens}
 
 
 def _console(stderr: bool = False):
@@ -68,18 +91,43 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from ampscope.api import trace
     from ampscope.render.text import render_trace
 
-    if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
-        raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
+    options = _run_options(args)
     status = _console(stderr=True)
     with status.status(f"Tracing {args.model}: {args.workload} under {args.setting}…"):
-        result = trace(args.model, setting=args.setting, workload=args.workload,
-                       batch=args.batch, seq=args.seq, optimizer=args.optimizer,
-                       new_tokens=args.new_tokens)
+        result = trace(args.model, setting=args.setting, **options)
     if args.json:
         _write_json(result.to_json(), args.json)
         if args.json == "-":
             return 0
     _console().print(render_trace(result, ops=args.ops))
+    return 0
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from ampscope.api import matrix
+    from ampscope.render.matrix import render_matrix
+
+    options = _run_options(args)
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if not settings:
+        raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        console=_console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task(f"Building {args.model}…", total=len(settings))
+
+        def on_setting(i: int, name: str) -> None:
+            progress.update(task, completed=i, description=f"{args.workload} under {name}")
+
+        result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options)
+        progress.update(task, completed=len(settings))
+    if args.json:
+        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_matrix(result))
     return 0
 
 
@@ -130,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
-    commands = {"trace": cmd_trace, "models": cmd_models}
+    commands = {"trace": cmd_trace, "matrix": cmd_matrix, "models": cmd_models}
     try:
         return commands[args.command](args)
     except AmpscopeError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta
@@ -62,9 +62,18 @@ def _steps(calls: Sequence[ModuleCall]) -> list[list[ModuleCall]]:
     return steps
 
 
-def collapse_blocks(rows: list[FlowRow]) -> list[FlowRow]:
-    """Merge runs of consecutive, identical blocks of one container into ranged rows."""
-    out: list[FlowRow] = []
+def flow_key(row: FlowRow) -> tuple:
+    """What must be equal for two rows of consecutive blocks to merge (all but the name)."""
+    return (row.kind, row.inputs, row.outputs, row.note)
+
+
+def collapse_blocks(rows: list[R], key: Callable[[R], tuple] = flow_key) -> list[R]:
+    """Merge runs of consecutive, identical blocks of one container into ranged rows.
+
+    Rows are any dataclass with `name` and `repeats` (FlowRow, a matrix row); `key` gives
+    what must be equal, besides the name within the block, for blocks to merge.
+    """
+    out: list[R] = []
     i = 0
     while i < len(rows):
         head = split_block(rows[i].name)
@@ -74,7 +83,7 @@ def collapse_blocks(rows: list[FlowRow]) -> list[FlowRow]:
             continue
         container = head[0]
         # Gather the blocks of this container that follow one another: [(index, rows)]
-        blocks: list[tuple[int, list[FlowRow]]] = []
+        blocks: list[tuple[int, list[R]]] = []
         j = i
         while j < len(rows):
             parts = split_block(rows[j].name)
@@ -84,28 +93,28 @@ def collapse_blocks(rows: list[FlowRow]) -> list[FlowRow]:
                 blocks.append((parts[1], []))
             blocks[-1][1].append(rows[j])
             j += 1
-        out.extend(_merge_identical(container, blocks))
+        out.extend(_merge_identical(container, blocks, key))
         i = j
     return out
 
 
-def _signature(container: str, block: list[FlowRow]) -> tuple:
-    return tuple((split_block(r.name)[2], r.kind, r.inputs, r.outputs, r.note) for r in block)
+def _merge_identical(container: str, blocks: list[tuple[int, list[R]]],
+                     key: Callable[[R], tuple]) -> list[R]:
+    def signature(block: list[R]) -> tuple:
+        return tuple((split_block(r.name)[2], key(r)) for r in block)
 
-
-def _merge_identical(container: str, blocks: list[tuple[int, list[FlowRow]]]) -> list[FlowRow]:
-    out: list[FlowRow] = []
+    out: list[R] = []
     k = 0
     while k < len(blocks):
         first, rows = blocks[k]
-        sig = _signature(container, rows)
+        sig = signature(rows)
         last = k
         step = 0  # +1 in forward order, -1 in backward order
         while last + 1 < len(blocks):
             delta = blocks[last + 1][0] - blocks[last][0]
             if delta not in (1, -1) or (step and delta != step):
                 break
-            if _signature(container, blocks[last + 1][1]) != sig:
+            if signature(blocks[last + 1][1]) != sig:
                 break
             step, last = delta, last + 1
         count = last - k + 1
@@ -113,8 +122,7 @@ def _merge_identical(container: str, blocks: list[tuple[int, list[FlowRow]]]) ->
         label = f"{low}–{high}" if count > 1 else str(first)
         for r in rows:
             rest = split_block(r.name)[2]
-            out.append(FlowRow(f"{container}.{label}{rest}", r.kind, r.inputs, r.outputs,
-                               r.depth, r.repeats * count, r.note))
+            out.append(replace(r, name=f"{container}.{label}{rest}", repeats=r.repeats * count))
         k = last + 1
     return out
 

@@ -1,0 +1,150 @@
+"""Settings side by side: one row per module (repeated blocks collapsed), one cell per setting.
+
+The traces of one model and workload under several settings are aligned on the module calls of
+their first step (module names do not depend on the setting), so a cell holds what that module
+did in that setting; a cell that differs from the first setting's is marked. Below the modules,
+the whole-run facts: inputs, outputs, parameters, gradients, optimizer state, autocast casts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ampscope.analysis.flow import collapse_blocks, dtypes, module_label
+from ampscope.trace import Trace
+
+Cell = tuple[tuple[str, ...], tuple[str, ...]] | None  # (in dtypes, out dtypes); None: not run
+
+SCHEMA = "ampscope.matrix/1"
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    name: str
+    kind: str
+    depth: int
+    cells: tuple[Cell, ...]  # one per setting
+    repeats: int = 1
+
+    @property
+    def differs(self) -> tuple[bool, ...]:
+        """Per setting: does its cell differ from the first setting's?"""
+        return tuple(cell != self.cells[0] for cell in self.cells)
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    what: str  # "inputs", "loss", "parameters", "gradients", "optimizer state", ...
+    values: tuple[str, ...]  # one per setting
+
+    @property
+    def differs(self) -> tuple[bool, ...]:
+        return tuple(v != self.values[0] for v in self.values)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    model: str
+    workload: str
+    settings: tuple[dict, ...]  # each trace's setting (name, device, dtypes, ...)
+    rows: tuple[MatrixRow, ...]
+    summary: tuple[SummaryRow, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.get("name", "?") for s in self.settings)
+
+    def to_dict(self) -> dict:
+        def cell(c: Cell) -> dict | None:
+            return None if c is None else {"in": list(c[0]), "out": list(c[1])}
+
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "workload": self.workload,
+            "settings": list(self.settings),
+            "modules": [{"name": r.name, "type": r.kind, "depth": r.depth, "repeats": r.repeats,
+                         "cells": [cell(c) for c in r.cells], "differs": list(r.differs)}
+                        for r in self.rows],
+            "summary": [{"what": s.what, "values": list(s.values), "differs": list(s.differs)}
+                        for s in self.summary],
+        }
+
+
+def _first_step(trace: Trace) -> list:
+    """Forward module calls of the first call of the model (sampling calls it once a token)."""
+    calls = []
+    for c in trace.modules:
+        if c.phase != "forward":
+            continue
+        if c.depth == 0 and calls:
+            break
+        calls.append(c)
+    return calls
+
+
+def _module_rows(traces: list[Trace]) -> list[MatrixRow]:
+    """Rows in the first trace's call order; modules only some settings ran are appended."""
+    per_trace: list[dict[tuple[str, int], Cell]] = []
+    order: list[tuple[tuple[str, int], str, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for trace in traces:
+        cells: dict[tuple[str, int], Cell] = {}
+        occurrences: Counter = Counter()
+        for c in _first_step(trace):
+            key = (c.name, occurrences[c.name])  # a module called twice has two rows
+            occurrences[c.name] += 1
+            cells[key] = (dtypes(c.inputs), dtypes(c.outputs))
+            if key not in seen:
+                seen.add(key)
+                order.append((key, c.type, c.depth))
+        per_trace.append(cells)
+    rows = [MatrixRow(module_label(key[0]), kind, depth, tuple(t.get(key) for t in per_trace))
+            for key, kind, depth in order]
+    return collapse_blocks(rows, key=lambda r: (r.kind, r.cells))
+
+
+def _dtype_counts(values: list[str]) -> str:
+    """"float32" when all agree, else "float32 ×146, bfloat16 ×2"."""
+    if not values:
+        return "—"
+    counts = Counter(values)
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{d} ×{n}" for d, n in counts.most_common())
+
+
+def _summary(traces: list[Trace]) -> list[SummaryRow]:
+    def row(what: str, value) -> SummaryRow:
+        return SummaryRow(what, tuple(value(t) for t in traces))
+
+    rows = [
+        row("inputs", lambda t: ", ".join(f"{i.name} {i.dtype}" for i in t.inputs) or "—"),
+        row("outputs", lambda t: ", ".join(f"{o.name} {o.dtype}" for o in t.outputs) or "—"),
+        row("parameters", lambda t: _dtype_counts([p.dtype for p in t.parameters])),
+        row("buffers", lambda t: _dtype_counts([b.dtype for b in t.buffers])),
+        row("gradients", lambda t: _dtype_counts([p.grad_dtype for p in t.parameters
+                                                  if p.grad_dtype])),
+    ]
+    keys = list(dict.fromkeys(s.key for t in traces for s in t.optimizer_state))
+    for key in keys:
+        rows.append(row(f"optimizer {key}", lambda t, key=key: _dtype_counts(
+            [s.dtype for s in t.optimizer_state if s.key == key])))
+    rows.append(row("autocast casts", lambda t: str(sum(
+        1 for o in t.ops if o.autocast_cast and o.phase == "forward"))))
+    return [r for r in rows if any(v != "—" for v in r.values)]
+
+
+def build_matrix(traces: list[Trace]) -> Matrix:
+    """The side-by-side view of traces of one model and workload under several settings."""
+    if not traces:
+        raise ValueError("build_matrix needs at least one trace")
+    first = traces[0]
+    return Matrix(
+        model=first.model.name,
+        workload=first.workload,
+        settings=tuple(t.setting for t in traces),
+        rows=tuple(_module_rows(traces)),
+        summary=tuple(_summary(traces)),
+    )

@@ -1,0 +1,86 @@
+"""`ampscope matrix`: one workload under several settings, side by side."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+import ampscope
+from ampscope.analysis.compare import build_matrix
+from ampscope.cli import main
+from ampscope.render.matrix import render_matrix, short_names
+from ampscope.trace import ModelInfo, Trace
+from tests.test_flow import blocks, call
+from tests.test_render import check
+
+F32, BF16 = ("float32",), ("bfloat16",)
+
+
+@pytest.fixture(scope="module")
+def classic(request):
+    from ampscope.models import gpt2
+    lm = gpt2.load("gpt2-tiny")
+    return ampscope.matrix(lm, seq=8)
+
+
+def test_the_four_classic_settings_as_pytorch_runs_them(classic):
+    m, traces = classic
+    assert m.names == ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
+    rows = {r.name: r for r in m.rows}
+    c_attn = rows["transformer.h.0–1.attn.c_attn"]
+    assert c_attn.cells == ((F32, F32), (BF16, BF16), (F32, BF16), (BF16, BF16))
+    assert c_attn.differs == (False, True, True, True)
+    # LayerNorm on CPU follows its input: fp32 in the fp32-parameter settings, bf16 otherwise
+    assert rows["transformer.h.0–1.ln_1"].cells == ((F32, F32), (BF16, BF16), (F32, F32),
+                                                    (BF16, BF16))
+    summary = {s.what: s.values for s in m.summary}
+    assert summary["outputs"] == ("loss float32", "loss bfloat16", "loss float32", "loss float32")
+    assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
+    assert summary["optimizer exp_avg"] == ("float32", "bfloat16", "float32", "bfloat16")
+    assert summary["autocast casts"][:2] == ("0", "0") and int(summary["autocast casts"][2]) > 0
+    assert [t.setting["name"] for t in traces] == list(m.names)
+
+
+def test_a_module_run_in_one_setting_only_gets_empty_cells():
+    a = Trace(ModelInfo("m", "Net", 0), {"name": "fp32"}, "train", modules=blocks(2))
+    extra = blocks(2) + [call(99, "extra", "Linear", 1, (), ())]
+    b = Trace(ModelInfo("m", "Net", 0), {"name": "bf16"}, "train", modules=extra)
+    m = build_matrix([a, b])
+    assert m.rows[-1].name == "extra" and m.rows[-1].cells[0] is None
+    assert m.rows[-1].differs == (False, True)
+
+
+def test_short_names_are_relative_to_the_enclosing_row():
+    assert short_names([("(model)", 0), ("h.0–11", 1), ("h.0–11.attn", 2),
+                        ("h.0–11.attn.c_attn", 3), ("h.0–11.mlp", 2), ("lm_head", 1)]) == [
+        "(model)", "  h.0–11", "    attn", "      c_attn", "    mlp", "  lm_head"]
+
+
+def test_matrix_render_matches_golden():
+    a = Trace(ModelInfo("toy", "Net", 0), {"name": "fp32"}, "train", modules=blocks(3))
+    b = Trace(ModelInfo("toy", "Net", 0), {"name": "fp32+amp-bf16"}, "train",
+              modules=blocks(3, odd=1))
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(render_matrix(build_matrix([a, b])))
+    check("matrix.txt", out.getvalue())
+
+
+def test_cli_matrix_json(capsys):
+    code = main(["matrix", "gpt2-tiny", "--settings", "fp32,fp32+amp-bf16", "--seq", "4",
+                 "--json", "-"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["schema"] == "ampscope.matrix/1"
+    assert [s["name"] for s in data["settings"]] == ["fp32", "fp32+amp-bf16"]
+    lm_head = next(r for r in data["modules"] if r["name"] == "lm_head")
+    assert lm_head["cells"] == [{"in": ["float32"], "out": ["float32"]},
+                                {"in": ["float32"], "out": ["bfloat16"]}]
+    assert lm_head["differs"] == [False, True]
+
+
+def test_cli_matrix_bad_setting(capsys):
+    code = main(["matrix", "gpt2-tiny", "--settings", "fp32,fp33"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown parameter dtype 'fp33'" in err
