@@ -84,3 +84,26 @@ def test_cli_matrix_bad_setting(capsys):
     code = main(["matrix", "gpt2-tiny", "--settings", "fp32,fp33"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown parameter dtype 'fp33'" in err
+
+
+def test_opt_125m_per_layer_dtypes_in_the_four_classic_settings():
+    """Hugging Face OPT-125m (random weights from its published config) as PyTorch runs it."""
+    pytest.importorskip("transformers")
+    m, _ = ampscope.matrix("opt-125m", seq=8)
+    rows = {r.name: r.cells for r in m.rows}
+    layer = "model.decoder.layers.0–11"  # all twelve decoder layers run alike in every setting
+    lin = ((F32, F32), (BF16, BF16), (F32, BF16), (BF16, BF16))
+    follows_input = ((F32, F32), (BF16, BF16), (F32, F32), (BF16, BF16))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert rows[f"{layer}.self_attn.{proj}"] == lin
+    assert rows[f"{layer}.fc1"] == lin
+    # layer_norm on CPU autocast follows its input, which is the fp32 residual stream
+    assert rows[f"{layer}.self_attn_layer_norm"] == follows_input
+    assert rows[f"{layer}.final_layer_norm"] == follows_input
+    # out_proj and fc2 take what the previous Linear produced: bf16 under autocast
+    assert rows[f"{layer}.fc2"] == ((F32, F32), (BF16, BF16), (BF16, BF16), (BF16, BF16))
+    assert rows["lm_head"] == lin
+    summary = {s.what: s.values for s in m.summary}
+    # HF's causal-LM loss upcasts the logits: the loss is fp32 in every setting
+    assert summary["outputs"] == ("loss float32",) * 4
+    assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
