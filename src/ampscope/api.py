@@ -9,9 +9,10 @@ from torch import nn
 
 from ampscope import workloads
 from ampscope.analysis.compare import Matrix, build_matrix
+from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.capture.session import Capture
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.records import dtype_name
 from ampscope.settings import Setting, applied, check_available, parse_setting
@@ -119,9 +120,15 @@ def trace(
     with applied(setting, lm.module):
         capture = Capture(lm.module, model_name=lm.name, setting=setting.to_dict(),
                           workload=workload_name)
-        with capture.recording():
-            outputs = workloads.run(lm, workload, data, setting, optimizer=optimizer,
-                                    new_tokens=new_tokens, seed=seed)
+        try:
+            with capture.recording():
+                outputs = workloads.run(lm, workload, data, setting, optimizer=optimizer,
+                                        new_tokens=new_tokens, seed=seed)
+        except Exception as e:
+            diagnosis = diagnose(capture.failure)
+            if diagnosis is not None:
+                raise DtypeMismatchError(diagnosis) from e
+            raise
         result = capture.finish(inputs=data, outputs=outputs)
     result.findings = derive_findings(result)
     return result

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from ampscope.api import DEFAULT_MATRIX_SETTINGS
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, DtypeMismatchError
 
 DEFAULT_MODEL = "gpt2"
 DEFAULT_SETTING = "fp32+amp-bf16"
@@ -181,6 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "models": cmd_models}
     try:
         return commands[args.command](args)
+    except DtypeMismatchError as e:
+        if args.debug:
+            raise
+        # The diagnosis is the answer here: its lines follow the one-line error.
+        print(f"ampscope: error while tracing {args.model}: {one_line(str(e))}", file=sys.stderr)
+        for line in e.diagnosis.lines:
+            print(f"  {line}", file=sys.stderr)
+        return 2
     except AmpscopeError as e:
         if args.debug:
             raise

@@ -8,3 +8,15 @@ and is reported as such, with the traceback only under `--debug`.
 
 class AmpscopeError(Exception):
     """Bad input or an impossible request, explained in one line."""
+
+
+class DtypeMismatchError(AmpscopeError):
+    """The traced model failed because two tensors met in different dtypes.
+
+    `str(error)` is the one-line summary; `diagnosis.text()` adds each argument's dtype and
+    origin and the usual fixes. The model's own exception is the `__cause__`.
+    """
+
+    def __init__(self, diagnosis) -> None:
+        super().__init__(diagnosis.summary)
+        self.diagnosis = diagnosis

@@ -135,3 +135,23 @@ class InputRecord:
     role: str  # "input" or "target"
     dtype: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ArgumentOrigin:
+    """One tensor argument of a failed call, and where it came from."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    origin: str  # "parameter fc.weight", "model input x", "F.linear in fc at model.py:12"
+
+
+@dataclass(frozen=True)
+class FailedCall:
+    """The user-level call that raised, as the function mode saw it."""
+
+    func: str
+    module: str | None
+    source: str | None
+    arguments: tuple[ArgumentOrigin, ...]
+    error: str  # "RuntimeError: mat1 and mat2 must have the same dtype, ..."

@@ -18,9 +18,18 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampscope.analysis.flow import module_label
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
-from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, TensorMeta, dtype_name
+from ampscope.records import (
+    EXPLICIT_CASTS,
+    ArgumentOrigin,
+    FailedCall,
+    FunctionCall,
+    OpCall,
+    TensorMeta,
+    dtype_name,
+)
 from ampscope.settings import AUTOCAST_DEVICES
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
@@ -96,9 +105,14 @@ _DETACH = torch.ops.aten.detach.default
 
 
 class FunctionRecorder(TorchFunctionMode):
-    def __init__(self, tracker: ModuleTracker, phase: PhaseClock):
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock,
+                 names: dict[int, tuple[weakref.ref, str]] | None = None):
         super().__init__()
         self.calls: list[FunctionCall] = []
+        # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
+        # model inputs (added by the session) and the outputs of recorded calls.
+        self.origins: dict[int, tuple[weakref.ref, str]] = dict(names or {})
+        self.failure: FailedCall | None = None
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
         self._tracker = tracker
         self._phase = phase
@@ -136,18 +150,37 @@ class FunctionRecorder(TorchFunctionMode):
         self.current_autocast, self.current_source = autocast, source
         try:
             out = func(*args, **kwargs)
+        except Exception as e:
+            if self.failure is None:  # the innermost user-level call that raised
+                self.failure = FailedCall(
+                    name, module, source, tuple(ArgumentOrigin(m.dtype, m.shape, self.origin_of(t))
+                                                for t, m in zip(inputs, map(meta_of, inputs),
+                                                                strict=True)),
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                )
+            raise
         finally:
             self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
             self.current_phase = outer_phase
         outputs = _metas(out)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
+            where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
+            for t in tensors_in(out):
+                self.origins[id(t)] = (weakref.ref(t), where)
             self.calls.append(FunctionCall(
                 index=index, func=name, module=module,
                 phase=phase, inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
                 source=source, autocast=autocast,
             ))
         return out
+
+
+    def origin_of(self, t: torch.Tensor) -> str:
+        entry = self.origins.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return "unknown (made outside any recorded call)"
 
 
 class OpRecorder(TorchDispatchMode):

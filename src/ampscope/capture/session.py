@@ -14,6 +14,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.capture import inventory
 from ampscope.capture.modules import ModuleTracker, in_backward
@@ -69,9 +70,13 @@ class Capture:
         tracker.on_root_forward = self._on_root_forward
         tracker.on_backward_end = self._on_backward_end
         names: dict[int, tuple[weakref.ref, str]] = {}
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            names.setdefault(id(t), (weakref.ref(t), name))
-        self._functions = FunctionRecorder(tracker, clock)
+        origins: dict[int, tuple[weakref.ref, str]] = {}
+        for kind, named in (("parameter", model.named_parameters()),
+                            ("buffer", model.named_buffers())):
+            for name, t in named:
+                names.setdefault(id(t), (weakref.ref(t), name))
+                origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
+        self._functions = FunctionRecorder(tracker, clock, origins)
         self._ops = OpRecorder(tracker, clock, self._functions, names)
         self._handles = [
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
@@ -104,6 +109,8 @@ class Capture:
             except TypeError:
                 bound = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
             self._inputs = {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
+            for k, v in self._inputs.items():
+                self._functions.origins[id(v)] = (weakref.ref(v), f"model input {k}")
 
     def _on_step_begin(self, optimizer, args, kwargs) -> None:
         if not any(o is optimizer for o in self._optimizers):
@@ -115,6 +122,11 @@ class Capture:
 
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
+
+    @property
+    def failure(self):
+        """The user-level call that raised during the run, if one did (a `FailedCall`)."""
+        return self._functions.failure
 
     # -- running
     @contextlib.contextmanager
@@ -132,6 +144,10 @@ class Capture:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop()
+        if exc is not None and hasattr(exc, "add_note"):  # Python >= 3.11
+            diagnosis = diagnose(self.failure)
+            if diagnosis is not None:  # shown under the user's own traceback
+                exc.add_note("ampscope: " + diagnosis.text())
         if exc_type is None:
             self.finish()
             self.trace.findings = derive_findings(self.trace)
