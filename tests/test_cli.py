@@ -158,3 +158,40 @@ def test_models_json(capsys):
     assert code == 0 and data["schema"] == "ampscope.models/1"
     assert {"name": "gpt2", "family": "gpt2", "parameters": 124_439_808} .items() <= next(
         m for m in data["models"] if m["name"] == "gpt2").items()
+
+
+def test_diff_of_two_trace_files(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["trace", "gpt2-tiny", "-s", "fp32", "--seq", "4", "--json", str(a)]) == 0
+    assert main(["trace", "gpt2-tiny", "-s", "bf16", "--seq", "4", "--json", str(b)]) == 0
+    capsys.readouterr()
+    code, out, _ = run(capsys, "diff", str(a), str(b), "--json", "-")
+    data = json.loads(out)
+    assert code == 0 and data["schema"] == "ampscope.diff/1"
+    changed = {(t["category"], t["name"], t["a"], t["b"]) for t in data["tensors"]}
+    assert ("gradient", "lm_head.weight", "float32", "bfloat16") not in changed  # tied: one name
+    assert ("gradient", "transformer.wte.weight", "float32", "bfloat16") in changed
+
+
+def test_diff_of_two_settings_prints_tables(capsys):
+    code, out, _ = run(capsys, "diff", "fp32", "fp32+amp-bf16", "--model", "gpt2-tiny",
+                       "--seq", "4")
+    assert code == 0
+    assert "Autocast casts that appeared or disappeared" in out
+    assert "transformer.wte.weight" in out  # cast for the tied lm_head
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["diff", "/no/such.json", "fp32"], "two trace files or two settings"),
+    (["diff", "/no/such/a.json", "/no/such/b.json"], "cannot read /no/such/a.json"),
+])
+def test_diff_bad_input(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_diff_of_a_file_that_is_not_a_trace(tmp_path, capsys):
+    bogus = tmp_path / "x.json"
+    bogus.write_text('{"schema": "something/1"}')
+    code, _, err = run(capsys, "diff", str(bogus), str(bogus))
+    assert code == 2 and "is not an ampscope trace" in err

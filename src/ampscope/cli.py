@@ -46,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated settings (default: %(default)s)")
     _add_run_arguments(matrix)
 
+    diff = sub.add_parser("diff", help="what changed dtype between two traces or two settings")
+    diff.add_argument("a", help="a trace JSON file (from --json), or a setting")
+    diff.add_argument("b", help="a trace JSON file, or a setting")
+    diff.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                      help="model to trace when A and B are settings (default: %(default)s)")
+    _add_run_arguments(diff)
+    diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
+
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -131,6 +139,45 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_trace(path: str):
+    from ampscope.trace import Trace
+
+    try:
+        with open(path) as f:
+            return Trace.from_dict(json.load(f))
+    except OSError as e:
+        raise AmpscopeError(f"cannot read {path}: {e.strerror}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise AmpscopeError(f"{path} is not an ampscope trace (write one with "
+                            f"`ampscope trace MODEL --json {path}`): {e}") from e
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    import os
+
+    from ampscope.analysis.diff import diff_traces
+    from ampscope.render.diff import render_diff
+
+    files = [os.path.exists(x) or x.endswith(".json") for x in (args.a, args.b)]
+    if all(files):
+        a, b = _load_trace(args.a), _load_trace(args.b)
+    elif any(files):
+        raise AmpscopeError("give two trace files or two settings, not one of each")
+    else:
+        from ampscope.api import matrix
+
+        options = _run_options(args)
+        with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
+            _, (a, b) = matrix(args.model, settings=[args.a, args.b], **options)
+    result = diff_traces(a, b)
+    if args.json:
+        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_diff(result, args.a, args.b, ops=args.ops))
+    return 0
+
+
 def _write_json(text: str, path: str) -> None:
     """Write to PATH, or stdout for '-'; say where it went on stderr."""
     if path == "-":
@@ -178,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
-    commands = {"trace": cmd_trace, "matrix": cmd_matrix, "models": cmd_models}
+    commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
+                "models": cmd_models}
     try:
         return commands[args.command](args)
     except DtypeMismatchError as e:

@@ -1,0 +1,132 @@
+"""Terminal rendering of a `TraceDiff` with rich. Reads the report; computes nothing of its own."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.diff import DiffSummary, Side, TraceDiff, tensor_groups
+from ampscope.records import PHASES
+from ampscope.render.text import dtype_text, short_op
+
+WHICH_NAMES = 3  # names listed per group of tensor changes before "… N more"
+
+
+def side_text(side: Side | None) -> Text:
+    """"fp32 → bf16", or "absent" for a side that lacks the module or op."""
+    if side is None:
+        return Text("absent", style="dim")
+    text = dtype_text(side.inputs)
+    text.append(" → ")
+    text.append_text(dtype_text(side.outputs))
+    return text
+
+
+def one_dtype(dtype: str | None) -> Text:
+    return dtype_text([dtype]) if dtype is not None else Text("absent", style="dim")
+
+
+def diff_header(d: TraceDiff, label_a: str, label_b: str) -> Text:
+    text = Text()
+    text.append("A: ", style="dim")
+    text.append(label_a, style="bold")
+    text.append("  vs  ")
+    text.append("B: ", style="dim")
+    text.append(label_b, style="bold")
+    models = {d.a.get("model"), d.b.get("model")}
+    workloads = {d.a.get("workload"), d.b.get("workload")}
+    if len(models) == 1 and len(workloads) == 1:
+        text.append(f"  ({models.pop()}, {workloads.pop()})", style="dim")
+    return text
+
+
+def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False)
+    for col in columns:
+        # Names matter most: keep them on one line and let the other columns wrap instead.
+        table.add_column(col, justify="right" if col in right else "left",
+                         no_wrap=col in ("module", "tensor"), overflow="fold")
+    return table
+
+
+def module_table(d: TraceDiff, phase: str) -> Table | None:
+    rows = [m for m in d.modules if m.phase == phase]
+    if not rows:
+        return None
+    notes = any(m.note for m in rows)
+    table = _table(f"Modules that changed dtype, {phase}",
+                   ["module", "type", "A in → out", "B in → out"] + (["note"] if notes else []))
+    for m in rows:
+        table.add_row("  " * m.depth + m.name, m.type, side_text(m.a), side_text(m.b),
+                      *([Text(m.note, style="dim")] if notes else []))
+    return table
+
+
+def op_table(d: TraceDiff, phase: str) -> Table | None:
+    rows = [o for o in d.ops if o.phase == phase]
+    if not rows:
+        return None
+    table = _table(f"Ops that changed dtype, {phase}", ["module", "op", "×", "A in → out",
+                                                         "B in → out"], right=("×",))
+    for o in rows:
+        table.add_row(o.module, short_op(o.op), str(o.count), side_text(o.a), side_text(o.b))
+    return table
+
+
+def cast_table(d: TraceDiff) -> Table | None:
+    if not d.casts:
+        return None
+    table = _table("Autocast casts that appeared or disappeared",
+                   ["module", "tensor", "cast", "A", "B"], right=("A", "B"))
+    for c in d.casts:
+        cast = dtype_text([c.src])
+        cast.append(" → ")
+        cast.append_text(dtype_text([c.dst]))
+        tensor = Text(c.tensor) if c.tensor else Text("(activation)", style="dim")
+        phase = "" if c.phase == "forward" else f" ({c.phase})"
+        table.add_row(c.module + phase, tensor, cast, str(c.a), str(c.b))
+    return table
+
+
+def tensor_table(d: TraceDiff) -> Table | None:
+    if not d.tensors:
+        return None
+    table = _table("Tensors that changed dtype", ["category", "A", "B", "count", "which"],
+                   right=("count",))
+    for g in tensor_groups(d.tensors):
+        which = ", ".join(g.names[:WHICH_NAMES])
+        if len(g.names) > WHICH_NAMES:
+            which += f", … {len(g.names) - WHICH_NAMES} more"
+        table.add_row(g.category, one_dtype(g.a), one_dtype(g.b), str(len(g.names)), which)
+    return table
+
+
+def summary_text(s: DiffSummary) -> Text:
+    parts = [
+        f"{s.modules_changed} module calls changed dtype",
+        f"{s.ops_changed} ops changed dtype",
+        f"autocast casts {s.casts_a} → {s.casts_b} (+{s.casts_appeared} −{s.casts_disappeared})",
+        f"{s.tensors_changed} tensors changed dtype",
+    ]
+    only = [(s.modules_only_a, s.modules_only_b, "module calls"), (s.ops_only_a, s.ops_only_b, "ops"),
+            (s.tensors_only_a, s.tensors_only_b, "tensors")]
+    parts += [f"{na} {what} only in A, {nb} only in B" for na, nb, what in only if na or nb]
+    return Text("Summary: " + "; ".join(parts) + ".", style="italic")
+
+
+def render_diff(d: TraceDiff, label_a: str, label_b: str, *, ops: bool = False) -> RenderableType:
+    """Header, changed modules per phase, cast changes, tensor changes (and with `ops`, the
+    ops per phase), then the counts; a single line when the traces agree in every dtype."""
+    parts: list[RenderableType] = [diff_header(d, label_a, label_b), Text()]
+    if d.identical:
+        return Group(*parts, Text("no dtype differences", style="bold green"))
+    tables = [module_table(d, phase) for phase in PHASES]
+    tables += [cast_table(d), tensor_table(d)]
+    if ops:
+        tables += [op_table(d, phase) for phase in PHASES]
+    for table in tables:
+        if table is not None:
+            parts += [table, Text()]
+    parts.append(summary_text(d.summary))
+    return Group(*parts)
