@@ -38,7 +38,7 @@ class Finding:
 
     text: str
     cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "output-dtype",
-    #             "autocast-policy", "explicit-cast", "optimizer"
+    #             "autocast-policy", "type-promotion", "explicit-cast", "optimizer"
     source: str | None = None
 
 

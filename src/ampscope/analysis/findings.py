@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
+from ampscope.analysis.flow import FlowRow, collapse_blocks, module_label
 from ampscope.analysis.summary import itemsize, numel
-from ampscope.records import EXPLICIT_CASTS
+from ampscope.records import EXPLICIT_CASTS, ModuleCall
 from ampscope.trace import Finding, Trace
 
-_FLOATS = ("float64", "float32", "bfloat16", "float16")
+_FLOATS = tuple(FLOATS)
 
 
 def plural(n: int, noun: str) -> str:
@@ -85,17 +87,204 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
     return findings
 
 
-def autocast_cast_findings(trace: Trace) -> list[Finding]:
-    casts = [o for o in trace.ops if o.autocast_cast and o.phase == "forward"]
+def autocast_cast_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
+    """How many casts autocast inserted. A function's own casts (rms_norm computing in float32
+    and casting back) run while autocast is on but are not autocast's: they are left out."""
+    own = {c.op_index for c in changes if c.cause != "autocast-policy"}
+    casts = [o for o in trace.ops if o.autocast_cast and o.phase == "forward" and o.index not in own]
     if not casts:
         return []
-    total = sum(numel(o.outputs[0].shape) * itemsize(o.outputs[0].dtype) for o in casts if o.outputs)
+    total = sum(_nbytes(o.outputs[0]) for o in casts if o.outputs)
     param_casts = [o for o in casts if o.input_names and o.input_names[0]]
     targets = Counter(o.outputs[0].dtype for o in casts if o.outputs)
     dtype_text = ", ".join(f"{n} to {d}" for d, n in targets.items())
     text = (f"Autocast inserted {plural(len(casts), 'cast')} in the forward pass ({total / 1e6:.2f} MB): "
             f"{dtype_text}; {len(param_casts)} of them cast parameters or buffers.")
     return [Finding(text, "autocast-policy")]
+
+
+def _nbytes(meta) -> int:
+    return numel(meta.shape) * itemsize(meta.dtype)
+
+
+def autocast_weight_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
+    """Which parameters autocast casts on every forward: "the weights of every Linear"."""
+    types = {m.name: m.type for m in trace.modules if m.phase == "forward"}
+    owned = {p.name for p in trace.parameters} | {t for p in trace.parameters for t in p.tied_to}
+    casts = [c for c in by_cause(changes, "autocast-policy")
+             if c.input_names and c.input_names[0] and c.module in types]
+    findings = []
+    for (type_, src, dst), group_ in group(casts, lambda c: (types[c.module], c.inputs[0],
+                                                             c.output)).items():
+        of_type = {n for n, t in types.items() if t == type_}
+        parts = []
+        leaves = group(group_, lambda c: c.input_names[0].rsplit(".", 1)[-1])
+        for leaf in sorted(leaves, key=lambda leaf: leaf != "weight"):  # weights first
+            cast_modules = {c.module for c in leaves[leaf]}
+            having = {n for n in of_type if f"{n}.{leaf}" in owned} | cast_modules
+            quantity = _quantity(len(cast_modules), len(having), len(of_type), type_)
+            parts.append(f"the {leaf}{'es' if leaf.endswith('s') else 's'} of {quantity}")
+        size = sum(_nbytes(trace.ops[c.op_index].outputs[0]) for c in group_)
+        findings.append(Finding(
+            f"Autocast casts {' and '.join(parts)} to {dst} ({plural(len(group_), 'cast')} in the "
+            f"forward pass, {size / 1e6:.2f} MB); the {src} parameters themselves stay {src}.",
+            "autocast-policy"))
+    return findings
+
+
+def _quantity(cast: int, having: int, total: int, type_: str) -> str:
+    """"every Linear", "every Linear that has one", "12 of 13 Linears"."""
+    if cast == having:
+        return f"every {type_}" if having == total else f"every {type_} that has one"
+    return f"{cast} of {having} {type_}s"
+
+
+def autocast_policy_findings(changes: list[DtypeChange]) -> list[Finding]:
+    """One finding per user-level function autocast cast for: which dtype, which list."""
+    findings = []
+    for (function, out, list_), cs in group(by_cause(changes, "autocast-policy"),
+                                            lambda c: (c.function, c.output, c.detail)).items():
+        findings.append(Finding(
+            f"{function} runs in {out} under autocast: autocast policy ({list_}; "
+            f"{plural(len(cs), 'cast')}{_where(cs)}).", "autocast-policy", cs[0].source))
+    return findings
+
+
+def type_promotion_findings(changes: list[DtypeChange]) -> list[Finding]:
+    def key(c: DtypeChange) -> tuple:
+        return c.function, tuple(d for d in c.inputs if d in FLOATS), c.output, c.source, c.detail
+
+    findings = []
+    for (function, ins, out, source, detail), cs in group(by_cause(changes, "type-promotion"),
+                                                          key).items():
+        why = f"type promotion, {detail}" if detail else "type promotion"
+        findings.append(Finding(
+            f"{function} {' + '.join(ins)} → {out}: {why} ({len(cs)}×{_modules(cs)}"
+            f"{_where(cs, 1)}).", "type-promotion", source))
+    return findings
+
+
+def tensor_dtype_findings(changes: list[DtypeChange]) -> list[Finding]:
+    """Ops whose output dtype a parameter or buffer decides (an embedding lookup)."""
+    findings = []
+    decided = [c for c in changes if c.cause in ("parameter-dtype", "buffer-dtype")]
+    for (function, cause, ins, out, source), cs in group(
+            decided, lambda c: (c.function, c.cause, c.inputs, c.output, c.source)).items():
+        kind = cause.removesuffix("-dtype")
+        activations = [d for d, n in zip(ins, cs[0].input_names, strict=False) if n is None]
+        names = _collapsed(c.detail for c in cs)
+        findings.append(Finding(
+            f"{function} turns {'/'.join(dict.fromkeys(activations))} into {out}: {kind} "
+            f"{names} is {out}{f' (at {source})' if source else ''}.",
+            cause, source))
+    return findings
+
+
+def _collapsed(names) -> str:
+    rows = collapse_blocks([FlowRow(n, "", (), ()) for n in dict.fromkeys(names)])
+    return _names([r.name for r in rows])
+
+
+def _modules(cs: list[DtypeChange]) -> str:
+    modules = [module_label(c.module) for c in cs]
+    return f" in {_collapsed(modules)}" if modules else ""
+
+
+def _where(cs: list[DtypeChange], limit: int = 2) -> str:
+    sources = list(dict.fromkeys(c.source for c in cs if c.source))
+    if not sources:
+        return ""
+    more = f" and {plural(len(sources) - limit, 'more place')}" if len(sources) > limit else ""
+    return f", at {', '.join(sources[:limit])}{more}"
+
+
+def activation_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
+    """Where activations enter each floating dtype, from module outputs in dataflow order
+    (a module's output exists when it returns: children before their parent)."""
+    flow = [(c, d) for c in _post_order(_first_step(trace.modules))
+            if (d := next((m.dtype for m in c.outputs if m.dtype in FLOATS), None))]
+    if not flow:
+        return []
+    runs: list[list[tuple[ModuleCall, str]]] = []
+    for c, d in flow:
+        if runs and runs[-1][-1][1] == d:
+            runs[-1].append((c, d))
+        else:
+            runs.append([(c, d)])
+    first = runs[1] if len(runs) > 1 else runs[0]
+    # The finding's cause: the first change into a new dtype that has one, else the entry.
+    found = (_entry_cause(changes, run[0][0], run[0][1]) for run in [*runs[1:], runs[0]])
+    cause, source = next((f for f in found if f), None) or _born_cause(trace, runs[0][0][1])
+    if len(runs) == 1:
+        return [Finding(f"Activations are {runs[0][0][1]} out of every module "
+                        f"({plural(len(flow), 'module call')}).", cause, source)]
+    if len(runs) <= 3:
+        parts = []
+        for run in runs:
+            (head, d), tail = run[0], run[-1][0]
+            span = (f"{d} at {module_label(head.name)}" if head is tail
+                    else f"{d} from {module_label(head.name)} through {module_label(tail.name)}")
+            parts.append(span)
+        return [Finding(f"Activations are {'; then '.join(parts)}.", cause, source)]
+    by_type: dict[str, Counter] = defaultdict(Counter)
+    for c, d in flow:
+        by_type[c.type][d] += 1
+    lists: dict[str, list[str]] = defaultdict(list)
+    mixed = []
+    for type_, counts in by_type.items():
+        if len(counts) == 1:
+            lists[next(iter(counts))].append(type_)
+        else:
+            mixed.append(f"{type_} ({', '.join(f'{n} {d}' for d, n in counts.items())})")
+    parts = [f"{d} out of {', '.join(ts)}" for d, ts in lists.items()]
+    if mixed:
+        parts.append(f"either out of {', '.join(mixed)}")
+    return [Finding(
+        f"Activations are {runs[0][0][1]} out of {module_label(runs[0][0][0].name)}, enter "
+        f"{first[0][1]} at {module_label(first[0][0].name)} and go back and forth: "
+        f"{'; '.join(parts)}.", cause, source)]
+
+
+def _first_step(modules: list[ModuleCall]) -> list[ModuleCall]:
+    """Forward module calls up to the second call of the outermost module (sampling steps)."""
+    out: list[ModuleCall] = []
+    for m in modules:
+        if m.phase != "forward":
+            continue
+        if out and m.depth == 0:
+            break
+        out.append(m)
+    return out
+
+
+def _post_order(calls: list[ModuleCall]) -> list[ModuleCall]:
+    """Calls in the order they return: a call returns after all deeper calls that follow it."""
+    out: list[ModuleCall] = []
+    open_: list[ModuleCall] = []
+    for c in calls:
+        while open_ and open_[-1].depth >= c.depth:
+            out.append(open_.pop())
+        open_.append(c)
+    out.extend(reversed(open_))
+    return out
+
+
+def _entry_cause(changes: list[DtypeChange], module: ModuleCall,
+                 dtype: str) -> tuple[str, str | None] | None:
+    """The cause and source of the first change into `dtype` inside `module`, if any."""
+    prefix = f"{module.name}." if module.name else ""
+    for c in changes:
+        inside = c.module is not None and (c.module == module.name or c.module.startswith(prefix))
+        if c.output == dtype and inside and c.cause != "op-defined":
+            return c.cause, c.source
+    return None
+
+
+def _born_cause(trace: Trace, dtype: str) -> tuple[str, None]:
+    """Activations born in `dtype` with no change into it: the parameters' or inputs' dtype."""
+    if any(p.dtype == dtype for p in trace.parameters):
+        return "parameter-dtype", None
+    return "input-dtype", None
 
 
 def output_findings(trace: Trace) -> list[Finding]:
@@ -128,12 +317,18 @@ def optimizer_findings(trace: Trace) -> list[Finding]:
 
 
 def derive_findings(trace: Trace) -> list[Finding]:
+    changes = dtype_changes(trace)
     return [
         *parameter_findings(trace),
         *buffer_findings(trace),
         *input_findings(trace),
+        *activation_findings(trace, changes),
+        *tensor_dtype_findings(changes),
         *explicit_cast_findings(trace),
-        *autocast_cast_findings(trace),
+        *autocast_cast_findings(trace, changes),
+        *autocast_weight_findings(trace, changes),
+        *autocast_policy_findings(changes),
+        *type_promotion_findings(changes),
         *output_findings(trace),
         *gradient_findings(trace),
         *optimizer_findings(trace),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -104,6 +105,18 @@ _SKIPPED_NAMESPACES = frozenset({"profiler"})
 _DETACH = torch.ops.aten.detach.default
 
 
+def _unmark_round_trips(ops: list[OpCall], start: int) -> None:
+    """Casts a function makes itself are not autocast's: autocast casts a call's inputs and
+    never casts its result back, so a cast out (bf16 → fp32) and the cast back (fp32 → bf16)
+    under one call are the function's own (CPU `rms_norm` computes in fp32 this way)."""
+    casts = [i for i in range(start, len(ops)) if ops[i].autocast_cast]
+    pairs = {(ops[i].inputs[0].dtype, ops[i].outputs[0].dtype) for i in casts}
+    for i in casts:
+        src, dst = ops[i].inputs[0].dtype, ops[i].outputs[0].dtype
+        if (dst, src) in pairs:
+            ops[i] = replace(ops[i], autocast_cast=False)
+
+
 class FunctionRecorder(TorchFunctionMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock,
                  names: dict[int, tuple[weakref.ref, str]] | None = None):
@@ -113,6 +126,7 @@ class FunctionRecorder(TorchFunctionMode):
         # model inputs (added by the session) and the outputs of recorded calls.
         self.origins: dict[int, tuple[weakref.ref, str]] = dict(names or {})
         self.failure: FailedCall | None = None
+        self.op_log: list[OpCall] | None = None  # the OpRecorder's list, set by it
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
         self._tracker = tracker
         self._phase = phase
@@ -162,6 +176,8 @@ class FunctionRecorder(TorchFunctionMode):
         finally:
             self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
             self.current_phase = outer_phase
+        if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
+            _unmark_round_trips(self.op_log, ops_before)
         outputs = _metas(out)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
@@ -188,6 +204,7 @@ class OpRecorder(TorchDispatchMode):
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
         self.ops: list[OpCall] = []
+        functions.op_log = self.ops
         self._tracker = tracker
         self._phase = phase
         self._functions = functions
