@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     _add_run_arguments(trace)
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
+    trace.add_argument("--diagram", action="store_true",
+                       help="draw the dtype flow of one forward pass, one block drawn once")
 
     matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
     _add_model_argument(matrix)
@@ -107,7 +109,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _write_json(result.to_json(), args.json)
         if args.json == "-":
             return 0
-    _console().print(render_trace(result, ops=args.ops))
+    _console().print(render_trace(result, ops=args.ops, diagram=args.diagram))
     return 0
 
 

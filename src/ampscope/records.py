@@ -79,6 +79,7 @@ class FunctionCall:
     outputs: tuple[TensorMeta, ...]
     source: str | None  # "model.py:61" in user code
     autocast: str | None  # autocast dtype in force ("bfloat16"), None when disabled
+    step: int = 0  # how many times the model had been called when this call ran (1 = first)
 
 
 @dataclass(frozen=True)

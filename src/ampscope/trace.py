@@ -110,7 +110,7 @@ class Trace:
             calls=[
                 FunctionCall(c.get("index", i), c["func"], c["module"], c["phase"],
                              _metas(c["in"], c.get("in_shapes")), _metas(c["out"], c.get("out_shapes")),
-                             c.get("source"), c.get("autocast"))
+                             c.get("source"), c.get("autocast"), c.get("step", 0))
                 for i, c in enumerate(data.get("calls", []))
             ],
             parameters=[
@@ -163,7 +163,7 @@ def _op(o: OpCall) -> dict:
 
 
 def _call(c: FunctionCall) -> dict:
-    return {"index": c.index, "func": c.func, "module": c.module, "phase": c.phase, "in": _dtypes(c.inputs),
+    return {"index": c.index, "step": c.step, "func": c.func, "module": c.module, "phase": c.phase, "in": _dtypes(c.inputs),
             "out": _dtypes(c.outputs), "source": c.source, "autocast": c.autocast,
             "in_shapes": _shapes(c.inputs), "out_shapes": _shapes(c.outputs)}
 

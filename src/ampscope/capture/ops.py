@@ -127,6 +127,7 @@ class FunctionRecorder(TorchFunctionMode):
         self.origins: dict[int, tuple[weakref.ref, str]] = dict(names or {})
         self.failure: FailedCall | None = None
         self.op_log: list[OpCall] | None = None  # the OpRecorder's list, set by it
+        self.step = 0  # calls of the model so far, counted by the session
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
         self._tracker = tracker
         self._phase = phase
@@ -187,7 +188,7 @@ class FunctionRecorder(TorchFunctionMode):
             self.calls.append(FunctionCall(
                 index=index, func=name, module=module,
                 phase=phase, inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
-                source=source, autocast=autocast,
+                source=source, autocast=autocast, step=self.step,
             ))
         return out
 

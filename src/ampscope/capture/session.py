@@ -101,6 +101,7 @@ class Capture:
 
     def _on_root_forward(self) -> None:
         self._clock.after_backward = False  # a new step begins
+        self._functions.step += 1
 
     def _on_model_call(self, module, args, kwargs) -> None:
         if self._inputs is None:

@@ -87,7 +87,7 @@ def findings_list(trace: Trace) -> Text:
     return text
 
 
-def render_trace(trace: Trace, *, ops: bool = False) -> RenderableType:
+def render_trace(trace: Trace, *, ops: bool = False, diagram: bool = False) -> RenderableType:
     flow = module_flow(trace.modules)
     parts: list[RenderableType] = [header(trace), Text(), inventory_table(trace), Text(),
                                    flow_table(flow, "Modules, forward pass")]
@@ -106,5 +106,11 @@ def render_trace(trace: Trace, *, ops: bool = False) -> RenderableType:
             rows = op_flow(trace.ops, phase)
             if rows:
                 parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
+    if diagram:
+        from ampscope.analysis.diagram import build_diagram
+        from ampscope.render.diagram import render_diagram
+
+        parts += [Text(), Text("Dtype flow of one forward pass", style="italic"),
+                  render_diagram(build_diagram(trace))]
     parts += [Text(), findings_list(trace)]
     return Group(*parts)

@@ -1,0 +1,154 @@
+"""The dtype flow of one forward pass, as people draw it by hand.
+
+token ids → embedding → norm → q/k/v → attention → out proj → residual add → norm → MLP →
+residual add → … → lm_head → loss, each step with the dtypes in and out, and the casts
+autocast inserted under it. Drawn from the user-level calls of the trace's first step, for any
+model: a step is kept when it is one of the calls people draw (norms, linears, attention,
+activations, the loss), a residual add, or any call that changes a floating dtype. Identical
+consecutive blocks (`transformer.h.0` … `h.11`) are drawn once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ampscope.analysis.flow import split_block
+from ampscope.records import EXPLICIT_CASTS, FunctionCall
+from ampscope.trace import Trace
+
+# Calls that are the nodes of a hand-drawn transformer diagram, by their last name.
+DRAWN = frozenset({
+    "embedding", "layer_norm", "rms_norm", "group_norm", "batch_norm", "linear", "conv1d",
+    "conv2d", "scaled_dot_product_attention", "softmax", "log_softmax", "matmul", "bmm",
+    "gelu", "relu", "silu", "tanh", "square", "cross_entropy", "nll_loss", "mse_loss",
+})
+ADDS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_"})
+_FLOATS = frozenset({"float64", "float32", "bfloat16", "float16"})
+# Ops whose first tensor input is the activation (the others are weights and biases).
+_ACTIVATION_FIRST = frozenset({"embedding", "layer_norm", "rms_norm", "group_norm",
+                               "batch_norm", "linear", "conv1d", "conv2d"})
+
+
+@dataclass(frozen=True)
+class DiagramStep:
+    func: str  # "linear", "add", "scaled_dot_product_attention", "float"
+    module: str  # qualified name, "" for the model itself
+    inputs: tuple[str, ...]  # dtypes of the activations flowing in
+    output: str
+    casts: tuple[tuple[str, str, str], ...] = ()  # autocast casts under it: (what, from, to)
+    note: str = ""  # "explicit cast at model.py:12", "residual add"
+
+
+@dataclass(frozen=True)
+class DiagramSection:
+    block: str | None  # "transformer.h.0" for a block; None before and after the blocks
+    label: str  # "transformer.h.0–11" when several identical blocks are drawn once
+    steps: tuple[DiagramStep, ...]
+
+
+@dataclass(frozen=True)
+class Diagram:
+    inputs: tuple[tuple[str, str], ...]  # (name, dtype)
+    sections: tuple[DiagramSection, ...]
+    outputs: tuple[tuple[str, str], ...]
+
+
+def _short(func: str) -> str:
+    return func.rsplit(".", 1)[-1]
+
+
+def _floats(dtypes) -> set[str]:
+    return {d for d in dtypes if d in _FLOATS}
+
+
+def _step(call: FunctionCall, casts: tuple[tuple[str, str, str], ...]) -> DiagramStep | None:
+    name = _short(call.func)
+    ins = tuple(m.dtype for m in call.inputs)
+    out = call.outputs[0].dtype if call.outputs else "—"
+    changes = bool(_floats(ins)) and out in _FLOATS and _floats(ins) != {out}
+    residual = name in ADDS and len(_floats(ins)) >= 1 and len(call.inputs) == 2 and (
+        call.module == "" or (split_block(call.module or "") or ("", 0, "x"))[2] == "")
+    explicit = call.func in EXPLICIT_CASTS and changes
+    if not (name in DRAWN or residual or changes or casts):
+        return None
+    shown = ins[:1] if name in _ACTIVATION_FIRST else ins
+    note = ("explicit cast" + (f" at {call.source}" if call.source else "")) if explicit else (
+        "residual add" if residual else "")
+    if changes and not explicit and not casts and len(_floats(ins)) > 1:
+        note = ", ".join(filter(None, (note, "type promotion")))
+    return DiagramStep(name, call.module or "", shown, out, casts, note)
+
+
+def _casts_by_call(trace: Trace) -> dict[int, tuple[tuple[str, str, str], ...]]:
+    casts: dict[int, list[tuple[str, str, str]]] = defaultdict(list)
+    for op in trace.ops:
+        if op.autocast_cast and op.caller is not None and op.inputs and op.outputs:
+            what = op.input_names[0].rsplit(".", 1)[-1] if op.input_names[0] else "input"
+            casts[op.caller].append((what, op.inputs[0].dtype, op.outputs[0].dtype))
+    return {k: tuple(v) for k, v in casts.items()}
+
+
+def _first_step_calls(trace: Trace) -> list[FunctionCall]:
+    """Forward calls made before the model's second call (sampling calls it once a token)."""
+    return [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
+
+
+def build_diagram(trace: Trace) -> Diagram:
+    casts = _casts_by_call(trace)
+    steps = [_step(call, casts.get(call.index, ())) for call in _first_step_calls(trace)]
+    sections: list[DiagramSection] = []
+    current: tuple[str | None, list[DiagramStep]] = (None, [])
+    for step in filter(None, steps):
+        parts = split_block(step.module) if step.module else None
+        block = f"{parts[0]}.{parts[1]}" if parts else None
+        if block != current[0]:
+            if current[1]:
+                sections.append(DiagramSection(current[0], current[0] or "", tuple(current[1])))
+            current = (block, [])
+        current[1].append(step)
+    if current[1]:
+        sections.append(DiagramSection(current[0], current[0] or "", tuple(current[1])))
+    return Diagram(
+        inputs=tuple((i.name, i.dtype) for i in trace.inputs),
+        sections=tuple(_collapse(sections)),
+        outputs=tuple((o.name, o.dtype) for o in trace.outputs),
+    )
+
+
+def _relative(step: DiagramStep, block: str | None) -> tuple:
+    module = step.module[len(block) + 1:] if block and step.module.startswith(block + ".") else (
+        "" if step.module == block else step.module)
+    return (step.func, module, step.inputs, step.output, step.casts, step.note)
+
+
+def _collapse(sections: list[DiagramSection]) -> list[DiagramSection]:
+    """Consecutive blocks of one container with identical steps are drawn once."""
+    out: list[DiagramSection] = []
+    run: list[DiagramSection] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        first, last = run[0], run[-1]
+        label = first.block
+        if len(run) > 1:
+            container = split_block(first.block)[0]
+            label = (f"{container}.{split_block(first.block)[1]}–{split_block(last.block)[1]}"
+                     f"  (× {len(run)}, drawn once)")
+        out.append(DiagramSection(first.block, label, first.steps))
+        run.clear()
+
+    for s in sections:
+        same = run and s.block and run[-1].block and \
+            split_block(s.block)[0] == split_block(run[-1].block)[0] and \
+            [_relative(x, s.block) for x in s.steps] == [_relative(x, run[-1].block)
+                                                         for x in run[-1].steps]
+        if not same:
+            flush()
+        if s.block is None:
+            out.append(s)
+        else:
+            run.append(s)
+    flush()
+    return out
