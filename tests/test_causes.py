@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +258,28 @@ def test_a_deliberate_half_names_this_file_and_line():
     scale = line_of(HalfHead.forward, "h * self.scale")
     [c] = [c for c in dtype_changes(t) if c.source == scale]
     assert (c.cause, c.detail, c.output) == ("parameter-dtype", "scale", "float32")
+
+
+def test_nanochat_d4_findings_on_cpu():
+    """The issue's list for nanochat-d4 (fp32 parameters, bf16 autocast), derived from traces."""
+    import ampscope
+    import ampscope.models.nanochat as nc
+
+    train = ampscope.trace("nanochat-d4", setting="fp32+amp-bf16", seq=16)
+    sample = ampscope.trace("nanochat-d4", setting="fp32+amp-bf16", workload="generate", seq=8)
+    texts = {f.text: f for f in train.findings}
+    assert "All 26 parameters are float32." in texts
+    assert "Buffers cos, sin are bfloat16." in texts
+    assert "Inputs: idx int32, targets int64." in texts
+    assert "Inputs: idx int64." in {f.text for f in sample.findings}
+    float_line = 1 + next(i for i, line in enumerate(
+        Path(nc.__file__).read_text().splitlines()) if "logits = logits.float()" in line)
+    cast = texts[f"bfloat16 → float32 by an explicit float() at nanochat.py:{float_line}."]
+    assert cast.cause == "explicit-cast" and cast.source == f"nanochat.py:{float_line}"
+    assert any(t.startswith("Activations are float32 out of transformer.wte, enter bfloat16 at "
+                            "transformer.h.0.attn.c_q") for t in texts)
+    assert any(t.startswith("add float32 + bfloat16 → float32: type promotion (4× in "
+                            "transformer.h.0–3") for t in texts)
+    assert any(t.startswith("Autocast casts the weights of every Linear to bfloat16") for t in texts)
+    assert "Gradients have their parameters' dtypes (26 gradients)." in texts
+    assert "The loss is float32." in texts
