@@ -58,4 +58,4 @@ def test_cli_diagram(capsys):
     out = capsys.readouterr().out
     assert "Dtype flow of one forward pass" in out
     assert "┌ transformer.h.0–1  (× 2, drawn once)" in out
-    assert "autocast: " in out and "⇒" in out
+    assert "autocast → bf16: " in out and "⇒" in out

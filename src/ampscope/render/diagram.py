@@ -12,6 +12,19 @@ def _dtype(d: str) -> Text:
     return Text(SHORT_DTYPES.get(d, d), style=DTYPE_STYLES.get(d, "yellow"))
 
 
+# Short names people write in diagrams, for the calls whose torch names are long.
+SHORT_FUNCS = {"scaled_dot_product_attention": "sdpa"}
+
+
+def _casts_note(casts: tuple[tuple[str, str, str], ...]) -> str:
+    """"autocast → bf16: input, weight" (grouped by the dtype they were cast to)."""
+    by_target: dict[str, list[str]] = {}
+    for what, _src, dst in casts:
+        by_target.setdefault(dst, []).append(what)
+    return "; ".join(f"autocast → {SHORT_DTYPES.get(d, d)}: {', '.join(dict.fromkeys(w))}"
+                     for d, w in by_target.items())
+
+
 def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
     module = step.module
     if block and module.startswith(block + "."):
@@ -19,8 +32,8 @@ def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
     elif module == block or module == "":
         module = "(block)" if block else "(model)"
     line = Text(f"{indent}├─ ")
-    line.append(f"{step.func:<29}", style="bold")
-    line.append(f" {module:<24} ")
+    line.append(f"{SHORT_FUNCS.get(step.func, step.func):<13}", style="bold")
+    line.append(f" {module:<16} ")
     for i, d in enumerate(step.inputs):
         if i:
             line.append(" + ")
@@ -30,12 +43,11 @@ def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
     line.append_text(_dtype(step.output))
     notes = []
     if step.casts:
-        notes.append("autocast: " + ", ".join(
-            f"{what} {SHORT_DTYPES.get(a, a)}→{SHORT_DTYPES.get(b, b)}" for what, a, b in step.casts))
+        notes.append(_casts_note(step.casts))
     if step.note:
         notes.append(step.note)
     if notes:
-        line.append("   [" + "; ".join(notes) + "]", style="dim")
+        line.append("  [" + "; ".join(notes) + "]", style="dim")
     return line
 
 
@@ -58,6 +70,6 @@ def render_diagram(diagram: Diagram) -> Text:
     outputs = ", ".join(f"{n} {SHORT_DTYPES.get(d, d)}" for n, d in diagram.outputs)
     text.append("   │\n")
     text.append(f"  {outputs}\n")
-    text.append("  → dtype kept   ⇒ dtype changed   [autocast: casts autocast inserted]",
+    text.append("  → dtype kept   ⇒ dtype changed   [autocast → X: what autocast cast to X]",
                 style="dim")
     return text

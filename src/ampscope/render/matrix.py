@@ -52,10 +52,11 @@ def render_matrix(matrix: Matrix) -> RenderableType:
 
     modules = Table(title="Modules, forward pass: in → out", title_justify="left",
                     show_edge=False)
-    modules.add_column("module", overflow="fold")
-    modules.add_column("type", overflow="ellipsis", max_width=20)
+    # Module names get room first; on a narrow terminal a cell wraps inside its column.
+    modules.add_column("module", overflow="fold", min_width=14)
+    modules.add_column("type", overflow="ellipsis", max_width=10)
     for name in names:
-        modules.add_column(name, no_wrap=True)
+        modules.add_column(name)
     labels = short_names([(row.name, row.depth) for row in matrix.rows])
     for label, row in zip(labels, matrix.rows, strict=True):
         modules.add_row(Text(label), row.kind,
