@@ -144,8 +144,9 @@ def test_autocast_weight_casts_say_every_linear():
            op(2, CAST, (F32,), (BF16,), 1, True, ("b.weight",), "b")]
     params = [ParameterRecord(f"{n}.weight", "float32", (2, 4), True, None) for n in "ab"]
     t = toy(calls, ops, modules=mods, parameters=params)
-    assert ("Autocast casts the weights of every Linear to bfloat16 (2 casts in the forward "
-            "pass, 0.00 MB); the float32 parameters themselves stay float32.") in texts(t)
+    assert ("Autocast inserted 3 casts in the forward pass (0.00 MB): 3 to bfloat16; among them "
+            "the weights of every Linear to bfloat16 (2 casts, 0.00 MB) (the parameters "
+            "themselves keep their dtype).") in texts(t)
     [flow] = [f for f in derive_findings(t) if f.text.startswith("Activations")]
     assert (flow.text, flow.cause) == ("Activations are bfloat16 out of every module "
                                        "(3 module calls).", "autocast-policy")
@@ -212,7 +213,7 @@ def test_nanochat_amp_causes(nanochat_amp):
     assert f.source == cast and cast in f.text
     finding(t, "autocast-policy", "linear runs in bfloat16 under autocast: autocast policy "
                                   "(lower-precision list")
-    finding(t, "autocast-policy", "Autocast casts the weights of every Linear to bfloat16")
+    finding(t, "autocast-policy", "among them the weights of every Linear to bfloat16")
     # rms_norm's own float32 round trip is not counted among autocast's casts
     assert {c.function for c in dtype_changes(t) if c.cause == "op-defined"} == {"rms_norm"}
 
@@ -280,6 +281,7 @@ def test_nanochat_d4_findings_on_cpu():
                             "transformer.h.0.attn.c_q") for t in texts)
     assert any(t.startswith("add float32 + bfloat16 → float32: type promotion (4× in "
                             "transformer.h.0–3") for t in texts)
-    assert any(t.startswith("Autocast casts the weights of every Linear to bfloat16") for t in texts)
+    assert any(t.startswith("Autocast inserted") and
+               "among them the weights of every Linear to bfloat16" in t for t in texts)
     assert "Gradients have their parameters' dtypes (26 gradients)." in texts
     assert "The loss is float32." in texts

@@ -151,7 +151,7 @@ def _load_trace(path: str):
         raise AmpscopeError(f"cannot read {path}: {e.strerror}") from e
     except (ValueError, KeyError, TypeError) as e:
         raise AmpscopeError(f"{path} is not an ampscope trace (write one with "
-                            f"`ampscope trace MODEL --json {path}`): {e}") from e
+                            f"`ampscope trace MODEL --json FILE`): {e}") from e
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The one exception type users see.
+"""The exceptions users see: `AmpscopeError`, and its `DtypeMismatchError` with a diagnosis.
 
 An `AmpscopeError` carries a one-line message that says what went wrong and what to do. The CLI
 prints it and exits with status 2; any other exception is a bug (or comes from the user's model)

@@ -67,10 +67,14 @@ def _step(call: FunctionCall, casts: tuple[tuple[str, str, str], ...]) -> Diagra
     ins = tuple(m.dtype for m in call.inputs)
     out = call.outputs[0].dtype if call.outputs else "—"
     changes = bool(_floats(ins)) and out in _FLOATS and _floats(ins) != {out}
-    residual = name in ADDS and len(_floats(ins)) >= 1 and len(call.inputs) == 2 and (
-        call.module == "" or (split_block(call.module or "") or ("", 0, "x"))[2] == "")
+    # A residual add runs in a block itself (`x = x + self.attn(...)` in Block.forward), not in
+    # one of its children and not in the model (where token and position embeddings are added).
+    block = split_block(call.module) if call.module else None
+    residual = name in ADDS and len(call.inputs) == 2 and block is not None and block[2] == ""
     explicit = call.func in EXPLICIT_CASTS and changes
-    if not (name in DRAWN or residual or changes or casts):
+    # Adds in the model itself are drawn too (token + position embeddings), unlabelled.
+    top_level_add = name in ADDS and len(call.inputs) == 2 and call.module == ""
+    if not (name in DRAWN or residual or top_level_add or changes or casts):
         return None
     shown = ins[:1] if name in _ACTIVATION_FIRST else ins
     note = ("explicit cast" + (f" at {call.source}" if call.source else "")) if explicit else (

@@ -88,34 +88,41 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
 
 
 def autocast_cast_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
-    """How many casts autocast inserted. A function's own casts (rms_norm computing in float32
-    and casting back) run while autocast is on but are not autocast's: they are left out."""
+    """How many casts autocast inserted, and which parameters it cast on every forward ("the
+    weights of every Linear"). A function's own casts (rms_norm computing in float32 and
+    casting back) run while autocast is on but are not autocast's: they are left out."""
     own = {c.op_index for c in changes if c.cause != "autocast-policy"}
     casts = [o for o in trace.ops if o.autocast_cast and o.phase == "forward" and o.index not in own]
     if not casts:
         return []
     total = sum(_nbytes(o.outputs[0]) for o in casts if o.outputs)
-    param_casts = [o for o in casts if o.input_names and o.input_names[0]]
     targets = Counter(o.outputs[0].dtype for o in casts if o.outputs)
     dtype_text = ", ".join(f"{n} to {d}" for d, n in targets.items())
-    text = (f"Autocast inserted {plural(len(casts), 'cast')} in the forward pass ({total / 1e6:.2f} MB): "
-            f"{dtype_text}; {len(param_casts)} of them cast parameters or buffers.")
-    return [Finding(text, "autocast-policy")]
+    text = (f"Autocast inserted {plural(len(casts), 'cast')} in the forward pass "
+            f"({total / 1e6:.2f} MB): {dtype_text}")
+    clauses = _parameter_cast_clauses(trace, changes)
+    if clauses:
+        text += "; among them " + "; ".join(clauses) + " (the parameters themselves keep their dtype)"
+    else:
+        param_casts = [o for o in casts if o.input_names and o.input_names[0]]
+        text += f"; {len(param_casts)} of them cast parameters or buffers"
+    return [Finding(text + ".", "autocast-policy")]
 
 
 def _nbytes(meta) -> int:
     return numel(meta.shape) * itemsize(meta.dtype)
 
 
-def autocast_weight_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
-    """Which parameters autocast casts on every forward: "the weights of every Linear"."""
+def _parameter_cast_clauses(trace: Trace, changes: list[DtypeChange]) -> list[str]:
+    """"the weights of every Linear and the biases of every Linear that has one to bfloat16
+    (97 casts, 247.23 MB)", one clause per (module type, from, to)."""
     types = {m.name: m.type for m in trace.modules if m.phase == "forward"}
     owned = {p.name for p in trace.parameters} | {t for p in trace.parameters for t in p.tied_to}
     casts = [c for c in by_cause(changes, "autocast-policy")
              if c.input_names and c.input_names[0] and c.module in types]
-    findings = []
-    for (type_, src, dst), group_ in group(casts, lambda c: (types[c.module], c.inputs[0],
-                                                             c.output)).items():
+    clauses = []
+    for (type_, _src, dst), group_ in group(casts, lambda c: (types[c.module], c.inputs[0],
+                                                              c.output)).items():
         of_type = {n for n, t in types.items() if t == type_}
         parts = []
         leaves = group(group_, lambda c: c.input_names[0].rsplit(".", 1)[-1])
@@ -125,11 +132,9 @@ def autocast_weight_findings(trace: Trace, changes: list[DtypeChange]) -> list[F
             quantity = _quantity(len(cast_modules), len(having), len(of_type), type_)
             parts.append(f"the {leaf}{'es' if leaf.endswith('s') else 's'} of {quantity}")
         size = sum(_nbytes(trace.ops[c.op_index].outputs[0]) for c in group_)
-        findings.append(Finding(
-            f"Autocast casts {' and '.join(parts)} to {dst} ({plural(len(group_), 'cast')} in the "
-            f"forward pass, {size / 1e6:.2f} MB); the {src} parameters themselves stay {src}.",
-            "autocast-policy"))
-    return findings
+        clauses.append(f"{' and '.join(parts)} to {dst} "
+                       f"({plural(len(group_), 'cast')}, {size / 1e6:.2f} MB)")
+    return clauses
 
 
 def _quantity(cast: int, having: int, total: int, type_: str) -> str:
@@ -326,7 +331,6 @@ def derive_findings(trace: Trace) -> list[Finding]:
         *tensor_dtype_findings(changes),
         *explicit_cast_findings(trace),
         *autocast_cast_findings(trace, changes),
-        *autocast_weight_findings(trace, changes),
         *autocast_policy_findings(changes),
         *type_promotion_findings(changes),
         *output_findings(trace),

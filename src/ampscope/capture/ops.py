@@ -105,15 +105,16 @@ _SKIPPED_NAMESPACES = frozenset({"profiler"})
 _DETACH = torch.ops.aten.detach.default
 
 
-def _unmark_round_trips(ops: list[OpCall], start: int) -> None:
+def _unmark_round_trips(ops: list[OpCall], start: int, result_dtype: str | None) -> None:
     """Casts a function makes itself are not autocast's: autocast casts a call's inputs and
-    never casts its result back, so a cast out (bf16 → fp32) and the cast back (fp32 → bf16)
-    under one call are the function's own (CPU `rms_norm` computes in fp32 this way)."""
+    never casts its result back, so a cast out of the dtype the call returns (bf16 → fp32) and
+    the cast back (fp32 → bf16) under one call are the function's own (CPU `rms_norm` computes
+    in fp32 this way). `analysis.causes` applies the same rule."""
     casts = [i for i in range(start, len(ops)) if ops[i].autocast_cast]
     pairs = {(ops[i].inputs[0].dtype, ops[i].outputs[0].dtype) for i in casts}
     for i in casts:
         src, dst = ops[i].inputs[0].dtype, ops[i].outputs[0].dtype
-        if (dst, src) in pairs:
+        if (dst, src) in pairs and result_dtype in (src, dst):
             ops[i] = replace(ops[i], autocast_cast=False)
 
 
@@ -177,9 +178,9 @@ class FunctionRecorder(TorchFunctionMode):
         finally:
             self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
             self.current_phase = outer_phase
-        if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
-            _unmark_round_trips(self.op_log, ops_before)
         outputs = _metas(out)
+        if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
+            _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
             where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
