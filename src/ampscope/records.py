@@ -47,10 +47,6 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(dtype_name(t.dtype), tuple(t.shape))
-
 
 @dataclass(frozen=True)
 class ModuleCall:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from functools import cache
 
@@ -63,10 +62,3 @@ def dtype_inventory(trace: Trace) -> list[DtypeCount]:
     rows += _count("outputs", [(o.dtype, o.shape, o.name) for o in trace.outputs])
     return rows
 
-
-def state_key_dtypes(trace: Trace) -> dict[str, Counter]:
-    """Optimizer state key -> Counter of dtypes."""
-    keys: dict[str, Counter] = {}
-    for s in trace.optimizer_state:
-        keys.setdefault(s.key, Counter())[s.dtype] += 1
-    return keys

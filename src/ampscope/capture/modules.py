@@ -20,13 +20,9 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
-from torch.utils._pytree import tree_leaves
 
+from ampscope.capture.tensors import metas, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
-
-
-def tensor_metas(values: object) -> tuple[TensorMeta, ...]:
-    return tuple(TensorMeta.of(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
 def in_backward() -> bool:
@@ -110,7 +106,7 @@ class ModuleTracker:
         phase = self.phase.now() if self.phase is not None else "forward"
         call = _OpenCall(
             len(self._calls), name, type(module).__name__, phase,
-            len(self._forward_stack), tensor_metas(args),
+            len(self._forward_stack), metas(args),
         )
         self._calls.append(call)
         self._forward_stack.append(call)
@@ -124,19 +120,19 @@ class ModuleTracker:
         call = self._forward_stack.pop()
         # Global pre-hooks see positional arguments only; the post-hook sees keyword tensors
         # too (Hugging Face modules take `hidden_states=`), and dtypes cannot change in place.
-        call.inputs = tensor_metas((args, kwargs))
-        call.outputs = tensor_metas(output)
+        call.inputs = metas((args, kwargs))
+        call.outputs = metas(output)
         if torch.is_grad_enabled():
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
-            inputs_needing_grad = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                                   and t.requires_grad and t.grad_fn is not None]
+            inputs_needing_grad = [t for t in tensors_in((args, kwargs))
+                                   if t.requires_grad and t.grad_fn is not None]
             if inputs_needing_grad:
                 register_multi_grad_hook(inputs_needing_grad, self._backward_end_hook(module),
                                          mode="all")
             needing_grad = [
-                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+                t for t in tensors_in(output) if t.requires_grad
             ]
             if needing_grad:
                 register_multi_grad_hook(
@@ -155,7 +151,7 @@ class ModuleTracker:
             if self is None:
                 return
             self._queue_end_of_backward()
-            call = _OpenCall(len(self._calls), name, type_, "backward", depth, tensor_metas(grad))
+            call = _OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
             self._calls.append(call)
             # Keep the deepest module innermost: a parent that returns its child's output as is
             # starts its backward on the same gradient, after the child.
@@ -178,7 +174,7 @@ class ModuleTracker:
             for i in range(len(self._backward_stack) - 1, -1, -1):
                 call = self._backward_stack[i]
                 if call.name == name:
-                    call.outputs = tensor_metas([g for g in grads if g is not None])
+                    call.outputs = metas([g for g in grads if g is not None])
                     del self._backward_stack[i]
                     return
 

@@ -22,13 +22,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ampscope.analysis.flow import module_label
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
+from ampscope.capture.tensors import meta_of, metas, tensors_in
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
     FailedCall,
     FunctionCall,
     OpCall,
-    TensorMeta,
     dtype_name,
 )
 from ampscope.settings import AUTOCAST_DEVICES
@@ -50,44 +50,6 @@ def func_name(func: Callable) -> str:
             name = "Tensor." + name[len("TensorBase."):]
         _name_cache[func] = name
     return name
-
-
-# --- the hot path -------------------------------------------------------------------------
-# Every op of a step passes through here, so these helpers avoid pytree (a generic flattener
-# that costs more than the op records themselves) and build each dtype name, TensorMeta and op
-# name once.
-
-
-def tensors_in(values, out: list | None = None) -> list[torch.Tensor]:
-    """The tensors in op arguments or results: nested lists, tuples and dicts, in order."""
-    if out is None:
-        out = []
-    if isinstance(values, torch.Tensor):
-        out.append(values)
-    elif isinstance(values, (list, tuple)):
-        for v in values:
-            tensors_in(v, out)
-    elif isinstance(values, dict):
-        for v in values.values():
-            tensors_in(v, out)
-    return out
-
-
-_meta_cache: dict[tuple, TensorMeta] = {}
-
-
-def meta_of(t: torch.Tensor) -> TensorMeta:
-    key = (t.dtype, t.shape)
-    meta = _meta_cache.get(key)
-    if meta is None:
-        meta = TensorMeta(dtype_name(t.dtype), tuple(t.shape))
-        if len(_meta_cache) < 100_000:
-            _meta_cache[key] = meta
-    return meta
-
-
-def _metas(values) -> tuple[TensorMeta, ...]:
-    return tuple(meta_of(t) for t in tensors_in(values))
 
 
 _op_names: dict = {}
@@ -178,7 +140,7 @@ class FunctionRecorder(TorchFunctionMode):
         finally:
             self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
             self.current_phase = outer_phase
-        outputs = _metas(out)
+        outputs = metas(out)
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
@@ -249,7 +211,7 @@ class OpRecorder(TorchDispatchMode):
             grad_fn = node.name() if node is not None else None
         self.ops.append(OpCall(
             index=len(self.ops), op=op_name(func), module=self._tracker.current(), phase=phase,
-            inputs=tuple(meta_of(t) for t in inputs), outputs=_metas(out),
+            inputs=tuple(meta_of(t) for t in inputs), outputs=metas(out),
             autocast_cast=autocast_cast, caller=caller,
             source=functions.current_source if caller is not None else None,
             input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,

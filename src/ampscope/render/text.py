@@ -107,6 +107,7 @@ def render_trace(trace: Trace, *, ops: bool = False, diagram: bool = False) -> R
             if rows:
                 parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
     if diagram:
+        # Imported here: render.diagram imports this module's dtype styles.
         from ampscope.analysis.diagram import build_diagram
         from ampscope.render.diagram import render_diagram
 
