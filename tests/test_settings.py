@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ampscope.errors import AmpscopeError
-from ampscope.settings import GRAMMAR, GlobalState, applied, check_available, parse_setting
+from ampscope.settings import GRAMMAR, GlobalState, applied, parse_setting, resolve_device
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_device_prefix_is_kept_in_the_name():
     assert (s.device, s.name) == ("cuda", "cuda:fp32+amp-fp16")
 
 
-@pytest.mark.parametrize("bad", ["", "fp8", "fp32+amp-fp32", "fp32+amp", "tpu:fp32",
+@pytest.mark.parametrize("bad", ["", "fp8", "fp32+amp-fp32", "fp32+amp-int8", "tpu:fp32",
                                  "fp32+tf32+tf32", "fp32++amp-bf16", "fp32+amp-bf16+amp-fp16"])
 def test_malformed_settings_show_the_grammar(bad):
     with pytest.raises(AmpscopeError) as e:
@@ -51,9 +51,26 @@ def test_to_dict_matches_the_json_contract():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_setting_without_cuda_is_refused():
-    with pytest.raises(AmpscopeError, match="needs a cuda device"):
-        check_available(parse_setting("cuda:fp32"))
+def test_cuda_setting_without_cuda_is_emulated():
+    setting = resolve_device(parse_setting("cuda:fp32+amp-bf16"))
+    assert setting.emulated and setting.device == "cuda" and setting.run_device == "cpu"
+    assert setting.to_dict()["emulated"] is True
+    assert not resolve_device(parse_setting("fp32")).emulated
+
+
+def test_plain_amp_takes_the_devices_default_autocast_dtype():
+    # CUDA's default autocast dtype is float16, the CPU's bfloat16 (read from the build).
+    assert parse_setting("cuda:fp32+amp").autocast_dtype == torch.float16
+    assert parse_setting("cuda:fp32+amp").name == "cuda:fp32+amp-fp16"
+    assert parse_setting("fp32+amp").autocast_dtype == torch.bfloat16
+
+
+def test_unknown_device_and_device_without_policy_are_refused():
+    with pytest.raises(AmpscopeError, match="unknown device 'tpu'"):
+        parse_setting("tpu:fp32")
+    # "xla" is a device type torch knows, but not one ampscope runs or emulates.
+    with pytest.raises(AmpscopeError, match="'xla' .* not one ampscope can run or emulate"):
+        parse_setting("xla:fp32")
 
 
 def test_applied_restores_global_state_after_an_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,17 +12,21 @@ from ampscope import workloads
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
+from ampscope.capture.emulation import emulation_notes
+from ampscope.capture.predict import data_dependent, fake_batch, fake_mode, value_needed_error
 from ampscope.capture.session import Capture
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.records import dtype_name
-from ampscope.settings import Setting, applied, check_available, parse_setting
+from ampscope.settings import Setting, applied, parse_setting, resolve_device
 from ampscope.trace import Trace
 
 
 def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
-         have_inputs: bool = False) -> LoadedModel:
-    """A model spec, a module or a LoadedModel, as a LoadedModel."""
+         have_inputs: bool = False, target_device: str | None = None) -> LoadedModel:
+    """A model spec, a module or a LoadedModel, as a LoadedModel.
+
+    `target_device` is the device an emulated run stands for (see registry.resolve)."""
     from ampscope.models import registry
 
     if isinstance(model, LoadedModel):
@@ -39,25 +44,29 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
             # With inputs given, nothing needs the vocabulary or context length.
             return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62)
     if isinstance(model, str):
-        return registry.resolve(model, device=device)
+        return registry.resolve(model, device=device, target_device=target_device)
     raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
 
 
-def _check_run_fits(lm: LoadedModel, setting: Setting, workload: str, optimizer: str) -> None:
-    """Refuse in one line a run that clearly cannot fit: the working copy of the weights, and
-    for a train step their gradients and optimizer state, on top of the model as loaded."""
-    from ampscope.models.registry import check_fits_in_memory
+def _run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: str, *,
+                   built_on_meta: bool) -> str | None:
+    """Why a real run clearly cannot fit, in one line, or None: the working copy of the
+    weights, and for a train step their gradients and optimizer state, on top of the model as
+    loaded (a model still on meta would first be built in float32)."""
+    from ampscope.models.registry import memory_needed_message
 
-    if lm.module is None or any(p.is_meta for p in lm.module.parameters()):
-        return
     per_param = 1  # the run's own copy of every weight (see settings.applied)
     if workload not in ("forward", "generate"):  # a custom step may train: count as one
         per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
     itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
     what = (f"as {per_param} {dtype_name(setting.param_dtype)} copies of the weights "
             f"for a {workload} run")
-    check_fits_in_memory(lm.name, lm.num_parameters, bytes_per_parameter=per_param * itemsize,
-                         what=what, device=setting.device)
+    bytes_per_parameter = per_param * itemsize
+    if built_on_meta:
+        bytes_per_parameter += 4
+        what = "built in float32 and " + what
+    return memory_needed_message(lm.name, lm.num_parameters, bytes_per_parameter=bytes_per_parameter,
+                                 what=what, device=setting.run_device)
 
 
 def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
@@ -87,15 +96,19 @@ def trace(
     optimizer: str = "adamw",
     new_tokens: int = 4,
     seed: int = 0,
+    predict: bool | None = None,
 ) -> Trace:
     """Run `workload` once under `setting` and return what every tensor's dtype was.
+
+    A setting on a device this machine lacks (`cuda:fp32+amp-bf16` on a laptop) is emulated:
+    the run happens on the CPU with the device's autocast policy. `predict=True` runs on fake
+    tensors (no memory: any model size); `None` chooses it when a real run would not fit.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
-    setting = parse_setting(setting) if isinstance(setting, str) else setting
-    check_available(setting)
+    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
     if isinstance(workload, str) and workload not in workloads.WORKLOADS:
         raise AmpscopeError(
             f"unknown workload {workload!r}; choose one of {', '.join(workloads.WORKLOADS)}"
@@ -104,34 +117,65 @@ def trace(
         raise AmpscopeError(
             f"unknown optimizer {optimizer!r}; choose one of {', '.join(workloads.OPTIMIZERS)}"
         )
-    lm = load(model, device=setting.device, have_inputs=inputs is not None)
     workload_name = workload if isinstance(workload, str) else getattr(workload, "__name__", "custom")
-    _check_run_fits(lm, setting, workload_name, optimizer)
+    lm, predict, notes = _plan(model, setting, workload_name, optimizer, predict,
+                               have_inputs=inputs is not None)
     if inputs is None:
         if seq < 1 or batch < 1:
             raise AmpscopeError("batch and seq must be positive")
         if seq > lm.max_seq_len:
             raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
         generator = torch.Generator().manual_seed(seed)
-        data = lm.make_batch(batch, seq, workload_name, generator, device=setting.device)
+        data = lm.make_batch(batch, seq, workload_name, generator, device=setting.run_device)
     else:
         data = _as_batch(lm, inputs, workload_name)
 
-    with applied(setting, lm.module):
+    fake = fake_mode() if predict else None
+    with applied(setting, lm.module, fake=fake):
         capture = Capture(lm.module, model_name=lm.name, setting=setting.to_dict(),
                           workload=workload_name)
         try:
-            with capture.recording():
-                outputs = workloads.run(lm, workload, data, setting, optimizer=optimizer,
-                                        new_tokens=new_tokens, seed=seed)
+            with fake if fake is not None else contextlib.nullcontext():
+                run_data = fake_batch(data, fake) if fake is not None else data
+                with capture.recording():
+                    outputs = workloads.run(lm, workload, run_data, setting, optimizer=optimizer,
+                                            new_tokens=new_tokens, seed=seed, predict=predict)
         except Exception as e:
+            if predict and data_dependent(e):
+                raise value_needed_error(lm.name, workload_name, e) from e
             diagnosis = diagnose(capture.failure)
             if diagnosis is not None:
                 raise DtypeMismatchError(diagnosis) from e
             raise
-        result = capture.finish(inputs=data, outputs=outputs)
+        result = capture.finish(inputs=run_data, outputs=outputs)
+    result.mode = "predict" if predict else "run"
+    result.notes = notes + emulation_notes(setting, result)
     result.findings = derive_findings(result)
     return result
+
+
+def _plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, optimizer: str,
+          predict: bool | None, *, have_inputs: bool) -> tuple[LoadedModel, bool, list[str]]:
+    """The model to run and whether to predict: a named model is first built on the meta device
+    (nothing allocated) to count what a real run would need."""
+    notes: list[str] = []
+    target = setting.device if setting.emulated else None
+    on_meta = isinstance(model, str)
+    lm = load(model, device="meta" if on_meta else setting.run_device, have_inputs=have_inputs,
+              target_device=target)
+    shortfall = _run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
+    if predict is None:
+        predict = shortfall is not None
+        if predict:
+            notes.append(f"Predicted on fake tensors because a real run would not fit: {shortfall}.")
+    elif predict:
+        notes.append("Predicted on fake tensors (--predict): no weight was materialised.")
+    elif shortfall is not None:
+        raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (--predict)")
+    if on_meta and not predict:
+        assert isinstance(model, str)
+        lm = load(model, device=setting.run_device, target_device=target)
+    return lm, predict, notes
 
 
 DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
@@ -148,27 +192,28 @@ def matrix(
     optimizer: str = "adamw",
     new_tokens: int = 4,
     seed: int = 0,
+    predict: bool | None = None,
     on_setting: Callable[[int, str], None] | None = None,
 ) -> tuple[Matrix, list[Trace]]:
     """Trace one workload under each setting (same weights, same batch) and line them up.
 
     `on_setting(i, name)` is called before setting i runs (for a progress display).
     """
-    parsed = [parse_setting(s) if isinstance(s, str) else s for s in settings]
+    parsed = [resolve_device(parse_setting(s) if isinstance(s, str) else s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")
-    for s in parsed:
-        check_available(s)
     devices = {s.device for s in parsed}
     if len(devices) > 1 and isinstance(model, str):
         raise AmpscopeError("settings on several devices are not supported in one matrix yet")
-    lm = load(model, device=parsed[0].device, have_inputs=inputs is not None)
+    lm, predict, _ = _plan(model, parsed[0], workload if isinstance(workload, str) else "custom",
+                           optimizer, predict, have_inputs=inputs is not None)
     traces = []
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i, s.name)
         traces.append(trace(lm, inputs, setting=s, workload=workload, batch=batch, seq=seq,
-                            optimizer=optimizer, new_tokens=new_tokens, seed=seed))
+                            optimizer=optimizer, new_tokens=new_tokens, seed=seed,
+                            predict=predict))
     return build_matrix(traces), traces
 
 

@@ -79,6 +79,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer of the train step (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=4,
                         help="tokens sampled by the generate workload (default: %(default)s)")
+    parser.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                        help="device of every setting without a DEVICE: prefix; a device this "
+                             "machine lacks is emulated on the CPU")
+    parser.add_argument("--predict", action=argparse.BooleanOptionalAction, default=None,
+                        help="run on fake tensors: no memory, any model size (default: only "
+                             "when a real run would not fit)")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
@@ -88,7 +94,13 @@ def _run_options(args: argparse.Namespace) -> dict:
     if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
         raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
     return {"workload": args.workload, "batch": args.batch, "seq": args.seq,
-            "optimizer": args.optimizer, "new_tokens": args.new_tokens}
+            "optimizer": args.optimizer, "new_tokens": args.new_tokens, "predict": args.predict}
+
+
+def _on_device(settings: list[str], device: str | None) -> list[str]:
+    from ampscope.settings import on_device
+
+    return [on_device(s, device) for s in settings] if device else settings
 
 
 def _console(stderr: bool = False):
@@ -102,9 +114,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from ampscope.render.text import render_trace
 
     options = _run_options(args)
+    [setting] = _on_device([args.setting], args.device)
     status = _console(stderr=True)
-    with status.status(f"Tracing {args.model}: {args.workload} under {args.setting}…"):
-        result = trace(args.model, setting=args.setting, **options)
+    with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
+        result = trace(args.model, setting=setting, **options)
     if args.json:
         _write_json(result.to_json(), args.json)
         if args.json == "-":
@@ -120,7 +133,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from ampscope.render.matrix import render_matrix
 
     options = _run_options(args)
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
     if not settings:
         raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -169,8 +182,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         from ampscope.api import matrix
 
         options = _run_options(args)
+        settings = _on_device([args.a, args.b], args.device)
         with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
-            _, (a, b) = matrix(args.model, settings=[args.a, args.b], **options)
+            _, (a, b) = matrix(args.model, settings=settings, **options)
     result = diff_traces(a, b)
     if args.json:
         _write_json(json.dumps(result.to_dict(), indent=1), args.json)

@@ -2,10 +2,10 @@
 
 Grammar (see docs/settings.md)::
 
-    [DEVICE:]PARAMS[+amp-AMP][+tf32]
-    DEVICE  cpu | cuda | mps           (default cpu)
+    [DEVICE:]PARAMS[+amp[-AMP]][+tf32]
+    DEVICE  cpu | cuda | mps | xpu      (default cpu); emulated when this machine has none
     PARAMS  fp32 | bf16 | fp16 | fp64   parameter dtype
-    AMP     bf16 | fp16                 torch.autocast dtype
+    AMP     bf16 | fp16                 torch.autocast dtype ("+amp": the device's default)
     tf32    torch.set_float32_matmul_precision("high")
 
 Applying a setting never loses the user's state: `ModelState` and `GlobalState` snapshot
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -32,10 +32,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 AUTOCAST_DTYPES = ("bf16", "fp16")
-DEVICES = ("cpu", "cuda", "mps")
+DEVICES = ("cpu", "cuda", "mps", "xpu")
 GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp-AMP][+tf32] with DEVICE cpu|cuda|mps, PARAMS fp32|bf16|fp16|fp64, "
-    "AMP bf16|fp16; e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32, cpu:fp32+amp-fp16"
+    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32] with DEVICE cpu|cuda|mps|xpu, PARAMS fp32|bf16|fp16|fp64, "
+    "AMP bf16|fp16; e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32, cuda:fp32+amp-fp16"
 )
 _PATTERN = re.compile(
     r"^(?:(?P<device>[a-z]+):)?(?P<params>[a-z0-9]+)(?P<rest>(?:\+[a-z0-9-]+)*)$"
@@ -51,7 +51,12 @@ class Setting:
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     matmul_precision: str  # "highest" or "high" (TF32)
-    emulated: bool = False
+    emulated: bool = False  # the device is absent: tensors live on the CPU, autocast is the device's
+
+    @property
+    def run_device(self) -> str:
+        """Where the run's tensors really live: the device, or the CPU when emulated."""
+        return "cpu" if self.emulated else self.device
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +72,10 @@ class Setting:
         """The autocast region a workload wraps its forward pass and loss in."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
+        if self.emulated:
+            from ampscope.capture.emulation import autocast_region
+
+            return autocast_region(self.autocast_dtype)
         return torch.autocast(self.device, dtype=self.autocast_dtype)
 
 
@@ -78,7 +87,7 @@ def parse_setting(text: str) -> Setting:
         raise AmpscopeError(f"malformed setting {text!r}; the grammar is {GRAMMAR}")
     device = match["device"] or "cpu"
     if device not in DEVICES:
-        raise AmpscopeError(f"unknown device {device!r} in setting {text!r}; the grammar is {GRAMMAR}")
+        raise AmpscopeError(_unknown_device(device, text))
     params = match["params"]
     if params not in DTYPES:
         raise AmpscopeError(
@@ -94,6 +103,8 @@ def parse_setting(text: str) -> Setting:
             matmul_precision = "high"
         elif part.startswith("amp-") and part[4:] in AUTOCAST_DTYPES and autocast_dtype is None:
             autocast_dtype = DTYPES[part[4:]]
+        elif part == "amp" and autocast_dtype is None:
+            autocast_dtype = default_autocast_dtype(device)
         else:
             raise AmpscopeError(f"unknown part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
     canonical = params
@@ -106,18 +117,60 @@ def parse_setting(text: str) -> Setting:
     return Setting(canonical, device, DTYPES[params], autocast_dtype, matmul_precision)
 
 
-def check_available(setting: Setting) -> None:
-    """Refuse, in one line, a setting this machine cannot run for real."""
-    available = {
-        "cpu": True,
-        "cuda": torch.cuda.is_available(),
-        "mps": hasattr(torch.backends, "mps") and torch.backends.mps.is_available(),
-    }
-    if not available[setting.device]:
+def on_device(text: str, device: str) -> str:
+    """`text` with `device` as its DEVICE: prefix (`--device cuda` on the command line)."""
+    prefix, colon, rest = text.strip().partition(":")
+    if not colon:
+        return f"{device}:{text.strip()}"
+    if prefix.lower() != device:
+        raise AmpscopeError(f"setting {text!r} names device {prefix!r} but --device is {device!r}")
+    return text
+
+
+def _unknown_device(device: str, text: str) -> str:
+    try:
+        torch.device(device)
+    except RuntimeError:
+        return f"unknown device {device!r} in setting {text!r}; the grammar is {GRAMMAR}"
+    return (
+        f"device {device!r} in setting {text!r} is not one ampscope can run or emulate; "
+        f"choose {', '.join(DEVICES)}"
+    )
+
+
+def device_available(device: str) -> bool:
+    if device == "cpu":
+        return True
+    backend = getattr(torch, device, None)  # torch.cuda, torch.mps, torch.xpu
+    try:
+        return bool(backend is not None and backend.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_device(setting: Setting) -> Setting:
+    """The setting as this machine will run it: for real where the device exists, else emulated
+    on the CPU with the device's autocast policy read from this PyTorch build."""
+    if device_available(setting.device):
+        return setting
+    from ampscope.capture.policy import registered_ops
+
+    if not registered_ops(setting.device):
         raise AmpscopeError(
-            f"setting {setting.name!r} needs a {setting.device} device and this machine has none; "
-            "use a cpu setting (emulating other devices is not supported yet)"
+            f"this machine has no {setting.device} device and this PyTorch build "
+            f"({torch.__version__}) has no {setting.device} autocast policy to emulate it with; "
+            "use a cpu, cuda or mps setting"
         )
+    return replace(setting, emulated=True)
+
+
+def default_autocast_dtype(device: str) -> torch.dtype:
+    from ampscope.capture.policy import default_autocast_dtype as read_default
+
+    try:
+        return read_default(device)
+    except (RuntimeError, ValueError):
+        return torch.bfloat16
 
 
 # --- global state -------------------------------------------------------------------------
@@ -193,6 +246,7 @@ class ModelState:
     """
 
     params: list[tuple[nn.Parameter, torch.Tensor, bool, torch.Tensor | None]]
+    slots: list[tuple[nn.Module, str, nn.Parameter]]  # which Parameter object each module holds
     buffers: list[tuple[nn.Module, str, torch.Tensor]]
     training: list[tuple[nn.Module, bool]]
 
@@ -202,6 +256,12 @@ class ModelState:
             (p, p.data, p.requires_grad, p.grad)
             for p in model.parameters(recurse=True)  # tied parameters appear once
         ]
+        slots = [
+            (m, name, p)
+            for m in model.modules()
+            for name, p in m._parameters.items()
+            if p is not None
+        ]
         buffers = [
             (m, name, b)
             for m in model.modules()
@@ -209,13 +269,15 @@ class ModelState:
             if b is not None
         ]
         training = [(m, m.training) for m in model.modules()]
-        return cls(params, buffers, training)
+        return cls(params, slots, buffers, training)
 
     def restore(self) -> None:
         for p, data, requires_grad, grad in self.params:
             p.data = data
             p.requires_grad_(requires_grad)
             p.grad = grad
+        for module, name, param in self.slots:
+            module._parameters[name] = param
         for module, name, tensor in self.buffers:
             module._buffers[name] = tensor
         for module, training in self.training:
@@ -231,25 +293,42 @@ def _main_dtype(model: nn.Module) -> torch.dtype | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def _working_copies(model: nn.Module, setting: Setting) -> None:
+def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
     """Give the run its own copies of every parameter and buffer, converted as the setting asks.
 
     Conversion follows `model.to(dtype)` (parameters and floating buffers) and happens only when
     the model is not already in the setting's dtype, so a model's own choices (nanochat's bf16
     rotary buffers) survive an `fp32` setting as they do in the user's training script. Copies
     are made in every case so that an optimizer step or an in-place buffer update in the run
-    cannot reach the user's tensors.
+    cannot reach the user's tensors. With `fake` (a FakeTensorMode: predict mode) the copies
+    are fake tensors, which hold no memory.
     """
     convert = _main_dtype(model) not in (None, setting.param_dtype)
-    device = torch.device(setting.device)
+    device = torch.device(setting.run_device)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         dtype = setting.param_dtype if convert and t.is_floating_point() else t.dtype
+        if fake is not None:
+            from ampscope.capture.predict import fake_like
+
+            return fake_like(t, fake, dtype=dtype, device=device)
         return t.detach().to(device=device, dtype=dtype, copy=True)
 
-    for p in model.parameters():
-        p.data = copy(p.data)
-        p.grad = None
+    if fake is None:
+        for p in model.parameters():
+            p.data = copy(p.data)
+            p.grad = None
+    else:
+        # A fake tensor cannot become a real Parameter's .data: the run gets fake Parameter
+        # objects instead, one per tensor so that tied weights stay tied.
+        replacements: dict[int, nn.Parameter] = {}
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    if id(p) not in replacements:
+                        with fake:
+                            replacements[id(p)] = nn.Parameter(copy(p), requires_grad=p.requires_grad)
+                    m._parameters[name] = replacements[id(p)]
     for m in model.modules():
         for name, b in m._buffers.items():
             if b is not None:
@@ -257,17 +336,23 @@ def _working_copies(model: nn.Module, setting: Setting) -> None:
 
 
 @contextlib.contextmanager
-def applied(setting: Setting, model: nn.Module | None = None) -> Iterator[None]:
+def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> Iterator[None]:
     """Run the body under `setting`; afterwards the model and torch's global state are exactly
     as they were, also when the body raised. Autocast itself is entered by the workload
-    (around forward and loss, as training scripts do), not here."""
+    (around forward and loss, as training scripts do), not here; an emulated setting puts the
+    target device's autocast policy in place for the body."""
     global_state = GlobalState.save()
     model_state = ModelState.save(model) if model is not None else None
     try:
-        if model is not None:
-            _working_copies(model, setting)
-        torch.set_float32_matmul_precision(setting.matmul_precision)
-        yield
+        with contextlib.ExitStack() as stack:
+            if setting.emulated and setting.autocast_dtype is not None:
+                from ampscope.capture.emulation import TargetAutocast
+
+                stack.enter_context(TargetAutocast(setting.device, setting.autocast_dtype))
+            if model is not None:
+                _working_copies(model, setting, fake)
+            torch.set_float32_matmul_precision(setting.matmul_precision)
+            yield
     finally:
         if model_state is not None:
             model_state.restore()

@@ -56,6 +56,8 @@ class Trace:
     inputs: list[InputRecord] = field(default_factory=list)
     outputs: list[InputRecord] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
+    notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +66,8 @@ class Trace:
                       "parameters": self.model.parameters},
             "setting": self.setting,
             "workload": self.workload,
+            "mode": self.mode,
+            "notes": list(self.notes),
             "modules": [_module(m) for m in self.modules],
             "ops": [_op(o) for o in self.ops],
             "calls": [_call(c) for c in self.calls],
@@ -133,6 +137,8 @@ class Trace:
                      for o in tensors.get("outputs", [])],
             findings=[Finding(f["text"], f["cause"], f.get("source"))
                       for f in data.get("findings", [])],
+            mode=data.get("mode", "run"),
+            notes=list(data.get("notes", [])),
         )
 
 

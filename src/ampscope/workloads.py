@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ampscope.capture.emulation import foreach_by_default
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.settings import Setting
@@ -21,33 +22,45 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 Workload = str | Callable[[nn.Module, Batch], object]
 
 
-def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    # Hyperparameters are GPT-2-like; they change values, never dtypes.
+def make_optimizer(name: str, params: list[nn.Parameter], *,
+                   foreach: bool | None = None) -> torch.optim.Optimizer:
+    # Hyperparameters are GPT-2-like; they change values, never dtypes. `foreach=None` lets
+    # PyTorch choose by device, as a training script does.
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                 foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=6e-4)
+        return torch.optim.Adam(params, lr=6e-4, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach)
     raise AmpscopeError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str) -> dict:
+def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str, *,
+               predict: bool = False) -> dict:
     module = lm.module
     module.train()
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise AmpscopeError(f"{lm.name} has no parameter that requires grad; nothing to train")
-    opt = make_optimizer(optimizer, params)
+    # An emulated device gets the optimizer implementation PyTorch would pick there.
+    foreach = True if setting.emulated and foreach_by_default(setting.device) else None
+    opt = make_optimizer(optimizer, params, foreach=foreach)
     # fp16 autocast needs loss scaling to keep small gradients from flushing to zero;
     # pure fp16 parameters cannot be unscaled by GradScaler, so scripts skip it there.
     use_scaler = setting.autocast_dtype == torch.float16 and setting.param_dtype != torch.float16
-    scaler = torch.amp.GradScaler(setting.device) if use_scaler else None
+    scaler = torch.amp.GradScaler(setting.run_device) if use_scaler else None
     with setting.autocast():
         loss = lm.loss(batch)
     if scaler is not None:
         scaler.scale(loss).backward()
-        scaler.step(opt)
+        if predict:
+            # scaler.step reads found_inf's value to decide whether to step; fake tensors have
+            # none. Unscale and step as it does when the gradients are finite.
+            scaler.unscale_(opt)
+            opt.step()
+        else:
+            scaler.step(opt)
         scaler.update()
     else:
         loss.backward()
@@ -74,14 +87,15 @@ def generate(lm: LoadedModel, batch: Batch, setting: Setting, new_tokens: int,
 
 
 def run(lm: LoadedModel, workload: Workload, batch: Batch, setting: Setting, *,
-        optimizer: str = "adamw", new_tokens: int = 4, seed: int = 0) -> dict:
+        optimizer: str = "adamw", new_tokens: int = 4, seed: int = 0,
+        predict: bool = False) -> dict:
     """Run one workload; returns its named outputs (loss, logits or tokens)."""
     if callable(workload):
         with setting.autocast():
             out = workload(lm.module, batch)
         return {"output": out} if isinstance(out, torch.Tensor) else {}
     if workload == "train":
-        return train_step(lm, batch, setting, optimizer)
+        return train_step(lm, batch, setting, optimizer, predict=predict)
     if workload == "forward":
         return forward(lm, batch, setting)
     if workload == "generate":

@@ -199,8 +199,13 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def load(preset: str, *, device: str | torch.device = "cpu") -> LoadedModel:
-    """Build the preset with random GPT-2 init on `device` ("meta" allocates nothing)."""
+def load(preset: str, *, device: str | torch.device = "cpu",
+         target_device: str | None = None) -> LoadedModel:
+    """Build the preset with random GPT-2 init on `device` ("meta" allocates nothing).
+
+    GPT-2 makes no device-dependent choice, so `target_device` (the device an emulated run
+    stands for) changes nothing here.
+    """
     if preset not in PRESETS:
         raise KeyError(f"unknown gpt2 preset {preset!r}; known: {', '.join(PRESETS)}")
     config = PRESETS[preset]

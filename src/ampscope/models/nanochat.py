@@ -193,18 +193,19 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def init_weights(self) -> None:
+    def init_weights(self, target_device: str | None = None) -> None:
         """Random init, rotary tables, and (on CUDA) the bf16 embedding, as nanochat does.
 
         Separate from __init__ so that a model built on "meta" and moved with `to_empty()` can
-        be initialised in place on its real device.
+        be initialised in place on its real device. `target_device` is the device the model is
+        meant for when that differs from where it is built (an emulated CUDA run on the CPU).
         """
         self.apply(self._init_weights)
         self.cos, self.sin = self._precompute_rotary_embeddings()
         # Store the token embedding in bf16 on CUDA: it is the largest single matrix (V x C),
         # bf16 halves its memory (and its optimizer state's), and under bf16 autocast the
         # activations it feeds are bf16 anyway. Elsewhere (CPU, MPS) it stays fp32.
-        if self.transformer.wte.weight.device.type == "cuda":
+        if (target_device or self.transformer.wte.weight.device.type) == "cuda":
             self.transformer.wte.to(dtype=torch.bfloat16)
 
     @staticmethod
@@ -342,14 +343,16 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def load(preset: str, *, device: str | torch.device = "cpu") -> LoadedModel:
-    """Build the preset with nanochat's init on `device` ("meta" allocates nothing)."""
+def load(preset: str, *, device: str | torch.device = "cpu",
+         target_device: str | None = None) -> LoadedModel:
+    """Build the preset with nanochat's init on `device` ("meta" allocates nothing), making the
+    device-dependent choices (the bf16 embedding) for `target_device` when given."""
     if preset not in PRESETS:
         raise KeyError(f"unknown nanochat preset {preset!r}; known: {', '.join(PRESETS)}")
     config = PRESETS[preset]
     with torch.device(device):
         model = GPT(config)
-    model.init_weights()
+    model.init_weights(target_device)
     return LoadedModel(
         name=preset,
         module=model,

@@ -66,10 +66,11 @@ def model_names() -> list[str]:
     return names + list(hf.ZOO)
 
 
-def _load_named(name: str, device: str | torch.device) -> LoadedModel:
+def _load_named(name: str, device: str | torch.device,
+                target_device: str | None = None) -> LoadedModel:
     family = _builtin_family(name)
     if family is not None:
-        return _family_module(family).load(name, device=device)
+        return _family_module(family).load(name, device=device, target_device=target_device)
     if name in hf.ZOO:
         return hf.load_zoo(name, device=device)
     raise _unknown_name(name)
@@ -212,8 +213,12 @@ def _isolated_construction(seed: int, device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(default_dtype)
 
 
-def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
+def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
+            target_device: str | None = None) -> LoadedModel:
     """Build the model a spec names, with weights seeded by `seed`, on `device`.
+
+    `target_device` is the device an emulated run stands for: the reference models make their
+    device-dependent choices (nanochat's bf16 embedding on CUDA) for it.
 
     Raises AmpscopeError (one line, with what to do) for unknown names, unreadable paths,
     failing factories, and named models that clearly cannot fit in this machine's memory.
@@ -229,7 +234,7 @@ def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0) -> 
             raise _unknown_name(spec)
         if device.type != "meta":
             check_fits_in_memory(spec, _model_info(spec).parameters, device=device)
-        return _load_named(spec, device)
+        return _load_named(spec, device, target_device)
 
 
 # --- listing ---------------------------------------------------------------------------------
@@ -314,19 +319,19 @@ def memory_shortfall(
     )
 
 
-def check_fits_in_memory(
+def memory_needed_message(
     name: str,
     parameters: int,
     *,
     bytes_per_parameter: float = 4,
     what: str = "in float32",
     device: str | torch.device = "cpu",
-) -> None:
-    """Raise AmpscopeError if the weights alone (times what a run needs per parameter) exceed
-    the memory free on `device`. An fp32 build needs 4 bytes per parameter; an fp32 Adam train
-    step at least 16 (weights, gradients, two moments)."""
+) -> str | None:
+    """The one-line refusal if the weights alone (times what a run needs per parameter) exceed
+    the memory free on `device`, else None. An fp32 build needs 4 bytes per parameter; an fp32
+    Adam train step at least 16 (weights, gradients, two moments)."""
     available, where = _device_memory_bytes(torch.device(device))
-    message = memory_shortfall(
+    return memory_shortfall(
         name,
         parameters,
         bytes_per_parameter=bytes_per_parameter,
@@ -334,5 +339,10 @@ def check_fits_in_memory(
         what=what,
         where=where,
     )
+
+
+def check_fits_in_memory(name: str, parameters: int, **kwargs) -> None:
+    """Raise AmpscopeError with `memory_needed_message` when there is one."""
+    message = memory_needed_message(name, parameters, **kwargs)
     if message:
         raise AmpscopeError(message)

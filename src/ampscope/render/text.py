@@ -47,6 +47,11 @@ def header(trace: Trace) -> Text:
     text.append(f" on {where}  ", style="")
     text.append("workload ", style="dim")
     text.append(trace.workload, style="bold")
+    if trace.mode == "predict":
+        text.append("  predicted", style="bold magenta")
+    for note in trace.notes:
+        text.append("\n  ")
+        text.append(note, style="dim")
     return text
 
 

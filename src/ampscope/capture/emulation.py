@@ -1,0 +1,218 @@
+"""Another device's autocast, on CPU tensors: what a CUDA or MPS run would do, without one.
+
+Tensors stay on the CPU (real, or fake in predict mode) and CPU autocast is on, so every op
+autocast cares about passes the `AutocastCPU` dispatch key. For the duration of the run the
+kernels at that key are replaced, through a `torch.library.Library` that is destroyed
+afterwards, by kernels that do what the target device's autocast kernels do: the target's op
+list and each op's category come from the build itself (`capture.policy`), and the casting
+rules follow PyTorch's autocast_mode.h (`cached_cast`, `promote_type`, `set_opt_dtype`):
+
+- only floating tensors that are not float64 are cast;
+- casts to the autocast dtype of fp32 leaf tensors that require grad (the weights) are cached
+  until the outermost autocast region ends, so a weight used twice is cast once;
+- ops the CPU lists and the target does not (`cat`, `cross_entropy_loss`, ...) pass through.
+
+Backward runs without autocast, on the dtypes forward produced, exactly as on the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ampscope.capture.policy import OpPolicy, op_overload, read_policy, registered_ops
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+_active: TargetAutocast | None = None
+
+
+def _eligible(value: object) -> bool:
+    """autocast's is_eligible: a floating tensor that is not float64."""
+    return (
+        isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+    )
+
+
+def _first_tensor(values) -> torch.Tensor | None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        if isinstance(v, (list, tuple)):
+            for t in v:
+                if isinstance(t, torch.Tensor):
+                    return t
+    return None
+
+
+def _widest(values, start: torch.dtype) -> torch.dtype:
+    """autocast's promote_type: float64 > float32 > the lower-precision start dtype."""
+    widest = start
+    for v in values:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if _eligible(t) and t.dtype == torch.float32:
+                widest = torch.float32
+    return widest
+
+
+class TargetAutocast:
+    """While entered, CPU autocast follows `device`'s autocast policy for `dtype`."""
+
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        self.device = device
+        self.policy: dict[str, OpPolicy] = read_policy(device, dtype)
+        self._library: torch.library.Library | None = None
+        # id(weight) -> (weakref to it, its cast copy): autocast's cast cache
+        self._cache: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    # --- casting -----------------------------------------------------------------------
+
+    def _cast(self, value, dtype: torch.dtype):
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._cast(v, dtype) for v in value)
+        if not _eligible(value) or value.dtype == dtype:
+            return value
+        cacheable = (
+            dtype == torch.get_autocast_dtype("cpu")
+            and value.dtype == torch.float32
+            and value.requires_grad
+            and value.is_leaf
+            and not value._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
+        if cacheable:
+            hit = self._cache.get(id(value))
+            if hit is not None and hit[0]() is value:
+                return hit[1]
+        cast = value.to(dtype)
+        if cacheable:
+            self._cache[id(value)] = (weakref.ref(value), cast)
+        return cast
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    # --- kernels -------------------------------------------------------------------------
+
+    def _kernel(self, rule: OpPolicy, op: torch._ops.OpOverload) -> Callable:
+        schema_names = [a.name for a in op._schema.arguments]
+        dtype_index = schema_names.index("dtype") if "dtype" in schema_names else None
+        dtype_positional = dtype_index is not None and not op._schema.arguments[dtype_index].kwarg_only
+        redirect = op_overload(rule.redirect) if rule.redirect else None
+        cast = self._cast
+
+        def cast_values(kwargs: dict, dtype: torch.dtype) -> dict:
+            return {k: cast(v, dtype) for k, v in kwargs.items()}
+
+        def lower(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                dtype = torch.get_autocast_dtype("cpu")
+                return op(*cast(args, dtype), **cast_values(kwargs, dtype))
+
+        def fp32(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return op(*cast(args, torch.float32), **cast_values(kwargs, torch.float32))
+
+        def promote(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                dtype = _widest([*args, *kwargs.values()], torch.get_autocast_dtype("cpu"))
+                return op(*cast(args, dtype), **cast_values(kwargs, dtype))
+
+        def set_opt_dtype(*args, **kwargs):
+            # Only when the first tensor is eligible, and never over a dtype the caller gave.
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                if _eligible(_first_tensor([*args, *kwargs.values()])):
+                    if dtype_positional and dtype_index < len(args):
+                        if args[dtype_index] is None:
+                            args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1:])
+                    elif kwargs.get("dtype") is None:
+                        kwargs = {**kwargs, "dtype": torch.float32}
+                return op(*args, **kwargs)
+
+        def append_dtype(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                if _eligible(_first_tensor([*args, *kwargs.values()])):
+                    return redirect(*args, **kwargs, dtype=torch.float32)
+                return op(*args, **kwargs)
+
+        def banned(*args, **kwargs):
+            raise RuntimeError(rule.message)
+
+        return {
+            "lower": lower,
+            "fp32": fp32,
+            "promote": promote,
+            "fp32_set_opt_dtype": set_opt_dtype,
+            "fp32_append_dtype": append_dtype,
+            "banned": banned,
+        }.get(rule.category, torch.library.fallthrough_kernel)
+
+    def __enter__(self) -> TargetAutocast:
+        global _active
+        library = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                for name in sorted(set(registered_ops("cpu")) | set(self.policy)):
+                    op = op_overload(name)
+                    rule = self.policy.get(name)
+                    kernel = (
+                        self._kernel(rule, op) if rule is not None else torch.library.fallthrough_kernel
+                    )
+                    library.impl(op, kernel, "AutocastCPU")
+        except BaseException:
+            library._destroy()
+            raise
+        self._library = library
+        _active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
+        self.clear_cache()
+        if self._library is not None:
+            self._library._destroy()  # PyTorch's own AutocastCPU kernels are back
+            self._library = None
+
+
+@contextlib.contextmanager
+def autocast_region(dtype: torch.dtype) -> Iterator[None]:
+    """The emulated run's `torch.autocast`: CPU autocast (whose kernels the active
+    TargetAutocast replaced), with the emulated cast cache emptied when the region ends, as
+    autocast empties its own."""
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            yield
+    finally:
+        if _active is not None and not torch.is_autocast_enabled("cpu"):
+            _active.clear_cache()
+
+
+def foreach_by_default(device: str) -> bool:
+    """Whether PyTorch's optimizers pick their `_foreach_*` implementation on `device` (they do
+    on CUDA, and fall back to a per-parameter loop on the CPU)."""
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
+
+    return device in _get_foreach_kernels_supported_devices()
+
+
+def emulation_notes(setting, trace) -> list[str]:
+    """What an emulated run assumed, in plain words, for the trace's notes."""
+    if not setting.emulated:
+        return []
+    notes = [
+        f"Emulated {setting.device} on the CPU: autocast followed the {setting.device} policy "
+        f"read from this PyTorch build ({torch.__version__}); tensors lived on the CPU, so code "
+        "that asks for a tensor's device saw cpu (ampscope's reference models make their "
+        f"device choices for {setting.device})."
+    ]
+    if foreach_by_default(setting.device) and trace.workload == "train":
+        notes.append(
+            f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {setting.device}."
+        )
+    return notes
