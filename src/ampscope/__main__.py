@@ -1,5 +1,3 @@
-import sys
+from ampscope.cli import run
 
-from ampscope.cli import main
-
-sys.exit(main())
+run()

@@ -12,8 +12,15 @@ from ampscope import workloads
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
-from ampscope.capture.emulation import emulation_notes
-from ampscope.capture.predict import data_dependent, fake_batch, fake_mode, value_needed_error
+from ampscope.capture.emulation import device_api_error
+from ampscope.capture.predict import (
+    check_matmul_dtypes,
+    data_dependent,
+    fake_batch,
+    fake_mode,
+    predicting,
+    value_needed_error,
+)
 from ampscope.capture.session import Capture
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
@@ -131,11 +138,12 @@ def trace(
         data = _as_batch(lm, inputs, workload_name)
 
     fake = fake_mode() if predict else None
-    with applied(setting, lm.module, fake=fake):
+    with applied(setting, lm.module, fake=fake) as emulation:
         capture = Capture(lm.module, model_name=lm.name, setting=setting.to_dict(),
-                          workload=workload_name)
+                          workload=workload_name,
+                          op_check=check_matmul_dtypes if fake is not None else None)
         try:
-            with fake if fake is not None else contextlib.nullcontext():
+            with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
                 with capture.recording():
                     outputs = workloads.run(lm, workload, run_data, setting, optimizer=optimizer,
@@ -143,13 +151,15 @@ def trace(
         except Exception as e:
             if predict and data_dependent(e):
                 raise value_needed_error(lm.name, workload_name, e) from e
+            if setting.emulated and (device_error := device_api_error(e, setting.device)):
+                raise device_error from e
             diagnosis = diagnose(capture.failure)
             if diagnosis is not None:
                 raise DtypeMismatchError(diagnosis) from e
             raise
         result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
-    result.notes = notes + emulation_notes(setting, result)
+    result.notes = notes + (emulation.notes(workload_name) if emulation is not None else [])
     result.findings = derive_findings(result)
     return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -231,6 +232,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     _console().print("[dim]Also: hf:PATH (a config.json or checkpoint folder) and "
                      "package.module:factory (your own model).[/dim]")
     return 0
+
+
+def run() -> None:
+    """The console script: `main`, then exit without the interpreter's teardown.
+
+    After a large trace, freeing its hundreds of thousands of records one by one takes about a
+    second and serves nothing: output is flushed here and files were closed where written.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,12 +18,16 @@ import contextlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ampscope.errors import AmpscopeError
 from ampscope.records import dtype_name
+
+if TYPE_CHECKING:
+    from ampscope.capture.emulation import Emulation
 
 DTYPES: dict[str, torch.dtype] = {
     "fp64": torch.float64,
@@ -336,23 +340,25 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
 
 
 @contextlib.contextmanager
-def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> Iterator[None]:
+def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> Iterator[Emulation | None]:
     """Run the body under `setting`; afterwards the model and torch's global state are exactly
     as they were, also when the body raised. Autocast itself is entered by the workload
     (around forward and loss, as training scripts do), not here; an emulated setting puts the
-    target device's autocast policy in place for the body."""
+    target device's autocast policy and kernels in place for the body and yields the
+    `Emulation`, else None is yielded."""
     global_state = GlobalState.save()
     model_state = ModelState.save(model) if model is not None else None
     try:
         with contextlib.ExitStack() as stack:
-            if setting.emulated and setting.autocast_dtype is not None:
-                from ampscope.capture.emulation import TargetAutocast
+            emulation = None
+            if setting.emulated:
+                from ampscope.capture.emulation import Emulation
 
-                stack.enter_context(TargetAutocast(setting.device, setting.autocast_dtype))
+                emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None:
                 _working_copies(model, setting, fake)
             torch.set_float32_matmul_precision(setting.matmul_precision)
-            yield
+            yield emulation
     finally:
         if model_state is not None:
             model_state.restore()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ampscope.capture.policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.errors import AmpscopeError
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -201,18 +202,91 @@ def foreach_by_default(device: str) -> bool:
     return device in _get_foreach_kernels_supported_devices()
 
 
-def emulation_notes(setting, trace) -> list[str]:
-    """What an emulated run assumed, in plain words, for the trace's notes."""
-    if not setting.emulated:
-        return []
-    notes = [
-        f"Emulated {setting.device} on the CPU: autocast followed the {setting.device} policy "
-        f"read from this PyTorch build ({torch.__version__}); tensors lived on the CPU, so code "
-        "that asks for a tensor's device saw cpu (ampscope's reference models make their "
-        f"device choices for {setting.device})."
-    ]
-    if foreach_by_default(setting.device) and trace.workload == "train":
-        notes.append(
-            f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {setting.device}."
-        )
-    return notes
+def _cudnn(version: int | None) -> str:
+    """cudnnGetVersion's 92000 as "9.20.0"."""
+    if version is None:
+        return "none"
+    return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+
+
+class Emulation:
+    """Everything an emulated run changes, for its duration: the target's autocast policy and,
+    for CUDA, the attention kernels an H100 would pick (`capture.attention`)."""
+
+    def __init__(self, device: str, autocast_dtype: torch.dtype | None) -> None:
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.attention: list = []  # AttentionChoice per SDPA call (CUDA only)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Emulation:
+        from ampscope.capture.attention import cuda_attention
+
+        with self._stack as stack:
+            if self.autocast_dtype is not None:
+                stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))
+            if self.device == "cuda":
+                self.attention = stack.enter_context(cuda_attention())
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def notes(self, workload: str) -> list[str]:
+        """What the run assumed, in plain words, for the trace's notes."""
+        from ampscope.capture.attention import H100
+
+        notes = [
+            f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "
+            f"read from this PyTorch build ({torch.__version__}); tensors lived on the CPU, so "
+            "code that asks for a tensor's device saw cpu (ampscope's reference models make "
+            f"their device choices for {self.device})."
+        ]
+        if workload == "train" and foreach_by_default(self.device):
+            notes.append(
+                f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {self.device}."
+            )
+        kernels: dict[str, int] = {}
+        for choice in self.attention:
+            key = f"{choice.backend} ({choice.forward_op.removesuffix('.default')})"
+            kernels[key] = kernels.get(key, 0) + 1
+        if kernels:
+            ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
+            notes.append(
+                f"scaled_dot_product_attention ran the kernels PyTorch {torch.__version__.split('+')[0]} "
+                f"picks on an {H100.name} (sm{H100.capability[0]}{H100.capability[1]}, CUDA "
+                f"{H100.cuda_version[0]}.{H100.cuda_version[1]}, cuDNN {_cudnn(H100.cudnn_version)}) for "
+                f"these dtypes and shapes: {ran}."
+            )
+        elif self.device != "cuda":
+            notes.append(
+                f"Attention kernels are the CPU's: ampscope does not model {self.device}'s "
+                "choice of scaled_dot_product_attention kernel."
+            )
+        return notes
+
+
+def device_api_error(e: BaseException, device: str) -> AmpscopeError | None:
+    """The one-line error for model code that needs the real device during an emulated run
+    (`torch.cuda.synchronize()`, `x.cuda()`, `torch.zeros(..., device="cuda")`), naming the call
+    and the line that made it; None when `e` is something else."""
+    import os
+    import traceback
+
+    backend_dir = os.path.join(os.path.dirname(torch.__file__), device) + os.sep
+    frames = traceback.extract_tb(e.__traceback__)
+    inside = [i for i, f in enumerate(frames) if f.filename.startswith(backend_dir)]
+    if not inside:
+        return None
+    first = inside[0]
+    api = frames[first].name
+    caller = frames[first - 1] if first > 0 else None
+    public = api if not api.startswith("_") else None
+    what = f"torch.{device}.{public}()" if public else f"a {device} tensor or torch.{device} call"
+    where = f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else ""
+    return AmpscopeError(
+        f"the model code{where} needs {what}, which cannot be emulated: this machine has no "
+        f"{device}; keep device calls out of the traced step (or guard them with "
+        f"torch.{device}.is_available()), or trace on a machine with the device"
+    )

@@ -63,7 +63,7 @@ def op_name(func) -> str:
 
 
 # Ops that are no computation: the profiler range `Optimizer.step` opens.
-_SKIPPED_NAMESPACES = frozenset({"profiler"})
+_SKIPPED_NAMESPACES = ("profiler", "prim")  # profiler markers; prim.device queries of fake tensors
 _DETACH = torch.ops.aten.detach.default
 
 
@@ -168,6 +168,9 @@ class OpRecorder(TorchDispatchMode):
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
         self.ops: list[OpCall] = []
+        # Called with (func, args) before each op runs; may raise as the op's real kernel would
+        # (predict mode checks what fake tensors' meta kernels do not).
+        self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
         functions.op_log = self.ops
         self._tracker = tracker
         self._phase = phase
@@ -182,13 +185,17 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.check is not None:
+            self.check(func, args)
         out = func(*args, **kwargs)
         if func.namespace in _SKIPPED_NAMESPACES:
             return out
-        if func is _DETACH and types:
-            # Autograd saving or unpacking an op's output goes through Python dispatch only
-            # because a mode is active, and shows up as this detach: it does not run in an
-            # unobserved step, so it is not recorded (DebugMode leaves it out too).
+        if func is _DETACH:
+            # Not recorded: a detach changes no dtype, and which detaches reach a mode depends
+            # on how it runs. Autograd saving or unpacking an op's output goes through Python
+            # dispatch only because a mode is active (DebugMode leaves those out too); with
+            # fake tensors (predict mode) every detach arrives that way, so AccumulateGrad's
+            # and the user's could not be told apart from autograd's own.
             return out
         self._functions.ops_seen += 1
         inputs = tensors_in(args)

@@ -12,6 +12,11 @@ early stopping in a sampler, GradScaler's check for infinities) has nothing to r
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -22,6 +27,63 @@ def fake_mode() -> FakeTensorMode:
     # Real tensors the model keeps outside its parameters and buffers (a cached mask, a
     # constant) are converted on use rather than refused.
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a fake run: tens of thousands of small records
+    and fake tensors would otherwise trigger full collections that cost a fifth of the run,
+    and a fake run holds no memory worth reclaiming early. The collector's state comes back."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+aten = torch.ops.aten
+# (op, positions of the two matrix operands): the CPU and CUDA kernels refuse operands of two
+# dtypes ("expected m1 and m2 to have the same dtype"), their meta kernels do not check.
+_MATMULS = {
+    aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+    aten.baddbmm.default: (1, 2), aten.mv.default: (0, 1), aten.addmv.default: (1, 2),
+    aten.dot.default: (0, 1), aten.addbmm.default: (1, 2),
+}
+
+
+def check_matmul_dtypes(func: torch._ops.OpOverload, args: tuple) -> None:
+    """Raise, as a real kernel would, when a matmul's two operands differ in dtype (an
+    `OpRecorder.check`: one more Python mode would cost a tenth of a large fake run)."""
+    operands = _MATMULS.get(func)
+    if operands is not None:
+        a, b = (args[i] for i in operands)
+        if a.dtype != b.dtype:
+            raise RuntimeError(
+                f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}"
+            )
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensor logs a traceback at ERROR before re-raising a failing meta kernel; ampscope
+    reports the error itself, in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def predicting(mode: FakeTensorMode) -> Iterator[None]:
+    """Everything a fake run needs around it: the fake mode, a quiet log and a paused garbage
+    collector (the dtype checks its meta kernels lack go to the Capture: check_matmul_dtypes)."""
+    with mode, quiet_fake_tensor_log(), gc_paused():
+        yield
 
 
 def fake_like(t: torch.Tensor, mode: FakeTensorMode, *, dtype: torch.dtype,

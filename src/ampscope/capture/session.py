@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -48,8 +48,10 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module, *, model_name: str | None = None,
-                 setting: dict | None = None, workload: str = "custom") -> None:
+                 setting: dict | None = None, workload: str = "custom",
+                 op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None) -> None:
         self.model = model
+        self._op_check = op_check  # see OpRecorder.check
         self.trace = Trace(
             model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
             setting=setting or {}, workload=workload,
@@ -78,6 +80,7 @@ class Capture:
                 origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
         self._functions = FunctionRecorder(tracker, clock, origins)
         self._ops = OpRecorder(tracker, clock, self._functions, names)
+        self._ops.check = self._op_check
         self._handles = [
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
             register_optimizer_step_pre_hook(self._on_step_begin),

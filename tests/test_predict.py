@@ -1,0 +1,128 @@
+"""Predict mode: the same run on fake tensors gives the same trace, op for op, and any size fits.
+
+Known differences, each checked here so that a change in them shows up (docs/emulation.md):
+- a GradScaler step reads `found_inf` (`.item()`, aten._local_scalar_dense) to decide whether
+  to step; a fake tensor has no value, so predict mode assumes finite gradients and steps
+  without that read (a real fp16 step may instead skip the optimizer, as the first steps of a
+  fresh GradScaler often do);
+- at sequence length 1 (KV-cache decoding), PyTorch's meta kernels may give size-1 dimensions
+  other strides than the CPU kernels, and `matmul` then takes its batched path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+
+
+def _ops(t):
+    return [(o.op, o.phase, o.module, o.inputs, o.outputs, o.autocast_cast, o.source)
+            for o in t.ops]
+
+
+def _modules(t):
+    return [(m.name, m.type, m.phase, m.inputs, m.outputs) for m in t.modules]
+
+
+def _inventory(t):
+    return (t.parameters, t.buffers, t.optimizer_state, t.inputs, t.outputs)
+
+
+CASES = [
+    (model, setting, workload)
+    for model in ("gpt2-tiny", "nanochat-tiny")
+    for setting in ("fp32+amp-bf16", "bf16", "cuda:fp32+amp-bf16", "cuda:bf16")
+    for workload in ("train", "forward")
+] + [
+    ("gpt2-tiny", "cuda:fp32+amp-bf16", "generate"),
+    ("nanochat-tiny", "fp32+amp-bf16", "generate"),
+    ("gpt2-tiny", "mps:fp32+amp-fp16", "forward"),
+    ("gpt2-tiny", "cuda:fp32", "train"),
+]
+
+
+@pytest.mark.parametrize(("model", "setting", "workload"), CASES)
+def test_predicted_trace_equals_the_real_one(model, setting, workload):
+    real = ampscope.trace(model, setting=setting, workload=workload, batch=2, seq=8,
+                          predict=False)
+    predicted = ampscope.trace(model, setting=setting, workload=workload, batch=2, seq=8,
+                               predict=True)
+    assert (real.mode, predicted.mode) == ("run", "predict")
+    assert _ops(predicted) == _ops(real)
+    assert _modules(predicted) == _modules(real)
+    assert _inventory(predicted) == _inventory(real)
+    assert [f.text for f in predicted.findings] == [f.text for f in real.findings]
+
+
+def test_a_gradscaler_step_is_predicted_as_a_step_with_finite_gradients():
+    kwargs = dict(setting="cuda:fp32+amp-fp16", workload="train", seq=4)
+    real = _ops(ampscope.trace("gpt2-tiny", predict=False, **kwargs))
+    predicted = _ops(ampscope.trace("gpt2-tiny", predict=True, **kwargs))
+    unscale = "aten._amp_foreach_non_finite_check_and_unscale_.default"
+    i = next(i for i, o in enumerate(real) if o[0] == unscale)
+    assert predicted[: i + 1] == real[: i + 1]  # forward, scaled backward, unscale: the same
+    assert real[i + 1][0] == "aten._local_scalar_dense.default"  # found_inf.item()
+    assert predicted[i + 1][0] != "aten._local_scalar_dense.default"
+    assert any(o[0].startswith("aten._foreach_add") for o in predicted[i + 1:])  # AdamW stepped
+    assert predicted[-1][0] == real[-1][0] == "aten._amp_update_scale_.default"
+
+
+def test_nanochat_without_autocast_on_cuda_fails_as_it_would_there():
+    """nanochat keeps its embedding in bf16 on CUDA and relies on autocast: without it the
+    first projection gets bf16 activations and fp32 weights, in a real run and a predicted one."""
+    for predict in (False, True):
+        with pytest.raises(DtypeMismatchError, match=r"transformer\.h\.0\.attn\.c_q.*bfloat16 and float32"):
+            ampscope.trace("nanochat-tiny", setting="cuda:fp32", workload="forward", seq=4,
+                           predict=predict)
+
+
+def test_predict_keeps_the_users_model_exactly(gpt2_tiny):
+    module = gpt2_tiny.module
+    before = {n: (p, p.data, p.data_ptr(), p.dtype) for n, p in module.named_parameters()}
+    t = ampscope.trace(gpt2_tiny, setting="cuda:bf16", workload="train", seq=8, predict=True)
+    assert t.mode == "predict" and all(p.dtype == "bfloat16" for p in t.parameters)
+    after = {n: (p, p.data, p.data_ptr(), p.dtype) for n, p in module.named_parameters()}
+    assert all(before[n][0] is after[n][0] and before[n][2:] == after[n][2:] for n in before)
+    assert all(p.grad is None and type(p.data) is torch.Tensor for p in module.parameters())
+    assert module.transformer.wte.weight is module.lm_head.weight  # still tied
+
+
+def test_a_model_that_would_not_fit_is_predicted_and_says_so(monkeypatch):
+    from ampscope.models import registry
+    monkeypatch.setattr(registry, "available_memory_bytes", lambda *a, **k: 10**6)
+    t = ampscope.trace("gpt2-tiny", setting="bf16", workload="train", seq=4)
+    assert t.mode == "predict"
+    assert t.notes[0].startswith("Predicted on fake tensors because a real run would not fit: "
+                                 "gpt2-tiny has")
+    with pytest.raises(AmpscopeError, match="or predict it on fake tensors"):
+        ampscope.trace("gpt2-tiny", setting="bf16", workload="train", seq=4, predict=False)
+
+
+def test_llama_3_8b_trains_in_predict_mode_with_its_real_shapes():
+    pytest.importorskip("transformers")
+    t = ampscope.trace("llama-3-8b", setting="cuda:bf16", workload="train", seq=16, predict=True)
+    assert t.model.parameters == 8_030_261_248
+    embed = next(p for p in t.parameters if p.name == "model.embed_tokens.weight")
+    assert (embed.dtype, embed.shape, embed.grad_dtype) == ("bfloat16", (128256, 4096), "bfloat16")
+    moments = [s for s in t.optimizer_state if s.key in ("exp_avg", "exp_avg_sq")]
+    assert len(moments) == 2 * len(t.parameters) and {s.dtype for s in moments} == {"bfloat16"}
+    assert sum(m.type == "LlamaDecoderLayer" and m.phase == "forward" for m in t.modules) == 32
+
+
+def test_code_that_reads_values_gets_one_line_in_predict_mode():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if y.sum() > 0 else y  # needs the value
+
+    with pytest.raises(AmpscopeError, match="predict mode cannot run .* reads a tensor's value"):
+        ampscope.trace(Branchy(), torch.randn(2, 4), workload=lambda m, b: m(next(iter(b.values()))),
+                       predict=True)
