@@ -29,6 +29,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_trace.py
+	$(BIN)/python benchmarks/bench_predict.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

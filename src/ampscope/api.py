@@ -212,18 +212,22 @@ def matrix(
     parsed = [resolve_device(parse_setting(s) if isinstance(s, str) else s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")
-    devices = {s.device for s in parsed}
-    if len(devices) > 1 and isinstance(model, str):
-        raise AmpscopeError("settings on several devices are not supported in one matrix yet")
-    lm, predict, _ = _plan(model, parsed[0], workload if isinstance(workload, str) else "custom",
-                           optimizer, predict, have_inputs=inputs is not None)
+    # One build per device: a model may make device-dependent choices when it is built
+    # (nanochat's bf16 embedding on CUDA); the same seed gives every build the same weights.
+    plans: dict[str, tuple[LoadedModel, bool]] = {}
+    workload_name = workload if isinstance(workload, str) else "custom"
     traces = []
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i, s.name)
+        if s.device not in plans:
+            lm, decided, _ = _plan(model, s, workload_name, optimizer, predict,
+                                   have_inputs=inputs is not None)
+            plans[s.device] = (lm, decided)
+        lm, decided = plans[s.device]
         traces.append(trace(lm, inputs, setting=s, workload=workload, batch=batch, seq=seq,
                             optimizer=optimizer, new_tokens=new_tokens, seed=seed,
-                            predict=predict))
+                            predict=decided))
     return build_matrix(traces), traces
 
 

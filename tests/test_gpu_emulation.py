@@ -1,0 +1,51 @@
+"""On a machine with CUDA: the emulated CUDA trace against the real one, op for op.
+
+Skipped without CUDA (CI has none). On a GPU machine run
+
+    .venv/bin/python -m pytest -q tests/test_gpu_emulation.py -rs
+
+and record in docs/emulation.md which ops differ and why. The comparison covers what the issue
+asks for: the reference models in fp32, fp32+amp-bf16, bf16 and fp32+amp-fp16. A difference
+fails the test with the first differing op, so the table in the docs can be filled from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import ampscope
+from ampscope.settings import parse_setting
+
+pytestmark = pytest.mark.gpu
+
+SETTINGS = ("fp32", "fp32+amp-bf16", "bf16", "fp32+amp-fp16")
+
+
+def _ops(trace):
+    return [(o.op, o.phase, o.module, tuple(m.dtype for m in o.inputs),
+             tuple(m.shape for m in o.inputs), tuple(m.dtype for m in o.outputs))
+            for o in trace.ops]
+
+
+def _first_difference(a, b) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"op {i}: real {x} vs emulated {y}"
+    return f"lengths {len(a)} (real) vs {len(b)} (emulated)"
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "nanochat-tiny"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("workload", ["forward", "train"])
+def test_emulated_cuda_matches_real_cuda(model, setting, workload):
+    real_setting = parse_setting(f"cuda:{setting}")
+    emulated_setting = dataclasses.replace(real_setting, emulated=True)
+    if model == "nanochat-tiny" and real_setting.autocast_dtype is None and \
+            real_setting.param_dtype != parse_setting("bf16").param_dtype:
+        pytest.skip("nanochat's bf16 embedding needs autocast on CUDA (a dtype mismatch there)")
+    real = ampscope.trace(model, setting=real_setting, workload=workload, seq=16)
+    emulated = ampscope.trace(model, setting=emulated_setting, workload=workload, seq=16)
+    assert real.setting["emulated"] is False and emulated.setting["emulated"] is True
+    assert _ops(emulated) == _ops(real), _first_difference(_ops(real), _ops(emulated))
