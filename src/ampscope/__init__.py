@@ -8,12 +8,12 @@
         ...
 """
 
-from ampscope.api import capture, matrix, trace
+from ampscope.api import capture, flops, matrix, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.settings import Setting, parse_setting
 from ampscope.trace import Trace
 
-__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "matrix",
+__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "flops", "matrix",
            "parse_setting", "trace"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from ampscope import workloads
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
+from ampscope.analysis.flops import FlopReport, flop_report
 from ampscope.capture.emulation import device_api_error
 from ampscope.capture.predict import (
     check_matmul_dtypes,
@@ -237,3 +238,69 @@ def capture(model: nn.Module, *, name: str | None = None) -> Capture:
     The model's own code, autocast regions and optimizer run as written; ampscope only watches.
     """
     return Capture(model, model_name=name, workload="custom")
+
+
+def flops(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    **options,
+) -> FlopReport:
+    """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
+    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T)."""
+    result = trace(model, inputs, **options)
+    return flop_report(result, tokens=tokens_of(result))
+
+
+def tokens_of(result: Trace) -> int:
+    """Tokens the step processed: the elements of its integer input (batch × sequence)."""
+    for record in result.inputs:
+        if record.role == "input" and record.dtype.startswith(("int", "uint")):
+            n = 1
+            for size in record.shape:
+                n *= size
+            return n
+    return 0
+
+
+def measure_step(
+    model: str | nn.Module | LoadedModel,
+    *,
+    setting: str | Setting = "fp32",
+    workload: str = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+    repeats: int = 3,
+) -> float:
+    """Median wall seconds of the untraced step on this machine, after one warm-up run.
+
+    Only a real device can be timed: an emulated setting is refused (give the step time
+    instead)."""
+    import statistics
+    import time
+
+    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+    if setting.emulated:
+        raise AmpscopeError(
+            f"cannot time {setting.name} here: this machine has no {setting.device}; "
+            "give the measured step time with --step-time SECONDS"
+        )
+    lm = load(model, device=setting.run_device)
+    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed),
+                         device=setting.run_device)
+    cuda = setting.device == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        with applied(setting, lm.module):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            workloads.run(lm, workload, data, setting, optimizer=optimizer,
+                          new_tokens=new_tokens, seed=seed)
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first run warms up allocators and kernels
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)

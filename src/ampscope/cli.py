@@ -57,6 +57,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_arguments(diff)
     diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
 
+    flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
+    _add_model_argument(flops)
+    flops.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                       help="precision setting (default: %(default)s)")
+    _add_run_arguments(flops)
+    timing = flops.add_mutually_exclusive_group()
+    timing.add_argument("--step-time", type=float, metavar="SECONDS",
+                        help="measured wall time of one step, for throughput and MFU")
+    timing.add_argument("--measure", action="store_true",
+                        help="time the untraced step on this machine (a real device only)")
+    flops.add_argument("--gpu", metavar="NAME",
+                       help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
+                            "this machine's GPU; h100 for emulated cuda)")
+
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -153,6 +167,54 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             return 0
     _console().print(render_matrix(result))
     return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ampscope.analysis.flops import utilization
+    from ampscope.api import flops, measure_step
+    from ampscope.render.flops import render_flops
+
+    options = _run_options(args)
+    [setting] = _on_device([args.setting], args.device)
+    if args.step_time is not None and args.step_time <= 0:
+        raise AmpscopeError("--step-time must be a positive number of seconds")
+    with _console(stderr=True).status(f"Counting FLOPs of {args.model} under {setting}…"):
+        report = flops(args.model, setting=setting, **options)
+    seconds = args.step_time
+    if args.measure:
+        timed = {k: v for k, v in options.items() if k != "predict"}
+        with _console(stderr=True).status(f"Timing the {args.workload} step of {args.model}…"):
+            seconds = measure_step(args.model, setting=setting, **timed)
+    used = None
+    if seconds is not None:
+        used = utilization(report, seconds, _accelerator(args.gpu, report.setting),
+                           report.setting.get("matmul_precision", "highest"))
+    if args.json:
+        data = report.to_dict()
+        data["utilization"] = asdict(used) if used else None
+        _write_json(json.dumps(data, indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_flops(report, used))
+    return 0
+
+
+def _accelerator(name: str | None, setting: dict):
+    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
+    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+    from ampscope import hardware
+
+    if name:
+        return hardware.by_name(name)
+    if setting.get("device") != "cuda":
+        return None
+    if setting.get("emulated"):
+        return hardware.by_name("h100")
+    import torch
+
+    return hardware.lookup(torch.cuda.get_device_name())
 
 
 def _load_trace(path: str):
@@ -255,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "models": cmd_models}
+                "flops": cmd_flops, "models": cmd_models}
     try:
         return commands[args.command](args)
     except DtypeMismatchError as e:

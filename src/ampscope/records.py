@@ -97,6 +97,10 @@ class OpCall:
     input_names: tuple[str | None, ...]
     # In backward: the autograd node that ran it (e.g. "AddmmBackward0").
     grad_fn: str | None = None
+    # FLOPs by PyTorch's convention (capture/flops.py; 0 for ops without a formula), and the
+    # same with causal attention counted only on the score entries the mask keeps.
+    flops: int = 0
+    flops_causal: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,3 +156,29 @@ class FailedCall:
     source: str | None
     arguments: tuple[ArgumentOrigin, ...]
     error: str  # "RuntimeError: mat1 and mat2 must have the same dtype, ..."
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage of the step: a block of memory that any number of tensors view (a view or
+    a tied weight is no new storage). Live from op `created` through op `freed`, inclusive;
+    see capture/memory.py for how it is seen and categorised, docs/memory.md for the limits."""
+
+    id: int  # in the order the storages were first seen
+    nbytes: int
+    dtype: str  # of the first tensor seen on it
+    shape: tuple[int, ...]  # of that tensor
+    created: int | None  # index of the op that made it; None: it existed before the step
+    freed: int | None  # index of the last op it was live through; None: live at the end
+    # "parameter", "buffer", "input", "gradient", "optimizer_state", "output",
+    # "autocast_cast", "activation" or "temporary" (capture.memory.CATEGORIES)
+    category: str
+    names: tuple[str, ...] = ()  # "transformer.wte.weight", "lm_head.weight"; ".grad", ":exp_avg"
+    module: str | None = None  # where it was made, as OpCall.module
+    phase: Phase | None = None
+    op: str | None = None  # the op that made it ("aten.mm.default")
+    saved: bool = False  # saved by autograd for backward
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None

@@ -19,6 +19,7 @@ from ampscope.records import (
     OpCall,
     OptimizerStateRecord,
     ParameterRecord,
+    StorageRecord,
     TensorMeta,
 )
 
@@ -58,6 +59,7 @@ class Trace:
     findings: list[Finding] = field(default_factory=list)
     mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
+    storages: list[StorageRecord] = field(default_factory=list)  # memory: capture/memory.py
 
     def to_dict(self) -> dict:
         return {
@@ -79,6 +81,7 @@ class Trace:
                 "outputs": [_plain(o) for o in self.outputs],
             },
             "findings": [asdict(f) for f in self.findings],
+            "storages": [_storage(s) for s in self.storages],
         }
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
@@ -108,7 +111,7 @@ class Trace:
                        _metas(o["out"], o.get("out_shapes")), o.get("autocast_cast", False),
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
-                       o.get("grad_fn"))
+                       o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -139,6 +142,11 @@ class Trace:
                       for f in data.get("findings", [])],
             mode=data.get("mode", "run"),
             notes=list(data.get("notes", [])),
+            storages=[StorageRecord(s.get("id", i), s["nbytes"], s["dtype"], tuple(s.get("shape", ())),
+                                    s.get("created"), s.get("freed"), s.get("category", "temporary"),
+                                    tuple(s.get("names", ())), s.get("module"), s.get("phase"),
+                                    s.get("op"), s.get("saved", False))
+                      for i, s in enumerate(data.get("storages", []))],
         )
 
 
@@ -165,7 +173,8 @@ def _op(o: OpCall) -> dict:
     return {"op": o.op, "module": o.module, "phase": o.phase, "in": _dtypes(o.inputs),
             "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
-            "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn}
+            "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
+            "flops": o.flops, "flops_causal": o.flops_causal}
 
 
 def _call(c: FunctionCall) -> dict:
@@ -178,6 +187,13 @@ def _parameter(p: ParameterRecord) -> dict:
     return {"name": p.name, "dtype": p.dtype, "shape": list(p.shape),
             "grad_dtype": p.grad_dtype, "requires_grad": p.requires_grad,
             "tied_to": list(p.tied_to)}
+
+
+def _storage(s: StorageRecord) -> dict:
+    return {"id": s.id, "nbytes": s.nbytes, "dtype": s.dtype, "shape": list(s.shape),
+            "created": s.created, "freed": s.freed, "category": s.category,
+            "names": list(s.names), "module": s.module, "phase": s.phase, "op": s.op,
+            "saved": s.saved}
 
 
 def _plain(record) -> dict:

@@ -20,6 +20,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampscope.analysis.flow import module_label
+from ampscope.capture.flops import op_flops
+from ampscope.capture.memory import StorageTracker
 from ampscope.capture.modules import ModuleTracker, PhaseClock
 from ampscope.capture.source import user_source
 from ampscope.capture.tensors import meta_of, metas, tensors_in
@@ -171,6 +173,8 @@ class OpRecorder(TorchDispatchMode):
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
         self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
+        # Told of each op's results, to follow the storages they allocate (capture/memory.py).
+        self.storages: StorageTracker | None = None
         functions.op_log = self.ops
         self._tracker = tracker
         self._phase = phase
@@ -216,11 +220,17 @@ class OpRecorder(TorchDispatchMode):
         if phase == "backward":
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
+        flops, flops_causal = op_flops(func, args, kwargs, out)
+        results = tensors_in(out)
+        outputs = tuple(meta_of(t) for t in results)
+        if self.storages is not None:
+            self.storages.on_op(len(self.ops), results, outputs)
         self.ops.append(OpCall(
             index=len(self.ops), op=op_name(func), module=self._tracker.current(), phase=phase,
-            inputs=tuple(meta_of(t) for t in inputs), outputs=metas(out),
+            inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
             autocast_cast=autocast_cast, caller=caller,
             source=functions.current_source if caller is not None else None,
             input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,
+            flops=flops, flops_causal=flops_causal,
         ))
         return out

@@ -1,0 +1,81 @@
+"""`ampscope flops`: FLOPs by phase, dtype and module, the conventions, and MFU."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.flops import FlopReport, Utilization
+from ampscope.render.text import dtype_text
+
+
+def human(flops: float, unit: str = "FLOP") -> str:
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(flops) >= size:
+            return f"{flops / size:.2f} {prefix}{unit}"
+    return f"{flops:.0f} {unit}"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "—"
+
+
+def render_flops(report: FlopReport, used: Utilization | None = None) -> RenderableType:
+    s = report.setting
+    where = s.get("device", "?") + (" (emulated)" if s.get("emulated") else "")
+    head = Text()
+    head.append(report.model, style="bold")
+    head.append(f"  setting {s.get('name', '?')} on {where}  workload {report.workload}  "
+                f"{report.tokens:,} tokens  ")
+    head.append(human(report.total), style="bold")
+    head.append(f" counted ({human(report.total / report.tokens) if report.tokens else '—'} "
+                "per token)")
+
+    phases = Table(title="By phase", title_justify="left", show_edge=False)
+    for col in ("phase", "FLOPs", "share"):
+        phases.add_column(col, justify="right" if col != "phase" else "left")
+    for phase, n in report.by_phase.items():
+        phases.add_row(phase, human(n), _share(n, report.total))
+
+    dtypes = Table(title="By the dtype the matmuls ran in", title_justify="left", show_edge=False)
+    for col in ("dtype", "FLOPs", "share", "peak", "time at peak"):
+        dtypes.add_column(col, justify="right" if col != "dtype" else "left")
+    for dtype, n in sorted(report.by_dtype.items(), key=lambda kv: -kv[1]):
+        peak = used.peaks.get(dtype) if used else None
+        dtypes.add_row(dtype_text([dtype], short=False), human(n), _share(n, report.total),
+                       human(peak, "FLOP/s") if peak else "n/a",
+                       f"{1e3 * n / peak:.1f} ms" if peak else "n/a")
+
+    modules = Table(title="By module (own ops, per block)", title_justify="left", show_edge=False)
+    for col in ("module", "×", "forward", "backward", "dtype"):
+        modules.add_column(col, justify="left" if col in ("module", "dtype") else "right",
+                           overflow="fold" if col == "module" else None)
+    for r in report.rows:
+        modules.add_row(r.name, str(r.repeats), human(r.forward), human(r.backward),
+                        dtype_text([r.dtype], short=False))
+
+    conv = Table(title="Conventions", title_justify="left", show_edge=False)
+    for col in ("convention", "FLOPs", "vs counted", "what it assumes"):
+        conv.add_column(col, justify="right" if col in ("FLOPs", "vs counted") else "left")
+    for c in report.conventions:
+        conv.add_row(c.name, human(c.flops),
+                     f"{100 * (c.flops / report.total - 1):+.1f}%" if report.total else "—",
+                     Text(c.note, style="dim"))
+
+    parts: list[RenderableType] = [head, Text(), phases, Text(), dtypes, Text(), modules, Text(),
+                                   conv]
+    if used is not None:
+        line = Text("\nThroughput  ", style="italic")
+        line.append(f"step {used.seconds * 1e3:.1f} ms, {used.tokens_per_second:,.0f} tokens/s, "
+                    f"{human(used.flops_per_second, 'FLOP/s')} counted")
+        line.append("\nMFU         ", style="italic")
+        if used.mfu is not None:
+            line.append(f"{100 * used.mfu:.1f}%", style="bold")
+            line.append(f" of {used.device}'s peak for the dtype each matmul ran in "
+                        "(counted FLOPs, full attention)")
+        else:
+            line.append("n/a", style="bold")
+            line.append(f" ({'no peak FLOP/s known for ' + used.device if used.device else 'no accelerator named: --gpu NAME'})")
+        parts.append(line)
+    return Group(*parts)

@@ -1,0 +1,100 @@
+"""FLOPs counted from the ops that ran, checked against counts derived by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.analysis.flops import flop_report
+from ampscope.api import tokens_of
+from ampscope.capture.flops import _kept_fraction
+from ampscope.cli import main
+from ampscope.errors import AmpscopeError
+from ampscope.models import gpt2
+
+
+def _linear_step(module, batch):
+    out = module(batch["x"])
+    out.sum().backward()
+
+
+def _phase_flops(t, phase: str) -> int:
+    return sum(o.flops for o in t.ops if o.phase == phase)
+
+
+def test_a_linear_layer_does_2mkn_forward_and_twice_that_backward():
+    layer = nn.Linear(256, 64)
+    x = torch.randn(1024, 256, requires_grad=True)
+    t = ampscope.trace(layer, {"x": x}, workload=_linear_step)
+    forward = _phase_flops(t, "forward")
+    assert forward == 2 * 1024 * 256 * 64
+    # grad of the input (1024×64 @ 64×256) and of the weight (64×1024 @ 1024×256)
+    assert _phase_flops(t, "backward") == 2 * forward
+    # An input that needs no gradient leaves only the weight's matmul.
+    t = ampscope.trace(layer, {"x": x.detach()}, workload=_linear_step)
+    assert _phase_flops(t, "backward") == forward
+
+
+def test_gpt2_counted_training_flops_agree_with_estimate_flops_within_1_percent():
+    B, T = 1, 256
+    t = ampscope.trace("gpt2", setting="fp32", workload="train", batch=B, seq=T, predict=True)
+    report = flop_report(t, tokens=tokens_of(t))
+    estimate = gpt2.load("gpt2", device="meta").module.estimate_flops(T) * B * T
+    assert report.tokens == B * T
+    assert abs(report.total / estimate - 1) < 0.01
+    # nanoGPT's convention computed from the traced shapes is the model's own estimate.
+    nanogpt = next(c for c in report.conventions if c.name.startswith("nanoGPT 6N'"))
+    assert nanogpt.flops == estimate
+    assert (report.attention.layers, report.attention.heads, report.attention.head_dim,
+            report.attention.seq) == (12, 12, 64, T)
+
+
+def test_cpu_flash_attention_is_counted_and_causal_counts_the_kept_half():
+    B, T = 2, 16
+    t = ampscope.trace("gpt2-tiny", setting="fp32", workload="forward", batch=B, seq=T)
+    attention = [o for o in t.ops if o.op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    _, H, _, Q = attention[0].inputs[0].shape
+    # scores q@kᵀ and weights@v: two B·H·T·T·Q multiply-adds, 2 FLOPs each
+    assert all(o.flops == 4 * B * H * T * T * Q for o in attention)
+    assert all(o.flops_causal == 4 * B * H * Q * T * (T + 1) // 2 for o in attention)
+
+
+def test_kept_fraction_of_a_causal_mask():
+    assert _kept_fraction(4, 4) == (1 + 2 + 3 + 4) / 16
+    assert _kept_fraction(1, 9) == 1 / 9  # a decoding step sees only its first key
+
+
+def test_emulated_cuda_attention_kernels_are_counted_like_the_cpu_one():
+    cpu = ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", workload="train", seq=16)
+    cuda = ampscope.trace("gpt2-tiny", setting="cuda:fp32+amp-bf16", workload="train", seq=16)
+    for phase in ("forward", "backward"):
+        assert sum(o.flops for o in cpu.ops if o.phase == phase) == \
+            sum(o.flops for o in cuda.ops if o.phase == phase)
+    assert any("cudnn" in o.op and o.flops for o in cuda.ops)
+
+
+def test_flops_by_dtype_follow_autocast():
+    t = ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", workload="train", seq=16)
+    report = flop_report(t, tokens=tokens_of(t))
+    assert set(report.by_dtype) == {"bfloat16"}  # every matmul ran in bf16 under autocast
+    assert sum(report.by_dtype.values()) == report.total
+
+
+def test_flops_cli_json(capsys):
+    code = main(["flops", "gpt2-tiny", "--seq", "8", "--json", "-"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["schema"] == "ampscope.flops/1"
+    assert data["tokens"] == 8 and data["total"] == sum(data["by_phase"].values())
+    assert [c["name"] for c in data["conventions"]][:3] == ["counted", "counted, causal", "6·N·D"]
+
+
+def test_measuring_an_emulated_device_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from ampscope.api import measure_step
+    with pytest.raises(AmpscopeError, match="cannot time cuda:fp32 here"):
+        measure_step("gpt2-tiny", setting="cuda:fp32")
