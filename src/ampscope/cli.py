@@ -71,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
                             "this machine's GPU; h100 for emulated cuda)")
 
+    policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
+    policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
+                        help="device whose policy to show (default: %(default)s)")
+    policy.add_argument("--dtype", choices=["bf16", "fp16"],
+                        help="autocast dtype (default: the device's own default)")
+    policy.add_argument("--op", metavar="NAME", help="only ops whose name contains NAME")
+    policy.add_argument("--compare", nargs=2, metavar=("DEV1", "DEV2"),
+                        help="only the ops where two devices' policies differ")
+    policy.add_argument("--quiz", action="store_true",
+                        help="what x.sum(), x.mean(), softmax, ... return on cpu, cuda and mps")
+    policy.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -217,6 +231,43 @@ def _accelerator(name: str | None, setting: dict):
     return hardware.lookup(torch.cuda.get_device_name())
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    from ampscope.analysis import policy as arrange
+    from ampscope.capture.policy import quiz, read_policy
+    from ampscope.records import dtype_name
+    from ampscope.render.policy import compare_table, policy_table, quiz_table
+    from ampscope.settings import DEVICES, DTYPES, default_autocast_dtype
+
+    devices = tuple(args.compare) if args.compare else (args.device,)
+    for device in devices:
+        if device not in DEVICES:
+            raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    dtype = DTYPES[args.dtype] if args.dtype else default_autocast_dtype(devices[0])
+    name = dtype_name(dtype)
+    data: dict = {"schema": arrange.SCHEMA, "dtype": name}
+    if args.quiz:
+        answers = {d: quiz(d, dtype) for d in (devices if args.compare else ("cpu", "cuda", "mps"))}
+        data["quiz"] = answers
+        shown = quiz_table(answers, name)
+    elif args.compare:
+        a, b = (read_policy(d, dtype) for d in devices)
+        rows = arrange.compare(a, b, args.op)
+        data.update(devices=list(devices),
+                    ops=[{"op": r.op, **dict(zip(devices, r.categories, strict=True))} for r in rows])
+        shown = compare_table(rows, devices, name)
+    else:
+        policy = read_policy(args.device, dtype)
+        rows = arrange.table(policy, args.op)
+        data.update(device=args.device, ops=[{"op": r.op, "category": r.categories[0]} for r in rows])
+        shown = policy_table(rows, args.device, name, len(policy))
+    if args.json:
+        _write_json(json.dumps(data, indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(shown)
+    return 0
+
+
 def _load_trace(path: str):
     from ampscope.trace import Trace
 
@@ -317,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "flops": cmd_flops, "models": cmd_models}
+                "flops": cmd_flops, "policy": cmd_policy, "models": cmd_models}
     try:
         return commands[args.command](args)
     except DtypeMismatchError as e:

@@ -1,0 +1,61 @@
+"""Autocast policies side by side: what each category means, and where two devices differ.
+
+The policies themselves are read from the build (capture/policy.py); this module only arranges
+them for people.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ampscope.capture.policy import OpPolicy
+
+SCHEMA = "ampscope.policy/1"
+
+MEANING = {
+    "lower": "runs in {dtype}: floating inputs cast down",
+    "fp32": "forced to float32: floating inputs cast up",
+    "fp32_set_opt_dtype": "computed in float32 (dtype=float32) unless the caller names a dtype",
+    "fp32_append_dtype": "computed in float32 through its dtype overload",
+    "promote": "promotes to the widest floating input",
+    "banned": "refused under autocast",
+    "unclassified": "not classified by the probe; passes through",
+    "passthrough": "not on the list: follows its inputs",
+}
+
+
+def meaning(category: str, dtype: str) -> str:
+    return MEANING.get(category, category).format(dtype=dtype)
+
+
+def short_name(op: str) -> str:
+    """"aten::softmax.int" -> "softmax.int"."""
+    return op.removeprefix("aten::")
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    op: str  # "softmax.int"
+    categories: tuple[str, ...]  # one per device compared ("passthrough" when not listed)
+
+
+def table(policy: dict[str, OpPolicy], op_filter: str | None = None) -> list[PolicyRow]:
+    """One device's ops, grouped by category then name; `op_filter` keeps names containing it."""
+    rows = [PolicyRow(short_name(name), (rule.category,)) for name, rule in policy.items()
+            if op_filter is None or op_filter in short_name(name)]
+    order = {c: i for i, c in enumerate(MEANING)}
+    return sorted(rows, key=lambda r: (order.get(r.categories[0], 99), r.op))
+
+
+def compare(a: dict[str, OpPolicy], b: dict[str, OpPolicy], op_filter: str | None = None,
+            *, differing_only: bool = True) -> list[PolicyRow]:
+    """Ops of either device with their category on each ("passthrough" where not listed)."""
+    rows = []
+    for name in sorted(set(a) | set(b)):
+        if op_filter is not None and op_filter not in short_name(name):
+            continue
+        pair = (a[name].category if name in a else "passthrough",
+                b[name].category if name in b else "passthrough")
+        if pair[0] != pair[1] or not differing_only:
+            rows.append(PolicyRow(short_name(name), pair))
+    return rows

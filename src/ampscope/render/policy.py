@@ -1,0 +1,47 @@
+"""`ampscope policy`: an autocast policy, two devices' differences, and the quiz, as tables."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.policy import PolicyRow, meaning
+from ampscope.render.text import dtype_text
+
+
+def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int) -> Table:
+    table = Table(title=f"Autocast on {device} with {dtype}: {len(rows)} of {total} ops",
+                  title_justify="left", show_edge=False)
+    table.add_column("op")
+    table.add_column("category")
+    table.add_column("what autocast does", style="dim")
+    for r in rows:
+        table.add_row(r.op, r.categories[0], meaning(r.categories[0], dtype))
+    return table
+
+
+def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str) -> Table:
+    table = Table(title=f"Where autocast differs between {devices[0]} and {devices[1]} "
+                        f"({dtype}): {len(rows)} ops", title_justify="left", show_edge=False)
+    table.add_column("op")
+    for device in devices:
+        table.add_column(device)
+    for r in rows:
+        table.add_row(r.op, *(Text(c, style="dim" if c == "passthrough" else "") for c in r.categories))
+    return table
+
+
+def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str) -> Table:
+    """answers: device → expression → input dtype → output dtype."""
+    devices = list(answers)
+    table = Table(title=f"What comes out under autocast ({dtype})", title_justify="left",
+                  show_edge=False)
+    table.add_column("expression")
+    inputs = list(next(iter(next(iter(answers.values())).values())))
+    for device in devices:
+        for name in inputs:
+            table.add_column(f"{device}\n{name} in", justify="center")
+    for expression in next(iter(answers.values())):
+        cells = [dtype_text([answers[d][expression][i]]) for d in devices for i in inputs]
+        table.add_row(expression, *cells)
+    return table
