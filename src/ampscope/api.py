@@ -13,6 +13,7 @@ from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report
+from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.capture.emulation import device_api_error
 from ampscope.capture.predict import (
     check_matmul_dtypes,
@@ -23,6 +24,7 @@ from ampscope.capture.predict import (
     value_needed_error,
 )
 from ampscope.capture.session import Capture
+from ampscope.capture.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.records import dtype_name
@@ -304,3 +306,65 @@ def measure_step(
             if i:  # the first run warms up allocators and kernels
                 times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
+
+
+def numerics(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    settings: Sequence[str | Setting] = DEFAULT_NUMERICS_SETTINGS,
+    reference: str = "fp64",
+    workload: str = "forward",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    on_setting: Callable[[int, str], None] | None = None,
+) -> NumericsReport:
+    """Run the same weights and inputs under each setting and under a higher-precision
+    `reference` ("fp64" or "fp32"); compare every module's output, the loss and (train) the
+    gradients; and report the range of the reference's activations, gradients and weights
+    against fp16, bf16 and fp8. Real runs only: values are the point."""
+    if workload not in ("forward", "train"):
+        raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
+    if reference not in ("fp64", "fp32"):
+        raise AmpscopeError(f"the reference is fp64 or fp32, not {reference!r}")
+    parsed = [resolve_device(parse_setting(s) if isinstance(s, str) else s) for s in settings]
+    if not parsed:
+        raise AmpscopeError("give at least one setting")
+    ref_setting = resolve_device(parse_setting(reference))
+    lm = load(model, device="cpu", have_inputs=inputs is not None)
+    shortfall = _run_shortfall(lm, ref_setting, workload, optimizer, built_on_meta=False)
+    if shortfall is not None:
+        raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
+    if inputs is None:
+        data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed))
+    else:
+        data = _as_batch(lm, inputs, workload)
+    if on_setting is not None:
+        on_setting(0, f"{reference} (reference)")
+    ref = _values_of(lm, data, ref_setting, workload, optimizer, seed)
+    report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref))
+    for i, s in enumerate(parsed):
+        if on_setting is not None:
+            on_setting(i + 1, s.name)
+        report.settings.append(compare_runs(s.name, _values_of(lm, data, s, workload, optimizer,
+                                                               seed), ref))
+    return report
+
+
+def _values_of(lm: LoadedModel, data: Batch, setting: Setting, workload: str, optimizer: str,
+               seed: int) -> Values:
+    with applied(setting, lm.module):
+        run_data = {k: v.to(setting.run_device) for k, v in data.items()}
+        torch.manual_seed(seed)  # the same dropout masks in every run (restored afterwards)
+        with recording_values(lm.module) as values:
+            read_weights(lm.module, values)
+            out = workloads.run(lm, workload, run_data, setting, optimizer=optimizer, seed=seed)
+        if "loss" in out:
+            values.loss = as_float64(out["loss"])
+        read_grads(lm.module, values)
+    return values

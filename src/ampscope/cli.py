@@ -71,6 +71,26 @@ def _parser() -> argparse.ArgumentParser:
                        help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
                             "this machine's GPU; h100 for emulated cuda)")
 
+    numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
+                                               "high-precision reference, layer by layer")
+    _add_model_argument(numerics)
+    numerics.add_argument("--settings", default="fp32,fp32+amp-bf16,bf16",
+                          help="comma-separated settings (default: %(default)s)")
+    numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
+                          help="the setting every other is compared with (default: %(default)s)")
+    numerics.add_argument("--workload", "-w", default="forward", choices=["forward", "train"],
+                          help="train adds the loss's and the gradients' divergence "
+                               "(default: %(default)s)")
+    numerics.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    numerics.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    numerics.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                          help="device of every setting without a DEVICE: prefix (emulated "
+                               "when absent: CUDA's dtypes, the CPU's kernels)")
+    numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
+    numerics.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    numerics.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=argparse.SUPPRESS)
+
     policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
     policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
                         help="device whose policy to show (default: %(default)s)")
@@ -231,6 +251,36 @@ def _accelerator(name: str | None, setting: dict):
     return hardware.lookup(torch.cuda.get_device_name())
 
 
+def cmd_numerics(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from ampscope.api import numerics
+    from ampscope.render.numerics import render_numerics
+
+    if args.batch < 1 or args.seq < 1:
+        raise AmpscopeError("--batch and --seq must be positive integers")
+    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
+    if not settings:
+        raise AmpscopeError("--settings needs at least one setting, e.g. fp32+amp-bf16,bf16")
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        console=_console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task(f"Building {args.model}…", total=len(settings) + 1)
+
+        def on_setting(i: int, name: str) -> None:
+            progress.update(task, completed=i, description=f"{args.workload} under {name}")
+
+        report = numerics(args.model, settings=settings, reference=args.reference,
+                          workload=args.workload, batch=args.batch, seq=args.seq,
+                          on_setting=on_setting)
+    if args.json:
+        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_numerics(report, all_modules=args.all))
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     from ampscope.analysis import policy as arrange
     from ampscope.capture.policy import quiz, read_policy
@@ -368,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "flops": cmd_flops, "policy": cmd_policy, "models": cmd_models}
+                "flops": cmd_flops, "numerics": cmd_numerics, "policy": cmd_policy,
+                "models": cmd_models}
     try:
         return commands[args.command](args)
     except DtypeMismatchError as e:

@@ -1,0 +1,198 @@
+"""What precision costs: divergence from a high-precision reference, and range against formats.
+
+Divergence of a tensor `a` from its reference `r` (both float64 copies):
+
+    relative L2   ‖a − r‖ / ‖r‖
+    max abs       max |a − r|
+    cosine        ⟨a, r⟩ / (‖a‖ ‖r‖)
+    SQNR          10 log10(‖r‖² / ‖a − r‖²) dB  (inf when equal)
+
+Range of a tensor against a format (fp16, bf16, fp8): the share of its non-zero values that
+would overflow (|x| > max), flush to zero (|x| below half the smallest subnormal, where
+round-to-nearest gives 0) or land among the subnormals (below the smallest normal), and amax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ampscope.analysis.flow import split_block
+from ampscope.capture.values import Values
+
+SCHEMA = "ampscope.numerics/1"
+
+RANGE_FORMATS: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    sqnr_db: float
+
+    @property
+    def exact(self) -> bool:
+        return self.max_abs == 0.0
+
+
+def divergence(a: torch.Tensor, r: torch.Tensor) -> Divergence:
+    a, r = a.double().flatten(), r.double().flatten()
+    diff = a - r
+    err, ref = float(diff.norm()), float(r.norm())
+    na = float(a.norm())
+    return Divergence(
+        rel_l2=err / ref if ref else (0.0 if err == 0 else math.inf),
+        max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
+        cosine=float(torch.dot(a, r)) / (na * ref) if na and ref else (1.0 if err == 0 else 0.0),
+        sqnr_db=10 * math.log10(ref**2 / err**2) if err else math.inf,
+    )
+
+
+@dataclass(frozen=True)
+class ModuleDivergence:
+    name: str
+    type: str
+    calls: int
+    divergence: Divergence  # over all its calls' outputs together
+
+
+@dataclass(frozen=True)
+class BlockDivergence:
+    container: str  # "transformer.h"
+    index: int
+    divergence: Divergence
+
+
+@dataclass(frozen=True)
+class SettingNumerics:
+    setting: str
+    modules: list[ModuleDivergence]
+    blocks: list[BlockDivergence]  # error growth with depth
+    loss: Divergence | None
+    grads: list[tuple[str, Divergence]]  # parameter → gradient divergence
+
+
+def compare_runs(setting: str, test: Values, ref: Values) -> SettingNumerics:
+    modules = []
+    for name, outs in ref.outputs.items():
+        got = test.outputs.get(name)
+        if not got or len(got) != len(outs) or any(g.shape != o.shape for g, o in zip(got, outs, strict=True)):
+            continue  # ran differently (another code path): not comparable
+        d = divergence(torch.cat([g.flatten() for g in got]), torch.cat([o.flatten() for o in outs]))
+        modules.append(ModuleDivergence(name, ref.types.get(name, "?"), len(outs), d))
+    blocks = []
+    for m in modules:
+        parts = split_block(m.name)
+        if parts is not None and parts[2] == "":  # the block itself, not a child
+            blocks.append(BlockDivergence(parts[0], parts[1], m.divergence))
+    loss = divergence(test.loss, ref.loss) if test.loss is not None and ref.loss is not None else None
+    grads = [(n, divergence(test.grads[n], g)) for n, g in ref.grads.items() if n in test.grads]
+    return SettingNumerics(setting, modules, blocks, loss, grads)
+
+
+# --- range -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FormatRange:
+    overflow: float  # share of non-zero values above the format's max
+    flush_to_zero: float  # share that would round to zero
+    subnormal: float  # share that would be subnormal (and keep fewer significant bits)
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    kind: str  # "activation", "gradient", "weight"
+    name: str
+    numel: int
+    amax: float
+    formats: dict[str, FormatRange]
+
+
+def tensor_range(kind: str, name: str, t: torch.Tensor) -> TensorRange:
+    x = t.double().abs().flatten()
+    nonzero = x[x > 0]
+    n = max(nonzero.numel(), 1)
+    formats = {}
+    for fmt, dtype in RANGE_FORMATS.items():
+        info = torch.finfo(dtype)
+        smallest_subnormal = info.tiny * info.eps  # 2^(emin − mantissa bits): fp16 2^-24
+        formats[fmt] = FormatRange(
+            overflow=float((nonzero > info.max).sum()) / n,
+            flush_to_zero=float((nonzero < smallest_subnormal / 2).sum()) / n,
+            subnormal=float(((nonzero >= smallest_subnormal / 2) & (nonzero < info.tiny)).sum()) / n,
+        )
+    return TensorRange(kind, name, t.numel(), float(x.max()) if x.numel() else 0.0, formats)
+
+
+def ranges(values: Values) -> list[TensorRange]:
+    out = [tensor_range("activation", name, torch.cat([o.flatten() for o in outs]))
+           for name, outs in values.outputs.items()]
+    out += [tensor_range("gradient", name, g) for name, g in values.grads.items()]
+    out += [tensor_range("weight", name, w) for name, w in values.weights.items()]
+    return out
+
+
+@dataclass
+class NumericsReport:
+    model: str
+    workload: str
+    reference: str
+    settings: list[SettingNumerics] = field(default_factory=list)
+    ranges: list[TensorRange] = field(default_factory=list)
+
+    def fp16_overflows(self) -> list[TensorRange]:
+        """Activations or gradients with values beyond fp16's max: fp16 training breaks there."""
+        return [r for r in self.ranges
+                if r.kind != "weight" and r.formats["float16"].overflow > 0]
+
+    def fp16_gradient_underflow(self) -> tuple[int, int]:
+        """(gradient values that would flush to zero in fp16 without loss scaling, all values)."""
+        flushed = total = 0
+        for r in self.ranges:
+            if r.kind == "gradient":
+                flushed += round(r.formats["float16"].flush_to_zero * r.numel)
+                total += r.numel
+        return flushed, total
+
+    def to_dict(self) -> dict:
+        flushed, total = self.fp16_gradient_underflow()
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "workload": self.workload,
+            "reference": self.reference,
+            "settings": [_setting_dict(s) for s in self.settings],
+            "ranges": [asdict(r) for r in self.ranges],
+            "fp16_overflow": [r.name for r in self.fp16_overflows()],
+            "fp16_gradient_underflow": {"values": flushed, "of": total},
+        }
+
+
+def _finite(x: float) -> float | str:
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def _div(d: Divergence) -> dict:
+    return {k: _finite(v) for k, v in asdict(d).items()}
+
+
+def _setting_dict(s: SettingNumerics) -> dict:
+    return {
+        "setting": s.setting,
+        "loss": _div(s.loss) if s.loss else None,
+        "modules": [{"name": m.name, "type": m.type, "calls": m.calls, **_div(m.divergence)}
+                    for m in s.modules],
+        "blocks": [{"container": b.container, "index": b.index, **_div(b.divergence)}
+                   for b in s.blocks],
+        "grads": [{"param": n, **_div(d)} for n, d in s.grads],
+    }

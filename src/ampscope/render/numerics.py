@@ -1,0 +1,98 @@
+"""`ampscope numerics`: divergence from the reference by depth, gradients, and ranges."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.numerics import Divergence, NumericsReport
+
+
+def _err(d: Divergence | None) -> str:
+    if d is None:
+        return "—"
+    if d.exact:
+        return "0 (exact)"
+    sqnr = "∞" if math.isinf(d.sqnr_db) else f"{d.sqnr_db:.0f} dB"
+    return f"{d.rel_l2:.2e} · {sqnr}"
+
+
+def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> RenderableType:
+    head = Text()
+    head.append(report.model, style="bold")
+    head.append(f"  workload {report.workload}  reference {report.reference}  "
+                "(relative L2 error · SQNR against the reference)")
+    depth = Table(title="Divergence by depth", title_justify="left", show_edge=False)
+    depth.add_column("where")
+    for s in report.settings:
+        depth.add_column(s.setting, justify="right")
+    first = report.settings[0]
+    for i, block in enumerate(first.blocks):
+        depth.add_row(f"{block.container}.{block.index}",
+                      *(_err(s.blocks[i].divergence) if i < len(s.blocks) else "—"
+                        for s in report.settings))
+    root = {s.setting: next((m.divergence for m in s.modules if m.name == ""), None)
+            for s in report.settings}
+    depth.add_row("model output", *(_err(root[s.setting]) for s in report.settings))
+    depth.add_row("loss", *(_err(s.loss) for s in report.settings))
+    parts: list[RenderableType] = [head, Text(), depth]
+
+    if all_modules:
+        table = Table(title="Every module", title_justify="left", show_edge=False)
+        table.add_column("module", overflow="fold")
+        table.add_column("type")
+        for s in report.settings:
+            table.add_column(s.setting, justify="right")
+        by_setting = [{m.name: m.divergence for m in s.modules} for s in report.settings]
+        for m in first.modules:
+            table.add_row(m.name or "(model)", m.type, *(_err(d.get(m.name)) for d in by_setting))
+        parts += [Text(), table]
+
+    if any(s.grads for s in report.settings):
+        grads = Table(title="Gradients", title_justify="left", show_edge=False)
+        for col in ("setting", "median rel. L2", "worst", "worst parameter"):
+            grads.add_column(col, justify="left" if col in ("setting", "worst parameter") else "right")
+        for s in report.settings:
+            errors = sorted(s.grads, key=lambda g: g[1].rel_l2)
+            if errors:
+                name, worst = errors[-1]
+                grads.add_row(s.setting, f"{statistics.median(d.rel_l2 for _, d in errors):.2e}",
+                              f"{worst.rel_l2:.2e}", name)
+        parts += [Text(), grads]
+
+    parts += [Text(), _ranges(report)]
+    return Group(*parts)
+
+
+def _ranges(report: NumericsReport) -> RenderableType:
+    text = Text(f"Range of the {report.reference} run's values\n", style="italic")
+    over = report.fp16_overflows()
+    if over:
+        text.append("  fp16 would overflow (|x| > 65504) in: ", style="bold red")
+        text.append(", ".join(f"{r.name} ({r.kind}, amax {r.amax:.3g})" for r in over[:8]) + "\n")
+    else:
+        largest = max((r for r in report.ranges if r.kind != "weight"), key=lambda r: r.amax,
+                      default=None)
+        if largest is not None:
+            text.append(f"  No activation or gradient exceeds fp16's max; the largest is "
+                        f"{largest.amax:.3g} ({largest.kind} {largest.name or '(model)'}).\n")
+    flushed, total = report.fp16_gradient_underflow()
+    if total:
+        text.append(f"  fp16 without loss scaling would flush {flushed:,} of {total:,} gradient "
+                    f"values to zero ({100 * flushed / total:.2f}%).\n")
+    table = Table(show_edge=False, title="Largest magnitudes", title_justify="left")
+    for col in ("tensor", "kind", "amax", "fp16 ovf", "fp16 ftz", "fp16 subn", "e4m3 ovf",
+                "e5m2 ovf", "e5m2 ftz"):
+        table.add_column(col, justify="left" if col in ("tensor", "kind") else "right")
+    for r in sorted(report.ranges, key=lambda r: -r.amax)[:8]:
+        f = r.formats
+        table.add_row(r.name or "(model)", r.kind, f"{r.amax:.3g}",
+                      *(f"{100 * v:.2f}%" for v in (
+                          f["float16"].overflow, f["float16"].flush_to_zero, f["float16"].subnormal,
+                          f["float8_e4m3fn"].overflow, f["float8_e5m2"].overflow,
+                          f["float8_e5m2"].flush_to_zero)))
+    return Group(text, table)
