@@ -98,3 +98,28 @@ def test_measuring_an_emulated_device_is_refused():
     from ampscope.api import measure_step
     with pytest.raises(AmpscopeError, match="cannot time cuda:fp32 here"):
         measure_step("gpt2-tiny", setting="cuda:fp32")
+
+
+def test_mfu_holds_each_dtype_to_its_own_peak():
+    from ampscope import hardware
+    from ampscope.analysis.flops import utilization
+
+    t = ampscope.trace("gpt2-tiny", setting="cuda:fp32+amp-bf16", workload="train", seq=16)
+    report = flop_report(t, tokens=tokens_of(t))
+    h100 = hardware.by_name("h100")
+    used = utilization(report, 0.001, h100)
+    assert used.mfu == pytest.approx(report.by_dtype["bfloat16"] / 989e12 / 0.001)
+    assert used.tokens_per_second == pytest.approx(16 / 0.001)
+    # fp32 matmuls under TF32 ("high") are held to the TF32 peak, not the bf16 one.
+    t32 = ampscope.trace("gpt2-tiny", setting="cuda:fp32+tf32", workload="train", seq=16)
+    r32 = flop_report(t32, tokens=tokens_of(t32))
+    assert utilization(r32, 0.001, h100, "high").mfu == pytest.approx(
+        r32.by_dtype["float32"] / 495e12 / 0.001, rel=1e-3)
+
+
+def test_flops_cli_with_a_step_time_shows_mfu(capsys):
+    code = main(["flops", "gpt2-tiny", "--seq", "8", "--device", "cuda", "--step-time", "0.001",
+                 "--json", "-"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["utilization"]["device"] == "NVIDIA H100 SXM5 80GB"
+    assert data["utilization"]["mfu"] > 0

@@ -211,7 +211,7 @@ def utilization(report: FlopReport, seconds: float, accelerator=None,
         seconds=seconds,
         tokens_per_second=report.tokens / seconds if seconds else 0.0,
         flops_per_second=report.total / seconds if seconds else 0.0,
-        device=accelerator.name if accelerator is not None else None,
+        device=accelerator.title if accelerator is not None else None,
         mfu=mfu,
         peaks=peaks,
     )
