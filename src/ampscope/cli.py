@@ -91,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     numerics.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                           help=argparse.SUPPRESS)
 
+    formats = sub.add_parser("formats", help="number formats: range, eps, and how each stores "
+                                             "given values")
+    formats.add_argument("values", nargs="*", metavar="VALUE",
+                         help="decimal values to store in every format, e.g. 1e-8 65504 0.1 nan "
+                              "-inf")
+    formats.add_argument("--json", metavar="PATH",
+                         help="write the result as JSON ('-' for stdout)")
+    formats.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
     policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
     policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
                         help="device whose policy to show (default: %(default)s)")
@@ -281,6 +291,35 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _values_after_dashes(argv: list[str]) -> list[str]:
+    """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
+    only knows plain negative numbers like -2), so move the values behind a "--"."""
+    if argv[:1] != ["formats"] or "--" in argv:
+        return argv
+    options, values, rest = [], [], iter(argv[1:])
+    for arg in rest:
+        if arg == "--json":
+            options += [arg, next(rest, "")]
+        elif arg.startswith("--") or arg == "-h":
+            options.append(arg)
+        else:
+            values.append(arg)
+    return ["formats", *options, "--", *values]
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    from ampscope.analysis.formats import formats_report
+    from ampscope.render.formats import render_formats
+
+    report = formats_report(args.values)
+    if args.json:
+        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_formats(report))
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     from ampscope.analysis import policy as arrange
     from ampscope.capture.policy import quiz, read_policy
@@ -413,12 +452,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not [a for a in argv if a != "--debug"]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
+    argv = _values_after_dashes(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "flops": cmd_flops, "numerics": cmd_numerics, "policy": cmd_policy,
+                "flops": cmd_flops, "formats": cmd_formats, "numerics": cmd_numerics,
+                "policy": cmd_policy,
                 "models": cmd_models}
     try:
         return commands[args.command](args)
