@@ -49,6 +49,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated settings (default: %(default)s)")
     _add_run_arguments(matrix)
 
+    report = sub.add_parser("report", help="one self-contained HTML page: findings, dtype flow, "
+                                           "settings matrix, memory and FLOPs")
+    _add_model_argument(report)
+    report.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(report)
+    report.add_argument("--numerics", action="store_true",
+                        help="add each setting's divergence from an fp64 run, layer by layer "
+                             "(real runs of the forward or train workload)")
+    report.add_argument("--output", "-o", default="report.html", metavar="PATH",
+                        help="the HTML file to write (default: %(default)s)")
+
     diff = sub.add_parser("diff", help="what changed dtype between two traces or two settings")
     diff.add_argument("a", help="a trace JSON file (from --json), or a setting")
     diff.add_argument("b", help="a trace JSON file, or a setting")
@@ -210,6 +222,53 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         if args.json == "-":
             return 0
     _console().print(render_matrix(result))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from ampscope.analysis.flops import flop_report
+    from ampscope.analysis.memory import memory_report
+    from ampscope.api import matrix, numerics, tokens_of
+    from ampscope.render.html import report_html
+
+    options = _run_options(args)
+    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
+    if not settings:
+        raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
+    if args.numerics and args.workload not in ("forward", "train"):
+        raise AmpscopeError("--numerics compares the forward or train workload, not "
+                            f"{args.workload}")
+    runs = len(settings) + (len(settings) + 1 if args.numerics else 0)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        console=_console(stderr=True), transient=True)
+    with progress:
+        task = progress.add_task(f"Building {args.model}…", total=runs)
+
+        def on_setting(i: int, name: str) -> None:
+            progress.update(task, completed=i, description=f"{args.workload} under {name}")
+
+        def on_numerics(i: int, name: str) -> None:
+            progress.update(task, completed=len(settings) + i, description=f"numerics: {name}")
+
+        result, traces = matrix(args.model, settings=settings, on_setting=on_setting, **options)
+        values = None
+        if args.numerics:
+            values = numerics(args.model, settings=settings, workload=args.workload,
+                              batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                              on_setting=on_numerics)
+    page = report_html(traces, result, memory=[memory_report(t) for t in traces],
+                       flops=[flop_report(t, tokens=tokens_of(t)) for t in traces],
+                       numerics=values)
+    if args.json:
+        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
+    try:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        raise AmpscopeError(f"cannot write {args.output}: {e.strerror}") from e
+    print(f"Wrote {args.output}", file=sys.stderr)  # plain: a path must not be wrapped
     return 0
 
 
@@ -458,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "flops": cmd_flops, "formats": cmd_formats, "numerics": cmd_numerics,
+                "flops": cmd_flops, "formats": cmd_formats, "report": cmd_report, "numerics": cmd_numerics,
                 "policy": cmd_policy,
                 "models": cmd_models}
     try:

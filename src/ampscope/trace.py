@@ -84,6 +84,12 @@ class Trace:
             "storages": [_storage(s) for s in self.storages],
         }
 
+    def _repr_html_(self) -> str:
+        """The notebook view: findings, dtype flow and tensors (render/html.py)."""
+        from ampscope.render.html import trace_html
+
+        return trace_html(self)
+
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:

@@ -55,6 +55,12 @@ class Matrix:
     def names(self) -> tuple[str, ...]:
         return tuple(s.get("name", "?") for s in self.settings)
 
+    def _repr_html_(self) -> str:
+        """The notebook view (render/html.py)."""
+        from ampscope.render.html import matrix_html
+
+        return matrix_html(self)
+
     def to_dict(self) -> dict:
         def cell(c: Cell) -> dict | None:
             return None if c is None else {"in": list(c[0]), "out": list(c[1])}

@@ -75,6 +75,12 @@ class FlopReport:
     def total(self) -> int:
         return sum(self.by_phase.values())
 
+    def _repr_html_(self) -> str:
+        """The notebook view (render/html.py)."""
+        from ampscope.render.html import flops_html
+
+        return flops_html(self)
+
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,

@@ -164,6 +164,12 @@ class NumericsReport:
                 total += r.numel
         return flushed, total
 
+    def _repr_html_(self) -> str:
+        """The notebook view (render/html.py)."""
+        from ampscope.render.html import numerics_html
+
+        return numerics_html(self)
+
     def to_dict(self) -> dict:
         flushed, total = self.fp16_gradient_underflow()
         return {

@@ -1,0 +1,297 @@
+"""The HTML report and the notebook fragments: sections, inline SVG, no external URL, escaping.
+
+The browser test (tests/test_report_browser.py) opens the same page in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.analysis.compare import build_matrix
+from ampscope.analysis.flops import flop_report
+from ampscope.analysis.memory import memory_report
+from ampscope.analysis.numerics import (
+    BlockDivergence,
+    Divergence,
+    ModuleDivergence,
+    NumericsReport,
+    SettingNumerics,
+    TensorRange,
+    tensor_range,
+)
+from ampscope.api import tokens_of
+from ampscope.records import (
+    FunctionCall,
+    InputRecord,
+    ModuleCall,
+    OpCall,
+    ParameterRecord,
+    TensorMeta,
+)
+from ampscope.render.html import memory_html, report_html
+from ampscope.trace import Finding, ModelInfo, Trace
+
+SETTINGS = ["fp32", "fp32+amp-bf16"]
+HEADINGS = ("Findings", "Dtype flow", "Settings matrix", "Memory", "FLOPs by module",
+            "Numerics per layer")
+LOADING_TAGS = {"script", "link", "iframe", "frame", "object", "embed", "img", "image", "audio",
+                "video", "source", "track", "base"}
+_LOAD_ATTRIBUTES = {"src", "href", "xlink:href", "srcset", "action", "formaction", "poster",
+                    "data", "background", "ping", "manifest"}
+_CSS_LOADS = re.compile(r"""url\(\s*["']?\s*(?P<url>[^"')\s]*)|@import\s+(?:url\()?["']?(?P<imp>[^"')\s;]*)""",
+                        re.I)
+
+
+class _Loads(HTMLParser):
+    """What a parsed page names to load: attribute targets and CSS url()/@import targets that
+    are not a fragment of the page itself (`#id`), and the tags that load by being there."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.targets: list[str] = []
+        self.tags: list[str] = []
+        self._in_style = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in LOADING_TAGS:
+            self.tags.append(tag)
+        for name, value in attrs:
+            if name in _LOAD_ATTRIBUTES and value and not value.startswith("#"):
+                self.targets.append(value)
+            if name == "style" and value:
+                self._css(value)
+            if tag == "meta" and name == "http-equiv" and (value or "").lower() == "refresh":
+                self.targets.append("meta refresh")
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_style = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_style:
+            self._css(data)
+
+    def _css(self, css: str) -> None:
+        for m in _CSS_LOADS.finditer(css):
+            target = m["url"] if m["url"] is not None else m["imp"]
+            if not target.startswith("#"):
+                self.targets.append(target)
+
+
+def external_loads(html: str) -> list[str]:
+    parser = _Loads()
+    parser.feed(html)
+    parser.close()
+    return parser.targets + [f"<{t}>" for t in parser.tags]
+
+
+def divergence(x: float) -> Divergence:
+    return Divergence(rel_l2=x, max_abs=x, cosine=1 - x, sqnr_db=-20 * math.log10(x))
+
+
+def hand_numerics() -> NumericsReport:
+    """A numerics report built by hand: two settings, two blocks (no model run)."""
+    settings = [
+        SettingNumerics(name, [ModuleDivergence("", "GPT", 1, divergence(3 * e))],
+                        [BlockDivergence("transformer.h", i, divergence(e * (i + 1)))
+                         for i in range(2)], divergence(e / 10), [])
+        for name, e in (("fp32+amp-bf16", 2e-3), ("bf16", 4e-3))
+    ]
+    ranges: list[TensorRange] = [
+        tensor_range("activation", "transformer.h.1", torch.tensor([1e5, 1.0])),
+        tensor_range("gradient", "lm_head.weight", torch.tensor([1e-9, 1e-3])),
+    ]
+    return NumericsReport("gpt2-tiny", "train", "fp64", settings, ranges)
+
+
+def gpt2_tiny_report() -> dict:
+    """gpt2-tiny's train step under fp32 and fp32+amp-bf16 (8 tokens), its reports, and the
+    page with every section (what `ampscope report gpt2-tiny` computes, plus numerics)."""
+    matrix, traces = ampscope.matrix("gpt2-tiny", settings=SETTINGS, seq=8)
+    flops = [flop_report(t, tokens=tokens_of(t)) for t in traces]
+    memory = [memory_report(t) for t in traces]
+    numerics = hand_numerics()
+    html = report_html(traces, matrix, memory=memory, flops=flops, numerics=numerics)
+    return {"matrix": matrix, "traces": traces, "flops": flops, "memory": memory,
+            "numerics": numerics, "html": html}
+
+
+@pytest.fixture(scope="module")
+def run() -> dict:
+    return gpt2_tiny_report()
+
+
+def test_report_has_every_section_with_inline_svg(run):
+    html = run["html"]
+    assert html.startswith("<!DOCTYPE html>")
+    for heading in HEADINGS:
+        assert f"<h2>{heading}</h2>" in html
+    for key in ("findings", "flow", "matrix", "memory", "flops", "numerics"):
+        assert f'<section id="{key}">' in html and f'href="#{key}"' in html
+    # The flow graphs (one column per setting; the repeated block folds), and the plots of
+    # memory (2), FLOPs (one per setting) and numerics (1).
+    assert html.count('class="flowgraph"') >= 2 * 3
+    assert '<details class="block" open><summary>transformer.h.0–1' in html
+    assert html.count("<svg") >= 6 + 2 + 2 + 1
+    for setting in SETTINGS:
+        assert f"<h3>{setting}</h3>" in html
+    # The autocast casts are marked on the amp graph: its linears' notes.
+    assert "autocast → bf16: bias, weight, input" in html
+
+
+def test_report_loads_nothing(run):
+    html = run["html"]
+    assert external_loads(html) == []
+    assert "http://" not in html and "https://" not in html
+    assert "default-src 'none'" in html  # the browser refuses any load besides
+
+
+def test_the_url_check_sees_loads():
+    page = ('<img src="https://cdn.example/x.png"><link href="http://a/b.css">'
+            '<style>@import "x.css"; p { background: url( "//host/y.png") }</style>'
+            '<a href="#flow"></a><use xlink:href="#m1"/><rect clip-path="url(#p1)"/>')
+    assert external_loads(page) == ["https://cdn.example/x.png", "http://a/b.css", "x.css",
+                                    "//host/y.png", "<img>", "<link>"]
+
+
+def test_report_is_the_same_every_time(run):
+    again = report_html(run["traces"], run["matrix"], memory=run["memory"], flops=run["flops"],
+                        numerics=run["numerics"])
+    assert again == run["html"]
+
+
+def test_optional_sections_are_left_out(run):
+    html = report_html(run["traces"][:1], build_matrix(run["traces"][:1]))
+    for heading in HEADINGS[:3]:
+        assert f"<h2>{heading}</h2>" in html
+    for heading in HEADINGS[3:]:
+        assert f"<h2>{heading}</h2>" not in html
+    with pytest.raises(ValueError):
+        report_html([], run["matrix"])
+
+
+def test_plots_leave_matplotlib_state_alone(run):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    run["flops"][0]._repr_html_()
+    assert matplotlib.get_backend() == backend
+    if "matplotlib.pyplot" in sys.modules:  # imported by someone else: still no figure of ours
+        assert sys.modules["matplotlib.pyplot"].get_fignums() == []
+
+
+@pytest.mark.parametrize("key, heading", [("traces", "Findings"), ("matrix", "Settings matrix"),
+                                          ("flops", "FLOPs by module"),
+                                          ("numerics", "Numerics per layer")])
+def test_repr_html_is_a_fragment(run, key, heading):
+    obj = run[key][-1] if isinstance(run[key], list) else run[key]
+    html = obj._repr_html_()
+    assert html.startswith('<div class="ampscope"><style>') and html.endswith("</div>")
+    assert f"<h2>{heading}</h2>" in html
+    assert not re.search(r"<(!DOCTYPE|html|head|body)\b", html, re.I)
+    assert external_loads(html) == []
+
+
+def test_trace_fragment_has_tensors_findings_and_flow(run):
+    html = run["traces"][1]._repr_html_()
+    for heading in ("Tensors by dtype", "Findings", "Dtype flow"):
+        assert f"<h2>{heading}</h2>" in html
+    assert 'class="flowgraph"' in html
+
+
+def test_memory_fragment(run):
+    html = memory_html(run["memory"][0])
+    assert html.startswith('<div class="ampscope">') and "<h2>Memory</h2>" in html
+    assert html.count("<svg") == 2
+
+
+# --- escaping ---------------------------------------------------------------------------------
+
+SCRIPT = '<script>alert("x")</script>'
+IMG = '<img src=x onerror="alert(1)">'
+
+
+class _Markup(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.handlers: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        self.handlers += [f"{tag} {name}" for name, _ in attrs if name.startswith("on")]
+
+
+def assert_inert(html: str) -> None:
+    """Nothing from the model became markup: the parsed page has no script or img element and
+    no event handler attribute, and loads nothing."""
+    parser = _Markup()
+    parser.feed(html)
+    assert not parser.tags & {"script", "img"}
+    assert parser.handlers == []
+    assert external_loads(html) == []
+
+
+def test_module_and_class_names_are_escaped():
+    """A model whose submodule is registered as `<script>…` and whose class is named `<img …>`."""
+
+    def init(self):
+        nn.Module.__init__(self)
+        self.add_module(SCRIPT, nn.Linear(4, 4))
+
+    evil = type(IMG, (nn.Module,), {
+        "__init__": init,
+        "forward": lambda self, x: getattr(self, SCRIPT)(x).float().sum(),
+    })()
+    matrix, traces = ampscope.matrix(evil, torch.randn(2, 4), settings=SETTINGS,
+                                     workload="forward")
+    html = report_html(traces, matrix, memory=[memory_report(t) for t in traces])
+    assert_inert(html)
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in html  # it is shown, as text
+    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html
+    for fragment in (traces[1]._repr_html_(), matrix._repr_html_()):
+        assert_inert(fragment)
+        assert "&lt;script&gt;" in fragment
+
+
+def test_every_text_from_records_is_escaped():
+    """Model, class, setting, module, parameter and source names and finding text, by hand."""
+    f32, bf16 = TensorMeta("float32", (2, 4)), TensorMeta("bfloat16", (2, 4))
+    name = f"h.0.{SCRIPT}"
+    trace = Trace(
+        model=ModelInfo(IMG, IMG, 16),
+        setting={"name": f"fp32+amp-bf16{IMG}", "device": "cpu", "emulated": False},
+        workload="forward",
+        modules=[ModuleCall(0, "", IMG, "forward", 0, (f32,), (bf16,)),
+                 ModuleCall(1, name, SCRIPT, "forward", 1, (f32,), (bf16,))],
+        calls=[FunctionCall(0, "torch.nn.functional.linear", name, "forward", (f32, f32), (bf16,),
+                            f"{SCRIPT}.py:1", "bfloat16", 1)],
+        ops=[OpCall(0, "aten._to_copy.default", name, "forward", (f32,), (bf16,), True, 0,
+                    None, (f"{name}.weight",)),
+             OpCall(1, "aten.mm.default", name, "forward", (bf16, bf16), (bf16,), False, 0,
+                    f"{SCRIPT}.py:1", (None, None), flops=64, flops_causal=64)],
+        parameters=[ParameterRecord(f"{name}.weight", "float32", (4, 4), True, None)],
+        inputs=[InputRecord(IMG, "input", "float32", (2, 4))],
+        outputs=[InputRecord(SCRIPT, "output", "bfloat16", (2, 4))],
+        findings=[Finding(f"{SCRIPT} then {IMG}", SCRIPT, f"{IMG}.py:3")],
+        notes=[f"note {SCRIPT}"],
+    )
+    flops = flop_report(trace, tokens=2)
+    numerics = NumericsReport(IMG, SCRIPT, "fp64", [SettingNumerics(
+        IMG, [ModuleDivergence(name, SCRIPT, 1, divergence(1e-3))],
+        [BlockDivergence(SCRIPT, 0, divergence(1e-3))], None, [])],
+        [tensor_range("activation", SCRIPT, torch.tensor([1e6]))])
+    html = report_html([trace], build_matrix([trace]), memory=[memory_report(trace)],
+                       flops=[flops], numerics=numerics, title=SCRIPT)
+    assert_inert(html)
+    assert html.count("&lt;script&gt;") >= 8
+    for fragment in (trace._repr_html_(), flops._repr_html_(), numerics._repr_html_()):
+        assert_inert(fragment)
