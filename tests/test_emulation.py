@@ -284,10 +284,19 @@ def test_model_code_that_needs_the_real_device_gets_one_line(tmp_path, monkeypat
         "    def forward(self, x):\n"
         "        torch.cuda.synchronize()\n"
         "        return self.lin(x)\n"
+        "class Mover(M):\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x.cuda())\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from syncing import M
+    from syncing import M, Mover
+
+    def step(m, b):
+        return m(next(iter(b.values())))
 
     with pytest.raises(AmpscopeError) as e:
-        ampscope.trace(M(), torch.randn(2, 4), setting="cuda:fp32", workload=lambda m, b: m(next(iter(b.values()))))
+        ampscope.trace(M(), torch.randn(2, 4), setting="cuda:fp32", workload=step)
     assert "syncing.py:8 needs torch.cuda.synchronize()" in str(e.value)
+    with pytest.raises(AmpscopeError) as e:  # the user's line, not ampscope's recorder
+        ampscope.trace(Mover(), torch.randn(2, 4), setting="cuda:fp32", workload=step)
+    assert "syncing.py:12 needs a cuda tensor or torch.cuda call" in str(e.value)

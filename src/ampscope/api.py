@@ -162,6 +162,9 @@ def trace(
             raise
         result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
+    if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
+        notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
+                     "tensor has none of: the step was predicted as taken (finite gradients).")
     result.notes = notes + (emulation.notes(workload_name) if emulation is not None else [])
     result.findings = derive_findings(result)
     return result
@@ -182,7 +185,7 @@ def _plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str,
         if predict:
             notes.append(f"Predicted on fake tensors because a real run would not fit: {shortfall}.")
     elif predict:
-        notes.append("Predicted on fake tensors (--predict): no weight was materialised.")
+        notes.append("Predicted on fake tensors, as asked: no weight was materialised.")
     elif shortfall is not None:
         raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (--predict)")
     if on_meta and not predict:

@@ -105,9 +105,11 @@ def parse_setting(text: str) -> Setting:
     for part in parts:
         if part == "tf32":
             matmul_precision = "high"
-        elif part.startswith("amp-") and part[4:] in AUTOCAST_DTYPES and autocast_dtype is None:
+        elif part.startswith("amp") and autocast_dtype is not None:
+            raise AmpscopeError(f"repeated part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
+        elif part.startswith("amp-") and part[4:] in AUTOCAST_DTYPES:
             autocast_dtype = DTYPES[part[4:]]
-        elif part == "amp" and autocast_dtype is None:
+        elif part == "amp":
             autocast_dtype = default_autocast_dtype(device)
         else:
             raise AmpscopeError(f"unknown part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
@@ -163,7 +165,7 @@ def resolve_device(setting: Setting) -> Setting:
         raise AmpscopeError(
             f"this machine has no {setting.device} device and this PyTorch build "
             f"({torch.__version__}) has no {setting.device} autocast policy to emulate it with; "
-            "use a cpu, cuda or mps setting"
+            f"use one of {', '.join(DEVICES)}"
         )
     return replace(setting, emulated=True)
 

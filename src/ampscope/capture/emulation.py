@@ -281,7 +281,12 @@ def device_api_error(e: BaseException, device: str) -> AmpscopeError | None:
         return None
     first = inside[0]
     api = frames[first].name
-    caller = frames[first - 1] if first > 0 else None
+    # The line that made the call: the innermost frame before it outside torch and ampscope
+    # (ampscope's function recorder sits between user code and `x.cuda()`).
+    package_dirs = (os.path.dirname(torch.__file__) + os.sep,
+                    os.path.dirname(os.path.dirname(__file__)) + os.sep)
+    caller = next((f for f in reversed(frames[:first])
+                   if not f.filename.startswith(package_dirs)), None)
     public = api if not api.startswith("_") else None
     what = f"torch.{device}.{public}()" if public else f"a {device} tensor or torch.{device} call"
     where = f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else ""

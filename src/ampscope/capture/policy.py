@@ -240,7 +240,7 @@ def read_policy(device: str, dtype: torch.dtype) -> dict[str, OpPolicy]:
     if not names:
         raise AmpscopeError(
             f"this PyTorch build ({torch.__version__}) has no autocast policy for {device!r}; "
-            "emulate cuda or mps instead"
+            "emulate cuda, mps or xpu instead"
         )
     policy = {}
     for name in names:
