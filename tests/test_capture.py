@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 
+import pytest
 import torch
 from torch import nn
 
@@ -200,3 +201,16 @@ def test_trace_a_plain_module_with_a_custom_step():
     assert any(f.cause == "explicit-cast" and f.source.startswith("test_capture.py:")
                for f in t.findings)
     assert model.fc1.weight.dtype == torch.float32 and model.fc1.weight.grad is None
+
+
+def test_explicit_casts_repeated_in_every_block_make_one_finding():
+    """Llama's RMSNorm casts to fp32 and back in every layer at the same two lines: one finding
+    per line with its blocks collapsed, not one per layer (predicted: only dtypes matter)."""
+    pytest.importorskip("transformers")
+    t = ampscope.trace("smollm2-135m", setting="bf16", workload="forward", seq=8, predict=True)
+    casts = [f for f in t.findings if f.cause == "explicit-cast"]
+    sources = [f.source for f in casts]
+    assert len(sources) == len(set(sources))  # one finding per source line
+    norm = [f for f in casts if "model.layers.0–29.input_layernorm" in f.text]
+    assert len(norm) == 2  # to float32, and back to bfloat16
+    assert all("(61×)" in f.text for f in norm)  # 30 layers × 2 norms + the final norm

@@ -67,7 +67,9 @@ def input_findings(trace: Trace) -> list[Finding]:
 
 def explicit_cast_findings(trace: Trace) -> list[Finding]:
     """Casts user code asked for (`.float()`, `.to(bf16)`) that changed a floating dtype."""
-    seen: dict[tuple, int] = {}
+    # One finding per cast and source line; the modules it ran in are collapsed across
+    # repeated blocks ("model.layers.0–79.input_layernorm"), so 80 layers make one line.
+    seen: dict[tuple, list[str]] = {}
     for call in trace.calls:
         if call.phase != "forward" or not call.inputs or not call.outputs:
             continue
@@ -75,11 +77,13 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
             continue
         src, dst = call.inputs[0].dtype, call.outputs[0].dtype
         if src != dst and src in _FLOATS and dst in _FLOATS:
-            key = (call.func, src, dst, call.module, call.source)
-            seen[key] = seen.get(key, 0) + 1
+            key = (call.func, src, dst, call.source)
+            seen.setdefault(key, []).append(call.module or "")
     findings = []
-    for (func, src, dst, module, source), count in seen.items():
-        where = f" in {module}" if module else ""
+    for (func, src, dst, source), modules in seen.items():
+        named = [m for m in modules if m]
+        where = f" in {_collapsed(named)}" if named else ""
+        count = len(modules)
         times = f" ({count}×)" if count > 1 else ""
         findings.append(Finding(
             f"{src} → {dst} by an explicit {func.removeprefix('Tensor.')}(){where}"
