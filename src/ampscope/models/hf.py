@@ -110,7 +110,7 @@ ZOO: dict[str, ZooEntry] = {
 }  # fmt: skip
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError as e:
@@ -120,28 +120,28 @@ def _transformers():
     return transformers
 
 
-def _dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
     """transformers renamed `torch_dtype` to `dtype` in 4.56 and warns on the old name since."""
-    major, minor = (int(part) for part in _transformers().__version__.split(".")[:2])
+    major, minor = (int(part) for part in transformers_module().__version__.split(".")[:2])
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
 
 
 def zoo_config(name: str) -> PretrainedConfig:
     """The zoo entry's config, set to build in float32 with SDPA attention."""
     entry = ZOO[name]
-    config_class = getattr(_transformers(), entry.config_class)
+    config_class = getattr(transformers_module(), entry.config_class)
     return config_class(
-        **entry.kwargs, attn_implementation=ATTN_IMPLEMENTATION, **_dtype_kwargs(torch.float32)
+        **entry.kwargs, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
     )
 
 
 def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -> nn.Module:
     """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
-    transformers = _transformers()
+    transformers = transformers_module()
     try:
         with torch.device(device):
             return transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=ATTN_IMPLEMENTATION, **_dtype_kwargs(torch.float32)
+                config, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
             )
     except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
         raise AmpscopeError(
@@ -180,7 +180,8 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
         return hf_loaded_model(build_from_config(config, device=device), name=name)
 
     if sorted(folder.glob("*.safetensors")):
-        return hf_loaded_model(_from_pretrained(folder, config).to(device), name=name)
+        module = load_pretrained(folder, config, label=name)
+        return hf_loaded_model(module.to(device), name=name)
     checkpoint = _torch_checkpoint(folder)
     module = build_from_config(config, device=device)
     if checkpoint is not None:
@@ -188,9 +189,11 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
     return hf_loaded_model(module, name=name)
 
 
-def _from_pretrained(folder: Path, config: PretrainedConfig) -> nn.Module:
-    """Load safetensors weights from `folder` in float32, without touching the network."""
-    transformers = _transformers()
+def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
+                    **options: Any) -> nn.Module:
+    """Load the weights in `folder` (safetensors, or a GGUF file named in `options`) in float32,
+    with `config` as given, without touching the network. `label` names the model in errors."""
+    transformers = transformers_module()
     progress_bar = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..." on stderr
     try:
@@ -199,10 +202,11 @@ def _from_pretrained(folder: Path, config: PretrainedConfig) -> nn.Module:
             config=config,
             local_files_only=True,
             attn_implementation=ATTN_IMPLEMENTATION,
-            **_dtype_kwargs(torch.float32),
+            **dtype_kwargs(torch.float32),
+            **options,
         )
     except (OSError, ValueError, RuntimeError) as e:
-        raise AmpscopeError(f"hf:{folder}: cannot load its weights: {_first_line(e)}") from e
+        raise AmpscopeError(f"{label}: cannot load its weights: {_first_line(e)}") from e
     finally:
         if progress_bar:
             transformers.utils.logging.enable_progress_bar()
@@ -217,7 +221,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _read_config(config_file: Path) -> PretrainedConfig:
-    transformers = _transformers()
+    transformers = transformers_module()
     try:
         config_dict = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:

