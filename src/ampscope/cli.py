@@ -127,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
 
+    from ampscope.train.command import add_bench_parser, add_train_parser
+
+    add_train_parser(sub)  # ampscope train: the reference trainer (train/command.py)
+    add_bench_parser(sub)  # ampscope bench: the precision ladder
+
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -416,6 +421,18 @@ def cmd_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from ampscope.train.command import cmd_train as train
+
+    return train(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ampscope.train.command import cmd_bench as bench
+
+    return bench(args)
+
+
 def _load_trace(path: str):
     from ampscope.trace import Trace
 
@@ -518,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
                 "flops": cmd_flops, "formats": cmd_formats, "report": cmd_report, "numerics": cmd_numerics,
-                "policy": cmd_policy,
+                "policy": cmd_policy, "train": cmd_train, "bench": cmd_bench,
                 "models": cmd_models}
     try:
         return commands[args.command](args)

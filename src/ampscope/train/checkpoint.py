@@ -1,0 +1,157 @@
+"""Checkpoints in safetensors, complete enough to resume a run bit for bit.
+
+A checkpoint is a folder `OUT/step-000100/` with three files:
+
+    model.safetensors      the model's state dict (tied weights stored once), loadable by
+                           anyone with `safetensors.torch.load_model`
+    optimizer.safetensors  every optimizer state tensor as `state.<param index>.<name>`
+                           (AdamW: step, exp_avg, exp_avg_sq); the param groups (lr, betas,
+                           weight decay...) as JSON in the file's metadata
+    trainer.safetensors    the RNG states (CPU, and each CUDA device) as uint8 tensors; in
+                           the metadata: the step, the data loader's position, the GradScaler's
+                           state, the run's config and its loss history
+
+Exact resume needs all of it: the same weights and Adam moments, the same step (the learning
+rate schedule and Adam's bias correction depend on it), the same next batch, and the same
+random state. safetensors rather than `torch.save`: loading one runs no pickled code.
+Floats in the JSON round-trip exactly (Python writes the shortest repr that reads back equal).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+
+FORMAT = "ampscope.train-checkpoint/1"
+
+
+def _safetensors():
+    """safetensors' torch API and its `safe_open` (an optional dependency)."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as e:
+        raise AmpscopeError("checkpoints are written with safetensors: "
+                            "pip install safetensors") from e
+    return safetensors.torch, safetensors.safe_open
+
+
+def checkpoint_dir(out: str | Path, step: int) -> Path:
+    return Path(out) / f"step-{step:06d}"
+
+
+def latest_checkpoint(path: str | Path) -> Path:
+    """`path` itself when it is a checkpoint, else its newest `step-*` checkpoint."""
+    path = Path(path)
+    if (path / "trainer.safetensors").is_file():
+        return path
+    found = sorted(p for p in path.glob("step-*") if (p / "trainer.safetensors").is_file())
+    if not found:
+        raise AmpscopeError(f"no checkpoint in {path} (expected a step-NNNNNN folder written "
+                            "by `ampscope train --out`)")
+    return found[-1]
+
+
+def save(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+         scaler: torch.amp.GradScaler | None, step: int, loader: dict, config: dict,
+         history: dict) -> Path:
+    """Write a checkpoint folder; written under a temporary name first, so an interrupted save
+    never leaves a half-written checkpoint where `--resume` would find it."""
+    st, _ = _safetensors()
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    st.save_model(model, str(tmp / "model.safetensors"))  # drops the tied duplicate
+
+    state = optimizer.state_dict()
+    tensors, other = {}, {}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                other[f"{index}.{key}"] = value
+    meta = {"param_groups": json.dumps(state["param_groups"]), "other": json.dumps(other)}
+    st.save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=meta)
+
+    rng = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    trainer = {"format": FORMAT, "step": step, "loader": loader, "config": config,
+               "scaler": scaler.state_dict() if scaler is not None else None,
+               "history": history}
+    st.save_file(rng, str(tmp / "trainer.safetensors"), metadata={"trainer": json.dumps(trainer)})
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    _, safe_open = _safetensors()
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back: what `restore` puts in place, and the run's own record."""
+
+    path: Path
+    step: int
+    loader: dict
+    config: dict
+    scaler: dict | None
+    history: dict
+    rng: dict[str, torch.Tensor]
+
+
+def read(path: str | Path) -> Checkpoint:
+    st, _ = _safetensors()
+    path = latest_checkpoint(path)
+    meta = json.loads(_metadata(path / "trainer.safetensors").get("trainer", "{}"))
+    rng = st.load_file(str(path / "trainer.safetensors"))
+    if meta.get("format") != FORMAT:
+        raise AmpscopeError(f"{path} is not an ampscope training checkpoint")
+    return Checkpoint(path, meta["step"], meta["loader"], meta["config"], meta["scaler"],
+                      meta["history"], rng)
+
+
+def restore(checkpoint: Checkpoint, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: torch.amp.GradScaler | None) -> None:
+    """Put the weights, optimizer state, scaler state and RNG states back in place."""
+    st, _ = _safetensors()
+    missing, unexpected = st.load_model(model, str(checkpoint.path / "model.safetensors"),
+                                        strict=False)
+    if missing or unexpected:
+        raise AmpscopeError(f"{checkpoint.path} holds another model's weights "
+                            f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
+    path = checkpoint.path / "optimizer.safetensors"
+    state: dict[int, dict] = {}
+    for key, tensor in st.load_file(str(path)).items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = tensor
+    meta = _metadata(path)
+    for key, value in json.loads(meta.get("other", "{}")).items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    groups = json.loads(meta["param_groups"])
+    for group in groups:  # JSON has no tuples; AdamW's betas were one
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+    # load_state_dict moves each moment to its parameter's device and dtype, and `step` where
+    # AdamW keeps it: on the CPU, or on the parameter's device when fused (CUDA) or capturable.
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)
+    torch.set_rng_state(checkpoint.rng["rng.cpu"])
+    cuda = [checkpoint.rng[f"rng.cuda.{i}"]
+            for i in range(sum(k.startswith("rng.cuda.") for k in checkpoint.rng))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)

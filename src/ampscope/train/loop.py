@@ -1,0 +1,408 @@
+"""The reference trainer: one training loop, readable top to bottom, like nanoGPT's train.py.
+
+`train(config)` builds the model and the data, then runs the classic GPT recipe:
+
+- micro-batches of B sequences of T tokens from `DataLoaderLite`, targets shifted by one,
+  accumulated to `total_batch` tokens per optimizer step;
+- the forward pass and the loss under the setting's autocast, backward and the optimizer
+  outside it; with fp16 autocast a GradScaler scales the loss so that small gradients do not
+  flush to zero in fp16, and unscales them before clipping;
+- AdamW with weight decay on the 2-D parameters only (matmul weights and embeddings decay;
+  biases and norm gains do not, as in nanoGPT and GPT-3);
+- gradient clipping to a global norm of 1.0;
+- linear warmup, then cosine (or linear) decay to `min_lr_ratio` of the peak learning rate;
+- validation loss every `eval_every` steps, checkpoints every `save_every` steps, and a sample
+  of generated text at the end.
+
+The library never prints: `log` receives a `StepLog` after every step and an `EvalLog` after
+every evaluation, and the CLI draws them. Torch's global state (matmul precision, autocast,
+RNG) is set for the run and restored afterwards by `settings.applied`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.records import dtype_name
+from ampscope.settings import Setting, _main_dtype, applied, parse_setting, resolve_device
+from ampscope.train import checkpoint, measure
+from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, split
+from ampscope.train.tokenizer import Tokenizer, choose_tokenizer
+
+DECAYS = ("cosine", "linear")
+ATTENTION = ("auto", "math", "flash")
+# What must be equal for a resumed run to continue the same run: the model, its weights' dtype,
+# the batches it sees, and the seed they come from. The schedule may be changed on purpose (more
+# steps, a lower learning rate); the result then notes that the curve is no longer the same one.
+SAME_RUN = ("model", "setting", "batch", "seq", "total_batch", "data", "tokenizer",
+            "val_fraction", "seed")
+SAME_CURVE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "decay", "weight_decay",
+              "grad_clip", "attention", "compile")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gpt2-tiny"
+    setting: str = "fp32"  # precision setting; a DEVICE: prefix picks the device (default cpu)
+    steps: int = 200  # optimizer steps; the learning-rate schedule spans them
+    batch: int = 8  # B: sequences per micro-batch
+    seq: int = 64  # T: tokens per sequence
+    total_batch: int | None = None  # tokens per optimizer step (a multiple of B·T); None: B·T
+    data: str | None = None  # a UTF-8 text file; None: CPython's bundled documentation
+    tokenizer: str = "auto"  # "auto", "gpt2" or "byte" (see tokenizer.choose_tokenizer)
+    val_fraction: float = 0.1
+    lr: float = 6e-4  # peak learning rate (GPT-3 small's)
+    min_lr_ratio: float = 0.1  # the decay ends at lr · min_lr_ratio
+    warmup_steps: int = 10
+    decay: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50  # 0: only before the first and after the last step
+    eval_batches: int = 10
+    save_every: int = 0  # 0: a checkpoint at the end only (when `out` is given)
+    out: str | None = None
+    compile: bool = False
+    attention: str = "auto"  # sdpa kernel: "auto" (PyTorch picks), "math", or "flash"
+    seed: int = 0
+    sample_tokens: int = 100  # generated after training; 0: none
+    prompt: str = "\n"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class StepLog:
+    step: int  # optimizer steps done, 1 for the first
+    loss: float  # mean training loss over the step's micro-batches
+    lr: float
+    grad_norm: float  # before clipping
+    seconds: float  # wall time of the step, device synchronized
+    tokens_per_s: float
+    mfu: float | None  # None: unknown accelerator, or the CPU
+
+
+@dataclass(frozen=True)
+class EvalLog:
+    step: int
+    val_loss: float
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    setting: dict  # Setting.to_dict()
+    device_name: str
+    parameters: int
+    tokenizer: str
+    data: str
+    train_tokens: int
+    val_tokens: int
+    tokens_per_step: int
+    grad_accum: int
+    flops_per_token: int
+    flops_formula: str
+    start_step: int = 0  # > 0 when resumed
+    steps: list[StepLog] = field(default_factory=list)
+    evals: list[EvalLog] = field(default_factory=list)
+    sample: str | None = None
+    peak_memory: int | None = None
+    memory_kind: str = "n/a"
+    checkpoint: str | None = None  # the last one written
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["schema"] = "ampscope.train/1"
+        return data
+
+
+def defaults_for(device: str) -> TrainConfig:
+    """What a command trains when not told: GPT-2 124M at 16×1024 tokens under bf16 autocast
+    on a GPU (the size of the classic ladder); on a CPU a tiny GPT-2 in fp32, the baseline,
+    which steps in milliseconds."""
+    if device == "cuda":
+        return TrainConfig(model="gpt2", setting="cuda:fp32+amp-bf16", batch=16, seq=1024)
+    return TrainConfig(setting=f"{device}:fp32" if device != "cpu" else "fp32")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then decay to min."""
+    max_lr, min_lr = config.lr, config.lr * config.min_lr_ratio
+    if step < config.warmup_steps:
+        return max_lr * (step + 1) / config.warmup_steps
+    if step >= config.steps:
+        return min_lr
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    if config.decay == "linear":
+        return max_lr - progress * (max_lr - min_lr)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+
+
+def configure_optimizer(model: nn.Module, config: TrainConfig, device: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on 2-D parameters only (nanoGPT's `configure_optimizers`).
+
+    Decay pulls weights toward zero; that regularises matmul weights and embeddings, while a
+    bias or a LayerNorm gain pulled to zero only hurts.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # The fused CUDA kernel does the whole update in a few launches instead of several per
+    # parameter; elsewhere PyTorch picks its default implementation.
+    fused = True if device == "cuda" else None
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def attention_kernel(name: str) -> contextlib.AbstractContextManager:
+    """Pin `scaled_dot_product_attention` to one kernel: "math" materialises the T×T scores
+    like a hand-written attention; "flash" is FlashAttention (on CUDA: sm80+, fp16/bf16 only;
+    on the CPU PyTorch's own flash-style kernel)."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH if name == "math" else SDPBackend.FLASH_ATTENTION)
+
+
+def training_setting(text: str) -> Setting:
+    """Parse a setting for a real training run: an absent device cannot be trained on."""
+    setting = resolve_device(parse_setting(text))
+    if setting.emulated:
+        raise AmpscopeError(f"cannot train under {setting.name}: this machine has no "
+                            f"{setting.device} device, and training needs the real one "
+                            "(emulation predicts dtypes, not losses or speed)")
+    return setting
+
+
+def _to_param_dtype(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Convert the model to the setting's parameter dtype, as a trace does (settings.applied):
+    only when most of it is in another dtype, so a model's own choices (nanochat's bf16 rotary
+    tables) survive an fp32 setting as they would in its own training script."""
+    if _main_dtype(module) in (None, dtype):
+        return []
+    module.to(dtype=dtype)
+    return [f"parameters converted to {dtype_name(dtype)}"]
+
+
+def _batch(lm: LoadedModel, x: torch.Tensor, y: torch.Tensor) -> Batch:
+    """The model's batch dict; Hugging Face models shift their labels themselves."""
+    ids = x.to(lm.train_ids_dtype)
+    targets = y if lm.targets_are_shifted_inputs else x
+    return {lm.input_name: ids, lm.target_name: targets.to(torch.int64)}
+
+
+@torch.no_grad()
+def evaluate(lm: LoadedModel, loader: DataLoaderLite, batches: int, setting: Setting,
+             device: str) -> float:
+    """Mean loss over the first `batches` validation batches (the same ones every time)."""
+    lm.module.eval()
+    loader.position = 0
+    total = torch.zeros((), device=device)
+    for _ in range(batches):
+        x, y = loader.next_batch()
+        with setting.autocast():
+            total += lm.loss(_batch(lm, x.to(device), y.to(device))).float()
+    lm.module.train()
+    return (total / batches).item()
+
+
+def _check_resume(saved: dict, config: TrainConfig, notes: list[str]) -> None:
+    for name in SAME_RUN:
+        if saved.get(name) != getattr(config, name):
+            raise AmpscopeError(
+                f"the checkpoint was trained with {name}={saved.get(name)!r}, this run asks for "
+                f"{getattr(config, name)!r}; resuming would not continue the same run")
+    changed = [name for name in SAME_CURVE if saved.get(name) != getattr(config, name)]
+    if changed:
+        notes.append(f"resumed with a different {', '.join(changed)}: the run continues from "
+                     "the checkpoint, but not on the curve it would have followed")
+
+
+def train(config: TrainConfig, *, resume: str | None = None,
+          log: Callable[[StepLog | EvalLog], None] | None = None) -> TrainResult:
+    """Train `config.model` from scratch (or from the checkpoint at `resume`) and return the
+    losses, throughput and a sample. `log` is called after every step and evaluation."""
+    # -- the setting, the device and the model --------------------------------------------------
+    from ampscope.models import registry
+
+    setting = training_setting(config.setting)
+    device = setting.device
+    if config.decay not in DECAYS:
+        raise AmpscopeError(f"unknown decay {config.decay!r}; choose {' or '.join(DECAYS)}")
+    if config.attention not in ATTENTION:
+        raise AmpscopeError(f"unknown attention {config.attention!r}; choose one of "
+                            f"{', '.join(ATTENTION)}")
+    if min(config.steps, config.batch, config.seq, config.eval_batches) < 1:
+        raise AmpscopeError("steps, batch, seq and eval batches must be positive")
+    notes: list[str] = []
+    saved = checkpoint.read(resume) if resume is not None else None
+    if saved is not None:
+        _check_resume(saved.config, config, notes)
+        if saved.step >= config.steps:
+            raise AmpscopeError(f"the checkpoint is at step {saved.step} and this run ends at "
+                                f"step {config.steps}: give a larger --steps to go on")
+    lm = registry.resolve(config.model, device=device, seed=config.seed)
+    model = lm.module
+    if config.seq > lm.max_seq_len:
+        raise AmpscopeError(f"--seq {config.seq} exceeds {lm.name}'s context length "
+                            f"{lm.max_seq_len}")
+    notes += _to_param_dtype(model, setting.param_dtype)
+    itemsize = setting.param_dtype.itemsize
+    shortfall = registry.memory_needed_message(
+        lm.name, lm.num_parameters, bytes_per_parameter=3 * itemsize, device=device,
+        what=f"for gradients and AdamW's two moments in {dtype_name(setting.param_dtype)}")
+    if shortfall:
+        raise AmpscopeError(shortfall)
+
+    # -- data: tokens, a train/validation split, and the loaders --------------------------------
+    tokenizer, why = choose_tokenizer(config.tokenizer, lm.name, lm.vocab_size)
+    notes.append(why)
+    B, T = config.batch, config.seq
+    source = config.data or DEFAULT_CORPUS
+    parts = split(load_tokens(config.data, tokenizer), config.val_fraction, B, T, source)
+    total_batch = config.total_batch or B * T
+    if total_batch % (B * T):
+        raise AmpscopeError(f"--total-batch {total_batch} is not a multiple of batch × seq "
+                            f"= {B * T}")
+    grad_accum = total_batch // (B * T)  # micro-batches per optimizer step
+    train_loader = DataLoaderLite(parts.train, B, T)
+    val_loader = DataLoaderLite(parts.val, B, T)
+
+    # -- optimizer, loss scaling, compilation ---------------------------------------------------
+    optimizer = configure_optimizer(model, config, device)
+    # fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. The scaler multiplies the
+    # loss (so every gradient) by a large factor and divides it out before the update, skipping
+    # steps whose gradients overflowed. bf16 has fp32's exponent range and needs none. Pure
+    # fp16 parameters cannot be unscaled in place (GradScaler refuses fp16 gradients).
+    use_scaler = setting.autocast_dtype == torch.float16 and setting.param_dtype != torch.float16
+    scaler = torch.amp.GradScaler(device) if use_scaler else None
+    if setting.param_dtype == torch.float16:
+        notes.append("fp16 parameters train without loss scaling: small gradients may "
+                     "underflow; fp32+amp-fp16 is the usual recipe")
+    if setting.matmul_precision == "high" and device != "cuda":
+        notes.append(f"TF32 is a CUDA Tensor Core mode; on {device} it changes little or nothing")
+    # The compiled module shares its parameters with `model`; checkpoints read `model` (its
+    # state-dict names have no `_orig_mod.` prefix).
+    run_lm = dataclasses.replace(lm, module=torch.compile(model)) if config.compile else lm
+    flops_per_token, formula = measure.flops_per_token(model, T)
+    tokens_per_step = total_batch
+    acc = measure.accelerator(device)
+    compute_dtype = setting.autocast_dtype or setting.param_dtype  # what the matmuls run in
+
+    result = TrainResult(
+        config=config, setting=setting.to_dict(), device_name=measure.device_name(device),
+        parameters=lm.num_parameters, tokenizer=tokenizer.name, data=source,
+        train_tokens=len(parts.train), val_tokens=len(parts.val),
+        tokens_per_step=tokens_per_step, grad_accum=grad_accum,
+        flops_per_token=flops_per_token, flops_formula=formula, notes=notes)
+
+    def record(entry: StepLog | EvalLog) -> None:
+        (result.steps if isinstance(entry, StepLog) else result.evals).append(entry)
+        if log is not None:
+            log(entry)
+
+    def save_checkpoint(step: int) -> None:
+        path = checkpoint.save(
+            checkpoint.checkpoint_dir(config.out, step), model=model, optimizer=optimizer,
+            scaler=scaler, step=step, loader=train_loader.state(), config=config.to_dict(),
+            history={"steps": [dataclasses.asdict(s) for s in result.steps],
+                     "evals": [dataclasses.asdict(e) for e in result.evals]})
+        result.checkpoint = str(path)
+
+    # -- the loop ------------------------------------------------------------------------------
+    with applied(setting), attention_kernel(config.attention):
+        start = 0
+        if saved is None:
+            torch.manual_seed(config.seed)
+        else:  # weights, moments, scaler, RNG, then the data position and the history
+            checkpoint.restore(saved, model=model, optimizer=optimizer, scaler=scaler)
+            start = saved.step
+            train_loader.position = saved.loader["position"]
+            train_loader.epoch = saved.loader["epoch"]
+            result.start_step = start
+            result.steps = [StepLog(**s) for s in saved.history["steps"]]
+            result.evals = [EvalLog(**e) for e in saved.history["evals"]]
+        measure.reset_peak_memory(device)
+        model.train()
+        if start == 0:
+            record(EvalLog(0, evaluate(run_lm, val_loader, config.eval_batches, setting, device)))
+
+        for step in range(start, config.steps):
+            measure.synchronize(device)
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_accum = torch.zeros((), device=device)
+            for _ in range(grad_accum):
+                x, y = train_loader.next_batch()
+                batch = _batch(lm, x.to(device), y.to(device))
+                with setting.autocast():
+                    loss = run_lm.loss(batch)
+                # Gradients add up over micro-batches: divide so that they average instead,
+                # as one big batch of total_batch tokens would.
+                loss = loss / grad_accum
+                loss_accum += loss.detach().float()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            lr = lr_at(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if scaler is not None:
+                scaler.step(optimizer)  # skipped when a gradient is inf or nan
+                scaler.update()
+            else:
+                optimizer.step()
+            measure.synchronize(device)
+            seconds = time.perf_counter() - t0
+            done = step + 1
+            record(StepLog(
+                step=done, loss=loss_accum.item(), lr=lr, grad_norm=norm.item(), seconds=seconds,
+                tokens_per_s=tokens_per_step / seconds,
+                mfu=measure.mfu(flops_per_token * tokens_per_step, compute_dtype, seconds, acc,
+                                setting.matmul_precision)))
+
+            last = done == config.steps
+            if last or (config.eval_every and done % config.eval_every == 0):
+                record(EvalLog(done, evaluate(run_lm, val_loader, config.eval_batches, setting,
+                                              device)))
+            if config.out and (last or (config.save_every and done % config.save_every == 0)):
+                save_checkpoint(done)
+
+        result.peak_memory, result.memory_kind = measure.peak_memory(device)
+        if config.sample_tokens:
+            result.sample, unknown = _sample(lm, tokenizer, config, setting, device)
+            if unknown:
+                notes.append(f"the sample drew {unknown} id(s) past the tokenizer's "
+                             f"{tokenizer.vocab_size:,}, which stand for no text: left out")
+    return result
+
+
+def _sample(lm: LoadedModel, tokenizer: Tokenizer, config: TrainConfig, setting: Setting,
+            device: str) -> tuple[str, int]:
+    """The prompt and `sample_tokens` tokens the trained model writes after it (seeded), and
+    how many sampled ids were past the tokenizer's vocabulary (left out of the text)."""
+    lm.module.eval()
+    prompt = tokenizer.encode(config.prompt) or [0]
+    idx = torch.tensor([prompt], dtype=lm.generate_ids_dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    with torch.no_grad(), setting.autocast():
+        out = lm.generate(idx, config.sample_tokens, generator)[0].tolist()
+    # A model whose vocabulary is larger than the tokenizer's (gpt2-tiny: 512 rows, 256 byte
+    # ids) never sees the extra ids as targets, so training drives them down, but a short run
+    # may still sample one: it stands for no text.
+    ids = [i for i in out if i < tokenizer.vocab_size]
+    return tokenizer.decode(ids), len(out) - len(ids)
