@@ -240,8 +240,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_train_command_logs_and_resumes(tmp_path, capsys):
+def test_train_command_logs_and_resumes(tmp_path, capsys, monkeypatch):
     pytest.importorskip("safetensors")
+    monkeypatch.setenv("COLUMNS", "400")  # the checkpoint path must not wrap in the output
     args = _parse(["train", "--model", "gpt2-tiny", "--device", "cpu", "--steps", "4",
                    "--batch", "4", "--seq", "32", "--tokenizer", "byte", "--eval-every", "2",
                    "--sample-tokens", "5", "--out", str(tmp_path)])

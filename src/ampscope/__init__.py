@@ -8,12 +8,12 @@
         ...
 """
 
-from ampscope.api import capture, flops, matrix, numerics, trace
+from ampscope.api import capture, flops, matrix, memory, numerics, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.settings import Setting, parse_setting
 from ampscope.trace import Trace
 
-__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "flops", "matrix", "numerics",
+__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "flops", "matrix", "memory", "numerics",
            "parse_setting", "trace"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report
+from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.capture.emulation import device_api_error
 from ampscope.capture.predict import (
@@ -245,6 +246,17 @@ def capture(model: nn.Module, *, name: str | None = None) -> Capture:
     return Capture(model, model_name=name, workload="custom")
 
 
+def memory(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    **options,
+) -> MemoryReport:
+    """Trace one step (options as for `trace`) and account for every byte it held: by category
+    and dtype, the peak and where it happens, the live-bytes timeline, and the formulas people
+    use beside the counted figure."""
+    return memory_report(trace(model, inputs, **options))
+
+
 def flops(
     model: str | nn.Module | LoadedModel,
     inputs: torch.Tensor | Batch | None = None,
@@ -371,3 +383,42 @@ def _values_of(lm: LoadedModel, data: Batch, setting: Setting, workload: str, op
             values.loss = as_float64(out["loss"])
         read_grads(lm.module, values)
     return values
+
+
+def measure_peak_memory(
+    model: str | nn.Module | LoadedModel,
+    *,
+    setting: str | Setting = "fp32",
+    workload: str = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+) -> dict:
+    """The step's peak on a real CUDA device, counted as the prediction counts it: CUDA's
+    `max_memory_allocated` over the step, less what was allocated before it (the model as
+    loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
+    loaded: its step works on its own copies of the weights, see settings.applied)."""
+    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+    if setting.device != "cuda" or setting.emulated:
+        raise AmpscopeError(
+            f"--measure needs a real CUDA device and {setting.name} runs "
+            f"{'emulated ' if setting.emulated else ''}on {setting.run_device}"
+        )
+    lm = load(model, device="cuda")
+    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed), device="cuda")
+    input_bytes = sum(t.numel() * t.element_size() for t in data.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with applied(setting, lm.module):
+        workloads.run(lm, workload, data, setting, optimizer=optimizer, new_tokens=new_tokens,
+                      seed=seed)
+        torch.cuda.synchronize()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "max_memory_allocated": torch.cuda.max_memory_allocated() - before + input_bytes,
+        "raw_max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "allocated_before": before,
+    }

@@ -69,6 +69,16 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_arguments(diff)
     diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
 
+    memory = sub.add_parser("memory", help="every byte of one step by category and dtype; the "
+                                           "peak and where it happens")
+    _add_model_argument(memory)
+    memory.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                        help="precision setting (default: %(default)s)")
+    _add_run_arguments(memory)
+    memory.add_argument("--measure", action="store_true",
+                        help="on a real CUDA device, also run the step and show "
+                             "torch.cuda.max_memory_allocated beside the prediction")
+
     flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
     _add_model_argument(flops)
     flops.add_argument("--setting", "-s", default=DEFAULT_SETTING,
@@ -274,6 +284,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     except OSError as e:
         raise AmpscopeError(f"cannot write {args.output}: {e.strerror}") from e
     print(f"Wrote {args.output}", file=sys.stderr)  # plain: a path must not be wrapped
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from ampscope.api import measure_peak_memory, memory
+    from ampscope.render.memory import render_memory
+
+    options = _run_options(args)
+    [setting] = _on_device([args.setting], args.device)
+    with _console(stderr=True).status(f"Tracing the memory of {args.model} under {setting}…"):
+        report = memory(args.model, setting=setting, **options)
+    measured = None
+    if args.measure:
+        timed = {k: v for k, v in options.items() if k != "predict"}
+        with _console(stderr=True).status(f"Running the {args.workload} step on the device…"):
+            measured = measure_peak_memory(args.model, setting=setting, **timed)
+    if args.json:
+        data = report.to_dict()
+        data["measured"] = measured
+        _write_json(json.dumps(data, indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_memory(report))
+    if measured is not None:
+        predicted = report.peak.rounded_bytes or report.peak.bytes
+        error = (predicted - measured["max_memory_allocated"]) / measured["max_memory_allocated"]
+        _console().print(f"\nMeasured on {measured['device']}: max_memory_allocated "
+                         f"{measured['max_memory_allocated']:,} B; predicted {predicted:,} B "
+                         f"({100 * error:+.1f}%)")
     return 0
 
 
@@ -534,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     commands = {"trace": cmd_trace, "matrix": cmd_matrix, "diff": cmd_diff,
-                "flops": cmd_flops, "formats": cmd_formats, "report": cmd_report, "numerics": cmd_numerics,
+                "flops": cmd_flops, "memory": cmd_memory, "formats": cmd_formats, "report": cmd_report, "numerics": cmd_numerics,
                 "policy": cmd_policy, "train": cmd_train, "bench": cmd_bench,
                 "models": cmd_models}
     try:

@@ -158,6 +158,11 @@ class FailedCall:
     error: str  # "RuntimeError: mat1 and mat2 must have the same dtype, ..."
 
 
+# What a storage is, in the precedence capture/memory.py applies (first match wins).
+STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "output",
+                      "autocast_cast", "activation", "temporary")
+
+
 @dataclass(frozen=True)
 class StorageRecord:
     """One storage of the step: a block of memory that any number of tensors view (a view or
@@ -170,9 +175,7 @@ class StorageRecord:
     shape: tuple[int, ...]  # of that tensor
     created: int | None  # index of the op that made it; None: it existed before the step
     freed: int | None  # index of the last op it was live through; None: live at the end
-    # "parameter", "buffer", "input", "gradient", "optimizer_state", "output",
-    # "autocast_cast", "activation" or "temporary" (capture.memory.CATEGORIES)
-    category: str
+    category: str  # one of STORAGE_CATEGORIES
     names: tuple[str, ...] = ()  # "transformer.wte.weight", "lm_head.weight"; ".grad", ":exp_avg"
     module: str | None = None  # where it was made, as OpCall.module
     phase: Phase | None = None

@@ -216,7 +216,7 @@ class OpRecorder(TorchDispatchMode):
             and not functions.current_is_cast
             and functions.current_autocast is not None
         )
-        grad_fn = None
+        grad_fn = node = None
         if phase == "backward":
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
@@ -224,7 +224,7 @@ class OpRecorder(TorchDispatchMode):
         results = tensors_in(out)
         outputs = tuple(meta_of(t) for t in results)
         if self.storages is not None:
-            self.storages.on_op(len(self.ops), results, outputs)
+            self.storages.on_op(len(self.ops), results, outputs, node)
         self.ops.append(OpCall(
             index=len(self.ops), op=op_name(func), module=self._tracker.current(), phase=phase,
             inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,

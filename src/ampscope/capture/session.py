@@ -17,9 +17,10 @@ from torch.optim.optimizer import (
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.capture import inventory
+from ampscope.capture.memory import StorageTracker
 from ampscope.capture.modules import ModuleTracker, in_backward
 from ampscope.capture.ops import FunctionRecorder, OpRecorder
-from ampscope.records import dtype_name
+from ampscope.records import StorageRecord, dtype_name
 from ampscope.trace import ModelInfo, Trace
 
 
@@ -81,6 +82,11 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, origins)
         self._ops = OpRecorder(tracker, clock, self._functions, names)
         self._ops.check = self._op_check
+        storages = self._storages = self._ops.storages = StorageTracker(self._ops.ops)
+        for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                            ("buffer", model.named_buffers(remove_duplicate=False))):
+            for name, t in named:
+                storages.register(t, kind, name)
         self._handles = [
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
             register_optimizer_step_pre_hook(self._on_step_begin),
@@ -115,6 +121,7 @@ class Capture:
             self._inputs = {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
             for k, v in self._inputs.items():
                 self._functions.origins[id(v)] = (weakref.ref(v), f"model input {k}")
+                self._storages.register(v, "input", k)
 
     def _on_step_begin(self, optimizer, args, kwargs) -> None:
         if not any(o is optimizer for o in self._optimizers):
@@ -175,6 +182,24 @@ class Capture:
             "matmul_precision": self._matmul_precision,
         }
 
+    def _storage_records(self, outputs: dict[str, object]) -> list[StorageRecord]:
+        """Name what the step's storages are at its end, then take their records."""
+        storages = self._storages
+        names = inventory.parameter_names(self.model)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                storages.register(p.grad, "gradient", names[id(p)][0] + ".grad")
+        for optimizer in self._optimizers:
+            for p, state in optimizer.state.items():
+                param = names.get(id(p), ["<not in model>"])[0]
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        storages.register(value, "optimizer_state", f"{param}:{key}")
+        for name, value in outputs.items():
+            if isinstance(value, torch.Tensor):
+                storages.register(value, "output", name)
+        return storages.records(self.trace.ops)
+
     def finish(self, inputs: dict[str, torch.Tensor] | None = None,
                outputs: dict[str, torch.Tensor] | None = None) -> Trace:
         """Fill the trace from the recorders and the model's current tensors."""
@@ -188,6 +213,7 @@ class Capture:
         trace.parameters = inventory.parameters(model)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model)
+        trace.storages = self._storage_records(outputs or {})
         self._optimizers = []
         if inputs is not None or not trace.inputs:
             trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))

@@ -1,0 +1,190 @@
+"""`StorageTracker`: every storage a step allocates, when it was made and freed, and what it is.
+
+Memory belongs to storages, not tensors: a view (`x.t()`, `x.view(...)`) shares its base's
+storage, tied weights are one storage under two names, and `.contiguous()` of a transpose is a
+new one. `Tensor.untyped_storage()` returns the same Python object for a storage as long as the
+storage lives (for fake tensors too, whose storages have sizes but no memory), so the tracker
+keys storages by that object's id and learns of each free from a weak reference to it.
+
+What the tracker sees:
+
+- **before the step** (`register`): the model's parameters and buffers (the run's working
+  copies) and the model's first inputs, by name;
+- **each aten op** (`on_op`, from `OpRecorder`): an output whose storage has not been seen is a
+  new allocation at that op's index. Its free is noted, by the weak reference's callback, as the
+  index of the last op recorded before it — the storage was live through that op;
+- **autograd's saved tensors**: when a backward pass runs its first op, every tensor saved in
+  the graph is still held by its node; the tracker walks the graph from that node and marks
+  the storages of the saved tensors `saved` (see `_walk` for why not `saved_tensors_hooks`);
+- **at the end** (`records`): what each storage is, by this precedence (first match wins):
+
+  1. `parameter`, `buffer`, `input`: named before the step;
+  2. `gradient`: some parameter's `.grad` at the end;
+  3. `optimizer_state`: a tensor in some optimizer's `state` (AdamW's moments and its `step`
+     counters, one 4-byte float32 scalar per parameter);
+  4. `output`: a named result of the workload (the loss, the logits, the sampled tokens);
+  5. `autocast_cast`: made by a cast that autocast inserted — weights' casts and activations'
+     casts alike, saved for backward or not (`saved` tells): the memory autocast adds;
+  6. `activation`: saved for backward;
+  7. `temporary`: everything else.
+
+Storages made outside any recorded op (inside a kernel, or by C++ without dispatching) are not
+seen; neither are the allocator's own reserves (see docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, dtype_name
+
+# Identity before the step, identity at the end, origin, lifetime.
+_RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
+
+
+class _Storage(weakref.ref):
+    """A weak reference to one storage that carries what is known of it (the reference is the
+    record: one object per storage, and its callback receives it)."""
+
+    __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names")
+
+
+class StorageTracker:
+    def __init__(self, ops: list[OpCall]) -> None:
+        self._ops = ops  # the OpRecorder's list: its length dates a free
+        self._live: dict[int, _Storage] = {}  # id(storage object) -> entry, while it lives
+        self._seen: list[_Storage] = []
+        # The autograd nodes walked in the backward pass now running (id -> node), and its id.
+        self._walked: dict[int, object] = {}
+        self._graph_task = -1
+
+    # -- collecting
+    def _entry(self, storage: torch.UntypedStorage, meta: TensorMeta,
+               created: int | None) -> _Storage:
+        entry = _Storage(storage, self._on_free)
+        entry.key, entry.nbytes, entry.meta, entry.created = id(storage), storage.nbytes(), meta, created
+        entry.freed, entry.saved, entry.category, entry.names = None, False, None, []
+        self._live[id(storage)] = entry
+        self._seen.append(entry)
+        return entry
+
+    def _on_free(self, entry: _Storage) -> None:
+        entry.freed = len(self._ops) - 1
+        if self._live.get(entry.key) is entry:
+            del self._live[entry.key]
+
+    def register(self, tensor: torch.Tensor, category: str, name: str) -> None:
+        """Name a storage that exists before the step (or, for `input`, as the model is first
+        called), or give a name and category to one seen at the end. A storage keeps the
+        category of highest precedence it is given, and every name."""
+        storage = _storage(tensor)
+        if storage is None:
+            return
+        entry = self._live.get(id(storage))
+        if entry is None:
+            entry = self._entry(storage, TensorMeta(dtype_name(tensor.dtype), tuple(tensor.shape)),
+                                None)
+        if entry.category is None or _RANK[category] < _RANK[entry.category]:
+            entry.category = category
+        entry.names.append(name)
+
+    def on_op(self, index: int, outputs: list[torch.Tensor], metas: tuple[TensorMeta, ...],
+              node=None) -> None:
+        """Op `index` returned `outputs` (described by `metas`): note the storages it made.
+        `node` is the autograd node running it, in backward: the first op of a backward pass
+        has every saved tensor of the graph still in place, so the graph is walked then."""
+        live = self._live
+        for t, meta in zip(outputs, metas, strict=True):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
+                continue
+            if id(storage) not in live:
+                self._entry(storage, meta, index)
+        if node is None:
+            if self._walked:  # backward is over: let its nodes go
+                self._walked = {}
+            return
+        task = _graph_task_id()
+        if task != self._graph_task:
+            self._graph_task, self._walked = task, {}
+        if id(node) not in self._walked:  # a new pass, or a graph with several roots
+            self._walk(node)
+
+    def _walk(self, root) -> None:
+        """Mark the storages of every tensor saved in the autograd graph behind `root`.
+
+        Read from the nodes themselves (`node._raw_saved_self.data`, the tensor autograd holds,
+        unpacked neither by autograd nor by a hook), not by `saved_tensors_hooks`: with hooks,
+        autograd would unpack every saved tensor through a detach (a fake dispatch per tensor in
+        a predicted run), keep the op's own output in a reference cycle through its grad_fn,
+        and stop checking saved tensors' versions."""
+        walked, live = self._walked, self._live
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if id(node) in walked:
+                continue
+            walked[id(node)] = node  # held, so that its Python object (and id) stays the same
+            for name in _saved_attributes(type(node)):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # already released
+                    continue
+                for saved in value if isinstance(value, (tuple, list)) else (value,):
+                    t = getattr(saved, "data", None)
+                    storage = _storage(t) if isinstance(t, torch.Tensor) else None
+                    entry = live.get(id(storage)) if storage is not None else None
+                    if entry is not None:
+                        entry.saved = True
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    # -- the result
+    def records(self, ops: list[OpCall]) -> list[StorageRecord]:
+        """One record per storage seen, in the order first seen; then forget them all (the
+        weak references go, so no callback runs after this)."""
+        records = []
+        for i, entry in enumerate(self._seen):
+            created = entry.created
+            op = ops[created] if created is not None else None
+            category = entry.category
+            if category is None:
+                if op is not None and op.autocast_cast:
+                    category = "autocast_cast"
+                elif entry.saved:
+                    category = "activation"
+                else:
+                    category = "temporary"
+            records.append(StorageRecord(
+                id=i, nbytes=entry.nbytes, dtype=entry.meta.dtype, shape=entry.meta.shape,
+                created=created, freed=entry.freed, category=category,
+                names=tuple(dict.fromkeys(entry.names)),
+                module=op.module if op is not None else None,
+                phase=op.phase if op is not None else None,
+                op=op.op if op is not None else None,
+                saved=entry.saved,
+            ))
+        self._seen, self._live, self._walked = [], {}, {}
+        return records
+
+
+_graph_task_id = torch._C._current_graph_task_id
+_saved_names: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    """`_raw_saved_self`, `_raw_saved_mat2`, ... (`_raw_saved_tensors` for a custom Function)."""
+    names = _saved_names.get(node_type)
+    if names is None:
+        names = _saved_names[node_type] = tuple(a for a in dir(node_type)
+                                                if a.startswith("_raw_saved_"))
+    return names
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
+        return None

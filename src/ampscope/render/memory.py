@@ -1,0 +1,147 @@
+"""Terminal rendering of a `MemoryReport`: the peak, bytes by category and dtype, the formulas
+beside the counts, and the live bytes over the step as one line of blocks."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.flow import module_label
+from ampscope.analysis.memory import MemoryReport, MemoryRow
+from ampscope.render.text import dtype_text, short_op
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+_PHASE_STYLES = {"forward": "green", "backward": "magenta", "optimizer": "yellow"}
+
+
+def format_bytes(n: int | None) -> str:
+    """Binary units, three significant digits: 1536 -> "1.5 KiB", 2**40 -> "1,024 GiB"."""
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
+    return f"{n} B"
+
+
+def peak_line(report: MemoryReport) -> Text:
+    p = report.peak
+    text = Text()
+    text.append("Peak ", style="bold")
+    text.append(format_bytes(p.bytes), style="bold")
+    text.append(f" ({p.bytes:,} B)")
+    if p.op is not None:
+        text.append(f" at op {p.op} {short_op(p.op_name or '?')}, {p.phase}")
+        if p.module is not None:
+            text.append(f", in {module_label(p.module)}")
+    if p.rounded_bytes is not None:
+        text.append(f"; in the CUDA allocator's 512-byte blocks {format_bytes(p.rounded_bytes)}")
+        if p.rounded_op != p.op:
+            text.append(f" (at op {p.rounded_op})")
+    text.append(f"\nBefore the step {format_bytes(report.before_bytes)}, "
+                f"after it {format_bytes(report.end_bytes)}", style="dim")
+    return text
+
+
+def breakdown_table(report: MemoryReport) -> Table:
+    """Category × dtype: what is live at the peak beside everything the step allocated."""
+    table = Table(title="Memory by category and dtype", title_justify="left", show_edge=False)
+    for col, kw in [("category", {}), ("dtype", {}), ("at peak", {"justify": "right"}),
+                    ("storages", {"justify": "right"}), ("allocated", {"justify": "right"}),
+                    ("storages ", {"justify": "right"})]:
+        table.add_column(col, **kw)
+    peak: dict[tuple[str, str], MemoryRow] = {(r.category, r.dtype): r for r in report.at_peak}
+    for r in report.allocated:
+        p = peak.get((r.category, r.dtype))
+        table.add_row(r.category.replace("_", " "), dtype_text([r.dtype], short=False),
+                      format_bytes(p.bytes) if p else "—", str(p.count) if p else "—",
+                      format_bytes(r.bytes), str(r.count))
+    table.add_row(Text("total", style="bold"), "",
+                  Text(format_bytes(sum(r.bytes for r in report.at_peak)), style="bold"),
+                  str(sum(r.count for r in report.at_peak)),
+                  format_bytes(sum(r.bytes for r in report.allocated)),
+                  str(sum(r.count for r in report.allocated)))
+    return table
+
+
+def shared_text(report: MemoryReport) -> Text:
+    text = Text("Shared storages, counted once\n", style="italic")
+    for s in report.shared:
+        text.append(f"  {' = '.join(s.names)}: {format_bytes(s.bytes)} {s.dtype}\n")
+    return text
+
+
+def estimates_table(report: MemoryReport) -> Table:
+    table = Table(title="Formulas beside the counted bytes", title_justify="left",
+                  show_edge=False)
+    for col, kw in [("formula", {"overflow": "fold", "ratio": 3}),
+                    ("estimate", {"justify": "right"}),
+                    ("counted", {"justify": "right", "ratio": 1}),
+                    ("note", {"style": "dim", "overflow": "fold", "ratio": 3})]:
+        table.add_column(col, **kw)
+    for e in report.estimates:
+        label = Text(e.label, style="bold")
+        label.append("\n" + e.formula, style="")
+        counted = Text(format_bytes(e.counted))
+        if e.counted_label:
+            counted.append("\n" + e.counted_label, style="dim")
+        table.add_row(label, format_bytes(e.bytes), counted, e.note)
+    return table
+
+
+def timeline_text(report: MemoryReport) -> Text:
+    """One block per bucket of ops, its height the most bytes live in it, its colour the
+    phase there; the peak bucket is marked below."""
+    buckets = report.timeline
+    text = Text("Live bytes over the step\n", style="italic")
+    if not buckets:
+        return text.append("  (no ops)\n", style="dim")
+    top = max(b.bytes for b in buckets) or 1
+    low = min(b.bytes for b in buckets)
+    span = max(top - low, 1)
+    text.append("  ")
+    for b in buckets:
+        level = round((b.bytes - low) / span * (len(_BLOCKS) - 1))
+        text.append(_BLOCKS[level], style=_PHASE_STYLES.get(b.phase, ""))
+    text.append(f"  {format_bytes(low)} … {format_bytes(top)}\n", style="dim")
+    at = next((i for i, b in enumerate(buckets) if b.first_op <= (report.peak.op or 0) <= b.last_op), 0)
+    text.append("  " + " " * at + "^ peak", style="bold")
+    text.append(f"   ops 0–{buckets[-1].last_op}, {buckets[0].last_op - buckets[0].first_op + 1} "
+                "per block;  ", style="dim")
+    for phase, style in _PHASE_STYLES.items():
+        if any(b.phase == phase for b in buckets):
+            text.append(phase + " ", style=style)
+    return text.append("\n")
+
+
+def largest_table(report: MemoryReport) -> Table:
+    table = Table(title="Largest storages live at the peak", title_justify="left",
+                  show_edge=False)
+    for col, kw in [("bytes", {"justify": "right"}), ("category", {}), ("dtype", {}),
+                    ("shape", {}), ("what", {"overflow": "fold"})]:
+        table.add_column(col, **kw)
+    for s in report.largest_at_peak:
+        what = ", ".join(s.names) if s.names else (
+            short_op(s.op or "?") + (f" in {module_label(s.module)}" if s.module is not None else "")
+            + f", {s.phase}")
+        table.add_row(format_bytes(s.nbytes), s.category.replace("_", " "),
+                      dtype_text([s.dtype], short=False), "×".join(map(str, s.shape)) or "()",
+                      what)
+    return table
+
+
+def render_memory(report: MemoryReport) -> RenderableType:
+    where = report.device + (" (predicted)" if report.mode == "predict" else "")
+    parts: list[RenderableType] = [
+        Text.assemble(("Memory ", "bold"), f"of {report.model}, {report.setting} on {where}, "
+                      f"{report.workload} workload"),
+        peak_line(report), Text(), breakdown_table(report), Text(), timeline_text(report),
+        largest_table(report), Text(), estimates_table(report),
+    ]
+    if report.shared:
+        parts += [Text(), shared_text(report)]
+    for note in report.notes:
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)
