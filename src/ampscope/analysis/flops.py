@@ -24,6 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ampscope.analysis.flow import collapse_blocks, module_label
+from ampscope.analysis.summary import numel
 from ampscope.records import OpCall
 from ampscope.trace import Trace
 
@@ -171,7 +172,7 @@ def conventions(trace: Trace, report: FlopReport) -> list[Convention]:
     ]
     a = report.attention
     if a is not None and trace.workload in ("train", "forward"):
-        n_prime = n - sum(_numel(p.shape) for p in trace.parameters
+        n_prime = n - sum(numel(p.shape) for p in trace.parameters
                           if _POSITION_EMBEDDING.search(p.name))
         attn = (12 if train else 4) * a.layers * a.heads * a.head_dim * a.seq
         out.append(Convention(f"nanoGPT {per_param}N' + {12 if train else 4}LHQT",
@@ -181,13 +182,6 @@ def conventions(trace: Trace, report: FlopReport) -> list[Convention]:
         out.append(Convention("nanoGPT, causal halving", (per_param * n_prime + attn // 2) * d,
                               "the attention term halved for the causal mask"))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass(frozen=True)
