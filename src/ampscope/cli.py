@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
                        help="draw the dtype flow of one forward pass, one block drawn once")
+    _add_distributed_arguments(trace)
 
     matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
     _add_model_argument(matrix)
@@ -78,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--measure", action="store_true",
                         help="on a real CUDA device, also run the step and show "
                              "torch.cuda.max_memory_allocated beside the prediction")
+    _add_distributed_arguments(memory)
 
     flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
     _add_model_argument(flops)
@@ -176,6 +178,47 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
 
 
+# --- distributed (DDP, FSDP2): see ampscope/distributed and docs/distributed.md -----------------
+
+
+def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distributed", choices=["ddp", "fsdp"],
+                        help="run the train step under DDP or FSDP2 on --nproc ranks (real "
+                             "processes; with --predict, rank 0 of N on a fake process group)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument("--mp-policy", metavar="POLICY",
+                        help="FSDP2 MixedPrecisionPolicy, e.g. param=bf16,reduce=fp32 "
+                             "(DDP: reduce= only, a compress hook)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a real distributed run may take (default: %(default)s)")
+
+
+def cmd_distributed(args: argparse.Namespace) -> int:
+    from ampscope.distributed import Parallel, launch, parse_mp_policy, predict
+    from ampscope.distributed.render import render_distributed
+
+    if args.workload != "train":
+        raise AmpscopeError("--distributed runs the train workload")
+    options = _run_options(args)
+    [setting] = _on_device([args.setting], args.device)
+    parallel = Parallel(args.distributed, args.nproc, **parse_mp_policy(args.mp_policy))
+    common = {"setting": setting, "batch": options["batch"], "seq": options["seq"],
+              "optimizer": options["optimizer"]}
+    with _console(stderr=True).status(
+            f"{'Predicting' if args.predict else 'Running'} {args.model} under "
+            f"{args.distributed.upper()} on {args.nproc} ranks…"):
+        if args.predict:
+            report = predict(args.model, parallel, **common)
+        else:
+            report = launch(args.model, parallel, timeout=args.timeout, **common)
+    if args.json:
+        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render_distributed(report))
+    return 0
+
+
 def _run_options(args: argparse.Namespace) -> dict:
     if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
         raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
@@ -196,6 +239,8 @@ def _console(stderr: bool = False):
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    if args.distributed:
+        return cmd_distributed(args)
     from ampscope.api import trace
     from ampscope.render.text import render_trace
 
@@ -288,6 +333,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
+    if args.distributed:
+        return cmd_distributed(args)
     from ampscope.api import measure_peak_memory, memory
     from ampscope.render.memory import render_memory
 

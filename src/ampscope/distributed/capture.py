@@ -1,0 +1,162 @@
+"""Capture on every rank of a DDP or FSDP2 job; rank 0 gathers.
+
+    with ampscope.distributed.capture(model) as run:   # in your torchrun script, every rank
+        loss = model(x).sum(); loss.backward(); optimizer.step()
+    if run.report is not None:                         # rank 0: every rank's collectives
+        print(run.report.to_dict())                    # and bytes held
+
+Each rank records its own step with the ordinary `Capture` (the c10d collectives are aten-level
+ops like any other, so the dispatch mode sees them with their dtypes and shapes), counts what it
+holds after the step — its shard of every parameter, gradient and optimizer state (a DTensor's
+local tensor under FSDP2) — and sends that, with its JSON-able trace, to rank 0 through
+`torch.distributed.gather_object`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ampscope.capture.session import Capture
+from ampscope.distributed.policy import Parallel
+from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
+from ampscope.records import dtype_name
+from ampscope.trace import Trace
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Held:
+    """Bytes this rank holds in parameters, gradients and optimizer state, by dtype. A storage
+    counts once (tied weights, views)."""
+    held: Held = {}
+    seen: set[tuple[int, int]] = set()
+
+    def add(category: str, t: torch.Tensor) -> None:
+        t = local(t)
+        # The storage's C pointer: a DTensor makes a new local tensor object on every call.
+        key = (t.untyped_storage()._cdata, t.storage_offset())
+        if key in seen:
+            return
+        seen.add(key)
+        by_dtype = held.setdefault(category, {})
+        name = dtype_name(t.dtype)
+        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    for p in params:
+        add("parameter", p)
+    for p in params:
+        if p.grad is not None:
+            add("gradient", p.grad)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    add("optimizer_state", value)
+    return held
+
+
+def _strategy_of(model: nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp"
+    return "ddp"
+
+
+def backend_name() -> str:
+    return str(dist.get_backend()) if dist.is_initialized() else "none"
+
+
+class DistributedCapture:
+    """`with DistributedCapture(model) as run:` on every rank. After the block, `run.trace` is
+    this rank's trace and, on rank 0, `run.report` the `DistributedReport` of all ranks (None on
+    the others). Under a fake process group only this rank is recorded (nothing to gather)."""
+
+    def __init__(self, model: nn.Module, *, name: str | None = None,
+                 parallel: Parallel | None = None, setting: dict | None = None,
+                 workload: str = "custom", op_check=None) -> None:
+        self.model = model
+        # DDP's wrapper runs the model's own forward: names without "module." read better.
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self._capture = Capture(inner, model_name=name, setting=setting, workload=workload,
+                                op_check=op_check)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.parallel = parallel or Parallel(_strategy_of(model), self.world_size)
+        self.trace: Trace | None = None
+        self.report: DistributedReport | None = None
+        self.mode = "run"
+        self.notes: list[str] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        # Collectives known not from ops but from the strategy (a predicted DDP step's).
+        self.extra_collectives: list[Collective] = []
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        if not any(o is optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+
+    def _start(self) -> None:
+        self._hook = register_optimizer_step_post_hook(self._on_step)
+        self._capture._start()
+
+    def _stop(self) -> None:
+        try:
+            self._capture._stop()
+        finally:
+            self._hook.remove()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the body; leaves the report unfinished (call `finish`)."""
+        self._start()
+        try:
+            yield
+        finally:
+            self._stop()
+
+    def __enter__(self) -> DistributedCapture:
+        self._start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop()
+        if exc_type is None:
+            self.finish()
+
+    def finish(self, inputs=None, outputs=None) -> DistributedReport | None:
+        held = held_bytes(self.model, self._optimizers)
+        self._optimizers = []
+        trace = self.trace = self._capture.finish(inputs=inputs, outputs=outputs)
+        trace.mode = self.mode
+        mine = RankReport(self.rank, held,
+                          collectives(trace.ops, self.world_size) + self.extra_collectives)
+        ranks = [mine]
+        if self.world_size > 1 and backend_name() != "fake":
+            gathered: list | None = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine.to_dict(), gathered, dst=0)
+            if self.rank != 0:
+                return None
+            ranks = [RankReport.from_dict(d) for d in gathered]
+        self.report = DistributedReport(
+            model=trace.model.name, parameters=trace.model.parameters, setting=trace.setting,
+            parallel=self.parallel, backend=backend_name(), mode=self.mode, ranks=ranks,
+            notes=list(self.notes), trace=trace)
+        return self.report
+
+
+def capture(model: nn.Module, *, name: str | None = None) -> DistributedCapture:
+    """Record one step of a DDP- or FSDP2-wrapped model on every rank (see the module doc)."""
+    return DistributedCapture(model, name=name)

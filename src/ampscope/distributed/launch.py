@@ -1,0 +1,163 @@
+"""Run one step on N real processes (`launch`) or predict rank 0 of N (`predict`).
+
+`launch` starts the ranks with `torch.multiprocessing` (spawn) and `env://` initialisation
+rather than shelling out to `torchrun`: the parent keeps control of every child (a deadline on
+the whole job, the children killed by their pid when it passes, a child's traceback re-raised
+here), nothing depends on a `torchrun` executable on PATH, and the result comes back as a file
+rank 0 writes. Spawn rather than fork: a forked child inherits torch's thread pools and CUDA
+state, which deadlocks or fails; a spawned one starts clean, on every platform.
+
+`predict` runs in this process on fake tensors under PyTorch's fake process group
+(`torch.testing._internal.distributed.fake_pg`): every collective is dispatched with its real
+shapes and dtypes and returns at once, so rank 0 of 512 runs as fast as rank 0 of 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ampscope.distributed.policy import Parallel
+from ampscope.distributed.report import DistributedReport, RankReport
+from ampscope.errors import AmpscopeError
+from ampscope.settings import Setting, parse_setting, resolve_device
+from ampscope.trace import Trace
+
+DEFAULT_TIMEOUT = 120.0  # seconds for the whole job, start-up included
+
+
+def _setting(setting: str | Setting) -> Setting:
+    return resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _report_from(data: dict, trace: dict) -> DistributedReport:
+    return DistributedReport(
+        model=data["model"]["name"], parameters=data["model"]["parameters"],
+        setting=data["setting"], parallel=Parallel.from_dict(data["parallel"]),
+        backend=data["backend"], mode=data["mode"], notes=data["notes"],
+        ranks=[RankReport.from_dict(r) for r in data["ranks"]], trace=Trace.from_dict(trace))
+
+
+def _worker(rank: int, job: dict, port: int, result: str) -> None:
+    """One rank: join the group, run the step, rank 0 writes the report. Always leaves the
+    group, so a failing rank cannot leave the others waiting past the group's timeout."""
+    from ampscope.distributed.step import rank_step
+    from ampscope.models import registry
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world_size"]))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job["world_size"]))
+    setting = _setting(job["setting"])
+    backend = "nccl" if setting.run_device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank,
+                            world_size=job["world_size"],
+                            timeout=timedelta(seconds=job["timeout"]))
+    try:
+        lm = registry.resolve(job["model"], device=setting.run_device, seed=job["seed"])
+        # Every rank draws its own batch, as a DistributedSampler gives each its own data.
+        generator = torch.Generator().manual_seed(job["seed"] + rank)
+        batch = lm.make_batch(job["batch"], job["seq"], "train", generator,
+                              device=setting.run_device)
+        report = rank_step(lm, Parallel.from_dict(job["parallel"]), setting, batch,
+                           optimizer=job["optimizer"])
+        if report is not None:
+            assert report.trace is not None
+            Path(result).write_text(json.dumps({"report": report.to_dict(),
+                                                "trace": report.trace.to_dict()}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", batch: int = 1,
+           seq: int = 64, optimizer: str = "adamw", seed: int = 0,
+           timeout: float = DEFAULT_TIMEOUT) -> DistributedReport:
+    """Run one train step of a named model on `parallel.world_size` processes (gloo on CPU,
+    NCCL on CUDA) and return every rank's collectives and bytes held."""
+    import torch.multiprocessing as mp
+
+    s = _setting(setting)
+    if s.emulated:
+        raise AmpscopeError(f"a real distributed run needs a real device; {s.name} is emulated "
+                            "here: predict it instead (--predict)")
+    backend = "nccl" if s.run_device == "cuda" else "gloo"
+    if not dist.is_available() or not getattr(dist, f"is_{backend}_available")():
+        raise AmpscopeError(f"this PyTorch build has no {backend} backend")
+    if backend == "nccl" and torch.cuda.device_count() < parallel.world_size:
+        raise AmpscopeError(f"{parallel.world_size} NCCL ranks need as many GPUs; this machine "
+                            f"has {torch.cuda.device_count()}")
+    job = {"model": model, "parallel": parallel.to_dict(), "setting": s.name,
+           "world_size": parallel.world_size, "batch": batch, "seq": seq,
+           "optimizer": optimizer, "seed": seed, "timeout": timeout}
+    with tempfile.TemporaryDirectory(prefix="ampscope-dist-") as tmp:
+        result = Path(tmp, "rank0.json")
+        context = mp.start_processes(_worker, args=(job, _free_port(), str(result)),
+                                     nprocs=parallel.world_size, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise AmpscopeError(f"the {parallel.world_size}-process run did not finish "
+                                        f"in {timeout:.0f} s")
+        except mp.ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1]
+            raise AmpscopeError(f"a rank failed: {last}") from e
+        finally:
+            for process in context.processes:  # only the ones started here, by pid
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+        data = json.loads(result.read_text())
+    return _report_from(data["report"], data["trace"])
+
+
+def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", batch: int = 1,
+            seq: int = 64, optimizer: str = "adamw", seed: int = 0) -> DistributedReport:
+    """Predict rank 0 of `parallel.world_size` on fake tensors and a fake process group: what
+    it holds after one train step and every collective it issues, for any model size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ampscope.capture.predict import fake_mode
+    from ampscope.distributed.step import rank_step
+    from ampscope.models import registry
+
+    if dist.is_initialized():
+        raise AmpscopeError("a process group is already initialised here; predict from a "
+                            "process of its own")
+    s = _setting(setting)
+    lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
+    if seq > lm.max_seq_len:
+        raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
+    data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(seed))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
+    try:
+        # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
+        mesh = init_device_mesh("cpu", (parallel.world_size,)) if parallel.strategy == "fsdp" \
+            else None
+        report = rank_step(lm, parallel, s, data, optimizer=optimizer, fake=fake_mode(),
+                           mesh=mesh)
+    finally:
+        dist.destroy_process_group()
+    assert report is not None
+    report.notes.append(
+        f"Predicted for rank 0 of {parallel.world_size} on fake tensors and PyTorch's fake "
+        "process group; a rank whose shard is padded holds at most this much.")
+    return report

@@ -1,0 +1,59 @@
+"""Terminal rendering of a `DistributedReport`: per-rank bytes held, and rank 0's collectives."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.distributed.report import DistributedReport, summarize
+from ampscope.render.memory import format_bytes
+
+_CATEGORIES = ("parameter", "gradient", "optimizer_state")
+
+
+def _dtypes(by_dtype: dict[str, int]) -> str:
+    return ", ".join(sorted(by_dtype)) or "—"
+
+
+def render_distributed(report: DistributedReport) -> RenderableType:
+    p = report.parallel
+    how = "predicted (fake tensors, fake process group)" if report.mode == "predict" \
+        else f"{p.world_size} processes, {report.backend}"
+    head = Text()
+    head.append(f"{report.model}", style="bold")
+    head.append(f" ({report.parameters:,} parameters) · {p.strategy.upper()} on {p.world_size} "
+                f"ranks · {report.setting.get('name', '?')} · {how}\n")
+    policy = ", ".join(f"{k}={v}" for k, v in p.policy_dict().items() if v) or "none"
+    head.append(f"Mixed-precision policy: {policy}\n")
+    head.append(f"Parameters unsharded (all-gathered) in: "
+                f"{', '.join(report.unshard_dtypes) or '— (not sharded)'}\n")
+    head.append(f"Gradients reduced in: {', '.join(report.reduce_dtypes) or '—'}")
+
+    held = Table(title="Held by each rank after the step", title_justify="left",
+                 show_edge=False)
+    held.add_column("rank", justify="right")
+    for category in _CATEGORIES:
+        held.add_column(category.replace("_", " "), justify="right")
+    held.add_column("total", justify="right")
+    for r in report.ranks:
+        cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
+                 for c in _CATEGORIES]
+        held.add_row(str(r.rank), *cells, format_bytes(r.held_total))
+
+    comms = Table(title=f"Collectives of rank {report.ranks[0].rank} in one step",
+                  title_justify="left", show_edge=False)
+    for col, justify in (("collective", "left"), ("phase", "left"), ("dtype", "left"),
+                         ("calls", "right"), ("payload", "right"), ("sent (ring)", "right")):
+        comms.add_column(col, justify=justify)
+    rows = summarize(report.ranks[0].collectives)
+    for row in rows:
+        comms.add_row(row.kind.replace("_", "-"), row.phase, row.dtype, str(row.calls),
+                      format_bytes(row.payload_bytes), format_bytes(row.wire_bytes))
+    if rows:
+        comms.add_row("total", "", "", str(sum(r.calls for r in rows)),
+                      format_bytes(sum(r.payload_bytes for r in rows)),
+                      format_bytes(sum(r.wire_bytes for r in rows)), style="bold")
+    parts: list[RenderableType] = [head, Text(), held, Text(), comms]
+    parts += [Text(f"Note: {n}", style="dim") for n in report.notes]
+    return Group(*parts)

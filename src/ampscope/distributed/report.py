@@ -1,0 +1,203 @@
+"""Records of a distributed step → what crossed the network and what each rank held.
+
+Pure functions over plain records, like everything under analysis/: the collectives are read
+off the trace's ops (the c10d ops the dispatcher saw: `c10d._allgather_base_`,
+`c10d._reduce_scatter_base_`, `c10d.allreduce_`, and the `_c10d_functional.*` ones).
+
+Two byte counts per collective:
+- `payload_bytes`: the unsharded buffer — an all-gather's output, a reduce-scatter's input, an
+  all-reduce's tensor. This is the figure FSDP and DDP sizes are quoted in.
+- `wire_bytes`: what one rank sends with the ring algorithms, the factors nccl-tests uses for
+  its bus bandwidth (doc/PERFORMANCE.md): all-reduce 2(N-1)/N, all-gather and reduce-scatter
+  (N-1)/N, all-to-all (N-1)/N, broadcast 1 of the payload. Tree or NVLS algorithms send
+  differently; the payload is exact, the wire figure is the textbook estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+
+import torch
+
+from ampscope.distributed.policy import Parallel
+from ampscope.records import OpCall
+from ampscope.trace import Trace
+
+_KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+}
+_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+def _wire_factor(kind: str, n: int) -> Fraction:
+    if kind == "all_reduce":
+        return Fraction(2 * (n - 1), n)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return Fraction(n - 1, n)
+    return Fraction(1)
+
+
+_itemsizes: dict[str, int] = {}
+
+
+def itemsize(dtype: str) -> int:
+    size = _itemsizes.get(dtype)
+    if size is None:
+        size = _itemsizes[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
+
+
+def _nbytes(meta) -> int:
+    n = 1
+    for s in meta.shape:
+        n *= s
+    return n * itemsize(meta.dtype)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of one rank's step."""
+
+    index: int  # of its op in the trace
+    op: str  # "c10d._reduce_scatter_base_.default"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"
+    phase: str
+    module: str | None
+    dtype: str
+    payload_bytes: int
+    wire_bytes: int
+
+
+def collective_kind(op: str) -> str | None:
+    namespace, _, rest = op.partition(".")
+    if namespace not in _NAMESPACES:
+        return None
+    return _KINDS.get(rest.rsplit(".", 1)[0])
+
+
+def collective(o: OpCall, world_size: int) -> Collective | None:
+    """The collective an op is, or None. An in-place c10d gather or scatter takes the output
+    and the input among its arguments (N shards and the whole, N + 1 parts of one size): the
+    whole is N/(N + 1) of them; a functional one returns its output."""
+    kind = collective_kind(o.op)
+    if kind is None or not o.inputs:
+        return None
+    given = sum(_nbytes(m) for m in o.inputs)
+    if o.op.startswith("_c10d_functional."):
+        payload = max(given, sum(_nbytes(m) for m in o.outputs))
+    elif kind in ("all_gather", "reduce_scatter"):
+        payload = given * world_size // (world_size + 1)
+    else:
+        payload = given
+    wire = int(payload * _wire_factor(kind, world_size))
+    return Collective(o.index, o.op, kind, o.phase, o.module, o.inputs[0].dtype, payload, wire)
+
+
+def collectives(ops: list[OpCall], world_size: int) -> list[Collective]:
+    return [c for o in ops if (c := collective(o, world_size)) is not None]
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    """Collectives of one kind, phase and dtype in one rank's step."""
+
+    kind: str
+    phase: str
+    dtype: str
+    calls: int
+    payload_bytes: int
+    wire_bytes: int
+
+
+def summarize(calls: list[Collective]) -> list[CollectiveRow]:
+    rows: dict[tuple[str, str, str], list[int]] = {}
+    for c in calls:
+        row = rows.setdefault((c.kind, c.phase, c.dtype), [0, 0, 0])
+        row[0] += 1
+        row[1] += c.payload_bytes
+        row[2] += c.wire_bytes
+    return [CollectiveRow(k, p, d, *v) for (k, p, d), v in rows.items()]
+
+
+# What a rank holds after the step, by category then dtype (local shards for FSDP2).
+Held = dict[str, dict[str, int]]
+
+
+@dataclass
+class RankReport:
+    rank: int
+    held: Held  # "parameter" / "gradient" / "optimizer_state" -> dtype -> bytes on this rank
+    collectives: list[Collective] = field(default_factory=list)
+
+    @property
+    def held_total(self) -> int:
+        return sum(sum(by_dtype.values()) for by_dtype in self.held.values())
+
+    def held_bytes(self, category: str) -> int:
+        return sum(self.held.get(category, {}).values())
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "held": self.held, "held_total": self.held_total,
+                "collectives": [asdict(c) for c in self.collectives],
+                "summary": [asdict(r) for r in summarize(self.collectives)]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankReport:
+        return cls(data["rank"], data["held"], [Collective(**c) for c in data["collectives"]])
+
+
+SCHEMA = "ampscope.distributed/1"
+
+
+@dataclass
+class DistributedReport:
+    """One step of a DDP or FSDP2 job: per rank, the collectives and the bytes held.
+
+    `mode` "run" comes from real processes (every rank), "predict" from fake tensors and a fake
+    process group standing in for rank 0 of `world_size`."""
+
+    model: str
+    parameters: int
+    setting: dict
+    parallel: Parallel
+    backend: str
+    mode: str
+    ranks: list[RankReport]
+    notes: list[str] = field(default_factory=list)
+    trace: Trace | None = None  # rank 0's full trace
+
+    def _dtypes(self, kinds: tuple[str, ...], phase: str | None) -> list[str]:
+        seen: dict[str, None] = {}
+        for c in self.ranks[0].collectives if self.ranks else []:
+            if c.kind in kinds and (phase is None or c.phase == phase):
+                seen[c.dtype] = None
+        return list(seen)
+
+    @property
+    def unshard_dtypes(self) -> list[str]:
+        """The dtypes parameters are all-gathered (unsharded) in: FSDP2's param_dtype."""
+        return self._dtypes(("all_gather",), None)
+
+    @property
+    def reduce_dtypes(self) -> list[str]:
+        """The dtypes gradients are reduced in: FSDP2's reduce_dtype, DDP's bucket dtype."""
+        return self._dtypes(("reduce_scatter", "all_reduce"), "backward")
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "model": {"name": self.model, "parameters": self.parameters},
+            "setting": self.setting, "parallel": self.parallel.to_dict(),
+            "backend": self.backend, "mode": self.mode, "notes": list(self.notes),
+            "unshard_dtypes": self.unshard_dtypes, "reduce_dtypes": self.reduce_dtypes,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }

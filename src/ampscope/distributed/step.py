@@ -1,0 +1,100 @@
+"""One rank's train step under DDP or FSDP2, the same for a real rank and a predicted one.
+
+The model is wrapped as the PyTorch docs wrap it: FSDP2 `fully_shard` on every transformer
+block, then on the root (so each block is all-gathered and reduce-scattered on its own, and
+the root's remaining parameters — embeddings, final norm, head — in one more group); DDP
+around the whole model. The step itself is `workloads.train_step`, as for one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from ampscope import workloads
+from ampscope.capture.predict import check_matmul_dtypes, fake_batch, predicting
+from ampscope.distributed.capture import DistributedCapture
+from ampscope.distributed.policy import Parallel
+from ampscope.distributed.report import Collective, DistributedReport
+from ampscope.models.base import LoadedModel
+from ampscope.records import dtype_name
+from ampscope.settings import Setting, applied
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the children of the largest ModuleList (transformer.h, layers)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def compressed_allreduce(dtype: torch.dtype, bucket):
+    """DDP's `fp16_compress_hook` / `bf16_compress_hook` with the dtype as the hook's state:
+    all-reduce each gradient bucket in `dtype`, then copy back. (torch's own bf16 hook refuses
+    to run without NCCL; the cast is the same.) Annotation-free: DDP checks annotations by
+    identity, which postponed annotations would fail."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
+
+    return _compress_hook(dtype, None, bucket)
+
+
+def wrap(model: nn.Module, parallel: Parallel, mesh=None) -> nn.Module:
+    """The model as the job runs it; FSDP2 shards in place, DDP returns its wrapper."""
+    if parallel.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        policy = parallel.fsdp_policy()
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if parallel.reduce_dtype not in (None, torch.float32):
+        ddp.register_comm_hook(parallel.reduce_dtype, compressed_allreduce)
+    return ddp
+
+
+def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict, *,
+              optimizer: str = "adamw", fake=None, mesh=None) -> DistributedReport | None:
+    """Run and capture one train step on this rank; rank 0 gets the report (None elsewhere).
+    With `fake` (a FakeTensorMode) every tensor is fake and the process group is expected to
+    be PyTorch's fake one: a prediction for rank 0."""
+    # DDP's constructor reads parameter values (it checks and broadcasts them), which fake
+    # tensors lack: a predicted DDP step runs unwrapped and its all-reduce is added from the
+    # gradients (`ddp_allreduce`).
+    ddp_predicted = fake is not None and parallel.strategy == "ddp"
+    with applied(setting, lm.module, fake=fake), \
+            predicting(fake) if fake is not None else contextlib.nullcontext():
+        model = lm.module if ddp_predicted else wrap(lm.module, parallel, mesh)
+        run_lm = dataclasses.replace(lm, module=model)
+        data = fake_batch(batch, fake) if fake is not None else batch
+        run = DistributedCapture(model, name=lm.name, parallel=parallel,
+                                 setting=setting.to_dict(), workload="train",
+                                 op_check=check_matmul_dtypes if fake is not None else None)
+        if fake is not None:
+            run.mode = "predict"
+        with run.recording():
+            outputs = workloads.train_step(run_lm, data, setting, optimizer,
+                                           predict=fake is not None)
+        if ddp_predicted:
+            run.extra_collectives.append(ddp_allreduce(model, parallel))
+            run.notes.append(
+                "DDP predicted: its first step all-reduces every gradient in one bucket "
+                "(PyTorch 2.13 buckets everything together until the reducer rebuilds its "
+                "buckets, 25 MiB each, from the second step); the bytes are the same.")
+        return run.finish(inputs=data, outputs=outputs)
+
+
+def ddp_allreduce(model: nn.Module, parallel: Parallel) -> Collective:
+    """DDP's gradient all-reduce in its first step, from the gradients' sizes: one bucket of
+    every gradient, in the hook's dtype when a compress hook is set."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    dtype = parallel.reduce_dtype or (grads[0].dtype if grads else torch.float32)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    payload = sum(g.numel() for g in grads) * itemsize
+    n = parallel.world_size
+    return Collective(-1, "c10d.allreduce_.default", "all_reduce", "backward", None,
+                      dtype_name(dtype), payload, payload * 2 * (n - 1) // n)
+
