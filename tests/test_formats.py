@@ -337,3 +337,10 @@ def test_value_table_rows():
     text = rendered(["-1e-8"])  # fp16 keeps the sign of what underflowed; fnuz has no -0
     assert row(text, "fp16", 1).split("│")[1].strip() == "-0"
     assert row(text, "fp8e4m3fnuz", 1).split("│")[1].strip() == "0"
+
+
+def test_negative_values_reach_formats_also_after_debug(capsys):
+    from ampscope.cli import main
+
+    assert main(["--debug", "formats", "-inf", "--json", "-"]) == 0
+    assert '"-inf"' in capsys.readouterr().out

@@ -356,6 +356,10 @@ def numerics(
     if shortfall is not None:
         raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
     if inputs is None:
+        if seq < 1 or batch < 1:
+            raise AmpscopeError("batch and seq must be positive")
+        if seq > lm.max_seq_len:
+            raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
         data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed))
     else:
         data = _as_batch(lm, inputs, workload)

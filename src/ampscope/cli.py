@@ -232,6 +232,15 @@ def _on_device(settings: list[str], device: str | None) -> list[str]:
     return [on_device(s, device) for s in settings] if device else settings
 
 
+def _progress():
+    """A transient progress bar on stderr, drawn only on a terminal (logs and pipes get none)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = _console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -258,8 +267,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from ampscope.api import matrix
     from ampscope.render.matrix import render_matrix
 
@@ -267,8 +274,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
     if not settings:
         raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=_console(stderr=True), transient=True)
+    progress = _progress()
     with progress:
         task = progress.add_task(f"Building {args.model}…", total=len(settings))
 
@@ -286,8 +292,6 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from ampscope.analysis.flops import flop_report
     from ampscope.analysis.memory import memory_report
     from ampscope.api import matrix, numerics, tokens_of
@@ -301,8 +305,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise AmpscopeError("--numerics compares the forward or train workload, not "
                             f"{args.workload}")
     runs = len(settings) + (len(settings) + 1 if args.numerics else 0)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=_console(stderr=True), transient=True)
+    progress = _progress()
     with progress:
         task = progress.add_task(f"Building {args.model}…", total=runs)
 
@@ -340,6 +343,15 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
+    if args.measure:
+        from ampscope.settings import parse_setting, resolve_device
+
+        target = resolve_device(parse_setting(setting))
+        if target.device != "cuda" or target.emulated:
+            raise AmpscopeError(
+                f"--measure needs a real CUDA device and {target.name} runs "
+                f"{'emulated ' if target.emulated else ''}on {target.run_device}"
+            )
     with _console(stderr=True).status(f"Tracing the memory of {args.model} under {setting}…"):
         report = memory(args.model, setting=setting, **options)
     measured = None
@@ -412,8 +424,6 @@ def _accelerator(name: str | None, setting: dict):
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from ampscope.api import numerics
     from ampscope.render.numerics import render_numerics
 
@@ -422,8 +432,7 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
     if not settings:
         raise AmpscopeError("--settings needs at least one setting, e.g. fp32+amp-bf16,bf16")
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=_console(stderr=True), transient=True)
+    progress = _progress()
     with progress:
         task = progress.add_task(f"Building {args.model}…", total=len(settings) + 1)
 
@@ -444,9 +453,10 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 def _values_after_dashes(argv: list[str]) -> list[str]:
     """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
     only knows plain negative numbers like -2), so move the values behind a "--"."""
-    if argv[:1] != ["formats"] or "--" in argv:
+    leading = [a for a in argv[:argv.index("formats")] if a == "--debug"] if "formats" in argv else []
+    if argv[len(leading):len(leading) + 1] != ["formats"] or "--" in argv:
         return argv
-    options, values, rest = [], [], iter(argv[1:])
+    options, values, rest = [*leading], [], iter(argv[len(leading) + 1:])
     for arg in rest:
         if arg == "--json":
             options += [arg, next(rest, "")]
@@ -454,7 +464,9 @@ def _values_after_dashes(argv: list[str]) -> list[str]:
             options.append(arg)
         else:
             values.append(arg)
-    return ["formats", *options, "--", *values]
+    global_options = [o for o in options if o in leading]
+    options = options[len(global_options):]
+    return [*global_options, "formats", *options, "--", *values]
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
@@ -497,6 +509,11 @@ def cmd_policy(args: argparse.Namespace) -> int:
     else:
         policy = read_policy(args.device, dtype)
         rows = arrange.table(policy, args.op)
+        if not rows and args.op:
+            raise AmpscopeError(
+                f"no op containing {args.op!r} is on {args.device}'s autocast list: it follows "
+                f"its inputs there (try --compare cpu cuda --op {args.op})"
+            )
         data.update(device=args.device, ops=[{"op": r.op, "category": r.categories[0]} for r in rows])
         shown = policy_table(rows, args.device, name, len(policy))
     if args.json:

@@ -68,6 +68,7 @@ class FlopReport:
     by_phase: dict[str, int]
     by_dtype: dict[str, int]  # dtype a matmul ran in → its FLOPs
     causal: int  # counted, with causal attention on the kept entries only
+    mode: str = "run"  # "predict": counted on fake tensors (the same ops, no values)
     rows: list[FlopRow] = field(default_factory=list)
     conventions: list[Convention] = field(default_factory=list)
     attention: AttentionShape | None = None
@@ -88,6 +89,7 @@ class FlopReport:
             "model": self.model,
             "setting": self.setting,
             "workload": self.workload,
+            "mode": self.mode,
             "tokens": self.tokens,
             "total": self.total,
             "total_causal": self.causal,
@@ -151,6 +153,7 @@ def flop_report(trace: Trace, *, tokens: int) -> FlopReport:
     report = FlopReport(
         model=trace.model.name, setting=trace.setting, workload=trace.workload, tokens=tokens,
         by_phase=by_phase, by_dtype=by_dtype, causal=sum(o.flops_causal for o in trace.ops),
+        mode=trace.mode,
         rows=_rows(trace), attention=attention_shape(trace),
     )
     report.conventions = conventions(trace, report)
@@ -167,11 +170,14 @@ def conventions(trace: Trace, report: FlopReport) -> list[Convention]:
                    "the ops that ran, PyTorch's formulas; attention over the full T×T scores"),
         Convention("counted, causal", report.causal,
                    "the same, causal attention counted only on the scores the mask keeps"),
-        Convention(f"{per_param}·N·D", per_param * n * d,
-                   f"N = {n:,} parameters (tied ones once), D = {d:,} tokens; no attention term"),
     ]
+    if trace.workload not in ("train", "forward"):
+        return out  # sampling reruns a growing context: no per-token convention applies
+    out.append(Convention(f"{per_param}·N·D", per_param * n * d,
+                          f"N = {n:,} parameters (tied ones once), D = {d:,} tokens; "
+                          "no attention term"))
     a = report.attention
-    if a is not None and trace.workload in ("train", "forward"):
+    if a is not None:
         n_prime = n - sum(numel(p.shape) for p in trace.parameters
                           if _POSITION_EMBEDDING.search(p.name))
         attn = (12 if train else 4) * a.layers * a.heads * a.head_dim * a.seq

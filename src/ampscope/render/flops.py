@@ -28,6 +28,8 @@ def render_flops(report: FlopReport, used: Utilization | None = None) -> Rendera
     head.append(report.model, style="bold")
     head.append(f"  setting {s.get('name', '?')} on {where}  workload {report.workload}  "
                 f"{report.tokens:,} tokens  ")
+    if report.mode == "predict":
+        head.append("predicted  ", style="bold magenta")
     head.append(human(report.total), style="bold")
     head.append(f" counted ({human(report.total / report.tokens) if report.tokens else '—'} "
                 "per token)")
