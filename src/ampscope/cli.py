@@ -7,7 +7,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ampscope.api import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
@@ -211,12 +211,8 @@ def cmd_distributed(args: argparse.Namespace) -> int:
             report = predict(args.model, parallel, **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout, **common)
-    if args.json:
-        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_distributed(report))
-    return 0
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_distributed(report))
 
 
 def _run_options(args: argparse.Namespace) -> dict:
@@ -258,12 +254,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     status = _console(stderr=True)
     with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options)
-    if args.json:
-        _write_json(result.to_json(), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_trace(result, ops=args.ops, diagram=args.diagram))
-    return 0
+    return _show(args, result.to_json,
+                 lambda: render_trace(result, ops=args.ops, diagram=args.diagram))
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -283,12 +275,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
         result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options)
         progress.update(task, completed=len(settings))
-    if args.json:
-        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_matrix(result))
-    return 0
+    return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
+                 lambda: render_matrix(result))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -397,14 +385,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
     if seconds is not None:
         used = utilization(report, seconds, _accelerator(args.gpu, report.setting),
                            report.setting.get("matmul_precision", "highest"))
-    if args.json:
-        data = report.to_dict()
-        data["utilization"] = asdict(used) if used else None
-        _write_json(json.dumps(data, indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_flops(report, used))
-    return 0
+    data = report.to_dict() | {"utilization": asdict(used) if used else None}
+    return _show(args, lambda: json.dumps(data, indent=1), lambda: render_flops(report, used))
 
 
 def _accelerator(name: str | None, setting: dict):
@@ -442,12 +424,8 @@ def cmd_numerics(args: argparse.Namespace) -> int:
         report = numerics(args.model, settings=settings, reference=args.reference,
                           workload=args.workload, batch=args.batch, seq=args.seq,
                           on_setting=on_setting)
-    if args.json:
-        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_numerics(report, all_modules=args.all))
-    return 0
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_numerics(report, all_modules=args.all))
 
 
 def _values_after_dashes(argv: list[str]) -> list[str]:
@@ -474,12 +452,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
     from ampscope.render.formats import render_formats
 
     report = formats_report(args.values)
-    if args.json:
-        _write_json(json.dumps(report.to_dict(), indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_formats(report))
-    return 0
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_formats(report))
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
@@ -516,12 +490,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
             )
         data.update(device=args.device, ops=[{"op": r.op, "category": r.categories[0]} for r in rows])
         shown = policy_table(rows, args.device, name, len(policy))
-    if args.json:
-        _write_json(json.dumps(data, indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(shown)
-    return 0
+    return _show(args, lambda: json.dumps(data, indent=1), lambda: shown)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -568,11 +537,18 @@ def cmd_diff(args: argparse.Namespace) -> int:
         with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
             _, (a, b) = matrix(args.model, settings=settings, **options)
     result = diff_traces(a, b)
+    return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
+                 lambda: render_diff(result, args.a, args.b, ops=args.ops))
+
+
+def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object]) -> int:
+    """The end of every command: JSON to --json PATH when asked ('-': JSON only, on stdout),
+    then the rendering for a person."""
     if args.json:
-        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
+        _write_json(to_json(), args.json)
         if args.json == "-":
             return 0
-    _console().print(render_diff(result, args.a, args.b, ops=args.ops))
+    _console().print(render())
     return 0
 
 
