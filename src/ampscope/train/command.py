@@ -7,8 +7,6 @@ import argparse
 import json
 import sys
 
-from ampscope.errors import AmpscopeError
-
 DEVICES = ["cpu", "cuda", "mps"]
 
 
@@ -121,16 +119,9 @@ def _console(stderr: bool = False):
 
 
 def _write_json(data: dict, path: str) -> None:
-    text = json.dumps(data, indent=1)
-    if path == "-":
-        sys.stdout.write(text + "\n")
-        return
-    try:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-    except OSError as e:
-        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
-    print(f"Wrote {path}", file=sys.stderr)
+    from ampscope.cli import _write_json as write  # one writer for every command
+
+    write(json.dumps(data, indent=1), path)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
