@@ -1,0 +1,259 @@
+"""`ampscope` command line: the arguments every command takes, and the entry points.
+
+The commands themselves (call the library, render) are in cli/commands.py; what they share
+(console, progress, JSON, one-line errors) in cli/common.py. No analysis lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from ampscope.api import DEFAULT_MATRIX_SETTINGS
+from ampscope.cli import commands
+from ampscope.cli.common import _write_json, one_line
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+
+__all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
+
+DEFAULT_MODEL = "gpt2"
+DEFAULT_SETTING = "fp32+amp-bf16"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ampscope",
+        description="Which precision does every tensor of a PyTorch model really run in?",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command")
+
+    trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
+    _add_model_argument(trace)
+    trace.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                       help="precision setting, e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32 "
+                            "(default: %(default)s)")
+    _add_run_arguments(trace)
+    trace.add_argument("--ops", action="store_true", help="add the op-level listing")
+    trace.add_argument("--diagram", action="store_true",
+                       help="draw the dtype flow of one forward pass, one block drawn once")
+    _add_distributed_arguments(trace)
+
+    matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
+    _add_model_argument(matrix)
+    matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(matrix)
+
+    report = sub.add_parser("report", help="one self-contained HTML page: findings, dtype flow, "
+                                           "settings matrix, memory and FLOPs")
+    _add_model_argument(report)
+    report.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(report)
+    report.add_argument("--numerics", action="store_true",
+                        help="add each setting's divergence from an fp64 run, layer by layer "
+                             "(real runs of the forward or train workload)")
+    report.add_argument("--output", "-o", default="report.html", metavar="PATH",
+                        help="the HTML file to write (default: %(default)s)")
+
+    diff = sub.add_parser("diff", help="what changed dtype between two traces or two settings")
+    diff.add_argument("a", help="a trace JSON file (from --json), or a setting")
+    diff.add_argument("b", help="a trace JSON file, or a setting")
+    diff.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                      help="model to trace when A and B are settings (default: %(default)s)")
+    _add_run_arguments(diff)
+    diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
+
+    memory = sub.add_parser("memory", help="every byte of one step by category and dtype; the "
+                                           "peak and where it happens")
+    _add_model_argument(memory)
+    memory.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                        help="precision setting (default: %(default)s)")
+    _add_run_arguments(memory)
+    memory.add_argument("--measure", action="store_true",
+                        help="on a real CUDA device, also run the step and show "
+                             "torch.cuda.max_memory_allocated beside the prediction")
+    _add_distributed_arguments(memory)
+
+    flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
+    _add_model_argument(flops)
+    flops.add_argument("--setting", "-s", default=DEFAULT_SETTING,
+                       help="precision setting (default: %(default)s)")
+    _add_run_arguments(flops)
+    timing = flops.add_mutually_exclusive_group()
+    timing.add_argument("--step-time", type=float, metavar="SECONDS",
+                        help="measured wall time of one step, for throughput and MFU")
+    timing.add_argument("--measure", action="store_true",
+                        help="time the untraced step on this machine (a real device only)")
+    flops.add_argument("--gpu", metavar="NAME",
+                       help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
+                            "this machine's GPU; h100 for emulated cuda)")
+
+    numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
+                                               "high-precision reference, layer by layer")
+    _add_model_argument(numerics)
+    numerics.add_argument("--settings", default="fp32,fp32+amp-bf16,bf16",
+                          help="comma-separated settings (default: %(default)s)")
+    numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
+                          help="the setting every other is compared with (default: %(default)s)")
+    numerics.add_argument("--workload", "-w", default="forward", choices=["forward", "train"],
+                          help="train adds the loss's and the gradients' divergence "
+                               "(default: %(default)s)")
+    numerics.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    numerics.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    numerics.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                          help="device of every setting without a DEVICE: prefix (emulated "
+                               "when absent: CUDA's dtypes, the CPU's kernels)")
+    numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
+    numerics.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    numerics.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=argparse.SUPPRESS)
+
+    formats = sub.add_parser("formats", help="number formats: range, eps, and how each stores "
+                                             "given values")
+    formats.add_argument("values", nargs="*", metavar="VALUE",
+                         help="decimal values to store in every format, e.g. 1e-8 65504 0.1 nan "
+                              "-inf")
+    formats.add_argument("--json", metavar="PATH",
+                         help="write the result as JSON ('-' for stdout)")
+    formats.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
+    policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
+                        help="device whose policy to show (default: %(default)s)")
+    policy.add_argument("--dtype", choices=["bf16", "fp16"],
+                        help="autocast dtype (default: the device's own default)")
+    policy.add_argument("--op", metavar="NAME", help="only ops whose name contains NAME")
+    policy.add_argument("--compare", nargs=2, metavar=("DEV1", "DEV2"),
+                        help="only the ops where two devices' policies differ")
+    policy.add_argument("--quiz", action="store_true",
+                        help="what x.sum(), x.mean(), softmax, ... return on cpu, cuda and mps")
+    policy.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+    from ampscope.train.command import add_bench_parser, add_train_parser
+
+    add_train_parser(sub)  # ampscope train: the reference trainer (train/command.py)
+    add_bench_parser(sub)  # ampscope bench: the precision ladder
+
+    models = sub.add_parser("models", help="list the built-in models and the HF zoo")
+    models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
+    models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+    return parser
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model spec: a name from `ampscope models`, hf:PATH, or "
+                             "package.module:factory (default: %(default)s)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every command that runs a model takes: the workload and its size, and --json."""
+    parser.add_argument("--workload", "-w", default="train",
+                        choices=["train", "forward", "generate"], help="default: %(default)s")
+    parser.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    parser.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                        help="optimizer of the train step (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=4,
+                        help="tokens sampled by the generate workload (default: %(default)s)")
+    parser.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                        help="device of every setting without a DEVICE: prefix; a device this "
+                             "machine lacks is emulated on the CPU")
+    parser.add_argument("--predict", action=argparse.BooleanOptionalAction, default=None,
+                        help="run on fake tensors: no memory, any model size (default: only "
+                             "when a real run would not fit)")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
+
+
+def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distributed", choices=["ddp", "fsdp"],
+                        help="run the train step under DDP or FSDP2 on --nproc ranks (real "
+                             "processes; with --predict, rank 0 of N on a fake process group)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument("--mp-policy", metavar="POLICY",
+                        help="FSDP2 MixedPrecisionPolicy, e.g. param=bf16,reduce=fp32 "
+                             "(DDP: reduce= only, a compress hook)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a real distributed run may take (default: %(default)s)")
+
+
+def _values_after_dashes(argv: list[str]) -> list[str]:
+    """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
+    only knows plain negative numbers like -2), so move the values behind a "--"."""
+    leading = [a for a in argv[:argv.index("formats")] if a == "--debug"] if "formats" in argv else []
+    if argv[len(leading):len(leading) + 1] != ["formats"] or "--" in argv:
+        return argv
+    options, values, rest = [*leading], [], iter(argv[len(leading) + 1:])
+    for arg in rest:
+        if arg == "--json":
+            options += [arg, next(rest, "")]
+        elif arg.startswith("--") or arg == "-h":
+            options.append(arg)
+        else:
+            values.append(arg)
+    global_options = [o for o in options if o in leading]
+    options = options[len(global_options):]
+    return [*global_options, "formats", *options, "--", *values]
+
+
+def run() -> None:
+    """The console script: `main`, then exit without the interpreter's teardown.
+
+    After a large trace, freeing its hundreds of thousands of records one by one takes about a
+    second and serves nothing: output is flushed here and files were closed where written.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not [a for a in argv if a != "--debug"]:
+        argv.append("trace")  # bare `ampscope` traces the built-in default model
+    argv = _values_after_dashes(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args([*argv, "trace"])
+    try:
+        return getattr(commands, f"cmd_{args.command}")(args)
+    except DtypeMismatchError as e:
+        if args.debug:
+            raise
+        # The diagnosis is the answer here: its lines follow the one-line error.
+        print(f"ampscope: error while tracing {args.model}: {one_line(str(e))}", file=sys.stderr)
+        for line in e.diagnosis.lines:
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    except AmpscopeError as e:
+        if args.debug:
+            raise
+        print(f"ampscope: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ampscope: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the model (or ampscope) raised: one line unless --debug
+        if args.debug:
+            raise
+        where = f" while tracing {args.model}" if getattr(args, "model", None) else ""
+        print(f"ampscope: error{where}: {type(e).__name__}: {one_line(str(e))} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""What every command shares: the console, progress bars, one-line errors, JSON output, and the
+run options every model-running command takes."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+
+from ampscope.errors import AmpscopeError
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MAX_MESSAGE = 300
+
+
+def one_line(message: str) -> str:
+    """The first line of a message, without terminal colour codes, cut to a readable length."""
+    lines = _ANSI.sub("", message).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _progress():
+    """A transient progress bar on stderr, drawn only on a terminal (logs and pipes get none)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = _console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object]) -> int:
+    """The end of every command: JSON to --json PATH when asked ('-': JSON only, on stdout),
+    then the rendering for a person."""
+    if args.json:
+        _write_json(to_json(), args.json)
+        if args.json == "-":
+            return 0
+    _console().print(render())
+    return 0
+
+
+def _write_json(text: str, path: str) -> None:
+    """Write to PATH, or stdout for '-'; say where it went on stderr."""
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    except OSError as e:
+        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
+    print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
+        raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
+    return {"workload": args.workload, "batch": args.batch, "seq": args.seq,
+            "optimizer": args.optimizer, "new_tokens": args.new_tokens, "predict": args.predict}
+
+
+def _on_device(settings: list[str], device: str | None) -> list[str]:
+    from ampscope.settings import on_device
+
+    return [on_device(s, device) for s in settings] if device else settings
+
