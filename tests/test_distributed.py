@@ -124,12 +124,6 @@ def test_prediction_at_two_ranks_matches_the_real_run(parallel, fixture, request
     assert predicted.ranks[0].held == real.ranks[0].held
     assert summarize(predicted.ranks[0].collectives) == summarize(real.ranks[0].collectives)
     assert not dist.is_initialized()  # the fake group is gone
-    if parallel.strategy == "fsdp":  # predicted DDP runs unwrapped: no bucket buffers
-        # The peak is at the same op; on fake tensors FSDP2 keeps one more copy of the rank's
-        # parameter shard alive (a known difference, docs/distributed.md).
-        assert predicted.ranks[0].peak_at == real.ranks[0].peak_at
-        shard = real.ranks[0].held_bytes("parameter")
-        assert predicted.ranks[0].peak_bytes - real.ranks[0].peak_bytes == shard
 
 
 def test_fsdp_prediction_shards_by_the_number_of_ranks():

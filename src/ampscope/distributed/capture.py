@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ampscope.analysis.memory import memory_report
 from ampscope.capture.session import Capture
 from ampscope.distributed.policy import Parallel
 from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
@@ -142,11 +141,8 @@ class DistributedCapture:
         self._optimizers = []
         trace = self.trace = self._capture.finish(inputs=inputs, outputs=outputs)
         trace.mode = self.mode
-        peak = memory_report(trace).peak
-        where = ", ".join(x for x in (peak.op_name, peak.phase) if x) or None
         mine = RankReport(self.rank, held,
-                          collectives(trace.ops, self.world_size) + self.extra_collectives,
-                          peak.bytes, where)
+                          collectives(trace.ops, self.world_size) + self.extra_collectives)
         ranks = [mine]
         if self.world_size > 1 and backend_name() != "fake":
             gathered: list | None = [None] * self.world_size if self.rank == 0 else None

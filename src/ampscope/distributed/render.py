@@ -36,13 +36,10 @@ def render_distributed(report: DistributedReport) -> RenderableType:
     for category in _CATEGORIES:
         held.add_column(category.replace("_", " "), justify="right")
     held.add_column("total", justify="right")
-    held.add_column("peak in the step", justify="right")
     for r in report.ranks:
         cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
                  for c in _CATEGORIES]
-        peak = (f"{format_bytes(r.peak_bytes)} ({r.peak_at})" if r.peak_at
-                else format_bytes(r.peak_bytes)) if r.peak_bytes is not None else "—"
-        held.add_row(str(r.rank), *cells, format_bytes(r.held_total), peak)
+        held.add_row(str(r.rank), *cells, format_bytes(r.held_total))
 
     comms = Table(title=f"Collectives of rank {report.ranks[0].rank} in one step",
                   title_justify="left", show_edge=False)

@@ -138,10 +138,6 @@ class RankReport:
     rank: int
     held: Held  # "parameter" / "gradient" / "optimizer_state" -> dtype -> bytes on this rank
     collectives: list[Collective] = field(default_factory=list)
-    # The rank's peak over the step, from its storages' lifetimes (analysis/memory.py):
-    # activations, FSDP's unsharded parameters and communication buffers included.
-    peak_bytes: int | None = None
-    peak_at: str | None = None  # "op, phase" where the peak is
 
     @property
     def held_total(self) -> int:
@@ -152,14 +148,12 @@ class RankReport:
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "held": self.held, "held_total": self.held_total,
-                "peak_bytes": self.peak_bytes, "peak_at": self.peak_at,
                 "collectives": [asdict(c) for c in self.collectives],
                 "summary": [asdict(r) for r in summarize(self.collectives)]}
 
     @classmethod
     def from_dict(cls, data: dict) -> RankReport:
-        return cls(data["rank"], data["held"], [Collective(**c) for c in data["collectives"]],
-                   data.get("peak_bytes"), data.get("peak_at"))
+        return cls(data["rank"], data["held"], [Collective(**c) for c in data["collectives"]])
 
 
 SCHEMA = "ampscope.distributed/1"
