@@ -119,6 +119,13 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
         except mp.ProcessRaisedException as e:
             last = str(e).strip().splitlines()[-1]
             raise AmpscopeError(f"a rank failed: {last}") from e
+        except mp.ProcessExitedException as e:
+            # A rank that died before running any of ampscope's code: with the spawn start
+            # method it re-imports the caller's main script, which must not launch again.
+            raise AmpscopeError(
+                f"a rank exited before starting ({e}); launch() starts processes with spawn, "
+                "so a script that calls it must do so under `if __name__ == \"__main__\":`"
+            ) from e
         finally:
             for process in context.processes:  # only the ones started here, by pid
                 if process.is_alive():
