@@ -15,6 +15,7 @@ from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report
 from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
+from ampscope.analysis.summary import numel
 from ampscope.capture.emulation import device_api_error
 from ampscope.capture.predict import (
     check_matmul_dtypes,
@@ -272,11 +273,29 @@ def tokens_of(result: Trace) -> int:
     """Tokens the step processed: the elements of its integer input (batch × sequence)."""
     for record in result.inputs:
         if record.role == "input" and record.dtype.startswith(("int", "uint")):
-            n = 1
-            for size in record.shape:
-                n *= size
-            return n
+            return numel(record.shape)
     return 0
+
+
+def _real_step(model: str | nn.Module | LoadedModel, setting: Setting, workload: str,
+               batch: int, seq: int, seed: int) -> tuple[LoadedModel, Batch]:
+    """The model and batch of an untraced, measured step on this machine's real device."""
+    lm = load(model, device=setting.run_device)
+    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed),
+                         device=setting.run_device)
+    return lm, data
+
+
+def cuda_to_measure(setting: str | Setting) -> Setting:
+    """The setting, if it runs on a real CUDA device here; else the one-line refusal of
+    `memory --measure` (checked before any tracing)."""
+    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+    if setting.device != "cuda" or setting.emulated:
+        raise AmpscopeError(
+            f"--measure needs a real CUDA device and {setting.name} runs "
+            f"{'emulated ' if setting.emulated else ''}on {setting.run_device}"
+        )
+    return setting
 
 
 def measure_step(
@@ -304,9 +323,7 @@ def measure_step(
             f"cannot time {setting.name} here: this machine has no {setting.device}; "
             "give the measured step time with --step-time SECONDS"
         )
-    lm = load(model, device=setting.run_device)
-    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed),
-                         device=setting.run_device)
+    lm, data = _real_step(model, setting, workload, batch, seq, seed)
     cuda = setting.device == "cuda"
     times = []
     for i in range(repeats + 1):
@@ -404,14 +421,8 @@ def measure_peak_memory(
     `max_memory_allocated` over the step, less what was allocated before it (the model as
     loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
     loaded: its step works on its own copies of the weights, see settings.applied)."""
-    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
-    if setting.device != "cuda" or setting.emulated:
-        raise AmpscopeError(
-            f"--measure needs a real CUDA device and {setting.name} runs "
-            f"{'emulated ' if setting.emulated else ''}on {setting.run_device}"
-        )
-    lm = load(model, device="cuda")
-    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed), device="cuda")
+    setting = cuda_to_measure(setting)
+    lm, data = _real_step(model, setting, workload, batch, seq, seed)
     input_bytes = sum(t.numel() * t.element_size() for t in data.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

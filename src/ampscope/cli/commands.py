@@ -122,14 +122,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     if args.measure:
-        from ampscope.settings import parse_setting, resolve_device
+        from ampscope.api import cuda_to_measure
 
-        target = resolve_device(parse_setting(setting))
-        if target.device != "cuda" or target.emulated:
-            raise AmpscopeError(
-                f"--measure needs a real CUDA device and {target.name} runs "
-                f"{'emulated ' if target.emulated else ''}on {target.run_device}"
-            )
+        cuda_to_measure(setting)  # refuse before tracing
     with _console(stderr=True).status(f"Tracing the memory of {args.model} under {setting}…"):
         report = memory(args.model, setting=setting, **options)
     measured = None
