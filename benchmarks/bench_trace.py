@@ -37,7 +37,7 @@ import ampscope
 from ampscope import workloads
 from ampscope.api import load
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.settings import Setting, applied, parse_setting
+from ampscope.precision import Setting, applied, parse_setting
 
 WORKLOAD = "train"
 OPTIMIZER = "adamw"

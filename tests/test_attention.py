@@ -11,15 +11,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampscope.capture.attention import (
+from ampscope.precision.attention_choice import (
     A100,
     H100,
     CudaTarget,
     SdpFlags,
     TensorSpec,
     choose_backend,
-    cuda_attention,
 )
+from ampscope.precision.attention_kernels import cuda_attention
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten

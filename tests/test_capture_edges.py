@@ -8,7 +8,7 @@ import torch
 
 import ampscope
 from ampscope.cli import one_line
-from ampscope.trace import Trace
+from ampscope.records import Trace
 
 
 def test_backward_ops_belong_to_the_innermost_module(gpt2_tiny):
@@ -47,7 +47,7 @@ def test_capture_names_the_users_lines_and_the_setting_it_saw():
         opt.step()  # the line the optimizer ops must point at
     step_sources = {o.source for o in t.ops if o.phase == "optimizer"}
     assert len(step_sources) == 1 and step_sources.pop().startswith("test_capture_edges.py:")
-    assert t.setting == {"name": "as-run", "device": "cpu", "emulated": False,
+    assert t.setting.to_dict() == {"name": "as-run", "device": "cpu", "emulated": False,
                          "param_dtype": "float32", "autocast_dtype": "bfloat16",
                          "matmul_precision": "highest"}
 

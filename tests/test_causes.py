@@ -18,12 +18,14 @@ from ampscope.models import gpt2, nanochat
 from ampscope.records import (
     BufferRecord,
     FunctionCall,
+    ModelInfo,
     ModuleCall,
     OpCall,
     ParameterRecord,
     TensorMeta,
+    Trace,
 )
-from ampscope.trace import ModelInfo, Trace
+from tests.helpers import setting_record
 
 F32, BF16 = TensorMeta("float32", (2, 4)), TensorMeta("bfloat16", (2, 4))
 I64 = TensorMeta("int64", (2,))
@@ -40,7 +42,7 @@ def op(i, name, ins, outs, caller=0, autocast_cast=False, names=None, module="m"
 
 
 def toy(calls, ops, **kw) -> Trace:
-    return Trace(model=ModelInfo("toy", "Toy", 1), setting={"name": "fp32+amp-bf16"},
+    return Trace(model=ModelInfo("toy", "Toy", 1), setting=setting_record("fp32+amp-bf16"),
                  workload="forward", calls=calls, ops=ops, **kw)
 
 

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 import ampscope
 from ampscope import workloads
 from ampscope.models import gpt2, nanochat
-from ampscope.settings import applied, parse_setting
+from ampscope.precision import applied, parse_setting
 
 # DebugMode is private and moves between releases (torch 2.11 on the GPU machine): skip there
 # rather than fail at import.

@@ -25,16 +25,16 @@ from ampscope.analysis.diff import (
 from ampscope.records import (
     BufferRecord,
     InputRecord,
+    ModelInfo,
     ModuleCall,
     OpCall,
     OptimizerStateRecord,
     ParameterRecord,
     TensorMeta,
+    Trace,
 )
 from ampscope.render.diff import render_diff
-from ampscope.trace import ModelInfo, Trace
-from tests.test_flow import BF16, F32, I64
-from tests.test_render import check
+from tests.helpers import BF16, F32, I64, check, setting_record
 
 FP32, BF = ("float32",), ("bfloat16",)
 
@@ -65,7 +65,7 @@ def linear_ops(n: int, amp: bool) -> list[OpCall]:
 
 
 def toy(modules=(), ops=(), setting="fp32", **tensors) -> Trace:
-    return Trace(ModelInfo("toy", "Net", 48), {"name": setting}, "train", list(modules),
+    return Trace(ModelInfo("toy", "Net", 48), setting_record(setting), "train", list(modules),
                  ops=list(ops), **tensors)
 
 

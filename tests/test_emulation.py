@@ -16,10 +16,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscope
-from ampscope.capture.emulation import Emulation, TargetAutocast, autocast_region
-from ampscope.capture.policy import default_autocast_dtype, read_policy, registered_ops
 from ampscope.errors import AmpscopeError
-from ampscope.settings import GlobalState, parse_setting, resolve_device
+from ampscope.precision import GlobalState, parse_setting, resolve_device
+from ampscope.precision.autocast_policy import default_autocast_dtype, read_policy, registered_ops
+from ampscope.precision.emulation import Emulation, TargetAutocast, autocast_region
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulation needs no CUDA")
 
@@ -86,8 +86,8 @@ def test_a_device_without_an_autocast_policy_is_refused(monkeypatch):
     assert registered_ops("xla") == ()
     with pytest.raises(AmpscopeError, match="no autocast policy for 'xla'"):
         read_policy("xla", torch.bfloat16)
-    from ampscope.capture import policy
-    monkeypatch.setattr(policy, "registered_ops", lambda device: ())
+    from ampscope.precision import setting
+    monkeypatch.setattr(setting, "registered_ops", lambda device: ())
     with pytest.raises(AmpscopeError, match="has no cuda autocast policy to emulate it with"):
         resolve_device(parse_setting("cuda:fp32+amp-bf16"))
 
@@ -233,7 +233,7 @@ def opt_cuda():
 
 def test_opt_on_emulated_cuda_shows_the_cuda_dtypes(opt_cuda):
     t = opt_cuda
-    assert t.setting["emulated"] and t.setting["device"] == "cuda" and t.mode == "run"
+    assert t.setting.emulated and t.setting.device == "cuda" and t.mode == "run"
     forward = [m for m in t.modules if m.phase == "forward"]
     norms = [m for m in forward if m.type == "LayerNorm"]
     assert len(norms) == 12 * 2 + 1

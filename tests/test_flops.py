@@ -11,10 +11,10 @@ from torch import nn
 import ampscope
 from ampscope.analysis.flops import flop_report
 from ampscope.api import tokens_of
-from ampscope.capture.flops import _kept_fraction
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
 from ampscope.models import gpt2
+from ampscope.recorders.flops import _kept_fraction
 
 
 def _linear_step(module, batch):

@@ -4,25 +4,8 @@ from __future__ import annotations
 
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flow import FlowRow, collapse_blocks, dtype_changes, module_flow, split_block
-from ampscope.records import ModuleCall, OpCall, ParameterRecord, TensorMeta
-from ampscope.trace import ModelInfo, Trace
-
-F32, BF16, I64 = TensorMeta("float32", (2, 4)), TensorMeta("bfloat16", (2, 4)), TensorMeta("int64", (2,))
-
-
-def call(i, name, type_, depth, ins, outs, phase="forward"):
-    return ModuleCall(i, name, type_, phase, depth, ins, outs)
-
-
-def blocks(n, odd=None, order=None):
-    """Calls of a model with n blocks h.i (each: Block > fc); block `odd` runs fc in fp32."""
-    calls = [call(0, "", "Net", 0, (I64,), (F32,))]
-    for i in order or range(n):
-        out = F32 if i == odd else BF16
-        calls.append(call(len(calls), f"h.{i}", "Block", 1, (F32,), (out,)))
-        calls.append(call(len(calls), f"h.{i}.fc", "Linear", 2, (F32,), (out,)))
-    calls.append(call(len(calls), "head", "Linear", 1, (F32,), (BF16,)))
-    return calls
+from ampscope.records import ModelInfo, OpCall, ParameterRecord, Trace
+from tests.helpers import BF16, F32, blocks, call, setting_record
 
 
 def names(rows):
@@ -71,7 +54,7 @@ def test_dtype_changes_keep_only_the_innermost_module():
 
 def test_findings_from_hand_built_records():
     trace = Trace(
-        model=ModelInfo("toy", "Toy", 24), setting={"name": "fp32+amp-bf16"}, workload="train",
+        model=ModelInfo("toy", "Toy", 24), setting=setting_record("fp32+amp-bf16"), workload="train",
         parameters=[
             ParameterRecord("emb.weight", "bfloat16", (4, 2), True, "bfloat16"),
             ParameterRecord("fc.weight", "float32", (4, 4), True, "float32", ("head.weight",)),

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 import ampscope
-from ampscope.settings import parse_setting
+from ampscope.precision import parse_setting
 
 pytestmark = pytest.mark.gpu
 
@@ -47,5 +47,5 @@ def test_emulated_cuda_matches_real_cuda(model, setting, workload):
         pytest.skip("nanochat's bf16 embedding needs autocast on CUDA (a dtype mismatch there)")
     real = ampscope.trace(model, setting=real_setting, workload=workload, seq=16)
     emulated = ampscope.trace(model, setting=emulated_setting, workload=workload, seq=16)
-    assert real.setting["emulated"] is False and emulated.setting["emulated"] is True
+    assert real.setting.emulated is False and emulated.setting.emulated is True
     assert _ops(emulated) == _ops(real), _first_difference(_ops(real), _ops(emulated))

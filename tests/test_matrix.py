@@ -11,10 +11,9 @@ from rich.console import Console
 import ampscope
 from ampscope.analysis.compare import build_matrix
 from ampscope.cli import main
+from ampscope.records import ModelInfo, Trace
 from ampscope.render.matrix import render_matrix, short_names
-from ampscope.trace import ModelInfo, Trace
-from tests.test_flow import blocks, call
-from tests.test_render import check
+from tests.helpers import blocks, call, check, setting_record
 
 F32, BF16 = ("float32",), ("bfloat16",)
 
@@ -41,13 +40,13 @@ def test_the_four_classic_settings_as_pytorch_runs_them(classic):
     assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
     assert summary["optimizer exp_avg"] == ("float32", "bfloat16", "float32", "bfloat16")
     assert summary["autocast casts"][:2] == ("0", "0") and int(summary["autocast casts"][2]) > 0
-    assert [t.setting["name"] for t in traces] == list(m.names)
+    assert [t.setting.name for t in traces] == list(m.names)
 
 
 def test_a_module_run_in_one_setting_only_gets_empty_cells():
-    a = Trace(ModelInfo("m", "Net", 0), {"name": "fp32"}, "train", modules=blocks(2))
+    a = Trace(ModelInfo("m", "Net", 0), setting_record("fp32"), "train", modules=blocks(2))
     extra = blocks(2) + [call(99, "extra", "Linear", 1, (), ())]
-    b = Trace(ModelInfo("m", "Net", 0), {"name": "bf16"}, "train", modules=extra)
+    b = Trace(ModelInfo("m", "Net", 0), setting_record("bf16"), "train", modules=extra)
     m = build_matrix([a, b])
     assert m.rows[-1].name == "extra" and m.rows[-1].cells[0] is None
     assert m.rows[-1].differs == (False, True)
@@ -60,8 +59,8 @@ def test_short_names_are_relative_to_the_enclosing_row():
 
 
 def test_matrix_render_matches_golden():
-    a = Trace(ModelInfo("toy", "Net", 0), {"name": "fp32"}, "train", modules=blocks(3))
-    b = Trace(ModelInfo("toy", "Net", 0), {"name": "fp32+amp-bf16"}, "train",
+    a = Trace(ModelInfo("toy", "Net", 0), setting_record("fp32"), "train", modules=blocks(3))
+    b = Trace(ModelInfo("toy", "Net", 0), setting_record("fp32+amp-bf16"), "train",
               modules=blocks(3, odd=1))
     out = io.StringIO()
     Console(file=out, width=100, color_system=None).print(render_matrix(build_matrix([a, b])))

@@ -23,10 +23,9 @@ from ampscope.analysis.memory import (
     memory_report,
 )
 from ampscope.analysis.summary import itemsize, numel
-from ampscope.records import OpCall, ParameterRecord, StorageRecord, TensorMeta
+from ampscope.records import ModelInfo, OpCall, ParameterRecord, StorageRecord, TensorMeta, Trace
 from ampscope.render.memory import render_memory
-from ampscope.trace import ModelInfo, Trace
-from tests.test_render import check
+from tests.helpers import check, setting_record
 
 
 def _bytes(trace: Trace, *categories: str) -> int:
@@ -225,8 +224,7 @@ def toy_trace(device: str = "cuda") -> Trace:
 
     return Trace(
         model=ModelInfo("toy", "Net", 250),
-        setting={"name": f"{device}:fp32", "device": device, "param_dtype": "float32",
-                 "autocast_dtype": None},
+        setting=setting_record(f"{device}:fp32", device=device),
         workload="train", ops=ops,
         parameters=[ParameterRecord("fc.weight", "float32", (250,), True, "float32")],
         storages=[storage(0, 1000, "float32", None, None, "parameter", ("fc.weight",)),

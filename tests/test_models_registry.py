@@ -130,7 +130,7 @@ def test_list_models_covers_builtins_and_zoo():
     assert infos["gpt2"].family == "gpt2"
     assert infos["nanochat-d20"].family == "nanochat"
     assert infos["llama-3-8b"].parameters == PUBLISHED["llama-3-8b"]
-    assert list_models() == list_models()  # cached, same answer
+    assert len(infos) == len(list_models())  # each model listed once
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "nanochat-tiny"])

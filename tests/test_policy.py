@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ampscope.capture.policy import QUIZ, quiz
 from ampscope.cli import main
+from ampscope.precision import GlobalState
+from ampscope.precision.quiz import QUIZ, quiz
 from ampscope.records import dtype_name
-from ampscope.settings import GlobalState
 
 
 def _json(capsys, *argv) -> dict:

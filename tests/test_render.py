@@ -7,24 +7,19 @@ and read the diff before committing it.
 from __future__ import annotations
 
 import io
-import os
-from pathlib import Path
 
 from rich.console import Console
 
 from ampscope.analysis.findings import derive_findings
-from ampscope.records import InputRecord, OpCall, ParameterRecord
+from ampscope.records import InputRecord, ModelInfo, OpCall, ParameterRecord, Trace
 from ampscope.render.text import render_trace
-from ampscope.trace import ModelInfo, Trace
-from tests.test_flow import BF16, F32, blocks
-
-GOLDEN = Path(__file__).parent / "golden"
+from tests.helpers import BF16, F32, blocks, check, setting_record
 
 
 def toy_trace() -> Trace:
     trace = Trace(
         model=ModelInfo("toy", "Net", 1234),
-        setting={"name": "fp32+amp-bf16", "device": "cpu", "emulated": False},
+        setting=setting_record("fp32+amp-bf16"),
         workload="train",
         modules=blocks(3),
         ops=[OpCall(0, "aten._to_copy.default", "h.0.fc", "forward", (F32,), (BF16,), True, 0,
@@ -44,13 +39,6 @@ def render(trace: Trace, **kw) -> str:
     Console(file=out, width=100, color_system=None, legacy_windows=False).print(
         render_trace(trace, **kw))
     return out.getvalue()
-
-
-def check(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("AMPSCOPE_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text()
 
 
 def test_trace_summary_matches_golden():

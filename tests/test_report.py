@@ -29,15 +29,18 @@ from ampscope.analysis.numerics import (
 )
 from ampscope.api import tokens_of
 from ampscope.records import (
+    Finding,
     FunctionCall,
     InputRecord,
+    ModelInfo,
     ModuleCall,
     OpCall,
     ParameterRecord,
     TensorMeta,
+    Trace,
 )
 from ampscope.render.html import memory_html, report_html
-from ampscope.trace import Finding, ModelInfo, Trace
+from tests.helpers import setting_record
 
 SETTINGS = ["fp32", "fp32+amp-bf16"]
 HEADINGS = ("Findings", "Dtype flow", "Settings matrix", "Memory", "FLOPs by module",
@@ -268,7 +271,7 @@ def test_every_text_from_records_is_escaped():
     name = f"h.0.{SCRIPT}"
     trace = Trace(
         model=ModelInfo(IMG, IMG, 16),
-        setting={"name": f"fp32+amp-bf16{IMG}", "device": "cpu", "emulated": False},
+        setting=setting_record(f"fp32+amp-bf16{IMG}"),
         workload="forward",
         modules=[ModuleCall(0, "", IMG, "forward", 0, (f32,), (bf16,)),
                  ModuleCall(1, name, SCRIPT, "forward", 1, (f32,), (bf16,))],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ampscope.errors import AmpscopeError
-from ampscope.settings import GRAMMAR, GlobalState, applied, parse_setting, resolve_device
+from ampscope.precision import GRAMMAR, GlobalState, applied, parse_setting, resolve_device
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,15 @@ import pytest
 import torch
 from rich.console import Console
 
+from ampscope.cli.train import add_bench_parser, add_train_parser, cmd_bench, cmd_train
 from ampscope.errors import AmpscopeError
+from ampscope.render.train import render_bench, save_bench_plot
 from ampscope.train import TrainConfig, bench, train
 from ampscope.train import checkpoint as ckpt
 from ampscope.train.bench import parse_rung
-from ampscope.train.command import add_bench_parser, add_train_parser, cmd_bench, cmd_train
 from ampscope.train.data import DataLoaderLite, default_corpus, split
 from ampscope.train.loop import configure_optimizer, lr_at
 from ampscope.train.measure import flops_per_token
-from ampscope.train.render import render_bench, save_bench_plot
 from ampscope.train.tokenizer import BYTE_TOKENIZER, choose_tokenizer, gpt2_files, gpt2_tokenizer
 
 needs_gpt2_files = pytest.mark.skipif(gpt2_files() is None,

@@ -11,8 +11,11 @@
 from ampscope.api import capture, flops, matrix, memory, numerics, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
-from ampscope.settings import Setting, parse_setting
-from ampscope.trace import Trace
+from ampscope.precision import Setting, parse_setting
+from ampscope.records import Trace
+from ampscope.render import notebook
+
+notebook.register()  # Jupyter shows traces and reports as HTML
 
 __all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "flops", "matrix", "memory", "numerics",
            "parse_setting", "trace"]

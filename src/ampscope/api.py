@@ -16,8 +16,11 @@ from ampscope.analysis.flops import FlopReport, flop_report
 from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import numel
-from ampscope.capture.emulation import device_api_error
-from ampscope.capture.predict import (
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.precision import Setting, applied, parse_setting, resolve_device
+from ampscope.precision.emulation import device_api_error
+from ampscope.precision.predict import (
     check_matmul_dtypes,
     data_dependent,
     fake_batch,
@@ -25,13 +28,9 @@ from ampscope.capture.predict import (
     predicting,
     value_needed_error,
 )
-from ampscope.capture.session import Capture
-from ampscope.capture.values import Values, as_float64, read_grads, read_weights, recording_values
-from ampscope.errors import AmpscopeError, DtypeMismatchError
-from ampscope.models.base import Batch, LoadedModel
-from ampscope.records import dtype_name
-from ampscope.settings import Setting, applied, parse_setting, resolve_device
-from ampscope.trace import Trace
+from ampscope.recorders.session import Capture
+from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
+from ampscope.records import Trace, dtype_name
 
 
 def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
@@ -144,7 +143,7 @@ def trace(
 
     fake = fake_mode() if predict else None
     with applied(setting, lm.module, fake=fake) as emulation:
-        capture = Capture(lm.module, model_name=lm.name, setting=setting.to_dict(),
+        capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None)
         try:
@@ -244,7 +243,14 @@ def capture(model: nn.Module, *, name: str | None = None) -> Capture:
 
     The model's own code, autocast regions and optimizer run as written; ampscope only watches.
     """
-    return Capture(model, model_name=name, workload="custom")
+    return Capture(model, model_name=name, workload="custom", findings=derive_findings,
+                   explain_failure=_explain)
+
+
+def _explain(failure) -> str | None:
+    """The dtype-mismatch diagnosis of the call that raised, as a note's text."""
+    diagnosis = diagnose(failure)
+    return diagnosis.text() if diagnosis is not None else None
 
 
 def memory(

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ampscope.capture.emulation import foreach_by_default
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.settings import Setting
+from ampscope.precision import Setting
+from ampscope.precision.emulation import foreach_by_default
 
 WORKLOADS = ("train", "forward", "generate")
 OPTIMIZERS = ("adamw", "adam", "sgd")

@@ -33,8 +33,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall
-from ampscope.trace import Trace
+from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, Trace
 
 FLOATS = frozenset({"float64", "float32", "bfloat16", "float16"})
 CAUSES = ("autocast-policy", "explicit-cast", "parameter-dtype", "buffer-dtype", "type-promotion",
@@ -126,7 +125,7 @@ def dtype_changes(trace: Trace) -> list[DtypeChange]:
         if out is None or not _is_change(o, out, explicit):
             continue
         cause, detail = _cause(o, out, call, explicit, round_trips.get(o.index), params, buffers,
-                               trace.setting.get("autocast_dtype"))
+                               trace.setting.autocast_dtype)
         changes.append(DtypeChange(o.index, o.op, o.module, o.phase,
                                    tuple(m.dtype for m in o.inputs), out, cause, detail, func,
                                    o.source, o.input_names))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ampscope.analysis.flow import collapse_blocks, dtypes, module_label
-from ampscope.trace import Trace
+from ampscope.analysis.flow import collapse_blocks, dtypes
+from ampscope.records import SettingRecord, Trace, module_label
 
 Cell = tuple[tuple[str, ...], tuple[str, ...]] | None  # (in dtypes, out dtypes); None: not run
 
@@ -47,19 +47,13 @@ class SummaryRow:
 class Matrix:
     model: str
     workload: str
-    settings: tuple[dict, ...]  # each trace's setting (name, device, dtypes, ...)
+    settings: tuple[SettingRecord, ...]  # each trace's setting
     rows: tuple[MatrixRow, ...]
     summary: tuple[SummaryRow, ...]
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(s.get("name", "?") for s in self.settings)
-
-    def _repr_html_(self) -> str:
-        """The notebook view (render/html.py)."""
-        from ampscope.render.html import matrix_html
-
-        return matrix_html(self)
+        return tuple(s.name for s in self.settings)
 
     def to_dict(self) -> dict:
         def cell(c: Cell) -> dict | None:
@@ -69,7 +63,7 @@ class Matrix:
             "schema": SCHEMA,
             "model": self.model,
             "workload": self.workload,
-            "settings": list(self.settings),
+            "settings": [s.to_dict() for s in self.settings],
             "modules": [{"name": r.name, "type": r.kind, "depth": r.depth, "repeats": r.repeats,
                          "cells": [cell(c) for c in r.cells], "differs": list(r.differs)}
                         for r in self.rows],

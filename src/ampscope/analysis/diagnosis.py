@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ampscope.analysis.flow import module_label
-from ampscope.records import FailedCall
+from ampscope.records import FailedCall, module_label
 
 # How PyTorch words a dtype mismatch (matmul, linear, addmm, index ops, conv, ...).
 _MISMATCH = re.compile(

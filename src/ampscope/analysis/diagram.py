@@ -14,8 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ampscope.analysis.flow import split_block
-from ampscope.records import EXPLICIT_CASTS, FunctionCall
-from ampscope.trace import Trace
+from ampscope.records import EXPLICIT_CASTS, FunctionCall, Trace
 
 # Calls that are the nodes of a hand-drawn transformer diagram, by their last name.
 DRAWN = frozenset({

@@ -54,9 +54,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes, module_label
-from ampscope.records import PHASES, ModuleCall, OpCall
-from ampscope.trace import Trace
+from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes
+from ampscope.records import PHASES, ModuleCall, OpCall, Trace, module_label
 
 SCHEMA = "ampscope.diff/1"
 
@@ -203,7 +202,7 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
 
 
 def _about(t: Trace) -> dict:
-    return {"model": t.model.name, "setting": t.setting.get("name"), "workload": t.workload}
+    return {"model": t.model.name, "setting": t.setting.name, "workload": t.workload}
 
 
 # --- collapsing pairs of rows -------------------------------------------------------------

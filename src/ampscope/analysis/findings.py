@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
-from ampscope.analysis.flow import FlowRow, collapse_blocks, module_label
+from ampscope.analysis.flow import FlowRow, collapse_blocks
 from ampscope.analysis.summary import itemsize, numel
-from ampscope.records import EXPLICIT_CASTS, ModuleCall
-from ampscope.trace import Finding, Trace
+from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, Trace, module_label
 
 _FLOATS = tuple(FLOATS)
 

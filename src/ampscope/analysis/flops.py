@@ -1,6 +1,6 @@
 """Where the FLOPs of a step go, and the conventions people quote for them, side by side.
 
-Counted FLOPs come from the ops that ran (capture/flops.py: PyTorch's formulas plus the CPU
+Counted FLOPs come from the ops that ran (recorders/flops.py: PyTorch's formulas plus the CPU
 attention kernels they lack). The conventions are computed from the model's shapes as the trace
 saw them:
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from ampscope.analysis.flow import collapse_blocks, module_label
+from ampscope import hardware
+from ampscope.analysis.flow import collapse_blocks
 from ampscope.analysis.summary import numel
-from ampscope.records import OpCall
-from ampscope.trace import Trace
+from ampscope.records import OpCall, SettingRecord, Trace, module_label
 
 SCHEMA = "ampscope.flops/1"
 PHASES = ("forward", "backward", "optimizer")
@@ -62,7 +62,7 @@ class Convention:
 @dataclass
 class FlopReport:
     model: str
-    setting: dict
+    setting: SettingRecord
     workload: str
     tokens: int  # tokens processed by the step: batch × sequence length
     by_phase: dict[str, int]
@@ -77,17 +77,11 @@ class FlopReport:
     def total(self) -> int:
         return sum(self.by_phase.values())
 
-    def _repr_html_(self) -> str:
-        """The notebook view (render/html.py)."""
-        from ampscope.render.html import flops_html
-
-        return flops_html(self)
-
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "model": self.model,
-            "setting": self.setting,
+            "setting": self.setting.to_dict(),
             "workload": self.workload,
             "mode": self.mode,
             "tokens": self.tokens,
@@ -205,8 +199,6 @@ class Utilization:
 def utilization(report: FlopReport, seconds: float, accelerator=None,
                 matmul_precision: str = "highest") -> Utilization:
     """Tokens/s, achieved FLOP/s and MFU (hardware.mfu: each dtype against its own peak)."""
-    from ampscope import hardware
-
     peaks: dict[str, float | None] = {}
     mfu = None
     if accelerator is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from ampscope.records import ModuleCall, OpCall, TensorMeta
+from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
 
 R = TypeVar("R")
 
@@ -161,13 +161,6 @@ def dtype_changes(rows: list[FlowRow]) -> list[FlowRow]:
         r for i, r in enumerate(rows)
         if r.changes_dtype and not (i + 1 < len(rows) and rows[i + 1].depth > r.depth)
     ]
-
-
-def module_label(name: str | None) -> str:
-    """"" is the model itself; None means no module was running (an optimizer step)."""
-    if name is None:
-        return "(no module)"
-    return name or "(model)"
 
 
 def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:

@@ -1,7 +1,7 @@
 """Memory of a traced step, from its storages: every byte by category and dtype, the peak and
 where it happens, the live bytes over the step, and the formulas people use beside the counts.
 
-Everything here reads `Trace.storages` (capture/memory.py): one record per storage, so views
+Everything here reads `Trace.storages` (recorders/memory.py): one record per storage, so views
 and tied weights count once. A storage is live from the op that made it through the op after
 which it was freed (`StorageRecord.created`..`freed`, inclusive); the live bytes "at op k" are
 those of every storage live through op k, which includes op k's inputs and outputs together.
@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from ampscope.analysis.summary import itemsize, numel
-from ampscope.records import STORAGE_CATEGORIES, StorageRecord
-from ampscope.trace import Trace
+from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
 
 SCHEMA = "ampscope.memory/1"
 
@@ -109,12 +108,6 @@ class MemoryReport:
     timeline: list[TimelineBucket]
     rounding: str | None  # "cuda" when the peak is also given with CUDA's block rounding
     notes: list[str] = field(default_factory=list)
-
-    def _repr_html_(self) -> str:
-        """The notebook view (render/html.py)."""
-        from ampscope.render.html import memory_html
-
-        return memory_html(self)
 
     def to_dict(self) -> dict:
         return {
@@ -333,7 +326,7 @@ def activation_estimates(trace: Trace) -> list[Estimate]:
                          "saved for backward", shape)]
     layers, b, s, h, a = shape
     setting = trace.setting
-    sixteen = {setting.get("autocast_dtype"), setting.get("param_dtype")} & {"bfloat16", "float16"}
+    sixteen = {setting.autocast_dtype, setting.param_dtype} & {"bfloat16", "float16"}
     assumptions = ("assumes a GPT layer (4h MLP, two LayerNorms, dropout) with 16-bit activations"
                    + ("" if sixteen else "; this run keeps float32 activations (about twice the bytes)"))
     fused = any(o.phase == "forward" and any(k in o.op for k in _FUSED_ATTENTION)
@@ -360,7 +353,7 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
     k = _argmax(live)
     op = ops[k] if k is not None else None
     peak_bytes = live[k] if k is not None else before
-    device = trace.setting.get("device", "cpu")
+    device = trace.setting.device
     rounded = rounded_op = None
     if device == "cuda":
         rounded_before, rounded_live = live_bytes(storages, len(ops), cuda_block_size)
@@ -389,7 +382,7 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
                 "set the peak",
             ))
     return MemoryReport(
-        model=trace.model.name, setting=trace.setting.get("name", "?"), device=device,
+        model=trace.model.name, setting=trace.setting.name, device=device,
         workload=trace.workload, mode=trace.mode, before_bytes=before,
         end_bytes=live[-1] if live else before, peak=peak,
         at_peak=breakdown(at_peak), allocated=breakdown(storages),

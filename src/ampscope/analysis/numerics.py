@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ampscope.analysis.flow import split_block
-from ampscope.capture.values import Values
+from ampscope.recorders.values import Values
 
 SCHEMA = "ampscope.numerics/1"
 
@@ -163,12 +163,6 @@ class NumericsReport:
                 flushed += round(r.formats["float16"].flush_to_zero * r.numel)
                 total += r.numel
         return flushed, total
-
-    def _repr_html_(self) -> str:
-        """The notebook view (render/html.py)."""
-        from ampscope.render.html import numerics_html
-
-        return numerics_html(self)
 
     def to_dict(self) -> dict:
         flushed, total = self.fp16_gradient_underflow()

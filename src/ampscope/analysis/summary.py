@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from ampscope.trace import Trace
+from ampscope.records import Trace
 
 
 @cache

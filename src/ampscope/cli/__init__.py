@@ -136,9 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
 
-    from ampscope.train.command import add_bench_parser, add_train_parser
+    from ampscope.cli.train import add_bench_parser, add_train_parser
 
-    add_train_parser(sub)  # ampscope train: the reference trainer (train/command.py)
+    add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
     add_bench_parser(sub)  # ampscope bench: the precision ladder
 
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")

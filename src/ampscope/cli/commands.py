@@ -9,11 +9,12 @@ import sys
 
 from ampscope.cli.common import _console, _on_device, _progress, _run_options, _show, _write_json
 from ampscope.errors import AmpscopeError
+from ampscope.records import SettingRecord
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:
     from ampscope.distributed import Parallel, launch, parse_mp_policy, predict
-    from ampscope.distributed.render import render_distributed
+    from ampscope.render.distributed import render_distributed
 
     if args.workload != "train":
         raise AmpscopeError("--distributed runs the train workload")
@@ -169,21 +170,21 @@ def cmd_flops(args: argparse.Namespace) -> int:
     used = None
     if seconds is not None:
         used = utilization(report, seconds, _accelerator(args.gpu, report.setting),
-                           report.setting.get("matmul_precision", "highest"))
+                           report.setting.matmul_precision)
     data = report.to_dict() | {"utilization": asdict(used) if used else None}
     return _show(args, lambda: json.dumps(data, indent=1), lambda: render_flops(report, used))
 
 
-def _accelerator(name: str | None, setting: dict):
+def _accelerator(name: str | None, setting: SettingRecord):
     """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
     H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
     from ampscope import hardware
 
     if name:
         return hardware.by_name(name)
-    if setting.get("device") != "cuda":
+    if setting.device != "cuda":
         return None
-    if setting.get("emulated"):
+    if setting.emulated:
         return hardware.by_name("h100")
     import torch
 
@@ -223,11 +224,12 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from ampscope.analysis import policy as arrange
-    from ampscope.capture.policy import quiz, read_policy
+    from ampscope.analysis import autocast as arrange
+    from ampscope.precision import DEVICES, DTYPES, default_autocast_dtype
+    from ampscope.precision.autocast_policy import read_policy
+    from ampscope.precision.quiz import quiz
     from ampscope.records import dtype_name
-    from ampscope.render.policy import compare_table, policy_table, quiz_table
-    from ampscope.settings import DEVICES, DTYPES, default_autocast_dtype
+    from ampscope.render.autocast import compare_table, policy_table, quiz_table
 
     devices = tuple(args.compare) if args.compare else (args.device,)
     for device in devices:
@@ -260,19 +262,19 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ampscope.train.command import cmd_train as train
+    from ampscope.cli.train import cmd_train as train
 
     return train(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ampscope.train.command import cmd_bench as bench
+    from ampscope.cli.train import cmd_bench as bench
 
     return bench(args)
 
 
 def _load_trace(path: str):
-    from ampscope.trace import Trace
+    from ampscope.records import Trace
 
     try:
         with open(path) as f:

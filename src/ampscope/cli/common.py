@@ -68,7 +68,7 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 
 def _on_device(settings: list[str], device: str | None) -> list[str]:
-    from ampscope.settings import on_device
+    from ampscope.precision import on_device
 
     return [on_device(s, device) for s in settings] if device else settings
 

@@ -9,7 +9,7 @@ See docs/distributed.md.
 
 from ampscope.distributed.capture import DistributedCapture, capture
 from ampscope.distributed.launch import launch, predict
-from ampscope.distributed.policy import Parallel, parse_mp_policy
+from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import Collective, DistributedReport, RankReport
 
 __all__ = ["Collective", "DistributedCapture", "DistributedReport", "Parallel", "RankReport",

@@ -22,11 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ampscope.capture.session import Capture
-from ampscope.distributed.policy import Parallel
+from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
-from ampscope.records import dtype_name
-from ampscope.trace import Trace
+from ampscope.recorders.session import Capture
+from ampscope.records import SettingRecord, Trace, dtype_name
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +85,7 @@ class DistributedCapture:
     the others). Under a fake process group only this rank is recorded (nothing to gather)."""
 
     def __init__(self, model: nn.Module, *, name: str | None = None,
-                 parallel: Parallel | None = None, setting: dict | None = None,
+                 parallel: Parallel | None = None, setting: SettingRecord | None = None,
                  workload: str = "custom", op_check=None) -> None:
         self.model = model
         # DDP's wrapper runs the model's own forward: names without "module." read better.

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ampscope.distributed.policy import Parallel
+from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport, RankReport
 from ampscope.errors import AmpscopeError
-from ampscope.settings import Setting, parse_setting, resolve_device
-from ampscope.trace import Trace
+from ampscope.precision import Setting, parse_setting, resolve_device
+from ampscope.records import SettingRecord, Trace
 
 DEFAULT_TIMEOUT = 120.0  # seconds for the whole job, start-up included
 
@@ -47,7 +47,7 @@ def _free_port() -> int:
 def _report_from(data: dict, trace: dict) -> DistributedReport:
     return DistributedReport(
         model=data["model"]["name"], parameters=data["model"]["parameters"],
-        setting=data["setting"], parallel=Parallel.from_dict(data["parallel"]),
+        setting=SettingRecord.from_dict(data["setting"]), parallel=Parallel.from_dict(data["parallel"]),
         backend=data["backend"], mode=data["mode"], notes=data["notes"],
         ranks=[RankReport.from_dict(r) for r in data["ranks"]], trace=Trace.from_dict(trace))
 
@@ -142,9 +142,9 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ampscope.capture.predict import fake_mode
     from ampscope.distributed.step import rank_step
     from ampscope.models import registry
+    from ampscope.precision.predict import fake_mode
 
     if dist.is_initialized():
         raise AmpscopeError("a process group is already initialised here; predict from a "

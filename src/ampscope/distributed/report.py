@@ -20,9 +20,8 @@ from fractions import Fraction
 
 import torch
 
-from ampscope.distributed.policy import Parallel
-from ampscope.records import OpCall
-from ampscope.trace import Trace
+from ampscope.distributed.parallel import Parallel
+from ampscope.records import OpCall, SettingRecord, Trace
 
 _KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
@@ -168,7 +167,7 @@ class DistributedReport:
 
     model: str
     parameters: int
-    setting: dict
+    setting: SettingRecord
     parallel: Parallel
     backend: str
     mode: str
@@ -196,7 +195,7 @@ class DistributedReport:
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA, "model": {"name": self.model, "parameters": self.parameters},
-            "setting": self.setting, "parallel": self.parallel.to_dict(),
+            "setting": self.setting.to_dict(), "parallel": self.parallel.to_dict(),
             "backend": self.backend, "mode": self.mode, "notes": list(self.notes),
             "unshard_dtypes": self.unshard_dtypes, "reduce_dtypes": self.reduce_dtypes,
             "ranks": [r.to_dict() for r in self.ranks],

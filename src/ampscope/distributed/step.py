@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from ampscope import workloads
-from ampscope.capture.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.distributed.capture import DistributedCapture
-from ampscope.distributed.policy import Parallel
+from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport
 from ampscope.models.base import LoadedModel
+from ampscope.precision import Setting, applied
+from ampscope.precision.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.records import dtype_name
-from ampscope.settings import Setting, applied
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -71,7 +71,7 @@ def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict
         run_lm = dataclasses.replace(lm, module=model)
         data = fake_batch(batch, fake) if fake is not None else batch
         run = DistributedCapture(model, name=lm.name, parallel=parallel,
-                                 setting=setting.to_dict(), workload="train",
+                                 setting=setting.record(), workload="train",
                                  op_check=check_matmul_dtypes if fake is not None else None)
         if fake is not None:
             run.mode = "predict"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ampscope.analysis.diagram import Diagram, DiagramStep
-from ampscope.render.text import DTYPE_STYLES, SHORT_DTYPES
+from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES
 
 
 def _dtype(d: str) -> Text:

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from ampscope.analysis.diff import DiffSummary, Side, TraceDiff, tensor_groups
 from ampscope.records import PHASES
-from ampscope.render.text import dtype_text, short_op
+from ampscope.render.style import dtype_text, short_op
 
 WHICH_NAMES = 3  # names listed per group of tensor changes before "… N more"
 

@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.flops import FlopReport, Utilization
-from ampscope.render.text import dtype_text
+from ampscope.render.style import dtype_text
 
 
 def human(flops: float, unit: str = "FLOP") -> str:
@@ -23,10 +23,10 @@ def _share(part: float, whole: float) -> str:
 
 def render_flops(report: FlopReport, used: Utilization | None = None) -> RenderableType:
     s = report.setting
-    where = s.get("device", "?") + (" (emulated)" if s.get("emulated") else "")
+    where = s.device + (" (emulated)" if s.emulated else "")
     head = Text()
     head.append(report.model, style="bold")
-    head.append(f"  setting {s.get('name', '?')} on {where}  workload {report.workload}  "
+    head.append(f"  setting {s.name} on {where}  workload {report.workload}  "
                 f"{report.tokens:,} tokens  ")
     if report.mode == "predict":
         head.append("predicted  ", style="bold magenta")

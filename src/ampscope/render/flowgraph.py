@@ -17,7 +17,7 @@ from html import escape
 
 from ampscope.analysis.diagram import DiagramSection, DiagramStep
 from ampscope.render.plots import dtype_color
-from ampscope.render.text import SHORT_DTYPES
+from ampscope.render.style import SHORT_DTYPES
 
 # Geometry, in CSS pixels.
 LANE = 44  # left lane for the residual stream

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.formats import FormatFacts, FormatsReport, Stored, ValueReport
-from ampscope.render.text import DTYPE_STYLES, SHORT_DTYPES
+from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES
 
 # The formats text.py has no short name for (yet), in the same spelling.
 _MORE_SHORT = {"tf32": "tf32", "float8_e4m3fnuz": "fp8e4m3fnuz",

@@ -16,14 +16,13 @@ from html import escape
 from ampscope.analysis.compare import Cell, Matrix
 from ampscope.analysis.diagram import Diagram, build_diagram
 from ampscope.analysis.flops import FlopReport
-from ampscope.analysis.flow import module_label
 from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport
 from ampscope.analysis.summary import dtype_inventory
+from ampscope.records import Trace, module_label
 from ampscope.render.flops import human
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
-from ampscope.render.memory import format_bytes
 from ampscope.render.numerics import _err as divergence_text
 from ampscope.render.plots import (
     divergence_by_depth_svg,
@@ -32,8 +31,7 @@ from ampscope.render.plots import (
     live_bytes_svg,
     memory_at_peak_svg,
 )
-from ampscope.render.text import SHORT_DTYPES, short_op
-from ampscope.trace import Trace
+from ampscope.render.style import SHORT_DTYPES, format_bytes, short_op
 
 MONO = 'ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace'
 CSS = f"""
@@ -110,7 +108,7 @@ def section(key: str, title: str, body: str) -> str:
 
 
 def setting_name(trace: Trace) -> str:
-    return trace.setting.get("name", "?")
+    return trace.setting.name
 
 
 def _details(summary: str, body: str, *, open_: bool = True, cls: str = "setting") -> str:
@@ -126,7 +124,7 @@ def header(traces: Sequence[Trace]) -> str:
     first = traces[0]
     where = []
     for t in traces:
-        device = t.setting.get("device", "?") + (" (emulated)" if t.setting.get("emulated") else "")
+        device = t.setting.device + (" (emulated)" if t.setting.emulated else "")
         where.append(f"<b>{escape(setting_name(t))}</b> on {escape(device)}"
                      + (" (predicted)" if t.mode == "predict" else ""))
     notes = list(dict.fromkeys(n for t in traces for n in t.notes))
@@ -232,7 +230,7 @@ def flops_body(reports: Sequence[FlopReport]) -> str:
     for r in reports:
         by_dtype = ", ".join(f"{dtype_span(d)} {_share(n, r.total)}"
                              for d, n in sorted(r.by_dtype.items(), key=lambda kv: -kv[1]))
-        rows.append((escape(r.setting.get("name", "?")), f"{r.tokens:,}",
+        rows.append((escape(r.setting.name), f"{r.tokens:,}",
                      *(human(r.by_phase.get(p, 0)) for p in ("forward", "backward", "optimizer")),
                      human(r.total), human(r.total / r.tokens) if r.tokens else "—",
                      by_dtype or "—"))
@@ -247,7 +245,7 @@ def flops_body(reports: Sequence[FlopReport]) -> str:
               f"{100 * (c.flops / r.total - 1):+.1f}%" if r.total else "—", escape(c.note))
              for c in r.conventions], ("", "num", "num", ""))
         parts.append(_details(
-            f"{escape(r.setting.get('name', '?'))}: own FLOPs of each module, and the conventions",
+            f"{escape(r.setting.name)}: own FLOPs of each module, and the conventions",
             (f'<div class="plot">{chart}</div>' if chart else
              '<p class="hint">No op with a FLOP formula ran.</p>') + conventions,
             open_=i == 0))

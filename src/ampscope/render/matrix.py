@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.compare import Cell, Matrix
-from ampscope.render.text import dtype_text
+from ampscope.render.style import dtype_text
 
 DIFFERS = "reverse"  # a cell that differs from the first setting's
 MARK = " *"  # the same, readable without colour (a pipe, a log file)

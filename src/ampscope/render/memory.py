@@ -7,23 +7,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.flow import module_label
 from ampscope.analysis.memory import MemoryReport, MemoryRow
-from ampscope.render.text import dtype_text, short_op
+from ampscope.records import module_label
+from ampscope.render.style import dtype_text, format_bytes, short_op
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 _PHASE_STYLES = {"forward": "green", "backward": "magenta", "optimizer": "yellow"}
-
-
-def format_bytes(n: int | None) -> str:
-    """Binary units, three significant digits: 1536 -> "1.5 KiB", 2**40 -> "1,024 GiB"."""
-    if n is None:
-        return "—"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            value = n / size
-            return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
-    return f"{n} B"
 
 
 def peak_line(report: MemoryReport) -> Text:

@@ -91,7 +91,7 @@ def flops_by_module_svg(report: FlopReport, *, top: int = 20) -> str | None:
     ax.xaxis.set_major_formatter(lambda x, _pos: human(x))
     ax.set_xlabel("FLOPs (all blocks; bar colour: the dtype the matmuls ran in)", fontsize=8)
     _style(ax)
-    return figure_svg(fig, f"flops-{report.setting.get('name', '')}")
+    return figure_svg(fig, f"flops-{report.setting.name}")
 
 
 def divergence_by_depth_svg(report: NumericsReport) -> str | None:

@@ -6,44 +6,22 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ampscope.analysis.diagram import build_diagram
 from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
 from ampscope.analysis.summary import dtype_inventory
-from ampscope.trace import Trace
-
-DTYPE_STYLES = {
-    "float64": "blue", "float32": "green", "bfloat16": "cyan", "float16": "magenta",
-    "float8_e4m3fn": "red", "float8_e5m2": "red",
-}
-# Tables use the short names people write ("bf16"); JSON keeps torch's names.
-SHORT_DTYPES = {
-    "float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-    "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2",
-    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
-}
-
-
-def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Text:
-    text = Text()
-    for i, d in enumerate(dtypes):
-        if i:
-            text.append(" ")
-        text.append(SHORT_DTYPES.get(d, d) if short else d, style=DTYPE_STYLES.get(d, "yellow"))
-    return text or Text("—", style="dim")
-
-
-def short_op(op: str) -> str:
-    """"aten.addmm.default" -> "addmm"; "aten.add.Tensor" -> "add.Tensor"."""
-    return op.removeprefix("aten.").removesuffix(".default")
+from ampscope.records import Trace
+from ampscope.render.diagram import render_diagram
+from ampscope.render.style import dtype_text, short_op
 
 
 def header(trace: Trace) -> Text:
     s = trace.setting
-    where = s.get("device", "?") + (" (emulated)" if s.get("emulated") else "")
+    where = s.device + (" (emulated)" if s.emulated else "")
     text = Text()
     text.append(trace.model.name, style="bold")
     text.append(f" ({trace.model.cls}, {trace.model.parameters:,} parameters)  ")
     text.append("setting ", style="dim")
-    text.append(s.get("name", "?"), style="bold")
+    text.append(s.name, style="bold")
     text.append(f" on {where}  ", style="")
     text.append("workload ", style="dim")
     text.append(trace.workload, style="bold")
@@ -113,9 +91,6 @@ def render_trace(trace: Trace, *, ops: bool = False, diagram: bool = False) -> R
                 parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
     if diagram:
         # Imported here: render.diagram imports this module's dtype styles.
-        from ampscope.analysis.diagram import build_diagram
-        from ampscope.render.diagram import render_diagram
-
         parts += [Text(), Text("Dtype flow of one forward pass", style="italic"),
                   render_diagram(build_diagram(trace))]
     parts += [Text(), findings_list(trace)]

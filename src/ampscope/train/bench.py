@@ -8,7 +8,7 @@ loss at the last step (the same batch on every rung, so the losses compare).
 
 A rung is a setting with optional parts, `SETTING[+compile][+flash]`:
 
-    fp32, fp32+tf32, fp32+amp-bf16, bf16, ...   the precision setting (settings.py)
+    fp32, fp32+tf32, fp32+amp-bf16, bf16, ...   the precision setting (precision/setting.py)
     +compile                                    torch.compile the model
     +flash                                      attention pinned to FlashAttention
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.precision import Setting, device_available, on_device, parse_setting
 from ampscope.records import dtype_name
-from ampscope.settings import Setting, device_available, on_device, parse_setting
 from ampscope.train import measure
 from ampscope.train.loop import TrainConfig, defaults_for, train
 

@@ -33,8 +33,8 @@ from torch import nn
 
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.precision import Setting, applied, main_dtype, parse_setting, resolve_device
 from ampscope.records import dtype_name
-from ampscope.settings import Setting, _main_dtype, applied, parse_setting, resolve_device
 from ampscope.train import checkpoint, measure
 from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, split
 from ampscope.train.tokenizer import Tokenizer, choose_tokenizer
@@ -191,7 +191,7 @@ def _to_param_dtype(module: nn.Module, dtype: torch.dtype) -> list[str]:
     """Convert the model to the setting's parameter dtype, as a trace does (settings.applied):
     only when most of it is in another dtype, so a model's own choices (nanochat's bf16 rotary
     tables) survive an fp32 setting as they would in its own training script."""
-    if _main_dtype(module) in (None, dtype):
+    if main_dtype(module) in (None, dtype):
         return []
     module.to(dtype=dtype)
     return [f"parameters converted to {dtype_name(dtype)}"]

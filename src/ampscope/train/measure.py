@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ampscope import hardware
-from ampscope.settings import device_available
+from ampscope.precision import device_available
 
 
 def default_device() -> str:

@@ -1,183 +1,22 @@
-"""Precision settings: parse "cuda:fp32+amp-bf16" into a `Setting`; apply it and undo it exactly.
-
-Grammar (see docs/settings.md)::
-
-    [DEVICE:]PARAMS[+amp[-AMP]][+tf32]
-    DEVICE  cpu | cuda | mps | xpu      (default cpu); emulated when this machine has none
-    PARAMS  fp32 | bf16 | fp16 | fp64   parameter dtype
-    AMP     bf16 | fp16                 torch.autocast dtype ("+amp": the device's default)
-    tf32    torch.set_float32_matmul_precision("high")
+"""Applying a setting and undoing it exactly.
 
 Applying a setting never loses the user's state: `ModelState` and `GlobalState` snapshot
-everything a run can change and put it back in a `finally`, also when the run raised.
+everything a run can change and put it back in a `finally`, also when the run raised. The run
+itself works on its own copies of every parameter and buffer, converted as the setting asks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ampscope.errors import AmpscopeError
-from ampscope.records import dtype_name
-
-if TYPE_CHECKING:
-    from ampscope.capture.emulation import Emulation
-
-DTYPES: dict[str, torch.dtype] = {
-    "fp64": torch.float64,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-AUTOCAST_DTYPES = ("bf16", "fp16")
-DEVICES = ("cpu", "cuda", "mps", "xpu")
-GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32] with DEVICE cpu|cuda|mps|xpu, PARAMS fp32|bf16|fp16|fp64, "
-    "AMP bf16|fp16; e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32, cuda:fp32+amp-fp16"
-)
-_PATTERN = re.compile(
-    r"^(?:(?P<device>[a-z]+):)?(?P<params>[a-z0-9]+)(?P<rest>(?:\+[a-z0-9-]+)*)$"
-)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One precision setting: parameter dtype × autocast dtype × matmul precision × device."""
-
-    name: str  # canonical spelling, e.g. "fp32+amp-bf16" (device prefix only when not cpu)
-    device: str
-    param_dtype: torch.dtype
-    autocast_dtype: torch.dtype | None
-    matmul_precision: str  # "highest" or "high" (TF32)
-    emulated: bool = False  # the device is absent: tensors live on the CPU, autocast is the device's
-
-    @property
-    def run_device(self) -> str:
-        """Where the run's tensors really live: the device, or the CPU when emulated."""
-        return "cpu" if self.emulated else self.device
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "device": self.device,
-            "emulated": self.emulated,
-            "param_dtype": dtype_name(self.param_dtype),
-            "autocast_dtype": dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
-            "matmul_precision": self.matmul_precision,
-        }
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast region a workload wraps its forward pass and loss in."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        if self.emulated:
-            from ampscope.capture.emulation import autocast_region
-
-            return autocast_region(self.autocast_dtype)
-        return torch.autocast(self.device, dtype=self.autocast_dtype)
-
-
-def parse_setting(text: str) -> Setting:
-    """Parse a setting string; raise AmpscopeError showing the grammar when it is malformed."""
-    spec = text.strip().lower()
-    match = _PATTERN.match(spec)
-    if not match:
-        raise AmpscopeError(f"malformed setting {text!r}; the grammar is {GRAMMAR}")
-    device = match["device"] or "cpu"
-    if device not in DEVICES:
-        raise AmpscopeError(_unknown_device(device, text))
-    params = match["params"]
-    if params not in DTYPES:
-        raise AmpscopeError(
-            f"unknown parameter dtype {params!r} in setting {text!r}; the grammar is {GRAMMAR}"
-        )
-    autocast_dtype = None
-    matmul_precision = "highest"
-    parts = [p for p in match["rest"].split("+") if p]
-    if len(parts) != len(set(parts)):
-        raise AmpscopeError(f"repeated part in setting {text!r}; the grammar is {GRAMMAR}")
-    for part in parts:
-        if part == "tf32":
-            matmul_precision = "high"
-        elif part.startswith("amp") and autocast_dtype is not None:
-            raise AmpscopeError(f"repeated part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
-        elif part.startswith("amp-") and part[4:] in AUTOCAST_DTYPES:
-            autocast_dtype = DTYPES[part[4:]]
-        elif part == "amp":
-            autocast_dtype = default_autocast_dtype(device)
-        else:
-            raise AmpscopeError(f"unknown part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
-    canonical = params
-    if autocast_dtype is not None:
-        canonical += "+amp-" + ("bf16" if autocast_dtype == torch.bfloat16 else "fp16")
-    if matmul_precision == "high":
-        canonical += "+tf32"
-    if device != "cpu":
-        canonical = f"{device}:{canonical}"
-    return Setting(canonical, device, DTYPES[params], autocast_dtype, matmul_precision)
-
-
-def on_device(text: str, device: str) -> str:
-    """`text` with `device` as its DEVICE: prefix (`--device cuda` on the command line)."""
-    prefix, colon, rest = text.strip().partition(":")
-    if not colon:
-        return f"{device}:{text.strip()}"
-    if prefix.lower() != device:
-        raise AmpscopeError(f"setting {text!r} names device {prefix!r} but --device is {device!r}")
-    return text
-
-
-def _unknown_device(device: str, text: str) -> str:
-    try:
-        torch.device(device)
-    except RuntimeError:
-        return f"unknown device {device!r} in setting {text!r}; the grammar is {GRAMMAR}"
-    return (
-        f"device {device!r} in setting {text!r} is not one ampscope can run or emulate; "
-        f"choose {', '.join(DEVICES)}"
-    )
-
-
-def device_available(device: str) -> bool:
-    if device == "cpu":
-        return True
-    backend = getattr(torch, device, None)  # torch.cuda, torch.mps, torch.xpu
-    try:
-        return bool(backend is not None and backend.is_available())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def resolve_device(setting: Setting) -> Setting:
-    """The setting as this machine will run it: for real where the device exists, else emulated
-    on the CPU with the device's autocast policy read from this PyTorch build."""
-    if device_available(setting.device):
-        return setting
-    from ampscope.capture.policy import registered_ops
-
-    if not registered_ops(setting.device):
-        raise AmpscopeError(
-            f"this machine has no {setting.device} device and this PyTorch build "
-            f"({torch.__version__}) has no {setting.device} autocast policy to emulate it with; "
-            f"use one of {', '.join(DEVICES)}"
-        )
-    return replace(setting, emulated=True)
-
-
-def default_autocast_dtype(device: str) -> torch.dtype:
-    from ampscope.capture.policy import default_autocast_dtype as read_default
-
-    try:
-        return read_default(device)
-    except (RuntimeError, ValueError):
-        return torch.bfloat16
-
+from ampscope.precision.emulation import Emulation
+from ampscope.precision.predict import fake_like
+from ampscope.precision.setting import Setting
 
 # --- global state -------------------------------------------------------------------------
 
@@ -290,7 +129,7 @@ class ModelState:
             module.training = training
 
 
-def _main_dtype(model: nn.Module) -> torch.dtype | None:
+def main_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype holding most parameter elements: what the model is "in"."""
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
@@ -309,14 +148,12 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
     cannot reach the user's tensors. With `fake` (a FakeTensorMode: predict mode) the copies
     are fake tensors, which hold no memory.
     """
-    convert = _main_dtype(model) not in (None, setting.param_dtype)
+    convert = main_dtype(model) not in (None, setting.param_dtype)
     device = torch.device(setting.run_device)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         dtype = setting.param_dtype if convert and t.is_floating_point() else t.dtype
         if fake is not None:
-            from ampscope.capture.predict import fake_like
-
             return fake_like(t, fake, dtype=dtype, device=device)
         return t.detach().to(device=device, dtype=dtype, copy=True)
 
@@ -354,8 +191,6 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
         with contextlib.ExitStack() as stack:
             emulation = None
             if setting.emulated:
-                from ampscope.capture.emulation import Emulation
-
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None:
                 _working_copies(model, setting, fake)

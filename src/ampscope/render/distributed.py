@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.distributed.report import DistributedReport, summarize
-from ampscope.render.memory import format_bytes
+from ampscope.render.style import format_bytes
 
 _CATEGORIES = ("parameter", "gradient", "optimizer_state")
 
@@ -23,7 +23,7 @@ def render_distributed(report: DistributedReport) -> RenderableType:
     head = Text()
     head.append(f"{report.model}", style="bold")
     head.append(f" ({report.parameters:,} parameters) · {p.strategy.upper()} on {p.world_size} "
-                f"ranks · {report.setting.get('name', '?')} · {how}\n")
+                f"ranks · {report.setting.name} · {how}\n")
     policy = ", ".join(f"{k}={v}" for k, v in p.policy_dict().items() if v) or "none"
     head.append(f"Mixed-precision policy: {policy}\n")
     head.append(f"Parameters unsharded (all-gathered) in: "

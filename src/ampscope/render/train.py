@@ -14,14 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ampscope.render.style import format_bytes
 from ampscope.train.bench import BenchReport
 from ampscope.train.loop import EvalLog, StepLog, TrainResult
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def format_mfu(mfu: float | None) -> str:

@@ -40,6 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def module_label(name: str | None) -> str:
+    """How a record's module name reads: "" is the model itself; None means no module was
+    running (an optimizer step)."""
+    if name is None:
+        return "(no module)"
+    return name or "(model)"
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What a record keeps of one tensor argument or result."""
@@ -97,7 +105,7 @@ class OpCall:
     input_names: tuple[str | None, ...]
     # In backward: the autograd node that ran it (e.g. "AddmmBackward0").
     grad_fn: str | None = None
-    # FLOPs by PyTorch's convention (capture/flops.py; 0 for ops without a formula), and the
+    # FLOPs by PyTorch's convention (recorders/flops.py; 0 for ops without a formula), and the
     # same with causal attention counted only on the score entries the mask keeps.
     flops: int = 0
     flops_causal: int = 0
@@ -158,7 +166,7 @@ class FailedCall:
     error: str  # "RuntimeError: mat1 and mat2 must have the same dtype, ..."
 
 
-# What a storage is, in the precedence capture/memory.py applies (first match wins).
+# What a storage is, in the precedence recorders/memory.py applies (first match wins).
 STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "output",
                       "autocast_cast", "activation", "temporary")
 
@@ -167,7 +175,7 @@ STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_sta
 class StorageRecord:
     """One storage of the step: a block of memory that any number of tensors view (a view or
     a tied weight is no new storage). Live from op `created` through op `freed`, inclusive;
-    see capture/memory.py for how it is seen and categorised, docs/memory.md for the limits."""
+    see recorders/memory.py for how it is seen and categorised, docs/memory.md for the limits."""
 
     id: int  # in the order the storages were first seen
     nbytes: int

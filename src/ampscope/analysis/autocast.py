@@ -1,6 +1,6 @@
 """Autocast policies side by side: what each category means, and where two devices differ.
 
-The policies themselves are read from the build (capture/policy.py); this module only arranges
+The policies themselves are read from the build (precision/autocast_policy.py); this module only arranges
 them for people.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ampscope.capture.policy import OpPolicy
+from ampscope.precision.autocast_policy import OpPolicy
 
 SCHEMA = "ampscope.policy/1"
 

@@ -19,12 +19,12 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampscope.analysis.flow import module_label
-from ampscope.capture.flops import op_flops
-from ampscope.capture.memory import StorageTracker
-from ampscope.capture.modules import ModuleTracker, PhaseClock
-from ampscope.capture.source import user_source
-from ampscope.capture.tensors import meta_of, metas, tensors_in
+from ampscope.precision import AUTOCAST_DEVICES
+from ampscope.recorders.flops import op_flops
+from ampscope.recorders.memory import StorageTracker
+from ampscope.recorders.modules import ModuleTracker, PhaseClock
+from ampscope.recorders.source import user_source
+from ampscope.recorders.tensors import meta_of, metas, tensors_in
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -32,8 +32,8 @@ from ampscope.records import (
     FunctionCall,
     OpCall,
     dtype_name,
+    module_label,
 )
-from ampscope.settings import AUTOCAST_DEVICES
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -173,7 +173,7 @@ class OpRecorder(TorchDispatchMode):
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
         self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
-        # Told of each op's results, to follow the storages they allocate (capture/memory.py).
+        # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
         functions.op_log = self.ops
         self._tracker = tracker

@@ -21,7 +21,7 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from ampscope.capture.tensors import metas, tensors_in
+from ampscope.recorders.tensors import metas, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
 
 

@@ -10,7 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ampscope.records import (
+from ampscope.records.setting import SettingRecord
+from ampscope.records.tensors import (
     TARGET_NAMES,
     BufferRecord,
     FunctionCall,
@@ -46,7 +47,7 @@ class Finding:
 @dataclass
 class Trace:
     model: ModelInfo
-    setting: dict
+    setting: SettingRecord
     workload: str
     modules: list[ModuleCall] = field(default_factory=list)
     calls: list[FunctionCall] = field(default_factory=list)
@@ -59,14 +60,14 @@ class Trace:
     findings: list[Finding] = field(default_factory=list)
     mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
-    storages: list[StorageRecord] = field(default_factory=list)  # memory: capture/memory.py
+    storages: list[StorageRecord] = field(default_factory=list)  # memory: recorders/memory.py
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "model": {"name": self.model.name, "class": self.model.cls,
                       "parameters": self.model.parameters},
-            "setting": self.setting,
+            "setting": self.setting.to_dict(),
             "workload": self.workload,
             "mode": self.mode,
             "notes": list(self.notes),
@@ -84,12 +85,6 @@ class Trace:
             "storages": [_storage(s) for s in self.storages],
         }
 
-    def _repr_html_(self) -> str:
-        """The notebook view: findings, dtype flow and tensors (render/html.py)."""
-        from ampscope.render.html import trace_html
-
-        return trace_html(self)
-
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
@@ -105,7 +100,7 @@ class Trace:
         tensors = data["tensors"]
         return cls(
             model=ModelInfo(model["name"], model["class"], model["parameters"]),
-            setting=data["setting"],
+            setting=SettingRecord.from_dict(data["setting"]),
             workload=data["workload"],
             modules=[
                 ModuleCall(i, m["name"], m["type"], m["phase"], m.get("depth", 0),

@@ -14,14 +14,20 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ampscope.analysis.diagnosis import diagnose
-from ampscope.analysis.findings import derive_findings
-from ampscope.capture import inventory
-from ampscope.capture.memory import StorageTracker
-from ampscope.capture.modules import ModuleTracker, in_backward
-from ampscope.capture.ops import FunctionRecorder, OpRecorder
-from ampscope.records import StorageRecord, dtype_name
-from ampscope.trace import ModelInfo, Trace
+from ampscope.recorders import inventory
+from ampscope.recorders.memory import StorageTracker
+from ampscope.recorders.modules import ModuleTracker, in_backward
+from ampscope.recorders.ops import FunctionRecorder, OpRecorder
+from ampscope.records import (
+    UNKNOWN_SETTING,
+    FailedCall,
+    Finding,
+    ModelInfo,
+    SettingRecord,
+    StorageRecord,
+    Trace,
+    dtype_name,
+)
 
 
 class _PhaseClock:
@@ -49,13 +55,21 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module, *, model_name: str | None = None,
-                 setting: dict | None = None, workload: str = "custom",
-                 op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None) -> None:
+                 setting: SettingRecord | None = None, workload: str = "custom",
+                 op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
+                 findings: Callable[[Trace], list[Finding]] | None = None,
+                 explain_failure: Callable[[FailedCall | None], str | None] | None = None) -> None:
+        """`findings` and `explain_failure` are given by the API (they are analysis, which
+        capture does not import): the first fills `trace.findings` when a `with` block ends,
+        the second turns the call that raised into a note under the user's traceback."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
+        self._setting = setting
+        self._findings = findings
+        self._explain_failure = explain_failure
         self.trace = Trace(
             model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
-            setting=setting or {}, workload=workload,
+            setting=setting or UNKNOWN_SETTING, workload=workload,
         )
         # Strong references until `finish`: a workload's optimizer is gone by the time the
         # inventory is taken, and its state is part of what the trace must report.
@@ -155,15 +169,17 @@ class Capture:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop()
-        if exc is not None and hasattr(exc, "add_note"):  # Python >= 3.11
-            diagnosis = diagnose(self.failure)
-            if diagnosis is not None:  # shown under the user's own traceback
-                exc.add_note("ampscope: " + diagnosis.text())
+        explain = self._explain_failure
+        if exc is not None and explain is not None and hasattr(exc, "add_note"):  # Python >= 3.11
+            text = explain(self.failure)
+            if text is not None:  # shown under the user's own traceback
+                exc.add_note("ampscope: " + text)
         if exc_type is None:
             self.finish()
-            self.trace.findings = derive_findings(self.trace)
+            if self._findings is not None:
+                self.trace.findings = self._findings(self.trace)
 
-    def _observed_setting(self) -> dict:
+    def _observed_setting(self) -> SettingRecord:
         """For `capture()` around user code: the setting as the run showed it."""
         model = self.model
         counts: dict[torch.dtype, int] = {}
@@ -175,12 +191,9 @@ class Capture:
                 counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
         main = max(counts, key=counts.__getitem__) if counts else None
         autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
-        return {
-            "name": "as-run", "device": device, "emulated": False,
-            "param_dtype": dtype_name(main) if main else None,
-            "autocast_dtype": autocast,
-            "matmul_precision": self._matmul_precision,
-        }
+        return SettingRecord(name="as-run", device=device, emulated=False,
+                             param_dtype=dtype_name(main) if main else None,
+                             autocast_dtype=autocast, matmul_precision=self._matmul_precision)
 
     def _storage_records(self, outputs: dict[str, object]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records."""
@@ -204,7 +217,7 @@ class Capture:
                outputs: dict[str, torch.Tensor] | None = None) -> Trace:
         """Fill the trace from the recorders and the model's current tensors."""
         model, trace = self.model, self.trace
-        if not trace.setting:
+        if self._setting is None:
             trace.setting = self._observed_setting()
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
         trace.modules = self._tracker.records()

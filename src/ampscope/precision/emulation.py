@@ -4,7 +4,7 @@ Tensors stay on the CPU (real, or fake in predict mode) and CPU autocast is on, 
 autocast cares about passes the `AutocastCPU` dispatch key. For the duration of the run the
 kernels at that key are replaced, through a `torch.library.Library` that is destroyed
 afterwards, by kernels that do what the target device's autocast kernels do: the target's op
-list and each op's category come from the build itself (`capture.policy`), and the casting
+list and each op's category come from the build itself (`precision.autocast_policy`), and the casting
 rules follow PyTorch's autocast_mode.h (`cached_cast`, `promote_type`, `set_opt_dtype`):
 
 - only floating tensors that are not float64 are cast;
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ampscope.capture.policy import OpPolicy, op_overload, read_policy, registered_ops
 from ampscope.errors import AmpscopeError
+from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -211,7 +211,7 @@ def _cudnn(version: int | None) -> str:
 
 class Emulation:
     """Everything an emulated run changes, for its duration: the target's autocast policy and,
-    for CUDA, the attention kernels an H100 would pick (`capture.attention`)."""
+    for CUDA, the attention kernels an H100 would pick (`precision.attention_choice`)."""
 
     def __init__(self, device: str, autocast_dtype: torch.dtype | None) -> None:
         self.device = device
@@ -220,7 +220,7 @@ class Emulation:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Emulation:
-        from ampscope.capture.attention import cuda_attention
+        from ampscope.precision.attention_kernels import cuda_attention
 
         with self._stack as stack:
             if self.autocast_dtype is not None:
@@ -235,7 +235,7 @@ class Emulation:
 
     def notes(self, workload: str) -> list[str]:
         """What the run assumed, in plain words, for the trace's notes."""
-        from ampscope.capture.attention import H100
+        from ampscope.precision.attention_choice import H100
 
         notes = [
             f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "

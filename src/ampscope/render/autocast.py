@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.policy import PolicyRow, meaning
-from ampscope.render.text import dtype_text
+from ampscope.analysis.autocast import PolicyRow, meaning
+from ampscope.render.style import dtype_text
 
 
 def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int) -> Table:

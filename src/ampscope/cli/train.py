@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from ampscope.cli.common import _console, _progress, _show, _write_json
+
 DEVICES = ["cpu", "cuda", "mps"]
 
 
@@ -94,7 +96,7 @@ def config_from_args(args: argparse.Namespace):
     device's defaults, with every option given on the command line on top."""
     from dataclasses import replace
 
-    from ampscope.settings import on_device
+    from ampscope.precision import on_device
     from ampscope.train import checkpoint
     from ampscope.train.loop import TrainConfig, defaults_for
     from ampscope.train.measure import default_device
@@ -112,21 +114,9 @@ def config_from_args(args: argparse.Namespace):
     return config
 
 
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr, highlight=False)
-
-
-def _write_json(data: dict, path: str) -> None:
-    from ampscope.cli import _write_json as write  # one writer for every command
-
-    write(json.dumps(data, indent=1), path)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
+    from ampscope.render.train import TrainProgress, train_header, train_summary
     from ampscope.train.loop import train
-    from ampscope.train.render import TrainProgress, train_header, train_summary
 
     config = config_from_args(args)
     console = _console(stderr=args.json == "-")  # keep stdout for the JSON
@@ -140,19 +130,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(train_header(result))
     console.print(train_summary(result))
     if args.json:
-        _write_json(result.to_dict(), args.json)
+        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
+    from ampscope.render.train import render_bench, save_bench_plot
     from ampscope.train.bench import bench
-    from ampscope.train.render import render_bench, save_bench_plot
 
     ladder = [r.strip() for r in args.ladder.split(",") if r.strip()] if args.ladder else None
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=_console(stderr=True), transient=True)
+    progress = _progress()
     with progress:
         task = progress.add_task("bench", total=len(ladder) if ladder else None)
 
@@ -163,11 +150,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        warmup=args.warmup, batch=args.batch, seq=args.seq,
                        total_batch=args.total_batch, compile=args.compile, data=args.data,
                        on_rung=on_rung)
-    if args.json:
-        _write_json(report.to_dict(), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_bench(report))
+    _show(args, lambda: json.dumps(report.to_dict(), indent=1), lambda: render_bench(report))
+    if args.json == "-":
+        return 0
     if args.out:
         path = save_bench_plot(report, f"{args.out}/bench.png")
         print(f"Wrote {path}" if path else "No plot: no rung ran, or matplotlib is missing",

@@ -1,0 +1,42 @@
+"""The bottom layer: the plain records every other layer passes around.
+
+Records are frozen dataclasses of names, dtypes, shapes and source locations — never live
+tensors or modules — so a trace keeps no activation alive and can be saved, compared and
+analysed without the model:
+
+- `records/tensors.py`: what one capture sees (module calls, op calls, tensors, storages);
+- `records/setting.py`: the setting a trace ran under, as data;
+- `records/trace.py`: `Trace`, everything one capture saw, and its JSON form.
+
+Nothing here imports another ampscope layer.
+"""
+
+from ampscope.records.setting import UNKNOWN_SETTING, SettingRecord
+from ampscope.records.tensors import (
+    EXPLICIT_CASTS,
+    PHASES,
+    STORAGE_CATEGORIES,
+    TARGET_NAMES,
+    ArgumentOrigin,
+    BufferRecord,
+    FailedCall,
+    FunctionCall,
+    InputRecord,
+    ModuleCall,
+    OpCall,
+    OptimizerStateRecord,
+    ParameterRecord,
+    Phase,
+    StorageRecord,
+    TensorMeta,
+    dtype_name,
+    module_label,
+)
+from ampscope.records.trace import SCHEMA, Finding, ModelInfo, Trace
+
+__all__ = [
+    "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
+    "BufferRecord", "FailedCall", "Finding", "FunctionCall", "InputRecord", "ModelInfo",
+    "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
+    "StorageRecord", "TensorMeta", "Trace", "dtype_name", "module_label",
+]

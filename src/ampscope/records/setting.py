@@ -1,0 +1,37 @@
+"""`SettingRecord`: the setting a trace ran under, as plain data.
+
+`precision.Setting` is the live form (torch dtypes, an autocast context); a trace keeps this
+record of it instead, so every layer above capture reads typed fields and the JSON stays the
+same `setting` object it always was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class SettingRecord:
+    name: str  # canonical spelling, e.g. "cuda:fp32+amp-bf16"; "as-run" for capture()
+    device: str  # the device the run stands for: "cpu", "cuda", "mps", "xpu"
+    emulated: bool  # True: the device was absent and its autocast emulated on the CPU
+    param_dtype: str | None  # dtype holding most parameter elements; None: no float parameter
+    autocast_dtype: str | None  # None: autocast off
+    matmul_precision: str  # "highest" or "high" (TF32)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SettingRecord:
+        return cls(
+            name=data.get("name", "?"),
+            device=data.get("device", "cpu"),
+            emulated=bool(data.get("emulated", False)),
+            param_dtype=data.get("param_dtype"),
+            autocast_dtype=data.get("autocast_dtype"),
+            matmul_precision=data.get("matmul_precision", "highest"),
+        )
+
+
+UNKNOWN_SETTING = SettingRecord("?", "cpu", False, None, None, "highest")

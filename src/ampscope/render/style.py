@@ -1,0 +1,41 @@
+"""What every view shares: dtype names and colours, op names, byte counts."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+DTYPE_STYLES = {
+    "float64": "blue", "float32": "green", "bfloat16": "cyan", "float16": "magenta",
+    "float8_e4m3fn": "red", "float8_e5m2": "red",
+}
+# Tables use the short names people write ("bf16"); JSON keeps torch's names.
+SHORT_DTYPES = {
+    "float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+    "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2",
+    "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
+}
+
+
+def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Text:
+    text = Text()
+    for i, d in enumerate(dtypes):
+        if i:
+            text.append(" ")
+        text.append(SHORT_DTYPES.get(d, d) if short else d, style=DTYPE_STYLES.get(d, "yellow"))
+    return text or Text("—", style="dim")
+
+
+def short_op(op: str) -> str:
+    """"aten.addmm.default" -> "addmm"; "aten.add.Tensor" -> "add.Tensor"."""
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def format_bytes(n: int | None) -> str:
+    """Binary units, three significant digits: 1536 -> "1.5 KiB", 2**40 -> "1,024 GiB"."""
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
+    return f"{n} B"
