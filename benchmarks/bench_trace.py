@@ -41,16 +41,17 @@ from ampscope.precision import Setting, applied, parse_setting
 
 WORKLOAD = "train"
 OPTIMIZER = "adamw"
+OPTIONS = workloads.RunOptions(WORKLOAD, optimizer=OPTIMIZER)
 
 
 def untraced(lm: LoadedModel, batch: Batch, setting: Setting) -> None:
     with applied(setting, lm.module):
-        workloads.run(lm, WORKLOAD, batch, setting, optimizer=OPTIMIZER)
+        workloads.run(lm, batch, setting, OPTIONS)
 
 
 def debug_mode(lm: LoadedModel, batch: Batch, setting: Setting) -> None:
     with applied(setting, lm.module), DebugMode():
-        workloads.run(lm, WORKLOAD, batch, setting, optimizer=OPTIMIZER)
+        workloads.run(lm, batch, setting, OPTIONS)
 
 
 def traced(lm: LoadedModel, batch: Batch, setting: Setting) -> None:

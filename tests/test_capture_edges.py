@@ -79,7 +79,7 @@ def test_a_users_hf_model_is_left_untouched(tiny_llama):
 
 
 def test_a_core_only_document_reads_back():
-    """DESIGN.md's example: only the fixed core fields."""
+    """A document with only the core fields of docs/json-schema.md reads back."""
     core = {
         "schema": "ampscope.trace/1",
         "model": {"name": "gpt2", "class": "GPT", "parameters": 124439808},

@@ -106,3 +106,32 @@ def test_bf16_setting_converts_a_copy_and_restores_the_users_tensors():
     assert model.weight.data_ptr() == storage  # the user's own memory, not a copy
     assert model.weight.dtype == torch.float32
     assert torch.equal(model.weight.data, values)
+
+
+# --- run options: one object, checked once, the same error for the API and the CLI -----------
+
+
+def test_run_options_refuse_bad_values_before_anything_is_built():
+    import ampscope
+    from ampscope.errors import AmpscopeError
+    from ampscope.workloads import RunOptions
+
+    for kwargs, message in (({"seq": 0}, "got seq=0"), ({"batch": True}, "got batch=True"),
+                            ({"workload": "pretrain"}, "unknown workload 'pretrain'"),
+                            ({"optimizer": "lion"}, "unknown optimizer 'lion'"),
+                            ({"seed": 1.5}, "seed must be an integer")):
+        with pytest.raises(AmpscopeError, match=message):
+            RunOptions(**kwargs)
+        # The API checks through the same object: a name that resolves to no model is never
+        # reached, so the options' error comes first.
+        with pytest.raises(AmpscopeError, match=message):
+            ampscope.trace("no-such-model", **kwargs)
+
+
+def test_run_options_round_trip_as_keyword_arguments():
+    from ampscope.workloads import RunOptions
+
+    options = RunOptions("forward", batch=2, seq=8, new_tokens=3, seed=7, predict=True)
+    assert RunOptions(**options.as_kwargs()) == options
+    assert options.workload_name == "forward"
+    assert RunOptions(lambda module, batch: None).workload_name == "<lambda>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from ampscope.precision.predict import (
 from ampscope.recorders.session import Capture
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import Trace, dtype_name
+from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 
 def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
@@ -119,27 +121,18 @@ def trace(
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
-    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
-    if isinstance(workload, str) and workload not in workloads.WORKLOADS:
-        raise AmpscopeError(
-            f"unknown workload {workload!r}; choose one of {', '.join(workloads.WORKLOADS)}"
-        )
-    if optimizer not in workloads.OPTIMIZERS:
-        raise AmpscopeError(
-            f"unknown optimizer {optimizer!r}; choose one of {', '.join(workloads.OPTIMIZERS)}"
-        )
-    workload_name = workload if isinstance(workload, str) else getattr(workload, "__name__", "custom")
-    lm, predict, notes = _plan(model, setting, workload_name, optimizer, predict,
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    return trace_run(model, inputs, setting=setting, options=options)
+
+
+def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None = None,
+              *, setting: str | Setting = "fp32", options: RunOptions = DEFAULT_OPTIONS) -> Trace:
+    """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
+    setting = _resolved(setting)
+    workload_name = options.workload_name
+    lm, predict, notes = _plan(model, setting, workload_name, options.optimizer, options.predict,
                                have_inputs=inputs is not None)
-    if inputs is None:
-        if seq < 1 or batch < 1:
-            raise AmpscopeError("batch and seq must be positive")
-        if seq > lm.max_seq_len:
-            raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
-        generator = torch.Generator().manual_seed(seed)
-        data = lm.make_batch(batch, seq, workload_name, generator, device=setting.run_device)
-    else:
-        data = _as_batch(lm, inputs, workload_name)
+    data = _batch_for(lm, inputs, options, device=setting.run_device)
 
     fake = fake_mode() if predict else None
     with applied(setting, lm.module, fake=fake) as emulation:
@@ -150,8 +143,7 @@ def trace(
             with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
                 with capture.recording():
-                    outputs = workloads.run(lm, workload, run_data, setting, optimizer=optimizer,
-                                            new_tokens=new_tokens, seed=seed, predict=predict)
+                    outputs = workloads.run(lm, run_data, setting, options, predict=predict)
         except Exception as e:
             if predict and data_dependent(e):
                 raise value_needed_error(lm.name, workload_name, e) from e
@@ -169,6 +161,23 @@ def trace(
     result.notes = notes + (emulation.notes(workload_name) if emulation is not None else [])
     result.findings = derive_findings(result)
     return result
+
+
+def _resolved(setting: str | Setting) -> Setting:
+    return resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+
+
+def _batch_for(lm: LoadedModel, inputs: torch.Tensor | Batch | None, options: RunOptions, *,
+               device: str = "cpu") -> Batch:
+    """The run's batch: the inputs given, or random token ids of the options' size."""
+    if inputs is not None:
+        return _as_batch(lm, inputs, options.workload_name)
+    if options.seq > lm.max_seq_len:
+        raise AmpscopeError(f"seq {options.seq} exceeds {lm.name}'s context length "
+                            f"{lm.max_seq_len}")
+    generator = torch.Generator().manual_seed(options.seed)
+    return lm.make_batch(options.batch, options.seq, options.workload_name, generator,
+                         device=device)
 
 
 def _plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, optimizer: str,
@@ -216,25 +225,23 @@ def matrix(
 
     `on_setting(i, name)` is called before setting i runs (for a progress display).
     """
-    parsed = [resolve_device(parse_setting(s) if isinstance(s, str) else s) for s in settings]
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    parsed = [_resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")
     # One build per device: a model may make device-dependent choices when it is built
     # (nanochat's bf16 embedding on CUDA); the same seed gives every build the same weights.
     plans: dict[str, tuple[LoadedModel, bool]] = {}
-    workload_name = workload if isinstance(workload, str) else "custom"
     traces = []
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i, s.name)
         if s.device not in plans:
-            lm, decided, _ = _plan(model, s, workload_name, optimizer, predict,
-                                   have_inputs=inputs is not None)
+            lm, decided, _ = _plan(model, s, options.workload_name, options.optimizer,
+                                   options.predict, have_inputs=inputs is not None)
             plans[s.device] = (lm, decided)
         lm, decided = plans[s.device]
-        traces.append(trace(lm, inputs, setting=s, workload=workload, batch=batch, seq=seq,
-                            optimizer=optimizer, new_tokens=new_tokens, seed=seed,
-                            predict=decided))
+        traces.append(trace_run(lm, inputs, setting=s, options=replace(options, predict=decided)))
     return build_matrix(traces), traces
 
 
@@ -283,19 +290,17 @@ def tokens_of(result: Trace) -> int:
     return 0
 
 
-def _real_step(model: str | nn.Module | LoadedModel, setting: Setting, workload: str,
-               batch: int, seq: int, seed: int) -> tuple[LoadedModel, Batch]:
+def _real_step(model: str | nn.Module | LoadedModel, setting: Setting,
+               options: RunOptions) -> tuple[LoadedModel, Batch]:
     """The model and batch of an untraced, measured step on this machine's real device."""
     lm = load(model, device=setting.run_device)
-    data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed),
-                         device=setting.run_device)
-    return lm, data
+    return lm, _batch_for(lm, None, options, device=setting.run_device)
 
 
 def cuda_to_measure(setting: str | Setting) -> Setting:
     """The setting, if it runs on a real CUDA device here; else the one-line refusal of
     `memory --measure` (checked before any tracing)."""
-    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+    setting = _resolved(setting)
     if setting.device != "cuda" or setting.emulated:
         raise AmpscopeError(
             f"--measure needs a real CUDA device and {setting.name} runs "
@@ -323,13 +328,14 @@ def measure_step(
     import statistics
     import time
 
-    setting = resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed)
+    setting = _resolved(setting)
     if setting.emulated:
         raise AmpscopeError(
             f"cannot time {setting.name} here: this machine has no {setting.device}; "
             "give the measured step time with --step-time SECONDS"
         )
-    lm, data = _real_step(model, setting, workload, batch, seq, seed)
+    lm, data = _real_step(model, setting, options)
     cuda = setting.device == "cuda"
     times = []
     for i in range(repeats + 1):
@@ -337,8 +343,7 @@ def measure_step(
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            workloads.run(lm, workload, data, setting, optimizer=optimizer,
-                          new_tokens=new_tokens, seed=seed)
+            workloads.run(lm, data, setting, options)
             if cuda:
                 torch.cuda.synchronize()
             if i:  # the first run warms up allocators and kernels
@@ -366,46 +371,38 @@ def numerics(
     `reference` ("fp64" or "fp32"); compare every module's output, the loss and (train) the
     gradients; and report the range of the reference's activations, gradients and weights
     against fp16, bf16 and fp8. Real runs only: values are the point."""
+    options = RunOptions(workload, batch, seq, optimizer, seed=seed, predict=False)
     if workload not in ("forward", "train"):
         raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
     if reference not in ("fp64", "fp32"):
         raise AmpscopeError(f"the reference is fp64 or fp32, not {reference!r}")
-    parsed = [resolve_device(parse_setting(s) if isinstance(s, str) else s) for s in settings]
+    parsed = [_resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")
-    ref_setting = resolve_device(parse_setting(reference))
+    ref_setting = _resolved(reference)
     lm = load(model, device="cpu", have_inputs=inputs is not None)
     shortfall = _run_shortfall(lm, ref_setting, workload, optimizer, built_on_meta=False)
     if shortfall is not None:
         raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
-    if inputs is None:
-        if seq < 1 or batch < 1:
-            raise AmpscopeError("batch and seq must be positive")
-        if seq > lm.max_seq_len:
-            raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
-        data = lm.make_batch(batch, seq, workload, torch.Generator().manual_seed(seed))
-    else:
-        data = _as_batch(lm, inputs, workload)
+    data = _batch_for(lm, inputs, options)
     if on_setting is not None:
         on_setting(0, f"{reference} (reference)")
-    ref = _values_of(lm, data, ref_setting, workload, optimizer, seed)
+    ref = _values_of(lm, data, ref_setting, options)
     report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref))
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i + 1, s.name)
-        report.settings.append(compare_runs(s.name, _values_of(lm, data, s, workload, optimizer,
-                                                               seed), ref))
+        report.settings.append(compare_runs(s.name, _values_of(lm, data, s, options), ref))
     return report
 
 
-def _values_of(lm: LoadedModel, data: Batch, setting: Setting, workload: str, optimizer: str,
-               seed: int) -> Values:
+def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptions) -> Values:
     with applied(setting, lm.module):
         run_data = {k: v.to(setting.run_device) for k, v in data.items()}
-        torch.manual_seed(seed)  # the same dropout masks in every run (restored afterwards)
+        torch.manual_seed(options.seed)  # the same dropout masks in every run (restored after)
         with recording_values(lm.module) as values:
             read_weights(lm.module, values)
-            out = workloads.run(lm, workload, run_data, setting, optimizer=optimizer, seed=seed)
+            out = workloads.run(lm, run_data, setting, options)
         if "loss" in out:
             values.loss = as_float64(out["loss"])
         read_grads(lm.module, values)
@@ -427,15 +424,15 @@ def measure_peak_memory(
     `max_memory_allocated` over the step, less what was allocated before it (the model as
     loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
     loaded: its step works on its own copies of the weights, see settings.applied)."""
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed)
     setting = cuda_to_measure(setting)
-    lm, data = _real_step(model, setting, workload, batch, seq, seed)
+    lm, data = _real_step(model, setting, options)
     input_bytes = sum(t.numel() * t.element_size() for t in data.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with applied(setting, lm.module):
-        workloads.run(lm, workload, data, setting, optimizer=optimizer, new_tokens=new_tokens,
-                      seed=seed)
+        workloads.run(lm, data, setting, options)
         torch.cuda.synchronize()
     return {
         "device": torch.cuda.get_device_name(),

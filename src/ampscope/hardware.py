@@ -1,6 +1,6 @@
 """Peak FLOP/s, memory and bandwidth of the accelerators people train on, every figure sourced.
 
-Hardware facts are data (DESIGN.md): one table, `KNOWN`, read top to bottom. A device that is not
+Hardware facts are data: one table, `KNOWN`, read top to bottom. A device that is not
 in it, or a figure an entry lacks, is unknown, and callers show "n/a"; nothing here is estimated
 or extrapolated from a neighbouring product.
 

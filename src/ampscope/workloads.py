@@ -8,6 +8,7 @@ must show what such a script really does: autocast around the forward pass and t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -20,6 +21,53 @@ from ampscope.precision.emulation import foreach_by_default
 WORKLOADS = ("train", "forward", "generate")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 Workload = str | Callable[[nn.Module, Batch], object]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What one run does besides its model and setting: the workload and its size.
+
+    Checked once, when made, so every caller — the API, the CLI, distributed runs — gets the
+    same one-line error for a bad value before any model is built.
+    """
+
+    workload: Workload = "train"  # a name from WORKLOADS, or a callable(module, batch)
+    batch: int = 1
+    seq: int = 64
+    optimizer: str = "adamw"  # for the train workload
+    new_tokens: int = 4  # for the generate workload
+    seed: int = 0  # random token ids, dropout masks and sampling
+    predict: bool | None = None  # fake tensors; None: only when a real run would not fit
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workload, str):
+            if self.workload not in WORKLOADS:
+                raise AmpscopeError(f"unknown workload {self.workload!r}; choose one of "
+                                    f"{', '.join(WORKLOADS)}")
+        elif not callable(self.workload):
+            raise AmpscopeError("a workload is a name (train, forward, generate) or a "
+                                "callable(module, batch)")
+        if self.optimizer not in OPTIMIZERS:
+            raise AmpscopeError(f"unknown optimizer {self.optimizer!r}; choose one of "
+                                f"{', '.join(OPTIMIZERS)}")
+        sizes = {"batch": self.batch, "seq": self.seq, "new_tokens": self.new_tokens}
+        bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad:
+            got = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+            raise AmpscopeError(f"batch, seq and new_tokens must be positive integers; got {got}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise AmpscopeError(f"seed must be an integer, not {self.seed!r}")
+
+    def as_kwargs(self) -> dict:
+        """The options as the keyword arguments of `ampscope.trace` and its siblings."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def workload_name(self) -> str:
+        """The workload as a trace names it: its name, or the callable's name."""
+        if isinstance(self.workload, str):
+            return self.workload
+        return getattr(self.workload, "__name__", "custom")
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], *,
@@ -86,10 +134,10 @@ def generate(lm: LoadedModel, batch: Batch, setting: Setting, new_tokens: int,
     return {"tokens": tokens}
 
 
-def run(lm: LoadedModel, workload: Workload, batch: Batch, setting: Setting, *,
-        optimizer: str = "adamw", new_tokens: int = 4, seed: int = 0,
+def run(lm: LoadedModel, batch: Batch, setting: Setting, options: RunOptions, *,
         predict: bool = False) -> dict:
     """Run one workload; returns its named outputs (loss, logits or tokens)."""
+    workload, optimizer = options.workload, options.optimizer
     if callable(workload):
         with setting.autocast():
             out = workload(lm.module, batch)
@@ -99,5 +147,9 @@ def run(lm: LoadedModel, workload: Workload, batch: Batch, setting: Setting, *,
     if workload == "forward":
         return forward(lm, batch, setting)
     if workload == "generate":
-        return generate(lm, batch, setting, new_tokens, torch.Generator().manual_seed(seed))
+        return generate(lm, batch, setting, options.new_tokens,
+                        torch.Generator().manual_seed(options.seed))
     raise AmpscopeError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+
+
+DEFAULT_OPTIONS = RunOptions()

@@ -21,8 +21,8 @@ def cmd_distributed(args: argparse.Namespace) -> int:
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     parallel = Parallel(args.distributed, args.nproc, **parse_mp_policy(args.mp_policy))
-    common = {"setting": setting, "batch": options["batch"], "seq": options["seq"],
-              "optimizer": options["optimizer"]}
+    common = {"setting": setting, "batch": options.batch, "seq": options.seq,
+              "optimizer": options.optimizer}
     with _console(stderr=True).status(
             f"{'Predicting' if args.predict else 'Running'} {args.model} under "
             f"{args.distributed.upper()} on {args.nproc} ranks…"):
@@ -44,7 +44,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     [setting] = _on_device([args.setting], args.device)
     status = _console(stderr=True)
     with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
-        result = trace(args.model, setting=setting, **options)
+        result = trace(args.model, setting=setting, **options.as_kwargs())
     return _show(args, result.to_json,
                  lambda: render_trace(result, ops=args.ops, diagram=args.diagram))
 
@@ -64,7 +64,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         def on_setting(i: int, name: str) -> None:
             progress.update(task, completed=i, description=f"{args.workload} under {name}")
 
-        result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options)
+        result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
         progress.update(task, completed=len(settings))
     return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
                  lambda: render_matrix(result))
@@ -94,7 +94,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         def on_numerics(i: int, name: str) -> None:
             progress.update(task, completed=len(settings) + i, description=f"numerics: {name}")
 
-        result, traces = matrix(args.model, settings=settings, on_setting=on_setting, **options)
+        result, traces = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
         values = None
         if args.numerics:
             values = numerics(args.model, settings=settings, workload=args.workload,
@@ -127,10 +127,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
         cuda_to_measure(setting)  # refuse before tracing
     with _console(stderr=True).status(f"Tracing the memory of {args.model} under {setting}…"):
-        report = memory(args.model, setting=setting, **options)
+        report = memory(args.model, setting=setting, **options.as_kwargs())
     measured = None
     if args.measure:
-        timed = {k: v for k, v in options.items() if k != "predict"}
+        timed = {k: v for k, v in options.as_kwargs().items() if k != "predict"}
         with _console(stderr=True).status(f"Running the {args.workload} step on the device…"):
             measured = measure_peak_memory(args.model, setting=setting, **timed)
     if args.json:
@@ -161,10 +161,10 @@ def cmd_flops(args: argparse.Namespace) -> int:
     if args.step_time is not None and args.step_time <= 0:
         raise AmpscopeError("--step-time must be a positive number of seconds")
     with _console(stderr=True).status(f"Counting FLOPs of {args.model} under {setting}…"):
-        report = flops(args.model, setting=setting, **options)
+        report = flops(args.model, setting=setting, **options.as_kwargs())
     seconds = args.step_time
     if args.measure:
-        timed = {k: v for k, v in options.items() if k != "predict"}
+        timed = {k: v for k, v in options.as_kwargs().items() if k != "predict"}
         with _console(stderr=True).status(f"Timing the {args.workload} step of {args.model}…"):
             seconds = measure_step(args.model, setting=setting, **timed)
     used = None
@@ -303,7 +303,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         options = _run_options(args)
         settings = _on_device([args.a, args.b], args.device)
         with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
-            _, (a, b) = matrix(args.model, settings=settings, **options)
+            _, (a, b) = matrix(args.model, settings=settings, **options.as_kwargs())
     result = diff_traces(a, b)
     return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
                  lambda: render_diff(result, args.a, args.b, ops=args.ops))

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from ampscope.errors import AmpscopeError
+from ampscope.workloads import RunOptions
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 300
@@ -60,11 +61,10 @@ def _write_json(text: str, path: str) -> None:
     print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
 
 
-def _run_options(args: argparse.Namespace) -> dict:
-    if args.batch < 1 or args.seq < 1 or args.new_tokens < 1:
-        raise AmpscopeError("--batch, --seq and --new-tokens must be positive integers")
-    return {"workload": args.workload, "batch": args.batch, "seq": args.seq,
-            "optimizer": args.optimizer, "new_tokens": args.new_tokens, "predict": args.predict}
+def _run_options(args: argparse.Namespace) -> RunOptions:
+    """The run options of a command line, checked before anything is built."""
+    return RunOptions(workload=args.workload, batch=args.batch, seq=args.seq,
+                      optimizer=args.optimizer, new_tokens=args.new_tokens, predict=args.predict)
 
 
 def _on_device(settings: list[str], device: str | None) -> list[str]:

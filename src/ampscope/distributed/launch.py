@@ -30,6 +30,7 @@ from ampscope.distributed.report import DistributedReport, RankReport
 from ampscope.errors import AmpscopeError
 from ampscope.precision import Setting, parse_setting, resolve_device
 from ampscope.records import SettingRecord, Trace
+from ampscope.workloads import RunOptions
 
 DEFAULT_TIMEOUT = 120.0  # seconds for the whole job, start-up included
 
@@ -92,6 +93,7 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
     NCCL on CUDA) and return every rank's collectives and bytes held."""
     import torch.multiprocessing as mp
 
+    options = RunOptions("train", batch, seq, optimizer, seed=seed)
     s = _setting(setting)
     if s.emulated:
         raise AmpscopeError(f"a real distributed run needs a real device; {s.name} is emulated "
@@ -103,8 +105,8 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
         raise AmpscopeError(f"{parallel.world_size} NCCL ranks need as many GPUs; this machine "
                             f"has {torch.cuda.device_count()}")
     job = {"model": model, "parallel": parallel.to_dict(), "setting": s.name,
-           "world_size": parallel.world_size, "batch": batch, "seq": seq,
-           "optimizer": optimizer, "seed": seed, "timeout": timeout}
+           "world_size": parallel.world_size, "batch": options.batch, "seq": options.seq,
+           "optimizer": options.optimizer, "seed": options.seed, "timeout": timeout}
     with tempfile.TemporaryDirectory(prefix="ampscope-dist-") as tmp:
         result = Path(tmp, "rank0.json")
         context = mp.start_processes(_worker, args=(job, _free_port(), str(result)),
@@ -146,6 +148,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     from ampscope.models import registry
     from ampscope.precision.predict import fake_mode
 
+    options = RunOptions("train", batch, seq, optimizer, seed=seed)
     if dist.is_initialized():
         raise AmpscopeError("a process group is already initialised here; predict from a "
                             "process of its own")
@@ -153,7 +156,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
     if seq > lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
-    data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(seed))
+    data = lm.make_batch(options.batch, options.seq, "train", torch.Generator().manual_seed(seed))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     try:
         # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.

@@ -127,7 +127,7 @@ class Trace:
                                 tuple(p.get("tied_to", ())))
                 for p in tensors["parameters"]
             ],
-            # Fields beyond DESIGN.md's core are optional on reading.
+            # Fields beyond the core of docs/json-schema.md are optional on reading.
             buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b.get("persistent", True))
                      for b in tensors.get("buffers", [])],
             optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"],

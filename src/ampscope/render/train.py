@@ -1,6 +1,6 @@
 """What `ampscope train` and `ampscope bench` show: a progress bar, tables, a plot.
 
-Renderers only read results (DESIGN.md); the plot is drawn with matplotlib's `Figure` and
+Renderers only read results (docs/architecture.md); the plot is drawn with matplotlib's `Figure` and
 Agg canvas directly, never through pyplot, so no global figure state is touched.
 """
 
