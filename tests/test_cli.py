@@ -88,6 +88,8 @@ def test_models_lists_builtins_and_the_zoo(capsys):
          "names device 'mps' but --device is 'cuda'"),
         (["trace", "gpt2-tiny", "--seq", "100000"], "context length"),
         (["trace", "gpt2-tiny", "--seq", "0"], "positive integers; got seq=0"),
+        (["numerics", "gpt2-tiny", "--batch", "0"], "positive integers; got batch=0"),
+        (["flops", "gpt2-tiny", "--step-time", "0"], "step time must be a positive number"),
         (["matrix", "gpt2-tiny", "--batch", "-2", "--new-tokens", "0"],
          "positive integers; got batch=-2, new_tokens=0"),
         (["trace", "hf:/no/such/dir"], "/no/such/dir"),
@@ -211,3 +213,23 @@ def test_diff_of_a_file_that_is_not_a_trace(tmp_path, capsys):
     bogus.write_text('{"schema": "something/1"}')
     code, _, err = run(capsys, "diff", str(bogus), str(bogus))
     assert code == 2 and "is not an ampscope trace" in err
+
+
+def test_reports_build_the_json_the_cli_writes(capsys):
+    """`ampscope X --json -` is the report's own `to_dict()`: the CLI adds nothing by hand."""
+    import ampscope
+
+    common = ["gpt2-tiny", "--setting", "fp32+amp-bf16", "--seq", "8", "--predict", "--json", "-"]
+    code, out, _ = run(capsys, "memory", *common)
+    assert code == 0
+    report = ampscope.memory("gpt2-tiny", setting="fp32+amp-bf16", seq=8, predict=True)
+    assert json.loads(out) == report.to_dict() and report.to_dict()["measured"] is None
+
+    code, out, _ = run(capsys, "flops", *common, "--step-time", "0.5", "--gpu", "h100")
+    assert code == 0
+    report = ampscope.flops("gpt2-tiny", setting="fp32+amp-bf16", seq=8, predict=True,
+                            step_time=0.5, gpu="h100")
+    assert json.loads(out) == report.to_dict()
+    used = report.to_dict()["utilization"]
+    # tokens/s by hand: 1 × 8 tokens in half a second
+    assert used["seconds"] == 0.5 and used["tokens_per_second"] == 16.0

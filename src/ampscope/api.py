@@ -9,17 +9,28 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ampscope import workloads
+from ampscope import hardware, workloads
+from ampscope.analysis import autocast
+from ampscope.analysis.autocast import PolicyReport
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
-from ampscope.analysis.flops import FlopReport, flop_report
-from ampscope.analysis.memory import MemoryReport, memory_report
+from ampscope.analysis.flops import FlopReport, flop_report, utilization
+from ampscope.analysis.memory import MeasuredPeak, MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import numel
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.precision import Setting, applied, parse_setting, resolve_device
+from ampscope.precision import (
+    DEVICES,
+    DTYPES,
+    Setting,
+    applied,
+    default_autocast_dtype,
+    parse_setting,
+    resolve_device,
+)
+from ampscope.precision.autocast_policy import read_policy
 from ampscope.precision.emulation import device_api_error
 from ampscope.precision.predict import (
     check_matmul_dtypes,
@@ -29,9 +40,10 @@ from ampscope.precision.predict import (
     predicting,
     value_needed_error,
 )
+from ampscope.precision.quiz import quiz as run_quiz
 from ampscope.recorders.session import Capture
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
-from ampscope.records import Trace, dtype_name
+from ampscope.records import SettingRecord, Trace, dtype_name
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 
@@ -263,23 +275,60 @@ def _explain(failure) -> str | None:
 def memory(
     model: str | nn.Module | LoadedModel,
     inputs: torch.Tensor | Batch | None = None,
+    *,
+    measure: bool = False,
     **options,
 ) -> MemoryReport:
     """Trace one step (options as for `trace`) and account for every byte it held: by category
     and dtype, the peak and where it happens, the live-bytes timeline, and the formulas people
-    use beside the counted figure."""
-    return memory_report(trace(model, inputs, **options))
+    use beside the counted figure. `measure=True` (a real CUDA device only; refused before
+    anything is traced elsewhere) also runs the step untraced and adds the allocator's peak."""
+    if measure:
+        cuda_to_measure(options.get("setting", "fp32"))
+    report = memory_report(trace(model, inputs, **options))
+    if measure:
+        timed = {k: v for k, v in options.items() if k != "predict"}
+        report.measured = measure_peak_memory(model, **timed)
+    return report
 
 
 def flops(
     model: str | nn.Module | LoadedModel,
     inputs: torch.Tensor | Batch | None = None,
+    *,
+    step_time: float | None = None,
+    measure: bool = False,
+    gpu: str | None = None,
     **options,
 ) -> FlopReport:
     """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
-    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T)."""
+    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T).
+
+    With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
+    step on this machine's real device — the report adds throughput and MFU against `gpu`'s
+    peaks (default: this machine's GPU; an H100 for emulated CUDA)."""
+    if step_time is not None and step_time <= 0:
+        raise AmpscopeError("the step time must be a positive number of seconds")
     result = trace(model, inputs, **options)
-    return flop_report(result, tokens=tokens_of(result))
+    report = flop_report(result, tokens=tokens_of(result))
+    if measure:
+        step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
+    if step_time is not None:
+        report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),
+                                         report.setting.matmul_precision)
+    return report
+
+
+def _accelerator(name: str | None, setting: SettingRecord):
+    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
+    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+    if name:
+        return hardware.by_name(name)
+    if setting.device != "cuda":
+        return None
+    if setting.emulated:
+        return hardware.by_name("h100")
+    return hardware.lookup(torch.cuda.get_device_name())
 
 
 def tokens_of(result: Trace) -> int:
@@ -419,7 +468,7 @@ def measure_peak_memory(
     optimizer: str = "adamw",
     new_tokens: int = 4,
     seed: int = 0,
-) -> dict:
+) -> MeasuredPeak:
     """The step's peak on a real CUDA device, counted as the prediction counts it: CUDA's
     `max_memory_allocated` over the step, less what was allocated before it (the model as
     loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
@@ -434,9 +483,40 @@ def measure_peak_memory(
     with applied(setting, lm.module):
         workloads.run(lm, data, setting, options)
         torch.cuda.synchronize()
-    return {
-        "device": torch.cuda.get_device_name(),
-        "max_memory_allocated": torch.cuda.max_memory_allocated() - before + input_bytes,
-        "raw_max_memory_allocated": torch.cuda.max_memory_allocated(),
-        "allocated_before": before,
-    }
+    return MeasuredPeak(
+        device=torch.cuda.get_device_name(),
+        max_memory_allocated=torch.cuda.max_memory_allocated() - before + input_bytes,
+        raw_max_memory_allocated=torch.cuda.max_memory_allocated(),
+        allocated_before=before,
+    )
+
+
+def policy(device: str = "cpu", dtype: str | None = None, *, op: str | None = None,
+           compare: tuple[str, str] | None = None, quiz: bool = False) -> PolicyReport:
+    """The autocast policy of this PyTorch build, read from the build itself: `device`'s ops by
+    category; with `compare`, only the ops where two devices differ; with `quiz`, what common
+    expressions return on cpu, cuda and mps (or the two compared devices). `dtype` is "bf16" or
+    "fp16" (default: the first device's own autocast dtype); `op` keeps op names containing it."""
+    devices = tuple(compare) if compare else (device,)
+    for d in devices:
+        if d not in DEVICES:
+            raise AmpscopeError(f"unknown device {d!r}; choose {', '.join(DEVICES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise AmpscopeError(f"unknown autocast dtype {dtype!r}; choose bf16 or fp16")
+    torch_dtype = DTYPES[dtype] if dtype else default_autocast_dtype(devices[0])
+    name = dtype_name(torch_dtype)
+    if quiz:
+        asked = devices if compare else ("cpu", "cuda", "mps")
+        return PolicyReport(name, quiz={d: run_quiz(d, torch_dtype) for d in asked})
+    if compare:
+        a, b = (read_policy(d, torch_dtype) for d in devices)
+        return PolicyReport(name, devices=(devices[0], devices[1]),
+                            rows=autocast.compare(a, b, op))
+    rules = read_policy(device, torch_dtype)
+    rows = autocast.table(rules, op)
+    if not rows and op:
+        raise AmpscopeError(
+            f"no op containing {op!r} is on {device}'s autocast list: it follows "
+            f"its inputs there (try --compare cpu cuda --op {op})"
+        )
+    return PolicyReport(name, device=device, rows=rows, total=len(rules))

@@ -6,7 +6,7 @@ them for people.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ampscope.precision.autocast_policy import OpPolicy
 
@@ -59,3 +59,29 @@ def compare(a: dict[str, OpPolicy], b: dict[str, OpPolicy], op_filter: str | Non
         if pair[0] != pair[1] or not differing_only:
             rows.append(PolicyRow(short_name(name), pair))
     return rows
+
+
+@dataclass
+class PolicyReport:
+    """What `ampscope policy` shows, in one of three forms: one device's policy (`device`), two
+    devices' differences (`devices`), or the quiz's answers (`quiz`)."""
+
+    dtype: str  # the autocast dtype, e.g. "bfloat16"
+    device: str | None = None
+    devices: tuple[str, str] | None = None
+    rows: list[PolicyRow] = field(default_factory=list)
+    total: int = 0  # ops on `device`'s autocast list, before any op filter
+    quiz: dict[str, dict[str, dict[str, str]]] | None = None  # device → expression → in → out
+
+    def to_dict(self) -> dict:
+        data: dict = {"schema": SCHEMA, "dtype": self.dtype}
+        if self.quiz is not None:
+            data["quiz"] = self.quiz
+        elif self.devices is not None:
+            data.update(devices=list(self.devices), ops=[
+                {"op": r.op, **dict(zip(self.devices, r.categories, strict=True))}
+                for r in self.rows])
+        else:
+            data.update(device=self.device,
+                        ops=[{"op": r.op, "category": r.categories[0]} for r in self.rows])
+        return data

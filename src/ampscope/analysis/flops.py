@@ -72,6 +72,7 @@ class FlopReport:
     rows: list[FlopRow] = field(default_factory=list)
     conventions: list[Convention] = field(default_factory=list)
     attention: AttentionShape | None = None
+    utilization: Utilization | None = None  # with a step time: throughput and MFU
 
     @property
     def total(self) -> int:
@@ -92,6 +93,7 @@ class FlopReport:
             "attention": asdict(self.attention) if self.attention else None,
             "conventions": [asdict(c) for c in self.conventions],
             "modules": [asdict(r) for r in self.rows],
+            "utilization": asdict(self.utilization) if self.utilization else None,
         }
 
 

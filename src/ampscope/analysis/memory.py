@@ -89,6 +89,20 @@ class TimelineBucket:
     bytes: int
 
 
+@dataclass(frozen=True)
+class MeasuredPeak:
+    """The step's peak as a real CUDA device's allocator saw it (`memory --measure`)."""
+
+    device: str  # torch.cuda.get_device_name()
+    max_memory_allocated: int  # over the step, counted as the prediction counts it
+    raw_max_memory_allocated: int  # torch.cuda.max_memory_allocated() as it read
+    allocated_before: int  # what was allocated before the step (the model as loaded, the batch)
+
+    def error(self, predicted: int) -> float:
+        """The prediction's relative error against this measurement."""
+        return (predicted - self.max_memory_allocated) / self.max_memory_allocated
+
+
 @dataclass
 class MemoryReport:
     model: str
@@ -108,6 +122,7 @@ class MemoryReport:
     timeline: list[TimelineBucket]
     rounding: str | None  # "cuda" when the peak is also given with CUDA's block rounding
     notes: list[str] = field(default_factory=list)
+    measured: MeasuredPeak | None = None  # on a real CUDA device, with --measure
 
     def to_dict(self) -> dict:
         return {
@@ -125,6 +140,7 @@ class MemoryReport:
             "timeline": {"live_bytes": list(self.live_bytes),
                          "buckets": [asdict(b) for b in self.timeline]},
             "notes": list(self.notes),
+            "measured": asdict(self.measured) if self.measured else None,
         }
 
 

@@ -9,7 +9,6 @@ import sys
 
 from ampscope.cli.common import _console, _on_device, _progress, _run_options, _show, _write_json
 from ampscope.errors import AmpscopeError
-from ampscope.records import SettingRecord
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:
@@ -117,86 +116,36 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     if args.distributed:
         return cmd_distributed(args)
-    from ampscope.api import measure_peak_memory, memory
+    from ampscope.api import memory
     from ampscope.render.memory import render_memory
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
-    if args.measure:
-        from ampscope.api import cuda_to_measure
-
-        cuda_to_measure(setting)  # refuse before tracing
-    with _console(stderr=True).status(f"Tracing the memory of {args.model} under {setting}…"):
-        report = memory(args.model, setting=setting, **options.as_kwargs())
-    measured = None
-    if args.measure:
-        timed = {k: v for k, v in options.as_kwargs().items() if k != "predict"}
-        with _console(stderr=True).status(f"Running the {args.workload} step on the device…"):
-            measured = measure_peak_memory(args.model, setting=setting, **timed)
-    if args.json:
-        data = report.to_dict()
-        data["measured"] = measured
-        _write_json(json.dumps(data, indent=1), args.json)
-        if args.json == "-":
-            return 0
-    _console().print(render_memory(report))
-    if measured is not None:
-        predicted = report.peak.rounded_bytes or report.peak.bytes
-        error = (predicted - measured["max_memory_allocated"]) / measured["max_memory_allocated"]
-        _console().print(f"\nMeasured on {measured['device']}: max_memory_allocated "
-                         f"{measured['max_memory_allocated']:,} B; predicted {predicted:,} B "
-                         f"({100 * error:+.1f}%)")
-    return 0
+    doing = "Tracing and measuring" if args.measure else "Tracing"
+    with _console(stderr=True).status(f"{doing} the memory of {args.model} under {setting}…"):
+        report = memory(args.model, setting=setting, measure=args.measure, **options.as_kwargs())
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_memory(report))
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from ampscope.analysis.flops import utilization
-    from ampscope.api import flops, measure_step
+    from ampscope.api import flops
     from ampscope.render.flops import render_flops
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
-    if args.step_time is not None and args.step_time <= 0:
-        raise AmpscopeError("--step-time must be a positive number of seconds")
-    with _console(stderr=True).status(f"Counting FLOPs of {args.model} under {setting}…"):
-        report = flops(args.model, setting=setting, **options.as_kwargs())
-    seconds = args.step_time
-    if args.measure:
-        timed = {k: v for k, v in options.as_kwargs().items() if k != "predict"}
-        with _console(stderr=True).status(f"Timing the {args.workload} step of {args.model}…"):
-            seconds = measure_step(args.model, setting=setting, **timed)
-    used = None
-    if seconds is not None:
-        used = utilization(report, seconds, _accelerator(args.gpu, report.setting),
-                           report.setting.matmul_precision)
-    data = report.to_dict() | {"utilization": asdict(used) if used else None}
-    return _show(args, lambda: json.dumps(data, indent=1), lambda: render_flops(report, used))
-
-
-def _accelerator(name: str | None, setting: SettingRecord):
-    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
-    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
-    from ampscope import hardware
-
-    if name:
-        return hardware.by_name(name)
-    if setting.device != "cuda":
-        return None
-    if setting.emulated:
-        return hardware.by_name("h100")
-    import torch
-
-    return hardware.lookup(torch.cuda.get_device_name())
+    doing = "Counting and timing" if args.measure else "Counting"
+    with _console(stderr=True).status(f"{doing} the FLOPs of {args.model} under {setting}…"):
+        report = flops(args.model, setting=setting, step_time=args.step_time,
+                       measure=args.measure, gpu=args.gpu, **options.as_kwargs())
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_flops(report))
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
     from ampscope.api import numerics
     from ampscope.render.numerics import render_numerics
 
-    if args.batch < 1 or args.seq < 1:
-        raise AmpscopeError("--batch and --seq must be positive integers")
     settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
     if not settings:
         raise AmpscopeError("--settings needs at least one setting, e.g. fp32+amp-bf16,bf16")
@@ -224,41 +173,12 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from ampscope.analysis import autocast as arrange
-    from ampscope.precision import DEVICES, DTYPES, default_autocast_dtype
-    from ampscope.precision.autocast_policy import read_policy
-    from ampscope.precision.quiz import quiz
-    from ampscope.records import dtype_name
-    from ampscope.render.autocast import compare_table, policy_table, quiz_table
+    from ampscope.api import policy
+    from ampscope.render.autocast import render_policy
 
-    devices = tuple(args.compare) if args.compare else (args.device,)
-    for device in devices:
-        if device not in DEVICES:
-            raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
-    dtype = DTYPES[args.dtype] if args.dtype else default_autocast_dtype(devices[0])
-    name = dtype_name(dtype)
-    data: dict = {"schema": arrange.SCHEMA, "dtype": name}
-    if args.quiz:
-        answers = {d: quiz(d, dtype) for d in (devices if args.compare else ("cpu", "cuda", "mps"))}
-        data["quiz"] = answers
-        shown = quiz_table(answers, name)
-    elif args.compare:
-        a, b = (read_policy(d, dtype) for d in devices)
-        rows = arrange.compare(a, b, args.op)
-        data.update(devices=list(devices),
-                    ops=[{"op": r.op, **dict(zip(devices, r.categories, strict=True))} for r in rows])
-        shown = compare_table(rows, devices, name)
-    else:
-        policy = read_policy(args.device, dtype)
-        rows = arrange.table(policy, args.op)
-        if not rows and args.op:
-            raise AmpscopeError(
-                f"no op containing {args.op!r} is on {args.device}'s autocast list: it follows "
-                f"its inputs there (try --compare cpu cuda --op {args.op})"
-            )
-        data.update(device=args.device, ops=[{"op": r.op, "category": r.categories[0]} for r in rows])
-        shown = policy_table(rows, args.device, name, len(policy))
-    return _show(args, lambda: json.dumps(data, indent=1), lambda: shown)
+    report = policy(args.device, args.dtype, op=args.op, compare=args.compare, quiz=args.quiz)
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_policy(report))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -310,27 +230,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from rich.table import Table
+    from ampscope.models.registry import catalog
+    from ampscope.render.models import render_models
 
-    from ampscope.models import list_models
-
-    infos = list_models()
-    if args.json:
-        document = {"schema": "ampscope.models/1", "models": [
-            {"name": i.name, "family": i.family, "parameters": i.parameters,
-             "description": i.description} for i in infos]}
-        _write_json(json.dumps(document, indent=1), args.json)
-        if args.json == "-":
-            return 0
-    table = Table(show_edge=False)
-    table.add_column("model")
-    table.add_column("family")
-    table.add_column("parameters", justify="right")
-    table.add_column("description")
-    for info in infos:
-        table.add_row(info.name, info.family, f"{info.parameters:,}", info.description)
-    _console().print(table)
-    _console().print("[dim]Also: hf:PATH (a config.json or checkpoint folder) and "
-                     "package.module:factory (your own model).[/dim]")
-    return 0
+    models = catalog()
+    return _show(args, lambda: json.dumps(models.to_dict(), indent=1),
+                 lambda: render_models(models))
 

@@ -21,7 +21,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -273,6 +273,20 @@ def _buildable(name: str) -> bool:
 def list_models() -> list[ModelInfo]:
     """Every model this installation can build, with its parameter count."""
     return [_model_info(name) for name in model_names() if _buildable(name)]
+
+
+@dataclass(frozen=True)
+class ModelCatalog:
+    """What `ampscope models` lists, and its JSON document (`ampscope.models/1`)."""
+
+    models: tuple[ModelInfo, ...]
+
+    def to_dict(self) -> dict:
+        return {"schema": "ampscope.models/1", "models": [asdict(i) for i in self.models]}
+
+
+def catalog() -> ModelCatalog:
+    return ModelCatalog(tuple(list_models()))
 
 
 # --- memory guard ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.autocast import PolicyRow, meaning
+from ampscope.analysis.autocast import PolicyReport, PolicyRow, meaning
 from ampscope.render.style import dtype_text
 
 
@@ -45,3 +45,13 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str) -> Tab
         cells = [dtype_text([answers[d][expression][i]]) for d in devices for i in inputs]
         table.add_row(expression, *cells)
     return table
+
+
+def render_policy(report: PolicyReport) -> Table:
+    """The table `ampscope policy` prints for the report's form."""
+    if report.quiz is not None:
+        return quiz_table(report.quiz, report.dtype)
+    if report.devices is not None:
+        return compare_table(report.rows, report.devices, report.dtype)
+    assert report.device is not None
+    return policy_table(report.rows, report.device, report.dtype, report.total)

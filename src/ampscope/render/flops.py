@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.flops import FlopReport, Utilization
+from ampscope.analysis.flops import FlopReport
 from ampscope.render.style import dtype_text
 
 
@@ -21,7 +21,8 @@ def _share(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "—"
 
 
-def render_flops(report: FlopReport, used: Utilization | None = None) -> RenderableType:
+def render_flops(report: FlopReport) -> RenderableType:
+    used = report.utilization
     s = report.setting
     where = s.device + (" (emulated)" if s.emulated else "")
     head = Text()

@@ -133,4 +133,10 @@ def render_memory(report: MemoryReport) -> RenderableType:
         parts += [Text(), shared_text(report)]
     for note in report.notes:
         parts.append(Text(note, style="dim"))
+    if report.measured is not None:
+        m = report.measured
+        predicted = report.peak.rounded_bytes or report.peak.bytes
+        parts += [Text(), Text(f"Measured on {m.device}: max_memory_allocated "
+                               f"{m.max_memory_allocated:,} B; predicted {predicted:,} B "
+                               f"({100 * m.error(predicted):+.1f}%)")]
     return Group(*parts)
