@@ -11,6 +11,7 @@ import io
 from rich.console import Console
 
 from ampscope.analysis.findings import derive_findings
+from ampscope.analysis.summary import trace_summary
 from ampscope.records import InputRecord, ModelInfo, OpCall, ParameterRecord, Trace
 from ampscope.render.text import render_trace
 from tests.helpers import BF16, F32, blocks, check, setting_record
@@ -37,7 +38,7 @@ def toy_trace() -> Trace:
 def render(trace: Trace, **kw) -> str:
     out = io.StringIO()
     Console(file=out, width=100, color_system=None, legacy_windows=False).print(
-        render_trace(trace, **kw))
+        render_trace(trace_summary(trace, **kw)))
     return out.getvalue()
 
 

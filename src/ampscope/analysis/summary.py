@@ -1,13 +1,16 @@
-"""Tensor inventory by dtype: how many tensors and elements of each category are in each dtype."""
+"""What the terminal shows of a trace (`TraceSummary`), and its tensor inventory by dtype: how
+many tensors and elements of each category are in each dtype."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
 
-from ampscope.records import Trace
+from ampscope.analysis.diagram import Diagram, build_diagram
+from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
+from ampscope.records import Finding, ModelInfo, SettingRecord, Trace
 
 
 @cache
@@ -62,3 +65,36 @@ def dtype_inventory(trace: Trace) -> list[DtypeCount]:
     rows += _count("outputs", [(o.dtype, o.shape, o.name) for o in trace.outputs])
     return rows
 
+
+
+@dataclass
+class TraceSummary:
+    """Everything `ampscope trace` prints, computed from a trace; render/text.py only draws it."""
+
+    model: ModelInfo
+    setting: SettingRecord
+    workload: str
+    mode: str  # "run" or "predict"
+    notes: list[str]
+    inventory: list[DtypeCount]
+    modules: list[FlowRow]  # the forward pass's module calls, repeated blocks collapsed
+    changes: list[FlowRow]  # the module rows whose output dtype differs from their input's
+    findings: list[Finding]
+    ops: dict[str, list[FlowRow]] = field(default_factory=dict)  # phase → op rows, when asked
+    diagram: Diagram | None = None  # the dtype flow of one forward pass, when asked
+
+
+def trace_summary(trace: Trace, *, ops: bool = False, diagram: bool = False) -> TraceSummary:
+    """The summary of `trace`; `ops` adds the op listing per phase, `diagram` the dtype flow
+    of one forward pass."""
+    flow = module_flow(trace.modules)
+    by_phase = {}
+    if ops:
+        by_phase = {phase: rows for phase in ("forward", "backward", "optimizer")
+                    if (rows := op_flow(trace.ops, phase))}
+    return TraceSummary(
+        model=trace.model, setting=trace.setting, workload=trace.workload, mode=trace.mode,
+        notes=list(trace.notes), inventory=dtype_inventory(trace), modules=flow,
+        changes=dtype_changes(flow), findings=list(trace.findings), ops=by_phase,
+        diagram=build_diagram(trace) if diagram else None,
+    )

@@ -36,6 +36,7 @@ def cmd_distributed(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     if args.distributed:
         return cmd_distributed(args)
+    from ampscope.analysis.summary import trace_summary
     from ampscope.api import trace
     from ampscope.render.text import render_trace
 
@@ -45,7 +46,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
     return _show(args, result.to_json,
-                 lambda: render_trace(result, ops=args.ops, diagram=args.diagram))
+                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:

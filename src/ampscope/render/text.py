@@ -1,4 +1,4 @@
-"""Terminal rendering of a trace with rich. Reads reports; computes nothing of its own."""
+"""Terminal rendering of a trace with rich: draws a `TraceSummary`, computes nothing of its own."""
 
 from __future__ import annotations
 
@@ -6,40 +6,39 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.diagram import build_diagram
-from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
-from ampscope.analysis.summary import dtype_inventory
-from ampscope.records import Trace
+from ampscope.analysis.flow import FlowRow
+from ampscope.analysis.summary import DtypeCount, TraceSummary
+from ampscope.records import Finding
 from ampscope.render.diagram import render_diagram
 from ampscope.render.style import dtype_text, short_op
 
 
-def header(trace: Trace) -> Text:
-    s = trace.setting
+def header(summary: TraceSummary) -> Text:
+    s = summary.setting
     where = s.device + (" (emulated)" if s.emulated else "")
     text = Text()
-    text.append(trace.model.name, style="bold")
-    text.append(f" ({trace.model.cls}, {trace.model.parameters:,} parameters)  ")
+    text.append(summary.model.name, style="bold")
+    text.append(f" ({summary.model.cls}, {summary.model.parameters:,} parameters)  ")
     text.append("setting ", style="dim")
     text.append(s.name, style="bold")
     text.append(f" on {where}  ", style="")
     text.append("workload ", style="dim")
-    text.append(trace.workload, style="bold")
-    if trace.mode == "predict":
+    text.append(summary.workload, style="bold")
+    if summary.mode == "predict":
         text.append("  predicted", style="bold magenta")
-    for note in trace.notes:
+    for note in summary.notes:
         text.append("\n  ")
         text.append(note, style="dim")
     return text
 
 
-def inventory_table(trace: Trace) -> Table:
+def inventory_table(rows: list[DtypeCount]) -> Table:
     table = Table(title="Tensors by dtype", title_justify="left", show_edge=False)
     for col, kw in [("category", {}), ("dtype", {}), ("tensors", {"justify": "right"}),
                     ("elements", {"justify": "right"}), ("MB", {"justify": "right"}),
                     ("which", {})]:
         table.add_column(col, **kw)
-    for row in dtype_inventory(trace):
+    for row in rows:
         table.add_row(row.category, dtype_text([row.dtype], short=False), str(row.tensors),
                       f"{row.elements:,}", f"{row.bytes / 1e6:.2f}", row.detail)
     return table
@@ -60,38 +59,33 @@ def flow_table(rows: list[FlowRow], title: str, kind_column: str = "type") -> Ta
     return table
 
 
-def findings_list(trace: Trace) -> Text:
+def findings_list(findings: list[Finding]) -> Text:
     text = Text()
     text.append("Findings\n", style="italic")
-    for f in trace.findings:
+    for f in findings:
         text.append("  • ")
         text.append(f.text)
         text.append(f"  [{f.cause}]\n", style="dim")
     return text
 
 
-def render_trace(trace: Trace, *, ops: bool = False, diagram: bool = False) -> RenderableType:
-    flow = module_flow(trace.modules)
-    parts: list[RenderableType] = [header(trace), Text(), inventory_table(trace), Text(),
-                                   flow_table(flow, "Modules, forward pass")]
-    changes = dtype_changes(flow)
-    if changes:
+def render_trace(summary: TraceSummary) -> RenderableType:
+    """What `ampscope trace` prints (see analysis.summary.trace_summary for what is in it)."""
+    parts: list[RenderableType] = [header(summary), Text(), inventory_table(summary.inventory),
+                                   Text(), flow_table(summary.modules, "Modules, forward pass")]
+    if summary.changes:
         text = Text("Where activations change dtype\n", style="italic")
-        for r in changes:
+        for r in summary.changes:
             text.append(f"  {r.name} ({r.kind}): ")
             text.append_text(dtype_text(r.inputs))
             text.append(" → ")
             text.append_text(dtype_text(r.outputs))
             text.append("\n")
         parts += [Text(), text]
-    if ops:
-        for phase in ("forward", "backward", "optimizer"):
-            rows = op_flow(trace.ops, phase)
-            if rows:
-                parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
-    if diagram:
-        # Imported here: render.diagram imports this module's dtype styles.
+    for phase, rows in summary.ops.items():
+        parts += [Text(), flow_table(rows, f"Ops, {phase}", kind_column="op")]
+    if summary.diagram is not None:
         parts += [Text(), Text("Dtype flow of one forward pass", style="italic"),
-                  render_diagram(build_diagram(trace))]
-    parts += [Text(), findings_list(trace)]
+                  render_diagram(summary.diagram)]
+    parts += [Text(), findings_list(summary.findings)]
     return Group(*parts)
