@@ -80,7 +80,7 @@ def _run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: 
     loaded (a model still on meta would first be built in float32)."""
     from ampscope.models.registry import memory_needed_message
 
-    per_param = 1  # the run's own copy of every weight (see settings.applied)
+    per_param = 1  # the run's own copy of every weight (see precision.applied)
     if workload not in ("forward", "generate"):  # a custom step may train: count as one
         per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
     itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
@@ -472,7 +472,7 @@ def measure_peak_memory(
     """The step's peak on a real CUDA device, counted as the prediction counts it: CUDA's
     `max_memory_allocated` over the step, less what was allocated before it (the model as
     loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
-    loaded: its step works on its own copies of the weights, see settings.applied)."""
+    loaded: its step works on its own copies of the weights, see precision.applied)."""
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed)
     setting = cuda_to_measure(setting)
     lm, data = _real_step(model, setting, options)

@@ -127,7 +127,7 @@ def generate(lm: LoadedModel, batch: Batch, setting: Setting, new_tokens: int,
              generator: torch.Generator) -> dict:
     lm.module.eval()
     # Samplers that take no generator (HF's generate) draw from the global RNG: seed it too, so
-    # a trace is reproducible; `settings.applied` restores the user's RNG state afterwards.
+    # a trace is reproducible; `precision.applied` restores the user's RNG state afterwards.
     torch.manual_seed(generator.initial_seed())
     with torch.no_grad(), setting.autocast():
         tokens = lm.generate(batch[lm.input_name], new_tokens, generator)

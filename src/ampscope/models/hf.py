@@ -323,7 +323,7 @@ def hf_generate(
     """Sample through HF's `generate`, which keeps a KV cache like nanochat's sampler.
 
     HF takes no `torch.Generator`: sampling draws from the global RNG, which the generate
-    workload seeds and `settings.applied` restores; `generator` is unused. `eos_token_id=None` makes every run produce exactly
+    workload seeds and `precision.applied` restores; `generator` is unused. `eos_token_id=None` makes every run produce exactly
     `max_new_tokens` tokens (a random model samples its eos token now and then).
     """
     del generator

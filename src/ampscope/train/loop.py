@@ -16,7 +16,7 @@
 
 The library never prints: `log` receives a `StepLog` after every step and an `EvalLog` after
 every evaluation, and the CLI draws them. Torch's global state (matmul precision, autocast,
-RNG) is set for the run and restored afterwards by `settings.applied`.
+RNG) is set for the run and restored afterwards by `precision.applied`.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def training_setting(text: str) -> Setting:
 
 
 def _to_param_dtype(module: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Convert the model to the setting's parameter dtype, as a trace does (settings.applied):
+    """Convert the model to the setting's parameter dtype, as a trace does (precision.applied):
     only when most of it is in another dtype, so a model's own choices (nanochat's bf16 rotary
     tables) survive an fp32 setting as they would in its own training script."""
     if main_dtype(module) in (None, dtype):
