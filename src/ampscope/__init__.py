@@ -8,15 +8,16 @@
         ...
 """
 
-from ampscope.api import capture, flops, matrix, memory, numerics, trace
+from ampscope.api import capture, flops, matrix, memory, numerics, policy, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, parse_setting
 from ampscope.records import Trace
 from ampscope.render import notebook
+from ampscope.workloads import RunOptions
 
 notebook.register()  # Jupyter shows traces and reports as HTML
 
-__all__ = ["AmpscopeError", "LoadedModel", "Setting", "Trace", "capture", "flops", "matrix", "memory", "numerics",
-           "parse_setting", "trace"]
+__all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "flops",
+           "matrix", "memory", "numerics", "parse_setting", "policy", "trace"]
 __version__ = "0.1.0"
