@@ -5,7 +5,6 @@ The browser test (tests/test_report_browser.py) opens the same page in headless 
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from html.parser import HTMLParser
@@ -20,14 +19,11 @@ from ampscope.analysis.flops import flop_report
 from ampscope.analysis.memory import memory_report
 from ampscope.analysis.numerics import (
     BlockDivergence,
-    Divergence,
     ModuleDivergence,
     NumericsReport,
     SettingNumerics,
-    TensorRange,
     tensor_range,
 )
-from ampscope.api import tokens_of
 from ampscope.records import (
     Finding,
     FunctionCall,
@@ -40,9 +36,8 @@ from ampscope.records import (
     Trace,
 )
 from ampscope.render.html import memory_html, report_html
-from tests.helpers import setting_record
+from tests.helpers import SETTINGS, divergence, gpt2_tiny_report, setting_record
 
-SETTINGS = ["fp32", "fp32+amp-bf16"]
 HEADINGS = ("Findings", "Dtype flow", "Settings matrix", "Memory", "FLOPs by module",
             "Numerics per layer")
 LOADING_TAGS = {"script", "link", "iframe", "frame", "object", "embed", "img", "image", "audio",
@@ -94,37 +89,6 @@ def external_loads(html: str) -> list[str]:
     parser.feed(html)
     parser.close()
     return parser.targets + [f"<{t}>" for t in parser.tags]
-
-
-def divergence(x: float) -> Divergence:
-    return Divergence(rel_l2=x, max_abs=x, cosine=1 - x, sqnr_db=-20 * math.log10(x))
-
-
-def hand_numerics() -> NumericsReport:
-    """A numerics report built by hand: two settings, two blocks (no model run)."""
-    settings = [
-        SettingNumerics(name, [ModuleDivergence("", "GPT", 1, divergence(3 * e))],
-                        [BlockDivergence("transformer.h", i, divergence(e * (i + 1)))
-                         for i in range(2)], divergence(e / 10), [])
-        for name, e in (("fp32+amp-bf16", 2e-3), ("bf16", 4e-3))
-    ]
-    ranges: list[TensorRange] = [
-        tensor_range("activation", "transformer.h.1", torch.tensor([1e5, 1.0])),
-        tensor_range("gradient", "lm_head.weight", torch.tensor([1e-9, 1e-3])),
-    ]
-    return NumericsReport("gpt2-tiny", "train", "fp64", settings, ranges)
-
-
-def gpt2_tiny_report() -> dict:
-    """gpt2-tiny's train step under fp32 and fp32+amp-bf16 (8 tokens), its reports, and the
-    page with every section (what `ampscope report gpt2-tiny` computes, plus numerics)."""
-    matrix, traces = ampscope.matrix("gpt2-tiny", settings=SETTINGS, seq=8)
-    flops = [flop_report(t, tokens=tokens_of(t)) for t in traces]
-    memory = [memory_report(t) for t in traces]
-    numerics = hand_numerics()
-    html = report_html(traces, matrix, memory=memory, flops=flops, numerics=numerics)
-    return {"matrix": matrix, "traces": traces, "flops": flops, "memory": memory,
-            "numerics": numerics, "html": html}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_report import gpt2_tiny_report
+from tests.helpers import gpt2_tiny_report
 
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "img" / "report.png"
 BF16_EDGE = (0x00, 0x83, 0x8F)  # render/plots.py DTYPE_COLORS["bfloat16"]
