@@ -156,6 +156,8 @@ def test_by_name_errors_list_the_known_names():
 def test_every_figure_has_a_source_with_a_url():
     for acc in hardware.KNOWN:
         figures = set(acc.peak_flops) | {"memory", "bandwidth"}
+        if acc.multiprocessors is not None:
+            figures.add("multiprocessors")
         assert set(acc.sources) == figures, acc.name
         for source in acc.sources.values():
             assert re.search(r", https://\S+$", source), (acc.name, source)

@@ -41,6 +41,7 @@ from ampscope.precision.predict import (
     value_needed_error,
 )
 from ampscope.precision.quiz import quiz as run_quiz
+from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import SettingRecord, Trace, dtype_name
@@ -48,10 +49,13 @@ from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 
 def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
-         have_inputs: bool = False, target_device: str | None = None) -> LoadedModel:
+         have_inputs: bool = False, target_device: str | None = None,
+         virtual: VirtualDevice | None = None) -> LoadedModel:
     """A model spec, a module or a LoadedModel, as a LoadedModel.
 
-    `target_device` is the device an emulated run stands for (see registry.resolve)."""
+    `target_device` is the device an emulated run stands for (see registry.resolve); with
+    `virtual`, a spec's own code (a factory, the module it imports) runs on that virtual device,
+    backed by `device`."""
     from ampscope.models import registry
 
     if isinstance(model, LoadedModel):
@@ -69,7 +73,11 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
             # With inputs given, nothing needs the vocabulary or context length.
             return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62)
     if isinstance(model, str):
-        return registry.resolve(model, device=device, target_device=target_device)
+        if virtual is None:
+            return registry.resolve(model, device=device, target_device=target_device)
+        with virtual.active(backing=device):
+            return registry.resolve(model, device=device, target_device=target_device,
+                                    build_device=virtual.target)
     raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
 
 
@@ -147,6 +155,7 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     data = _batch_for(lm, inputs, options, device=setting.run_device)
 
     fake = fake_mode() if predict else None
+    virtual = VirtualDevice(setting.device) if setting.emulated else None
     with applied(setting, lm.module, fake=fake) as emulation:
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
@@ -154,7 +163,7 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
         try:
             with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
-                with capture.recording():
+                with capture.recording(), _on_virtual(virtual, capture):
                     outputs = workloads.run(lm, run_data, setting, options, predict=predict)
         except Exception as e:
             if predict and data_dependent(e):
@@ -171,8 +180,22 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
     result.notes = notes + (emulation.notes(workload_name) if emulation is not None else [])
+    if virtual is not None:
+        result.notes += virtual.notes()
     result.findings = derive_findings(result)
     return result
+
+
+@contextlib.contextmanager
+def _on_virtual(virtual: VirtualDevice | None, capture: Capture):
+    """The run's code on the virtual device (when emulated), its memory calls answered by the
+    capture's storage tracker."""
+    if virtual is None:
+        yield
+        return
+    virtual.memory = capture.memory_now
+    with virtual.active():
+        yield
 
 
 def _resolved(setting: str | Setting) -> Setting:
@@ -198,9 +221,10 @@ def _plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str,
     (nothing allocated) to count what a real run would need."""
     notes: list[str] = []
     target = setting.device if setting.emulated else None
+    virtual = VirtualDevice(target) if target else None
     on_meta = isinstance(model, str)
     lm = load(model, device="meta" if on_meta else setting.run_device, have_inputs=have_inputs,
-              target_device=target)
+              target_device=target, virtual=virtual)
     shortfall = _run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
     if predict is None:
         predict = shortfall is not None
@@ -212,7 +236,7 @@ def _plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str,
         raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (--predict)")
     if on_meta and not predict:
         assert isinstance(model, str)
-        lm = load(model, device=setting.run_device, target_device=target)
+        lm = load(model, device=setting.run_device, target_device=target, virtual=virtual)
     return lm, predict, notes
 
 

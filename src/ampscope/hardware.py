@@ -57,6 +57,7 @@ class Accelerator:
     bandwidth_bytes_per_s: float
     sources: Mapping[str, str] = field(hash=False)
     tf32_matmuls: bool = False
+    multiprocessors: int | None = None  # streaming multiprocessors (SMs); None: not recorded
 
     def __post_init__(self) -> None:
         # Read-only views: the table is shared by every caller.
@@ -108,8 +109,9 @@ H100 = Accelerator(
                 "float16": 989e12, "float8": 1979e12},
     memory_bytes=80 * GiB,
     bandwidth_bytes_per_s=3.35e12,
-    sources=_cite((_ALL, _H100_DATASHEET)),
+    sources=_cite((_ALL, _H100_DATASHEET), ("multiprocessors", _H100_WHITEPAPER)),
     tf32_matmuls=True,
+    multiprocessors=132,  # the whitepaper's Table 3: H100 SXM5, 132 SMs
 )
 # The 2022 datasheet's PCIe column, with sparsity: TF32 756, BF16/FP16 1,513, FP8 3,026; the
 # whitepaper prints BF16 756 dense.
@@ -146,6 +148,7 @@ H200 = replace(
     memory_bytes=141 * GiB,
     bandwidth_bytes_per_s=4.8e12,
     sources=_cite((_ALL, _H200_PAGE)),
+    multiprocessors=None,  # the product page gives no SM count
 )
 
 # Blackwell, one GPU of an HGX B200 board. With sparsity: TF32 2.2 PF, BF16/FP16 4.5 PF,

@@ -217,11 +217,15 @@ def _isolated_construction(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
-            target_device: str | None = None) -> LoadedModel:
+            target_device: str | None = None, build_device: str | None = None) -> LoadedModel:
     """Build the model a spec names, with weights seeded by `seed`, on `device`.
 
     `target_device` is the device an emulated run stands for: the reference models make their
-    device-dependent choices (nanochat's bf16 embedding on CUDA) for it.
+    device-dependent choices (nanochat's bf16 embedding on CUDA) for it. `build_device` is the
+    device a factory (`package.module:factory`) builds on and its model is moved to, when it
+    differs from `device`: the emulated device, while a virtual device
+    (precision/virtual_device.py) makes it stand on `device`, so the factory's own device
+    branches are taken as on the target.
 
     Raises AmpscopeError (one line, with what to do) for unknown names, unreadable paths,
     failing factories, and named models that clearly cannot fit in this machine's memory.
@@ -232,7 +236,7 @@ def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
         if spec.startswith("hf:"):
             return hf.load_local(spec.removeprefix("hf:"), device=device)
         if ":" in spec:
-            return _load_factory(spec, device)
+            return _load_factory(spec, torch.device(build_device) if build_device else device)
         if spec not in model_names():
             raise _unknown_name(spec)
         if device.type != "meta":

@@ -239,9 +239,7 @@ class Emulation:
 
         notes = [
             f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "
-            f"read from this PyTorch build ({torch.__version__}); tensors lived on the CPU, so "
-            "code that asks for a tensor's device saw cpu (ampscope's reference models make "
-            f"their device choices for {self.device})."
+            f"read from this PyTorch build ({torch.__version__})."
         ]
         if workload == "train" and foreach_by_default(self.device):
             notes.append(

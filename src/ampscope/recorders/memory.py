@@ -59,6 +59,10 @@ class StorageTracker:
         # The autograd nodes walked in the backward pass now running (id -> node), and its id.
         self._walked: dict[int, object] = {}
         self._graph_task = -1
+        # Bytes live now and at most so far, in CUDA's 512-byte blocks: what a script's own
+        # torch.cuda.memory_allocated() reads on a virtual device.
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     # -- collecting
     def _entry(self, storage: torch.UntypedStorage, meta: TensorMeta,
@@ -68,12 +72,15 @@ class StorageTracker:
         entry.freed, entry.saved, entry.category, entry.names = None, False, None, []
         self._live[id(storage)] = entry
         self._seen.append(entry)
+        self.live_bytes += _blocks(entry.nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return entry
 
     def _on_free(self, entry: _Storage) -> None:
         entry.freed = len(self._ops) - 1
         if self._live.get(entry.key) is entry:
             del self._live[entry.key]
+            self.live_bytes -= _blocks(entry.nbytes)
 
     def register(self, tensor: torch.Tensor, category: str, name: str) -> None:
         """Name a storage that exists before the step (or, for `input`, as the model is first
@@ -188,3 +195,8 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
         return None
+
+
+def _blocks(nbytes: int) -> int:
+    """Bytes in CUDA's caching-allocator blocks of 512."""
+    return -(-nbytes // 512) * 512

@@ -148,6 +148,11 @@ class Capture:
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
 
+    def memory_now(self) -> tuple[int, int]:
+        """Bytes live now and at most so far in the run, in 512-byte blocks (for a virtual
+        device's torch.cuda.memory_allocated() and max_memory_allocated())."""
+        return self._storages.live_bytes, self._storages.peak_bytes
+
     @property
     def failure(self):
         """The user-level call that raised during the run, if one did (a `FailedCall`)."""

@@ -21,6 +21,10 @@ _REFERENCE_MODELS = frozenset(
     os.path.join(_AMPSCOPE_DIR, "models", f) for f in ("gpt2.py", "nanochat.py")
 )
 _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
+# The virtual device's function mode sits between user code and the recorders: a call passes
+# through it as through PyTorch's own dispatch.
+_PASS_THROUGH = frozenset({_CONTEXTLIB, os.path.join(_AMPSCOPE_DIR, "precision",
+                                                     "virtual_device.py")})
 
 TORCH, AMPSCOPE, USER = 0, 1, 2
 _kind_cache: dict[CodeType, int] = {}
@@ -30,7 +34,7 @@ def _kind(code: CodeType) -> int:
     kind = _kind_cache.get(code)
     if kind is None:
         path = code.co_filename
-        if path.startswith(_TORCH_DIR) or path == _CONTEXTLIB:
+        if path.startswith(_TORCH_DIR) or path in _PASS_THROUGH:
             kind = TORCH
         elif path.startswith(_AMPSCOPE_DIR) and path not in _REFERENCE_MODELS:
             kind = AMPSCOPE

@@ -1,0 +1,493 @@
+"""The virtual device: during an emulated run, user code that asks which device it is on gets the
+target's answer, while its tensors really live on the CPU (or on meta, or are fake).
+
+Real training code asks all the time: `if self.wte.weight.device.type == "cuda"` in a model's
+init, `torch.cuda.is_available() and torch.cuda.is_bf16_supported()` in a script,
+`torch.autocast("cuda", enabled=False)` around a rotary embedding, `x.cuda()`,
+`torch.cuda.synchronize()` around a timer. `VirtualDevice` answers all of them as the target
+would, for the duration of a `with` block, and undoes every change on exit:
+
+- `DeviceMode`, a TorchFunctionMode, rewrites the target device in factory calls
+  (`torch.zeros(..., device="cuda")`) and moves (`.to("cuda")`, `.cuda()`, `.cpu()`) to the
+  backing device, and answers `tensor.device`, `.is_cuda`, `.get_device()` from a tag: a
+  tensor is on the target unless it was made on the CPU on purpose (a factory without a device,
+  `torch.from_numpy`, `.cpu()`), and an op's result is on the CPU only when all its tensor
+  inputs are;
+- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) answers as one device of the emulated GPU:
+  available, its name, capability and memory from `hardware.py`; `synchronize` and events
+  return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
+  storage tracker when a capture gives one, in CUDA's 512-byte blocks;
+- `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
+  `enabled=False` regions included, drive the CPU autocast whose kernels the emulation replaced
+  with the target's (precision/emulation.py); `torch.is_autocast_enabled("cuda")` reads it;
+- `torch.compile(fn)` returns `fn`: the run is eager, and says so.
+
+What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL) still fails, and the API
+turns the failure into one line naming the call and the user's line (`device_api_error`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ampscope import hardware
+from ampscope.precision import emulation
+from ampscope.precision.setting import default_autocast_dtype
+
+_TensorBase = torch._C.TensorBase
+_GETTERS = {  # attribute reads that say where a tensor is
+    _TensorBase.device.__get__: "device",
+    _TensorBase.is_cuda.__get__: "is_cuda",
+    _TensorBase.is_cpu.__get__: "is_cpu",
+    _TensorBase.is_mps.__get__: "is_mps",
+    _TensorBase.is_xpu.__get__: "is_xpu",
+}
+_DATA_SET = _TensorBase.data.__set__
+_MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
+          if hasattr(_TensorBase, name)}
+_NO_OPS = {_TensorBase.pin_memory: "pin_memory", _TensorBase.is_pinned: "is_pinned"}
+
+
+def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+class DeviceMode(TorchFunctionMode):
+    """Tensors on the target device, as user code sees them (see the module docstring)."""
+
+    def __init__(self, target: str, backing: str = "cpu") -> None:
+        super().__init__()
+        self.target = target  # "cuda", "mps", "xpu"
+        self.backing = torch.device(backing)  # where tensors really are: cpu or meta
+        self.on_cpu: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors the user put on cpu
+        self.unsupported: list[str] = []
+
+    # -- devices as arguments
+    def _is_target(self, device: Any) -> bool:
+        if isinstance(device, torch.device):
+            return device.type == self.target
+        if isinstance(device, str):
+            return device.split(":")[0] == self.target
+        return False
+
+    def _real(self, device: Any) -> Any:
+        """A device argument as the backing device sees it."""
+        return self.backing if self._is_target(device) else device
+
+    def _virtual(self, t: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if t in self.on_cpu else torch.device(self.target, 0)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        getter = _GETTERS.get(func)
+        if getter is not None:
+            device = self._virtual(args[0])
+            if getter == "device":
+                return device
+            return device.type == getter.removeprefix("is_")
+        if func == _DATA_SET:  # param.data = moved: the parameter is where its data is
+            out = func(*args, **kwargs)
+            self._tagged_like_value(args[0], args[1])
+            return out
+        if func is _TensorBase.get_device:
+            return -1 if args[0] in self.on_cpu else 0
+        if func in _NO_OPS:  # pinned memory is a CUDA host allocation: nothing to do here
+            return args[0] if func is _TensorBase.pin_memory else True
+        if func in _MOVES:
+            return self._move(func, args, kwargs)
+        if func is torch.device:  # naming a device is not using it
+            return func(*args, **kwargs)
+        device = kwargs.get("device")
+        if device is None and func in _device_constructors():
+            # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
+            # one: the target default device is made explicit (and real) here.
+            default = torch.get_default_device()
+            if default.type == self.target:
+                device = default
+        if device is not None:
+            kwargs["device"] = self._real(device)
+        args = tuple(self._real(a) if isinstance(a, torch.device) else a for a in args)
+        out = func(*args, **kwargs)
+        self._tag(out, args, kwargs, device)
+        return out
+
+    def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
+        """Results are on the CPU when the call put them there: an explicit CPU device, a
+        factory on the default (CPU) device, or inputs that are all on the CPU."""
+        results = _tensors(out, [])
+        if not results:
+            return
+        if device is not None:
+            on_cpu = torch.device(device).type == "cpu"
+        else:
+            inputs = _tensors(args, [])
+            _tensors(kwargs, inputs)
+            if inputs:
+                on_cpu = all(t in self.on_cpu for t in inputs)
+            else:
+                on_cpu = torch.get_default_device().type == "cpu"
+        if on_cpu:
+            for t in results:
+                if t.device == self.backing or t.device.type == "cpu":
+                    self.on_cpu[t] = True
+
+    def _move(self, func, args: tuple, kwargs: dict) -> Any:
+        t = args[0]
+        forced_copy = False
+        if func is _TensorBase.cpu:
+            to_cpu = True
+            rest_args, rest_kwargs = (), {k: v for k, v in kwargs.items() if k == "memory_format"}
+        elif func is _TensorBase.to:
+            kwargs = dict(kwargs)
+            copy = kwargs.pop("copy", False)
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:],
+                                                                               **kwargs)
+            other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
+            if other is not None:  # .to(other): other's device and dtype, as the user sees it
+                device = self._virtual(other)
+            if device is None:  # a dtype change only
+                return self._tagged_like(t, func(*args, **kwargs, copy=copy))
+            to_cpu = device.type == "cpu"
+            forced_copy = copy
+            rest_args = ()
+            rest_kwargs = {"dtype": dtype, "non_blocking": non_blocking,
+                           "memory_format": memory_format or torch.preserve_format}
+        else:  # .cuda(), .mps(), .xpu()
+            name = func.__name__
+            if name != self.target:
+                self.unsupported.append(f"Tensor.{name}()")
+                return func(*args, **kwargs)
+            to_cpu = False
+            rest_args, rest_kwargs = (), {}
+        already = (t in self.on_cpu) == to_cpu and not (func is _TensorBase.to and forced_copy)
+        kwargs = {k: v for k, v in rest_kwargs.items() if v is not None}
+        if already:
+            out = t.to(**kwargs) if kwargs.get("dtype") not in (None, t.dtype) else t
+        else:  # a copy to the other device: a new tensor, as a device copy makes
+            out = t.to(*rest_args, copy=True, **kwargs)
+        if to_cpu:
+            self.on_cpu[out] = True
+        elif out is not t:
+            self.on_cpu.pop(out, None)
+        return out
+
+    def parameter(self, original: Callable) -> Callable:
+        """`nn.Parameter.__new__` that puts the parameter where its data is (a Parameter is a
+        new tensor object made in C++, which no function mode sees)."""
+        mode = self
+
+        def __new__(cls, data=None, requires_grad=True):
+            param = original(cls, data, requires_grad)
+            if data is not None and data in mode.on_cpu or data is None and torch.get_default_device().type == "cpu":
+                mode.on_cpu[param] = True
+            return param
+
+        return __new__
+
+    def _tagged_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        if value in self.on_cpu:
+            self.on_cpu[t] = True
+        else:
+            self.on_cpu.pop(t, None)
+
+    def _tagged_like(self, t: torch.Tensor, out: Any) -> Any:
+        if t in self.on_cpu and isinstance(out, torch.Tensor):
+            self.on_cpu[out] = True
+        return out
+
+
+# --- torch.cuda and friends ------------------------------------------------------------------
+
+
+class _Properties:
+    """What `torch.cuda.get_device_properties()` returns, for the emulated GPU."""
+
+    def __init__(self, accelerator: hardware.Accelerator, capability: tuple[int, int]) -> None:
+        self.name = accelerator.title
+        self.total_memory = accelerator.memory_bytes
+        self.major, self.minor = capability
+        self.multi_processor_count = accelerator.multiprocessors or 0
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
+                f"minor={self.minor}, total_memory={self.total_memory // 2**20}MB, "
+                f"multi_processor_count={self.multi_processor_count}) (emulated)")
+
+
+class _Event:
+    """A CUDA event whose timings are the CPU's wall clock (the run is synchronous)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _Event) -> float:
+        if self.time is None or end.time is None:
+            raise RuntimeError("elapsed_time: both events must be recorded first")
+        return (end.time - self.time) * 1e3
+
+
+class _Stream:
+    """A CUDA stream on a device that runs everything in order."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.device = device
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        event = event or _Event()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_BLOCK = 512  # CUDA's caching allocator rounds every block up to 512 bytes
+
+
+class VirtualDevice:
+    """`with VirtualDevice("cuda"):` user code sees one emulated `cuda` device.
+
+    `memory` answers `torch.cuda.memory_allocated()` and `max_memory_allocated()`: a callable
+    returning (live bytes, peak bytes) since the last reset, given by a capture's storage
+    tracker; without one both are 0 (and a note says so). Re-enterable: a model built under one
+    `with` and run under another keeps its tensors' tags.
+    """
+
+    def __init__(self, target: str, *, accelerator: str = "h100",
+                 capability: tuple[int, int] = (9, 0)) -> None:
+        self.target = target
+        self.accelerator = hardware.by_name(accelerator)
+        self.capability = capability
+        self.mode = DeviceMode(target)
+        self.memory: Callable[[], tuple[int, int]] | None = None
+        self.used: set[str] = set()  # which virtual answers the run asked for, for the notes
+        self._stack: contextlib.ExitStack | None = None
+        self._peak_base = 0
+
+    @contextlib.contextmanager
+    def active(self, backing: str = "cpu") -> Iterator[VirtualDevice]:
+        """The virtual device for the body, with tensors backed by `backing` (cpu, or meta
+        while a model for a predicted run is built)."""
+        self.mode.backing = torch.device(backing)
+        with contextlib.ExitStack() as stack:
+            for owner, name, value in self._patches():
+                stack.enter_context(_patched(owner, name, value))
+            stack.enter_context(self.mode)
+            yield self
+
+    # -- what is patched
+    def _patches(self) -> list[tuple[object, str, object]]:
+        backend = getattr(torch, self.target)
+        patches: list[tuple[object, str, object]] = [
+            (backend, "is_available", lambda: True),
+            (backend, "device_count", lambda: 1),
+            (backend, "is_initialized", lambda: True),
+            (backend, "init", lambda: None),
+            (backend, "synchronize", self._note("synchronize", lambda device=None: None)),
+            (backend, "empty_cache", lambda: None),
+            (backend, "manual_seed", lambda seed: None),
+            (backend, "manual_seed_all", lambda seed: None),
+            (backend, "memory_allocated", self._note("memory", lambda device=None: self._live())),
+            (backend, "max_memory_allocated",
+             self._note("memory", lambda device=None: self._peak())),
+            (backend, "memory_reserved", lambda device=None: self._live()),
+            (backend, "max_memory_reserved", lambda device=None: self._peak()),
+            (backend, "reset_peak_memory_stats", lambda device=None: self._reset_peak()),
+            (backend, "reset_max_memory_allocated", lambda device=None: self._reset_peak()),
+            (torch, "compile", self._compile),
+            (torch, "clear_autocast_cache", _clearing(torch.clear_autocast_cache)),
+            (torch, "is_autocast_enabled", _translating(torch.is_autocast_enabled, self.target)),
+            (torch, "get_autocast_dtype", _translating(torch.get_autocast_dtype, self.target)),
+            (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
+            (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
+        ]
+        if self.target == "cuda":
+            accelerator, capability = self.accelerator, self.capability
+            patches += [
+                (backend, "current_device", lambda: 0),
+                (backend, "set_device", lambda device: None),
+                (backend, "get_device_name", lambda device=None: accelerator.title),
+                (backend, "get_device_capability", lambda device=None: capability),
+                (backend, "get_device_properties",
+                 lambda device=None: _Properties(accelerator, capability)),
+                (backend, "is_bf16_supported", lambda including_emulation=True: True),
+                (backend, "Event", _Event),
+                (backend, "Stream", _Stream),
+                (backend, "current_stream", lambda device=None: _Stream()),
+                (backend, "default_stream", lambda device=None: _Stream()),
+                (backend, "stream", lambda stream=None: contextlib.nullcontext()),
+                (backend, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+                (backend, "set_rng_state", lambda state, device="cuda": None),
+                (backend, "mem_get_info",
+                 lambda device=None: (accelerator.memory_bytes - self._live(),
+                                      accelerator.memory_bytes)),
+                # Profiler ranges mark nothing here.
+                (backend.nvtx, "range_push", lambda msg: 0),
+                (backend.nvtx, "range_pop", lambda: 0),
+                (backend.nvtx, "mark", lambda msg: None),
+                (backend.nvtx, "range", lambda msg, *args, **kwargs: contextlib.nullcontext()),
+                (torch.backends.cuda, "is_built", lambda: True),
+                (torch.backends.cudnn, "is_available", lambda: True),
+            ]
+        elif self.target == "mps":
+            patches += [(torch.backends.mps, "is_available", lambda: True),
+                        (torch.backends.mps, "is_built", lambda: True)]
+        return patches
+
+    def _note(self, what: str, fn: Callable) -> Callable:
+        def noted(*args, **kwargs):
+            self.used.add(what)
+            return fn(*args, **kwargs)
+
+        return noted
+
+    def _compile(self, model=None, **kwargs):
+        self.used.add("compile")
+        if model is None:  # @torch.compile(...) as a decorator factory
+            return lambda fn: fn
+        return model
+
+    def _autocast_init(self) -> Callable:
+        """`torch.autocast(target, ...)` becomes the CPU autocast the emulation drives, with the
+        target's default dtype when none is given."""
+        original = torch.amp.autocast_mode.autocast.__init__
+        target = self.target
+
+        def __init__(self, device_type: str, dtype=None, enabled: bool = True,
+                     cache_enabled=None):
+            if device_type == target:
+                if dtype is None:
+                    dtype = default_autocast_dtype(target)
+                device_type = "cpu"
+            original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        return __init__
+
+    # -- memory, from the capture's storage tracker
+    def _live(self) -> int:
+        return self.memory()[0] if self.memory is not None else 0
+
+    def _peak(self) -> int:
+        if self.memory is None:
+            return 0
+        return max(self.memory()[1] - self._peak_base, self._live())
+
+    def _reset_peak(self) -> None:
+        if self.memory is not None:
+            live, peak = self.memory()
+            self._peak_base = peak - live
+
+    def notes(self) -> list[str]:
+        """What the run's code asked of the virtual device, in plain words."""
+        notes = [
+            f"Code that asked which device it was on saw {self.target} (one "
+            f"{self.accelerator.title}, compute capability "
+            f"{self.capability[0]}.{self.capability[1]}): tensors really lived on the CPU."
+        ]
+        if "compile" in self.used:
+            notes.append("torch.compile was called: the run was eager. Compiled code runs the "
+                         "same dtypes; it fuses elementwise ops and may keep fewer activations "
+                         "for backward.")
+        if "synchronize" in self.used:
+            notes.append(f"torch.{self.target}.synchronize() returned at once: the run is "
+                         "synchronous on the CPU, and its timings are the CPU's.")
+        if "memory" in self.used:
+            source = ("ampscope's storage tracker, in 512-byte blocks" if self.memory is not None
+                      else "nothing (no capture was tracking storages): 0")
+            notes.append(f"torch.{self.target}.memory_allocated() and max_memory_allocated() "
+                         f"answered from {source}.")
+        for call in dict.fromkeys(self.mode.unsupported):
+            notes.append(f"{call} ran on the CPU: only {self.target} is virtual here.")
+        return notes
+
+
+def rounded(nbytes: int) -> int:
+    """Bytes as CUDA's caching allocator holds them: in 512-byte blocks."""
+    return -(-nbytes // _BLOCK) * _BLOCK
+
+
+def _clearing(original: Callable) -> Callable:
+    """`torch.clear_autocast_cache`, which autocast calls when its outermost region ends, also
+    empties the emulated cast cache (the target's kernels keep their own)."""
+
+    def clear_autocast_cache() -> None:
+        original()
+        if emulation._active is not None:
+            emulation._active.clear_cache()
+
+    return clear_autocast_cache
+
+
+def _translating(fn: Callable, target: str) -> Callable:
+    """`fn(device_type)` with the target device read as the CPU (whose autocast is emulated)."""
+
+    def translated(device_type: str = "cuda", *args, **kwargs):
+        if device_type == target:
+            device_type = "cpu"
+        return fn(device_type, *args, **kwargs)
+
+    translated.__name__ = getattr(fn, "__name__", "translated")
+    return translated
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    missing = object()
+    old = owner.__dict__.get(name, missing) if isinstance(owner, (type, types.ModuleType)) \
+        else getattr(owner, name, missing)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if old is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, old)
