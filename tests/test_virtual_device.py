@@ -1,0 +1,185 @@
+"""The virtual device: model code that asks which device it is on sees the emulated one.
+
+Each model here is written the way GPU training code is written (device branches at init,
+dtypes fixed at import from torch.cuda, autocast regions switched off in model code), and each
+test asserts what a real CUDA run of it shows, on this CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.precision.emulation import Emulation
+from ampscope.precision.virtual_device import VirtualDevice
+
+MODELS = '''
+import torch
+from torch import nn
+from ampscope.models.base import LoadedModel
+
+# Fixed when the module is imported, as some training code does.
+COMPUTE_DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+class Tiny(nn.Module):
+    """nanochat-style: the token embedding goes bf16 on CUDA in init_weights; bf16 rotary-like
+    buffer; the logits go to float32 before the loss."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("cos", torch.ones(8, dim, dtype=torch.bfloat16))
+
+    def init_weights(self):
+        if self.wte.weight.device.type == "cuda":
+            self.wte.to(dtype=torch.bfloat16)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        x = self.fc(x.float())
+        # A region kept in float32 on purpose, as rotary or loss code does on CUDA.
+        with torch.autocast("cuda", enabled=False):
+            y = torch.nn.functional.linear(x.float(), self.fc.weight.float())
+        logits = self.head(y).float()
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
+                                                 targets.view(-1))
+
+
+def build():
+    with torch.device("meta"):
+        model = Tiny()
+    model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.nn.init.normal_(model.wte.weight)
+    torch.nn.init.normal_(model.fc.weight)
+    torch.nn.init.normal_(model.head.weight)
+    torch.nn.init.zeros_(model.fc.bias)
+    model.cos.fill_(1.0)
+    model.init_weights()
+    return LoadedModel("tiny", model, vocab_size=32, max_seq_len=8)
+'''
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    """A fresh module name each time: import-time code runs again, as in a new process."""
+    name = f"gpu_style_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(MODELS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def param(t, name):
+    return next(p for p in t.parameters if p.name == name)
+
+
+def module_out(t, name, phase="forward"):
+    return next(m for m in t.modules if m.name == name and m.phase == phase).outputs[0].dtype
+
+
+def test_init_time_device_branch_is_taken_on_virtual_cuda(models):
+    cuda = ampscope.trace(f"{models}:build", setting="cuda:fp32+amp-bf16", seq=8)
+    wte = param(cuda, "wte.weight")
+    assert (wte.dtype, wte.grad_dtype) == ("bfloat16", "bfloat16")  # as on a GPU
+    assert module_out(cuda, "wte") == "bfloat16"
+
+
+@pytest.mark.parametrize("setting", ["fp32+amp-bf16", "mps:fp32+amp-bf16"])
+def test_init_time_device_branch_is_not_taken_elsewhere(models, setting):
+    t = ampscope.trace(f"{models}:build", setting=setting, seq=8)
+    wte = param(t, "wte.weight")
+    assert (wte.dtype, wte.grad_dtype) == ("float32", "float32")
+
+
+def test_import_time_dtype_sees_the_virtual_device(models):
+    import importlib
+
+    ampscope.trace(f"{models}:build", setting="cuda:fp32", seq=8)
+    # The module was first imported under the virtual device: its constant is CUDA's.
+    assert torch.bfloat16 == importlib.import_module(models).COMPUTE_DTYPE
+
+
+def test_import_time_dtype_on_the_cpu(models):
+    import importlib
+
+    t = ampscope.trace(f"{models}:build", setting="fp32", seq=8)
+    assert torch.float32 == importlib.import_module(models).COMPUTE_DTYPE
+    assert module_out(t, "fc") == "float32"
+
+
+def test_autocast_disabled_region_in_model_code_runs_uncast(models):
+    t = ampscope.trace(f"{models}:build", setting="cuda:fp32+amp-bf16", seq=8,
+                       workload="forward")
+    assert module_out(t, "fc") == "bfloat16"  # under CUDA's autocast
+    # F.linear inside autocast("cuda", enabled=False) runs in float32; the head, outside the
+    # region, is cast again.
+    inside = [c for c in t.calls if c.func == "torch.nn.functional.linear" and c.module == ""]
+    assert inside and all(c.outputs[0].dtype == "float32" for c in inside)
+    assert module_out(t, "head") == "bfloat16"
+
+
+def test_virtual_device_answers_and_restores():
+    before = (torch.cuda.is_available(), torch.compile, torch.is_autocast_enabled,
+              nn.Parameter.__new__, torch.amp.autocast_mode.autocast.__init__)
+    vd = VirtualDevice("cuda")
+    with Emulation("cuda", torch.bfloat16), vd.active():
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert torch.cuda.is_bf16_supported()
+        assert torch.cuda.get_device_capability() == (9, 0)
+        props = torch.cuda.get_device_properties(0)
+        assert props.total_memory == 80 * 2**30 and props.multi_processor_count == 132
+        model = nn.Linear(4, 4)
+        assert model.weight.device.type == "cpu"  # built without a device: on the CPU
+        model.to("cuda")
+        assert model.weight.is_cuda and model.weight.device == torch.device("cuda", 0)
+        x = torch.randn(2, 4)
+        assert x.device.type == "cpu" and not x.is_cuda
+        x = x.pin_memory().to("cuda", non_blocking=True)
+        assert x.is_cuda and x.get_device() == 0
+        assert torch.arange(3, device=x.device).is_cuda  # a factory on the input's device
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("cuda")
+            assert model(x).dtype == torch.bfloat16
+            with torch.autocast("cuda", enabled=False):
+                assert model(x).dtype == torch.float32
+        y = model(x).cpu()
+        assert y.device.type == "cpu" and not y.is_cuda
+        assert torch.compile(model) is model
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda.synchronize()
+        end.record()
+        assert start.elapsed_time(end) >= 0
+    after = (torch.cuda.is_available(), torch.compile, torch.is_autocast_enabled,
+             nn.Parameter.__new__, torch.amp.autocast_mode.autocast.__init__)
+    assert after == before  # everything patched is back
+    assert model.weight.device.type == "cpu"  # the tensors really were on the CPU
+
+
+def test_cuda_memory_calls_read_the_storage_tracker():
+    model = nn.Linear(256, 256)  # 256 KiB of float32 weight, 1 KiB of bias
+
+    seen = {}
+
+    def step(m, batch):
+        torch.cuda.reset_peak_memory_stats()
+        out = m(batch["x"])
+        seen["live"] = torch.cuda.memory_allocated()
+        seen["peak"] = torch.cuda.max_memory_allocated()
+        return out
+
+    ampscope.trace(model, {"x": torch.randn(64, 256)}, setting="cuda:fp32", workload=step)
+    # weight 262,144 + bias 1,024 + input 65,536 + output 65,536: each a multiple of 512
+    assert seen["live"] == 262_144 + 1_024 + 65_536 + 65_536
+    assert seen["peak"] >= seen["live"]
