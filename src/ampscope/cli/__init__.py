@@ -41,6 +41,37 @@ def _parser() -> argparse.ArgumentParser:
                        help="draw the dtype flow of one forward pass, one block drawn once")
     _add_distributed_arguments(trace)
 
+    run = sub.add_parser(
+        "run", help="run your own script, unmodified, and trace its model (on a device this "
+                    "machine lacks, a virtual one)",
+        description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it "
+                    "after --steps optimizer steps, and trace the model it runs.",
+        epilog="examples:\n  ampscope run --device cuda --steps 1 train.py --batch_size=4\n"
+               "  ampscope run --device cuda -m scripts.base_train -- --depth=4\n"
+               "  ampscope run --predict --device cuda train.py   # full size, no memory",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                     help="the device the script should see; one this machine lacks is virtual "
+                          "(default: this machine's)")
+    run.add_argument("--steps", type=int, default=1,
+                     help="stop after this many optimizer steps (default: %(default)s)")
+    run.add_argument("--predict", action="store_true",
+                     help="run on fake tensors: the model is never materialised")
+    run.add_argument("-m", dest="module", action="store_true",
+                     help="TARGET is a module name, run as `python -m TARGET`")
+    run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
+    run.add_argument("--ops", action="store_true", help="add the op-level listing")
+    run.add_argument("--diagram", action="store_true",
+                     help="draw the dtype flow of one forward pass")
+    run.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout: "
+                                                    "the script's prints go to stderr)")
+    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                     help=argparse.SUPPRESS)
+    run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="the script's own arguments ('--' first if they could be read as "
+                          "ampscope's)")
+
     matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
     _add_model_argument(matrix)
     matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),

@@ -49,6 +49,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
                  lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    import contextlib
+    import io
+
+    from ampscope.analysis.summary import trace_summary
+    from ampscope.render.text import render_trace
+    from ampscope.script import run_script
+
+    script_args = args.script_args
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    args.model = args.target  # named in one-line errors
+    # The script's prints stay visible, but never mixed into JSON on stdout.
+    sink = io.StringIO() if args.quiet else sys.stderr if args.json == "-" else None
+    with contextlib.redirect_stdout(sink) if sink is not None else contextlib.nullcontext():
+        result = run_script(args.target, script_args, module=args.module, device=args.device,
+                            steps=args.steps, predict=args.predict)
+    return _show(args, result.to_json,
+                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
+
+
 def cmd_matrix(args: argparse.Namespace) -> int:
     from ampscope.api import matrix
     from ampscope.render.matrix import render_matrix

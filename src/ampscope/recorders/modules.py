@@ -69,6 +69,12 @@ class ModuleTracker:
         self.phase: PhaseClock | None = None
         self.on_root_forward: Callable[[], None] | None = None
         self.on_backward_end: Callable[[], None] | None = None
+        # Set when the model is not known yet (a script): called with the first module that
+        # runs outside any other, and its arguments, before that call is recorded.
+        self.on_new_root: Callable[[nn.Module, tuple], None] | None = None
+
+    def add_names(self, names: dict[nn.Module, str]) -> None:
+        self._names.update(names)
 
     # -- queries used while ops run
     def current(self) -> str | None:
@@ -100,6 +106,8 @@ class ModuleTracker:
     def _forward_pre(self, module: nn.Module, args) -> None:
         if in_backward():  # a module called inside a custom backward: not a model call
             return
+        if self.on_new_root is not None and not self._forward_stack:
+            self.on_new_root(module, args)
         name = self._name(module)
         if name == "" and not self._forward_stack and self.on_root_forward is not None:
             self.on_root_forward()

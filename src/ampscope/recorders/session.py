@@ -54,19 +54,24 @@ class Capture:
     hooks and modes are removed on exit, also when the block raised.
     """
 
-    def __init__(self, model: nn.Module, *, model_name: str | None = None,
+    def __init__(self, model: nn.Module | None, *, model_name: str | None = None,
                  setting: SettingRecord | None = None, workload: str = "custom",
                  op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
                  explain_failure: Callable[[FailedCall | None], str | None] | None = None) -> None:
         """`findings` and `explain_failure` are given by the API (they are analysis, which
         capture does not import): the first fills `trace.findings` when a `with` block ends,
-        the second turns the call that raised into a note under the user's traceback."""
+        the second turns the call that raised into a note under the user's traceback.
+
+        With `model=None` (a script run by `ampscope run`), the first module called outside
+        any other becomes the model, with everything it holds."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
         self._findings = findings
         self._explain_failure = explain_failure
+        self._model_name = model_name
+        self.device: str | None = None  # for capture() on a virtual device: the device it is
         self.trace = Trace(
             model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
             setting=setting or UNKNOWN_SETTING, workload=workload,
@@ -79,33 +84,25 @@ class Capture:
 
     # -- recorders
     def _start(self) -> None:
-        model = self.model
         self._matmul_precision = torch.get_float32_matmul_precision()
         clock = self._clock = _PhaseClock()
-        tracker = self._tracker = ModuleTracker({m: n for n, m in model.named_modules()})
+        tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
         tracker.on_backward_end = self._on_backward_end
-        names: dict[int, tuple[weakref.ref, str]] = {}
-        origins: dict[int, tuple[weakref.ref, str]] = {}
-        for kind, named in (("parameter", model.named_parameters()),
-                            ("buffer", model.named_buffers())):
-            for name, t in named:
-                names.setdefault(id(t), (weakref.ref(t), name))
-                origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
-        self._functions = FunctionRecorder(tracker, clock, origins)
-        self._ops = OpRecorder(tracker, clock, self._functions, names)
+        self._names: dict[int, tuple[weakref.ref, str]] = {}
+        self._functions = FunctionRecorder(tracker, clock, {})
+        self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
-        storages = self._storages = self._ops.storages = StorageTracker(self._ops.ops)
-        for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
-                            ("buffer", model.named_buffers(remove_duplicate=False))):
-            for name, t in named:
-                storages.register(t, kind, name)
+        self._storages = self._ops.storages = StorageTracker(self._ops.ops)
         self._handles = [
-            model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
             register_optimizer_step_pre_hook(self._on_step_begin),
             register_optimizer_step_post_hook(self._on_step_end),
         ]
+        if self.model is not None:
+            self._watch(self.model)
+        else:
+            tracker.on_new_root = self._adopt
         tracker.__enter__()
         self._functions.__enter__()
         self._ops.__enter__()
@@ -121,6 +118,30 @@ class Capture:
                 self._tracker.__exit__()
                 for handle in self._handles:
                     handle.remove()
+
+    def _watch(self, model: nn.Module) -> None:
+        """Name the model's modules, parameters and buffers for the recorders."""
+        self._tracker.add_names({m: n for n, m in model.named_modules()})
+        for kind, named in (("parameter", model.named_parameters()),
+                            ("buffer", model.named_buffers())):
+            for name, t in named:
+                self._names.setdefault(id(t), (weakref.ref(t), name))
+                self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
+        for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                            ("buffer", model.named_buffers(remove_duplicate=False))):
+            for name, t in named:
+                self._storages.register(t, kind, name)
+        self._handles.append(
+            model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
+
+    def _adopt(self, module: nn.Module, args: tuple) -> None:
+        """The first module a script calls outside any other becomes the model."""
+        self.model = module
+        self._tracker.on_new_root = None
+        self.trace.model = ModelInfo(self._model_name or type(module).__name__,
+                                     type(module).__name__, 0)
+        self._watch(module)
+        self._on_model_call(module, args, {})  # its pre-hook was registered after this call
 
     def _on_root_forward(self) -> None:
         self._clock.after_backward = False  # a new step begins
@@ -194,9 +215,11 @@ class Capture:
                 if not counts:
                     device = p.device.type
                 counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        emulated = self.device is not None and self.device != device
+        device = self.device or device
         main = max(counts, key=counts.__getitem__) if counts else None
         autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
-        return SettingRecord(name="as-run", device=device, emulated=False,
+        return SettingRecord(name="as-run", device=device, emulated=emulated,
                              param_dtype=dtype_name(main) if main else None,
                              autocast_dtype=autocast, matmul_precision=self._matmul_precision)
 
