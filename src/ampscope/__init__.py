@@ -14,10 +14,11 @@ from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, parse_setting
 from ampscope.records import Trace
 from ampscope.render import notebook
+from ampscope.script import run_script
 from ampscope.workloads import RunOptions
 
 notebook.register()  # Jupyter shows traces and reports as HTML
 
 __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "flops",
-           "matrix", "memory", "numerics", "parse_setting", "policy", "trace"]
+           "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]
 __version__ = "0.1.0"

@@ -1,0 +1,191 @@
+"""`ampscope run`: the user's own script, unmodified, on this machine or on a virtual device.
+
+The script is examples/gpt/train.py, a GPU training script in the usual shape: settings
+overridden by --name=value, dtype picked from torch.cuda.is_available() and
+is_bf16_supported(), torch.amp.autocast through a nullcontext on the CPU, a GradScaler enabled
+only for float16, torch.cuda.synchronize() around its timer, torch.compile when asked, and a
+memory-mapped token file. Each test asserts what a real run of it on that device shows.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ampscope
+from ampscope.cli import main
+from ampscope.errors import AmpscopeError
+from ampscope.script import run_script
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "train.py"
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A small token file the script memory-maps."""
+    np.random.default_rng(0).integers(0, 512, 5_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    return f"--data_dir={tmp_path}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_model_module():
+    """The script imports its `model` module from its own folder: import it anew each run."""
+    yield
+    sys.modules.pop("model", None)
+
+
+def module_out(t, name):
+    return next(m for m in t.modules if m.name == name and m.phase == "forward").outputs[0]
+
+
+def test_virtual_cuda_takes_the_scripts_cuda_branch(data):
+    t = run_script(str(EXAMPLE), [data, "--block_size=16", "--compile=True"], device="cuda")
+    assert t.setting.device == "cuda" and t.setting.emulated
+    assert t.setting.autocast_dtype == "bfloat16"  # is_bf16_supported() said yes
+    assert module_out(t, "blocks.0.fc").dtype == "bfloat16"  # Linear under bf16 autocast
+    assert module_out(t, "ln_f").dtype == "float32"
+    loss = next(c for c in t.calls if "cross_entropy" in c.func)
+    assert loss.outputs[0].dtype == "float32"
+    # GradScaler(enabled=False) for bf16: no loss scaling, no unscale kernel.
+    assert not any("_amp_foreach_non_finite_check_and_unscale_" in o.op for o in t.ops)
+    # One optimizer step, then the script was stopped.
+    assert sum(1 for c in t.calls if c.phase == "optimizer") > 0
+    assert any("stopped after first optimizer step" in n for n in t.notes)
+    assert any("torch.compile was called" in n for n in t.notes)
+
+
+def test_cpu_takes_the_scripts_cpu_branch(data):
+    t = run_script(str(EXAMPLE), [data, "--block_size=16"])
+    assert t.setting.device == "cpu" and not t.setting.emulated
+    assert t.setting.autocast_dtype is None  # nullcontext on the CPU: no autocast
+    assert module_out(t, "blocks.0.fc").dtype == "float32"
+
+
+def test_float16_enables_the_grad_scaler(data):
+    t = run_script(str(EXAMPLE), [data, "--block_size=16", "--dtype=float16"], device="cuda")
+    assert module_out(t, "blocks.0.fc").dtype == "float16"
+    assert any("_amp_foreach_non_finite_check_and_unscale_" in o.op for o in t.ops)
+
+
+def test_steps_counts_optimizer_steps(data):
+    t = run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda", steps=2)
+    assert max(c.step for c in t.calls) == 2  # two calls of the model
+    assert any("stopped after second optimizer step" in n for n in t.notes)
+
+
+def test_script_memory_logging_prints_the_tracked_peak(tmp_path, capsys, data):
+    # The script prints torch.cuda.max_memory_allocated() after its step: a script that stops
+    # after step 2 has printed step 1's figure, answered by the storage tracker in 512-byte
+    # blocks.
+    t = run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda", steps=2)
+    out = capsys.readouterr().out
+    printed = int(out.split("max memory allocated ")[1].split(" B")[0].replace(",", ""))
+    assert printed > 0 and printed % 512 == 0
+    # At least the weights, their gradients and AdamW's two moments (136,960 float32 each).
+    assert printed >= 4 * 136_960 * 4
+    assert any("max_memory_allocated() answered from ampscope's storage tracker" in n
+               for n in t.notes)
+
+
+def test_predict_runs_a_full_size_config_without_memory(data):
+    import resource
+
+    # A 6.6-billion-parameter configuration: 26 GB of float32 weights if materialised.
+    args = [data, "--n_layer=32", "--n_embd=4096", "--n_head=32", "--vocab_size=32000",
+            "--block_size=1024"]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = run_script(str(EXAMPLE), args, device="cuda", predict=True)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # kB on Linux
+    assert t.mode == "predict"
+    assert t.model.parameters == 6_579_429_376
+    assert {s.key for s in t.optimizer_state} == {"step", "exp_avg", "exp_avg_sq"}
+    assert grown < 1_500_000  # well under 2 GB (the largest single weight is 0.5 GB)
+
+
+def test_cli_run_json_is_not_mixed_with_the_scripts_prints(capsys, data):
+    code = main(["run", "--device", "cuda", "--steps", "2", "--json", "-", str(EXAMPLE), data,
+                 "--block_size=16"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    document = json.loads(out)  # stdout is the JSON alone
+    assert document["schema"] == "ampscope.trace/1" and document["setting"]["device"] == "cuda"
+    assert "iter 0: loss" in err  # the script's own print, on stderr
+
+
+def test_cli_run_shows_the_report_after_the_scripts_output(capsys, data):
+    code = main(["run", "--device", "cuda", "--steps", "2", str(EXAMPLE), data,
+                 "--block_size=16"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert out.index("iter 0: loss") < out.index("Tensors by dtype")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "no/such/train.py"], "no script at no/such/train.py"),
+    (["run", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
+    (["run", "--steps", "0", str(EXAMPLE)], "--steps must be at least 1"),
+])
+def test_cli_run_bad_input_is_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_script_that_raises_before_any_step(tmp_path, capsys):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nx = torch.ones(2)\nraise ValueError('bad config')\n")
+    assert main(["run", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "broken.py raised ValueError at broken.py:3: bad config" in err
+
+
+def test_a_script_that_runs_no_model(tmp_path):
+    script = tmp_path / "idle.py"
+    script.write_text("import torch\nprint(torch.ones(2).sum())\n")
+    with pytest.raises(AmpscopeError, match="nothing was captured: idle.py ran no nn.Module"):
+        run_script(str(script))
+
+
+def test_a_cuda_call_that_cannot_be_virtual_is_one_line(tmp_path):
+    script = tmp_path / "ext.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(2, 2).cuda()\n"
+        "y = model(torch.ones(1, 2, device='cuda'))\n"
+        "torch.cuda.ipc_collect()  # what a custom extension's setup might call\n"
+    )
+    with pytest.raises(AmpscopeError, match=r"ext.py:4 needs torch.cuda.ipc_collect\(\)"):
+        run_script(str(script), device="cuda")
+
+
+def test_the_callers_state_comes_back(tmp_path, data):
+    argv, path = sys.argv[:], sys.path[:]
+    autocast = torch.is_autocast_enabled("cpu")
+    run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda")
+    assert sys.argv == argv and sys.path == path
+    assert torch.is_autocast_enabled("cpu") == autocast
+    assert not torch.cuda.is_available()  # the virtual device is gone
+
+
+def test_module_mode_runs_a_package_module(tmp_path, monkeypatch):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "step.py").write_text(
+        "import sys, torch\n"
+        "lr = float(sys.argv[1])\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=lr)\n"
+        "for _ in range(3):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t = ampscope.run_script("pkg.step", ["0.1"], module=True, steps=1)
+    assert t.model.cls == "Linear" and t.workload == "train"
