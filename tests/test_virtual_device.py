@@ -183,3 +183,21 @@ def test_cuda_memory_calls_read_the_storage_tracker():
     # weight 262,144 + bias 1,024 + input 65,536 + output 65,536: each a multiple of 512
     assert seen["live"] == 262_144 + 1_024 + 65_536 + 65_536
     assert seen["peak"] >= seen["live"]
+
+
+def test_capture_on_a_virtual_device_around_your_own_loop():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with ampscope.capture(model, device="cuda") as t:
+        model.to("cuda")
+        x = torch.randn(4, 8, device="cuda")
+        assert x.is_cuda and next(model.parameters()).is_cuda
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+    assert t.setting.device == "cuda" and t.setting.emulated
+    assert t.setting.autocast_dtype == "bfloat16"
+    first = next(m for m in t.modules if m.name == "0" and m.phase == "forward")
+    assert first.outputs[0].dtype == "bfloat16"
+    assert any("saw cuda" in n for n in t.notes)
+    assert not torch.cuda.is_available()
+    assert next(model.parameters()).device.type == "cpu"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -27,11 +27,12 @@ from ampscope.precision import (
     Setting,
     applied,
     default_autocast_dtype,
+    device_available,
     parse_setting,
     resolve_device,
 )
 from ampscope.precision.autocast_policy import read_policy
-from ampscope.precision.emulation import device_api_error
+from ampscope.precision.emulation import Emulation, device_api_error
 from ampscope.precision.predict import (
     check_matmul_dtypes,
     data_dependent,
@@ -281,13 +282,34 @@ def matrix(
     return build_matrix(traces), traces
 
 
-def capture(model: nn.Module, *, name: str | None = None) -> Capture:
+def capture(model: nn.Module, *, name: str | None = None,
+            device: str | None = None) -> contextlib.AbstractContextManager[Trace]:
     """`with ampscope.capture(model) as t: ...` records whatever runs inside into the Trace `t`.
 
     The model's own code, autocast regions and optimizer run as written; ampscope only watches.
+    With `device` ("cuda", "mps", "xpu") on a machine that lacks it, the code inside runs on
+    the virtual device: it sees that device, and its autocast follows that device's policy.
     """
-    return Capture(model, model_name=name, workload="custom", findings=derive_findings,
-                   explain_failure=_explain)
+    recorder = Capture(model, model_name=name, workload="custom", findings=derive_findings,
+                       explain_failure=_explain)
+    if device is None:
+        return recorder
+    if device not in DEVICES:
+        raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    recorder.device = device
+    if device_available(device):
+        return recorder
+    return _on_virtual_device(recorder, device)
+
+
+@contextlib.contextmanager
+def _on_virtual_device(recorder: Capture, device: str) -> Iterator[Trace]:
+    virtual = VirtualDevice(device)
+    with Emulation(device, default_autocast_dtype(device)), recorder as trace:
+        virtual.memory = recorder.memory_now
+        with virtual.active():
+            yield trace
+    trace.notes += virtual.notes()
 
 
 def _explain(failure) -> str | None:
