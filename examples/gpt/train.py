@@ -19,7 +19,7 @@ import torch
 from model import GPT, GPTConfig
 
 # -- settings, overridable as --name=value
-data_dir = "data"
+data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 batch_size = 4
 block_size = 64
 n_layer = 2
