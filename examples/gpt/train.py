@@ -15,7 +15,6 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-
 from model import GPT, GPTConfig
 
 # -- settings, overridable as --name=value
