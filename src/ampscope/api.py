@@ -180,7 +180,8 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
-    result.notes = notes + (emulation.notes(workload_name) if emulation is not None else [])
+    result.notes = (notes + (emulation.notes(workload_name) if emulation is not None else [])
+                    + result.notes)  # what the capture itself noted comes last
     if virtual is not None:
         result.notes += virtual.notes()
     result.findings = derive_findings(result)

@@ -128,7 +128,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                      "values).")
     if virtual is not None:
         notes += virtual.notes()
-    result.notes = notes
+    result.notes = notes + result.notes
     result.findings = derive_findings(result)
     return result
 

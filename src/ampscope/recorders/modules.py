@@ -9,6 +9,7 @@ dtypes and an innermost-module stack for attributing ops.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Protocol
@@ -37,12 +38,13 @@ class PhaseClock(Protocol):
 class _OpenCall:
     """A module call whose record is not complete yet."""
 
-    __slots__ = ("index", "name", "type", "phase", "depth", "inputs", "outputs")
+    __slots__ = ("index", "name", "type", "phase", "depth", "inputs", "outputs", "module_id")
 
     def __init__(self, index: int, name: str, type_: str, phase: str, depth: int, inputs):
         self.index, self.name, self.type, self.phase = index, name, type_, phase
         self.depth, self.inputs = depth, inputs
         self.outputs: tuple[TensorMeta, ...] = ()
+        self.module_id = 0  # id() of the module called, to tell module(...) from .forward(...)
 
     def close(self) -> ModuleCall:
         return ModuleCall(
@@ -85,6 +87,37 @@ class ModuleTracker:
     def records(self) -> list[ModuleCall]:
         return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
 
+    def watch_direct_calls(self, module: nn.Module) -> Callable[[], None]:
+        """Record `module.forward(...)` called directly (as samplers do), which runs no hook,
+        like `module(...)`. Returns what undoes it."""
+        tracker = self
+        original = module.forward
+        had_own = "forward" in module.__dict__
+
+        @functools.wraps(original)  # its signature names the model's inputs
+        def forward(*args, **kwargs):
+            stack = tracker._forward_stack
+            if stack and stack[-1].module_id == id(module):  # module(...): its hooks ran
+                return original(*args, **kwargs)
+            tracker._forward_pre(module, args)
+            try:
+                output = original(*args, **kwargs)
+            except BaseException:
+                tracker._forward_post(module, args, None)
+                raise
+            tracker._forward_post(module, args, kwargs, output)
+            return output
+
+        module.forward = forward
+
+        def undo() -> None:
+            if had_own:
+                module.forward = original
+            else:
+                module.__dict__.pop("forward", None)
+
+        return undo
+
     # -- install / remove
     def __enter__(self) -> ModuleTracker:
         self._handles = [
@@ -116,6 +149,7 @@ class ModuleTracker:
             len(self._calls), name, type(module).__name__, phase,
             len(self._forward_stack), metas(args),
         )
+        call.module_id = id(module)
         self._calls.append(call)
         self._forward_stack.append(call)
 

@@ -234,3 +234,42 @@ class OpRecorder(TorchDispatchMode):
             flops=flops, flops_causal=flops_causal,
         ))
         return out
+
+
+class InferenceAsNoGrad:
+    """While entered, `torch.inference_mode()` blocks run as `torch.no_grad()` blocks.
+
+    Under inference mode autograd is skipped, so composite ops (`linear`, `to`, `square`) reach
+    the recorders whole and autocast never sees their parts, where a device decomposes them
+    first (its backend runs the parts through autocast again): the trace would show `linear`
+    instead of `addmm`, count 0 FLOPs and miss autocast's casts. Under no_grad the parts are the
+    device's, with the same dtypes, and nothing is saved for backward either. `used` tells
+    whether a block ran, for the trace's notes.
+    """
+
+    def __init__(self) -> None:
+        self.used = False
+        self._saved: tuple | None = None
+
+    def __enter__(self) -> InferenceAsNoGrad:
+        cls = torch.autograd.grad_mode.inference_mode
+        self._saved = (cls.__enter__, cls.__exit__)
+        watcher = self
+
+        def __enter__(ctx) -> None:
+            ctx._grad_was = torch.is_grad_enabled()
+            if ctx.mode:
+                watcher.used = True
+                torch.set_grad_enabled(False)
+
+        def __exit__(ctx, *exc) -> None:
+            torch.set_grad_enabled(ctx._grad_was)
+
+        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            cls = torch.autograd.grad_mode.inference_mode
+            cls.__enter__, cls.__exit__ = self._saved
+            self._saved = None

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
 from ampscope.recorders import inventory
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
-from ampscope.recorders.ops import FunctionRecorder, OpRecorder
+from ampscope.recorders.ops import FunctionRecorder, InferenceAsNoGrad, OpRecorder
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
@@ -81,6 +81,7 @@ class Capture:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._inputs: dict[str, torch.Tensor] | None = None
         self._handles: list = []
+        self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
 
     # -- recorders
     def _start(self) -> None:
@@ -103,6 +104,7 @@ class Capture:
             self._watch(self.model)
         else:
             tracker.on_new_root = self._adopt
+        self._inference = InferenceAsNoGrad().__enter__()
         tracker.__enter__()
         self._functions.__enter__()
         self._ops.__enter__()
@@ -116,8 +118,12 @@ class Capture:
                 self._functions.__exit__(None, None, None)
             finally:
                 self._tracker.__exit__()
+                self._inference.__exit__()
                 for handle in self._handles:
                     handle.remove()
+                for undo in self._undo:
+                    undo()
+                self._undo = []
 
     def _watch(self, model: nn.Module) -> None:
         """Name the model's modules, parameters and buffers for the recorders."""
@@ -133,6 +139,7 @@ class Capture:
                 self._storages.register(t, kind, name)
         self._handles.append(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
+        self._undo.append(self._tracker.watch_direct_calls(model))
 
     def _adopt(self, module: nn.Module, args: tuple) -> None:
         """The first module a script calls outside any other becomes the model."""
@@ -261,4 +268,9 @@ class Capture:
         self._inputs = None  # the trace keeps records, not the user's tensors
         if outputs:
             trace.outputs = inventory.named_tensors(outputs, role="output")
+        if self._inference.used:
+            trace.notes.append(
+                "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "
+                "(linear, to) then split into the ops a device runs (addmm, _to_copy), with the "
+                "same dtypes, and autocast sees each part as it does there.")
         return trace
