@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -14,10 +15,13 @@ from ampscope import schemas
 from ampscope.cli import main
 
 DELETE = object()
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _run(capsys, argv: list[str]) -> dict:
-    code = main([*argv, "--json", "-"])
+    # `run` takes its own options before the script; what follows the script is the script's.
+    argv = [*argv[:1], "--json", "-", *argv[1:]] if argv[0] == "run" else [*argv, "--json", "-"]
+    code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)
@@ -107,6 +111,12 @@ CASES = [
       "--predict"], [
         (("setting", "emulated"), "yes"),
         (("notes", 0), None),
+    ]),
+    ("run-virtual-cuda", "trace",
+     ["run", "--device", "cuda", "--quiet", str(EXAMPLES / "gpt" / "train.py"),
+      "--block_size=16", "--batch_size=2"], [
+        (("setting", "emulated"), "yes"),
+        (("ops", 0, "phase"), "sideways"),
     ]),
     ("matrix", "matrix",
      ["matrix", "gpt2-tiny", "--settings", "fp32,fp32+amp-bf16,bf16", "--seq", "8", "--predict"], [
@@ -245,8 +255,8 @@ def test_diff_of_trace_files_validates(capsys, tmp_path):
 
 
 def test_trace_setting_of_capture_is_as_run():
-    """ampscope.capture observes its setting: any device, no canonical name, and the matmul
-    precision as set (the CLI's settings allow less)."""
+    """ampscope.capture (and ampscope run) observes its setting: any device, emulated or not,
+    no canonical name, and the matmul precision as set (the CLI's settings allow less)."""
     schema = schemas.load("trace")
     observed = {"name": "as-run", "device": "meta", "emulated": False, "param_dtype": None,
                 "autocast_dtype": "float16", "matmul_precision": "medium"}
@@ -256,7 +266,8 @@ def test_trace_setting_of_capture_is_as_run():
                 "tensors": {"parameters": [], "buffers": [], "optimizer_state": [], "inputs": []},
                 "findings": []}
     assert _errors(document, schema) == []  # the core fields alone are a document
-    assert _errors(_changed(document, ("setting", "emulated"), True), schema)
+    assert _errors(_changed(document, ("setting", "emulated"), True), schema) == []
+    assert _errors(_changed(document, ("setting", "emulated"), "yes"), schema)
     assert _errors(_changed(document, ("setting", "name"), "fp32"), schema)
 
 
