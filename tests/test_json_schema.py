@@ -174,7 +174,7 @@ CASES = [
     ]),
     ("numerics", "numerics", ["numerics", "gpt2-tiny", "--settings", "bf16", "--seq", "8"], [
         (("reference",), "fp16"),
-        (("settings", 0, "modules", 0, "sqnr_db"), "nan"),
+        (("settings", 0, "modules", 0, "sqnr_db"), "NaN"),
         (("ranges", 0, "formats", "float16", "overflow"), 2.0),
         (("ranges", 0, "kind"), "bias"),
     ]),

@@ -94,3 +94,10 @@ def test_numerics_cli_json(capsys):
 def test_numerics_refuses_other_workloads():
     with pytest.raises(AmpscopeError, match="forward or train"):
         ampscope.numerics("gpt2-tiny", workload="generate")
+
+
+def test_a_nan_divergence_is_written_as_nan_not_minus_inf():
+    from ampscope.analysis.numerics import _finite
+
+    assert _finite(float("nan")) == "nan"
+    assert (_finite(float("inf")), _finite(float("-inf")), _finite(0.5)) == ("inf", "-inf", 0.5)

@@ -179,6 +179,9 @@ class NumericsReport:
 
 
 def _finite(x: float) -> float | str:
+    """A number as strict JSON holds it: infinities and NaN as the strings "inf", "-inf", "nan"."""
+    if math.isnan(x):
+        return "nan"
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
