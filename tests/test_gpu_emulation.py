@@ -12,6 +12,7 @@ fails the test with the first differing op, so the table in the docs can be fill
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -47,5 +48,27 @@ def test_emulated_cuda_matches_real_cuda(model, setting, workload):
         pytest.skip("nanochat's bf16 embedding needs autocast on CUDA (a dtype mismatch there)")
     real = ampscope.trace(model, setting=real_setting, workload=workload, seq=16)
     emulated = ampscope.trace(model, setting=emulated_setting, workload=workload, seq=16)
+    assert real.setting.emulated is False and emulated.setting.emulated is True
+    assert _ops(emulated) == _ops(real), _first_difference(_ops(real), _ops(emulated))
+
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "train.py"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ampscope_run_on_the_virtual_device_matches_the_real_gpu(tmp_path, dtype):
+    """The example training script, unmodified: one step on the GPU against one step on the
+    virtual device (tensors on the CPU), op for op."""
+    import sys
+
+    import numpy as np
+
+    np.random.default_rng(0).integers(0, 512, 5_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    args = [f"--data_dir={tmp_path}", "--block_size=16", f"--dtype={dtype}"]
+    traces = []
+    for virtual in (False, True):
+        sys.modules.pop("model", None)
+        traces.append(ampscope.run_script(str(EXAMPLE), args, device="cuda", virtual=virtual))
+    real, emulated = traces
     assert real.setting.emulated is False and emulated.setting.emulated is True
     assert _ops(emulated) == _ops(real), _first_difference(_ops(real), _ops(emulated))

@@ -50,21 +50,24 @@ class _StopScript(BaseException):
 
 
 def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
-               device: str | None = None, steps: int = 1, predict: bool = False) -> Trace:
+               device: str | None = None, steps: int = 1, predict: bool = False,
+               virtual: bool | None = None) -> Trace:
     """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
     `argv` as its arguments, stop it after `steps` optimizer steps (a script that never steps
     runs to its end), and return what its model did.
 
     `device` is the device the script should believe it has ("cuda", "mps", "xpu"); on a
     machine without it, the script runs on the virtual device and the trace says "emulated".
-    `predict=True` runs it on fake tensors."""
+    `predict=True` runs it on fake tensors. `virtual=True` uses the virtual device even where
+    the device exists (to compare the two on a GPU machine); None: only where it does not."""
     if steps < 1:
         raise AmpscopeError("--steps must be at least 1: the run stops after that many "
                             "optimizer steps")
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
     label, run = _runner(target, argv, module)
-    emulated = device is not None and not device_available(device)
+    emulated = device is not None and (not device_available(device) if virtual is None
+                                       else virtual)
     capture = Capture(None, model_name=None, workload="script", findings=derive_findings)
     capture.device = device
     virtual = VirtualDevice(device) if emulated and device is not None else None
