@@ -290,3 +290,15 @@ def test_memory_cli_json_and_measure_needs_a_real_cuda_device(capsys):
         code = main(["memory", "gpt2-tiny", "--seq", "8", "--device", "cuda", "--measure"])
         err = capsys.readouterr().err
         assert code == 2 and "--measure needs a real CUDA device" in err
+
+
+def test_an_emulated_memory_report_says_so():
+    import ampscope
+    from ampscope.render.memory import render_memory
+
+    report = ampscope.memory("gpt2-tiny", setting="cuda:fp32+amp-bf16", seq=8, predict=True)
+    assert report.emulated and report.to_dict()["emulated"] is True
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(render_memory(report))
+    assert "on cuda (emulated, predicted)" in out.getvalue().splitlines()[0]
+    assert not ampscope.memory("gpt2-tiny", seq=8, predict=True).emulated

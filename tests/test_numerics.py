@@ -101,3 +101,19 @@ def test_a_nan_divergence_is_written_as_nan_not_minus_inf():
 
     assert _finite(float("nan")) == "nan"
     assert (_finite(float("inf")), _finite(float("-inf")), _finite(0.5)) == ("inf", "-inf", 0.5)
+
+
+def test_an_emulated_numerics_setting_is_named_in_the_header():
+    import io
+
+    from rich.console import Console
+
+    import ampscope
+    from ampscope.render.numerics import render_numerics
+
+    report = ampscope.numerics("gpt2-tiny", settings=["fp32+amp-bf16", "cuda:fp32+amp-bf16"],
+                               seq=8)
+    assert report.emulated == ["cuda:fp32+amp-bf16"]
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(render_numerics(report))
+    assert "emulated: cuda:fp32+amp-bf16" in out.getvalue()

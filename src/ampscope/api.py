@@ -484,7 +484,8 @@ def numerics(
     if on_setting is not None:
         on_setting(0, f"{reference} (reference)")
     ref = _values_of(lm, data, ref_setting, options)
-    report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref))
+    report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref),
+                            emulated=[s.name for s in parsed if s.emulated])
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i + 1, s.name)

@@ -123,6 +123,7 @@ class MemoryReport:
     rounding: str | None  # "cuda" when the peak is also given with CUDA's block rounding
     notes: list[str] = field(default_factory=list)
     measured: MeasuredPeak | None = None  # on a real CUDA device, with --measure
+    emulated: bool = False  # the device was absent: the run was emulated on the CPU
 
     def to_dict(self) -> dict:
         return {
@@ -141,6 +142,7 @@ class MemoryReport:
                          "buckets": [asdict(b) for b in self.timeline]},
             "notes": list(self.notes),
             "measured": asdict(self.measured) if self.measured else None,
+            "emulated": self.emulated,
         }
 
 
@@ -399,6 +401,7 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
             ))
     return MemoryReport(
         model=trace.model.name, setting=trace.setting.name, device=device,
+        emulated=trace.setting.emulated,
         workload=trace.workload, mode=trace.mode, before_bytes=before,
         end_bytes=live[-1] if live else before, peak=peak,
         at_peak=breakdown(at_peak), allocated=breakdown(storages),

@@ -149,6 +149,7 @@ class NumericsReport:
     reference: str
     settings: list[SettingNumerics] = field(default_factory=list)
     ranges: list[TensorRange] = field(default_factory=list)
+    emulated: list[str] = field(default_factory=list)  # settings whose device was absent
 
     def fp16_overflows(self) -> list[TensorRange]:
         """Activations or gradients with values beyond fp16's max: fp16 training breaks there."""
@@ -171,6 +172,7 @@ class NumericsReport:
             "model": self.model,
             "workload": self.workload,
             "reference": self.reference,
+            "emulated": list(self.emulated),
             "settings": [_setting_dict(s) for s in self.settings],
             "ranges": [asdict(r) for r in self.ranges],
             "fp16_overflow": [r.name for r in self.fp16_overflows()],

@@ -122,7 +122,9 @@ def largest_table(report: MemoryReport) -> Table:
 
 
 def render_memory(report: MemoryReport) -> RenderableType:
-    where = report.device + (" (predicted)" if report.mode == "predict" else "")
+    how = [w for w, on in (("emulated", report.emulated), ("predicted", report.mode == "predict"))
+           if on]
+    where = report.device + (f" ({', '.join(how)})" if how else "")
     parts: list[RenderableType] = [
         Text.assemble(("Memory ", "bold"), f"of {report.model}, {report.setting} on {where}, "
                       f"{report.workload} workload"),

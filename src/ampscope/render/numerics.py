@@ -26,6 +26,9 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
     head.append(report.model, style="bold")
     head.append(f"  workload {report.workload}  reference {report.reference}  "
                 "(relative L2 error · SQNR against the reference)")
+    if report.emulated:
+        head.append(f"\n  emulated: {', '.join(report.emulated)} (the device's autocast "
+                    "dtypes, the CPU's kernels and rounding)", style="dim")
     depth = Table(title="Divergence by depth", title_justify="left", show_edge=False)
     depth.add_column("where")
     for s in report.settings:
