@@ -123,3 +123,32 @@ def test_flops_cli_with_a_step_time_shows_mfu(capsys):
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["utilization"]["device"] == "NVIDIA H100 SXM5 80GB"
     assert data["utilization"]["mfu"] > 0
+
+
+def test_backward_flops_stay_with_the_module_before_an_identity_or_dropout():
+    """nn.Identity and Dropout(p=0) return their input: the backward ops of the Linear before
+    them are that Linear's (2·2·4·4 for its input's gradient plus as much for its weight's)."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.d, self.b, self.drop = (nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 4),
+                                                 nn.Dropout(0.0))
+
+        def forward(self, x):
+            return self.drop(self.b(self.d(self.a(x))))
+
+    def step(m, batch):
+        m.train()
+        m(batch["x"]).sum().backward()
+
+    t = ampscope.trace(Net(), {"x": torch.randn(2, 4)}, workload=step)
+    backward = {}
+    for o in t.ops:
+        if o.phase == "backward":
+            backward[o.module] = backward.get(o.module, 0) + o.flops
+    assert backward.get("b") == 2 * (2 * 2 * 4 * 4)
+    assert backward.get("a") == 2 * 2 * 4 * 4  # x needs no gradient: the weight's only
+    assert not backward.get("drop") and not backward.get("d")
+    assert [m.name for m in t.modules if m.phase == "backward" and m.name in ("d", "drop")]

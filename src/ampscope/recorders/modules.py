@@ -165,6 +165,16 @@ class ModuleTracker:
         call.inputs = metas((args, kwargs))
         call.outputs = metas(output)
         if torch.is_grad_enabled():
+            inputs = {id(t) for t in tensors_in((args, kwargs))}
+            outputs = tensors_in(output)
+            if outputs and all(id(t) in inputs for t in outputs):
+                # It returned its input (nn.Identity, Dropout(p=0)): its backward runs no op,
+                # and the gradient it would wait for is the one the module before it produces.
+                needing_grad = [t for t in outputs if t.requires_grad]
+                if needing_grad:
+                    register_multi_grad_hook(needing_grad, self._passthrough_hook(module, call),
+                                             mode="any")
+                return
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
@@ -202,6 +212,22 @@ class ModuleTracker:
             while position and stack[position - 1].depth > depth:
                 position -= 1
             stack.insert(position, call)
+
+        return hook
+
+    def _passthrough_hook(self, module: nn.Module, forward: _OpenCall):
+        """The backward call of a module that returned its input: recorded, never entered."""
+        name, type_, depth = self._name(module), type(module).__name__, forward.depth
+        tracker = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            self = tracker()
+            if self is None:
+                return
+            self._queue_end_of_backward()
+            call = _OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
+            call.outputs = call.inputs
+            self._calls.append(call)
 
         return hook
 
