@@ -213,7 +213,7 @@ def test_emulation_restores_cpu_autocast_and_attention_also_after_an_error():
     with pytest.raises(RuntimeError, match="boom"), Emulation("cuda", torch.bfloat16):
         raise RuntimeError("boom")
     after = GlobalState.save()
-    assert (after.autocast, after.matmul_precision) == (before.autocast, before.matmul_precision)
+    assert (after.autocast, after.fp32_precision) == (before.autocast, before.fp32_precision)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert F.softmax(x, -1).dtype == torch.bfloat16  # PyTorch's own CPU kernel again
         assert torch.mm(x.float(), x.float().T).dtype == torch.bfloat16

@@ -7,6 +7,7 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision import GRAMMAR, GlobalState, applied, parse_setting, resolve_device
+from ampscope.precision.matmul import matmul_precision
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_applied_restores_global_state_after_an_error():
     before = GlobalState.save()
     try:
         with pytest.raises(RuntimeError, match="boom"), applied(parse_setting("fp32+tf32")):
-            assert torch.get_float32_matmul_precision() == "high"
+            assert matmul_precision() == "high"
             torch.set_default_dtype(torch.float64)
             torch.set_autocast_enabled("cpu", True)
             torch.set_autocast_dtype("cpu", torch.float16)
@@ -87,7 +88,8 @@ def test_applied_restores_global_state_after_an_error():
             torch.rand(10)  # advances the RNG
             raise RuntimeError("boom")
         after = GlobalState.save()
-        assert after.matmul_precision == "medium"
+        assert after.fp32_precision == before.fp32_precision
+        assert torch.get_float32_matmul_precision() == "medium"
         assert after.default_dtype == torch.float32
         assert after.autocast == before.autocast
         assert after.grad_enabled is True

@@ -12,6 +12,7 @@ from torch.optim import optimizer as optim_module
 
 import ampscope
 from ampscope.models import gpt2
+from ampscope.precision import matmul
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -25,13 +26,15 @@ def snapshot(model: nn.Module) -> dict:
                       dict(m._backward_hooks), dict(m._backward_pre_hooks))
                   for n, m in model.named_modules()},
         "global_hooks": (dict(nn_module._global_forward_hooks),
+                         dict(nn_module._global_forward_hooks_with_kwargs),
+                         dict(nn_module._global_forward_hooks_always_called),
                          dict(nn_module._global_forward_pre_hooks),
                          dict(optim_module._global_optimizer_pre_hooks),
                          dict(optim_module._global_optimizer_post_hooks)),
         "modes": (torch._C._len_torch_function_stack(),
                   torch._C._len_torch_dispatch_stack()),
         "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-        "matmul": torch.get_float32_matmul_precision(),
+        "matmul": matmul.snapshot(),  # every backend's fp32_precision, never the legacy getter
         "default_dtype": torch.get_default_dtype(),
         "grad_enabled": torch.is_grad_enabled(),
         "rng": torch.get_rng_state(),
@@ -112,3 +115,39 @@ def test_capture_leaves_nothing_installed_when_user_code_raises():
         model(x)
         raise Explodes()
     assert_same(before, snapshot(model))
+
+
+def test_the_new_tf32_api_is_neither_mixed_nor_changed():
+    """A run with or without TF32 leaves every backend's fp32_precision as it was, and works
+    after the user chose the new per-backend API (the legacy getter would raise there)."""
+    model = gpt2.load("gpt2-tiny")
+    before = matmul.snapshot()
+    ampscope.trace(model, setting="fp32+tf32", workload="forward", seq=8)
+    assert matmul.snapshot() == before  # not "ieee" where it was "none"
+    old = torch.backends.fp32_precision
+    torch.backends.fp32_precision = "tf32"
+    try:
+        chosen = matmul.snapshot()
+        t = ampscope.trace(model, setting="fp32", workload="forward", seq=8)
+        assert matmul.snapshot() == chosen and t.setting.matmul_precision == "highest"
+    finally:
+        torch.backends.fp32_precision = old
+        matmul.restore(before)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "autocast_fp16"])
+def test_the_callers_modes_do_not_leak_into_a_run(mode):
+    contexts = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+                "autocast_fp16": lambda: torch.autocast("cpu", dtype=torch.float16)}
+    with contexts[mode]():
+        state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                 torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        t = ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", seq=8)  # a train step
+        report = ampscope.numerics("gpt2-tiny", settings=["fp32+amp-bf16"], seq=8,
+                                   workload="train")
+        assert (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == state
+    assert any(p.grad_dtype == "float32" for p in t.parameters)  # it did train
+    linear = next(m for m in t.modules if m.type == "Linear" and m.phase == "forward")
+    assert linear.outputs[0].dtype == "bfloat16"  # its own autocast, not the caller's fp16
+    assert report.settings[0].loss is not None

@@ -115,7 +115,9 @@ def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
             )
         return batch
     if isinstance(inputs, dict):
-        return dict(inputs)
+        # A tensor made under the caller's inference_mode cannot take part in autograd.
+        return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
+                for k, v in inputs.items()}
     raise AmpscopeError("inputs must be a tensor of token ids or a dict of named tensors")
 
 
@@ -149,15 +151,22 @@ def trace(
 def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None = None,
               *, setting: str | Setting = "fp32", options: RunOptions = DEFAULT_OPTIONS) -> Trace:
     """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
+    # Built and run outside the caller's inference_mode: its tensors cannot take part in a
+    # train step (precision.applied sets the other modes the run needs).
+    with torch.inference_mode(False):
+        return _trace_run(model, inputs, setting, options)
+
+
+def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
+               setting: str | Setting, options: RunOptions) -> Trace:
     setting = _resolved(setting)
     workload_name = options.workload_name
     lm, predict, notes = _plan(model, setting, workload_name, options.optimizer, options.predict,
                                have_inputs=inputs is not None)
-    data = _batch_for(lm, inputs, options, device=setting.run_device)
-
     fake = fake_mode() if predict else None
     virtual = VirtualDevice(setting.device) if setting.emulated else None
     with applied(setting, lm.module, fake=fake) as emulation:
+        data = _batch_for(lm, inputs, options, device=setting.run_device)
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None)
@@ -467,6 +476,13 @@ def numerics(
     `reference` ("fp64" or "fp32"); compare every module's output, the loss and (train) the
     gradients; and report the range of the reference's activations, gradients and weights
     against fp16, bf16 and fp8. Real runs only: values are the point."""
+    with torch.inference_mode(False):  # as trace_run: the caller's modes stay outside
+        return _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer,
+                         seed, on_setting)
+
+
+def _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer, seed,
+              on_setting) -> NumericsReport:
     options = RunOptions(workload, batch, seq, optimizer, seed=seed, predict=False)
     if workload not in ("forward", "train"):
         raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
@@ -495,7 +511,7 @@ def numerics(
 
 def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptions) -> Values:
     with applied(setting, lm.module):
-        run_data = {k: v.to(setting.run_device) for k, v in data.items()}
+        run_data = {k: v.to(setting.run_device, copy=v.is_inference()) for k, v in data.items()}
         torch.manual_seed(options.seed)  # the same dropout masks in every run (restored after)
         with recording_values(lm.module) as values:
             read_weights(lm.module, values)

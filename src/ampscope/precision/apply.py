@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ampscope.precision import matmul
 from ampscope.precision.emulation import Emulation
 from ampscope.precision.predict import fake_like
 from ampscope.precision.setting import Setting
@@ -43,7 +44,7 @@ class GlobalState:
     grad mode."""
 
     autocast: dict[str, tuple[bool, torch.dtype]]
-    matmul_precision: str
+    fp32_precision: dict[str, str]  # per backend (precision/matmul.py)
     default_dtype: torch.dtype
     grad_enabled: bool
     cpu_rng: torch.Tensor
@@ -59,7 +60,7 @@ class GlobalState:
                 d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                 for d in AUTOCAST_DEVICES
             },
-            matmul_precision=torch.get_float32_matmul_precision(),
+            fp32_precision=matmul.snapshot(),
             default_dtype=torch.get_default_dtype(),
             grad_enabled=torch.is_grad_enabled(),
             cpu_rng=torch.get_rng_state(),
@@ -70,7 +71,7 @@ class GlobalState:
         for device, (enabled, dtype) in self.autocast.items():
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
-        torch.set_float32_matmul_precision(self.matmul_precision)
+        matmul.restore(self.fp32_precision)
         torch.set_default_dtype(self.default_dtype)
         torch.set_grad_enabled(self.grad_enabled)
         torch.set_rng_state(self.cpu_rng)
@@ -189,12 +190,19 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
     model_state = ModelState.save(model) if model is not None else None
     try:
         with contextlib.ExitStack() as stack:
+            # The run sets the modes it needs: the caller's no_grad, inference_mode or autocast
+            # (ampscope.trace called inside them) must not reach the workload, which enters its
+            # own autocast. They come back with the rest of the global state.
+            stack.enter_context(torch.inference_mode(False))
+            torch.set_grad_enabled(True)
+            for device in AUTOCAST_DEVICES:
+                torch.set_autocast_enabled(device, False)
             emulation = None
             if setting.emulated:
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None:
                 _working_copies(model, setting, fake)
-            torch.set_float32_matmul_precision(setting.matmul_precision)
+            matmul.set_matmul_precision(setting.matmul_precision)
             yield emulation
     finally:
         if model_state is not None:

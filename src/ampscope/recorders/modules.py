@@ -127,8 +127,15 @@ class ModuleTracker:
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch.nn.modules import module as nn_module
+
         for handle in self._handles:
             handle.remove()
+            # A global forward hook's handle does not remove its with_kwargs/always_call
+            # entries (a PyTorch bug): remove them, so the global dicts are as they were.
+            for extra in ("_global_forward_hooks_with_kwargs",
+                          "_global_forward_hooks_always_called"):
+                getattr(nn_module, extra, {}).pop(handle.id, None)
         self._handles = []
 
     # -- forward

@@ -14,6 +14,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ampscope.precision.matmul import matmul_precision
 from ampscope.recorders import inventory
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
@@ -85,7 +86,7 @@ class Capture:
 
     # -- recorders
     def _start(self) -> None:
-        self._matmul_precision = torch.get_float32_matmul_precision()
+        self._matmul_precision = matmul_precision()
         clock = self._clock = _PhaseClock()
         tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock

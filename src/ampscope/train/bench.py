@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ampscope.errors import AmpscopeError
-from ampscope.precision import Setting, device_available, on_device, parse_setting
+from ampscope.precision import Setting, device_available, matmul, on_device, parse_setting
 from ampscope.records import dtype_name
 from ampscope.train import measure
 from ampscope.train.loop import TrainConfig, defaults_for, train
@@ -70,13 +70,13 @@ def _tf32_changes_cpu_matmuls() -> bool:
     repeat fp32."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 64, generator=generator), torch.randn(64, 64, generator=generator)
-    saved = torch.get_float32_matmul_precision()
+    saved = matmul.snapshot()
     try:
         exact = a @ b
-        torch.set_float32_matmul_precision("high")
+        matmul.set_matmul_precision("high")
         return not torch.equal(exact, a @ b)
     finally:
-        torch.set_float32_matmul_precision(saved)
+        matmul.restore(saved)
 
 
 def not_applicable(rung: Rung) -> str | None:
