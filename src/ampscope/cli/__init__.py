@@ -15,6 +15,7 @@ from ampscope.api import DEFAULT_MATRIX_SETTINGS
 from ampscope.cli import commands
 from ampscope.cli.common import _write_json, one_line
 from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.files import unwritable
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
 
@@ -237,6 +238,19 @@ def _values_after_dashes(argv: list[str]) -> list[str]:
     return [*global_options, "formats", *options, "--", *values]
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before the run, not after it."""
+    paths = []
+    if getattr(args, "json", None) is not None and args.json != "-":
+        paths.append(args.json)
+    if args.command == "report":
+        paths.append(args.output)
+    for path in paths:
+        why = unwritable(path)
+        if why is not None:
+            raise AmpscopeError(f"cannot write {path!r}: {why}")
+
+
 def run() -> None:
     """The console script: `main`, then exit without the interpreter's teardown.
 
@@ -259,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     try:
+        _check_outputs(args)
         return getattr(commands, f"cmd_{args.command}")(args)
     except DtypeMismatchError as e:
         if args.debug:

@@ -9,6 +9,7 @@ import sys
 
 from ampscope.cli.common import _console, _on_device, _progress, _run_options, _show, _write_json
 from ampscope.errors import AmpscopeError
+from ampscope.files import write_atomic
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:
@@ -127,8 +128,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(json.dumps(result.to_dict(), indent=1), args.json)
     try:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(page)
+        write_atomic(args.output, page)
     except OSError as e:
         raise AmpscopeError(f"cannot write {args.output}: {e.strerror}") from e
     print(f"Wrote {args.output}", file=sys.stderr)  # plain: a path must not be wrapped

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from ampscope.errors import AmpscopeError
+from ampscope.files import write_atomic
 from ampscope.workloads import RunOptions
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -54,8 +55,7 @@ def _write_json(text: str, path: str) -> None:
         sys.stdout.write(text + "\n")
         return
     try:
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        write_atomic(path, text + "\n")
     except OSError as e:
         raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
     print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ampscope.files import write_atomic
 from ampscope.records.setting import SettingRecord
 from ampscope.records.tensors import (
     TARGET_NAMES,
@@ -88,7 +89,7 @@ class Trace:
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_atomic(path, text + "\n")
         return text
 
     @classmethod

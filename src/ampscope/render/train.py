@@ -6,6 +6,7 @@ Agg canvas directly, never through pyplot, so no global figure state is touched.
 
 from __future__ import annotations
 
+import io
 import statistics
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ampscope.files import write_atomic
 from ampscope.render.style import format_bytes
 from ampscope.train.bench import BenchReport
 from ampscope.train.loop import EvalLog, StepLog, TrainResult
@@ -163,5 +165,7 @@ def save_bench_plot(report: BenchReport, path: str | Path) -> Path | None:
         ax.tick_params(labelsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig).print_png(str(path))
+    png = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(png)
+    write_atomic(path, png.getvalue())
     return path

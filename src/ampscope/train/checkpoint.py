@@ -88,8 +88,13 @@ def save(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                "scaler": scaler.state_dict() if scaler is not None else None,
                "history": history}
     st.save_file(rng, str(tmp / "trainer.safetensors"), metadata={"trainer": json.dumps(trainer)})
-    shutil.rmtree(path, ignore_errors=True)
+    # The old checkpoint stays until the new one is complete and in its place.
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
     tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 

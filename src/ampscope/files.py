@@ -1,0 +1,54 @@
+"""Writing output files so that a failed write never leaves a cut-off file behind.
+
+Every file ampscope writes (`--json PATH`, `report -o`, `bench --out`, `Trace.to_json(path)`)
+goes to a temporary file in the same folder first and is renamed over the target only when it
+is complete: a full disk or a size limit leaves the old file as it was. `unwritable` tells,
+before a long run starts, whether a path could be written at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` all at once, or not at all."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():  # keep the permissions the file had
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why `path` cannot be written as a file, in a few words, or None when it can."""
+    if not str(path):
+        return "no path given"
+    path = Path(path)
+    if path.is_dir():
+        return "it is a folder"
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        return f"no folder {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is read-only"
+    return None
