@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -233,3 +234,60 @@ def test_reports_build_the_json_the_cli_writes(capsys):
     used = report.to_dict()["utilization"]
     # tokens/s by hand: 1 × 8 tokens in half a second
     assert used["seconds"] == 0.5 and used["tokens_per_second"] == 16.0
+
+
+@pytest.fixture
+def bad_files(tmp_path, monkeypatch):
+    """Files and modules that bad input is made of."""
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    (tmp_path / "other.json").write_text('{"a": 1}\n')
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00\x01")
+    (tmp_path / "exiting.py").write_text("import sys\ndef build():\n    sys.exit(0)\n")
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["diff", "pipe.json", "list.json"], "cannot read pipe.json: not a regular file"),
+    (["diff", "list.json", "other.json"], "list.json is not an ampscope trace"),
+    (["diff", "other.json", "other.json"], "other.json is not an ampscope trace"),
+    (["diff", "binary.json", "other.json"], "binary.json is not a text file"),
+    (["trace", "exiting:build"], "exiting:build called sys.exit(0) instead of returning a model"),
+    (["matrix", "exiting:build"], "called sys.exit(0)"),
+    (["trace", "exits_on_import:build"], "importing 'exits_on_import' called sys.exit(3)"),
+    (["trace", "gpt2-tiny", "--predict", "--no-predict"], "--predict or --no-predict, not both"),
+    (["trace", "gpt2-tiny", "--nproc", "4"], "--nproc only applies with --distributed"),
+    (["memory", "gpt2-tiny", "--timeout", "5"], "--timeout only applies with --distributed"),
+    (["trace", "gpt2-tiny", "--distributed", "ddp", "--timeout", "-1"], "--timeout must be"),
+    (["flops", "gpt2-tiny", "--seq", "4", "--predict", "--step-time", "nan"],
+     "step time must be a positive number"),
+    (["flops", "gpt2-tiny", "--seq", "4", "--predict", "--step-time", "0.1", "--gpu", "h1000"],
+     "unknown accelerator 'h1000'; known:"),
+    (["bench", "-d", "cuda"], "cannot bench on cuda: this machine has no cuda"),
+    (["bench", "--ladder", "fp32+flash+flash", "--steps", "1"], "repeated part 'flash'"),
+    (["train", "--total-batch", "0"], "--total-batch must be a positive number"),
+])
+def test_bad_input_is_refused_in_one_line(capsys, bad_files, argv, message):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_user_code_that_prints_does_not_break_json_on_stdout(capsys, tmp_path, monkeypatch):
+    (tmp_path / "chatty.py").write_text(
+        "print('building the model')\n"
+        "def build():\n"
+        "    print('still building')\n"
+        "    from ampscope.models import gpt2\n"
+        "    return gpt2.load('gpt2-tiny')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["trace", "chatty:build", "--seq", "4", "--predict", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["schema"] == "ampscope.trace/1"
+    assert "building the model" in err and "still building" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
@@ -363,7 +364,7 @@ def flops(
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
     peaks (default: this machine's GPU; an H100 for emulated CUDA)."""
-    if step_time is not None and step_time <= 0:
+    if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
     result = trace(model, inputs, **options)
     report = flop_report(result, tokens=tokens_of(result))

@@ -7,12 +7,13 @@ The commands themselves (call the library, render) are in cli/commands.py; what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 
 from ampscope.api import DEFAULT_MATRIX_SETTINGS
-from ampscope.cli import commands
+from ampscope.cli import commands, common
 from ampscope.cli.common import _write_json, one_line
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.files import unwritable
@@ -211,12 +212,12 @@ def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", choices=["ddp", "fsdp"],
                         help="run the train step under DDP or FSDP2 on --nproc ranks (real "
                              "processes; with --predict, rank 0 of N on a fake process group)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: 2)")
     parser.add_argument("--mp-policy", metavar="POLICY",
                         help="FSDP2 MixedPrecisionPolicy, e.g. param=bf16,reduce=fp32 "
                              "(DDP: reduce= only, a compress hook)")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds a real distributed run may take (default: %(default)s)")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds a real distributed run may take (default: 120)")
 
 
 def _values_after_dashes(argv: list[str]) -> list[str]:
@@ -236,6 +237,25 @@ def _values_after_dashes(argv: list[str]) -> list[str]:
     global_options = [o for o in options if o in leading]
     options = options[len(global_options):]
     return [*global_options, "formats", *options, "--", *values]
+
+
+def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
+    """Flags argparse accepts together but that contradict each other or mean nothing."""
+    if "--predict" in argv and "--no-predict" in argv:
+        raise AmpscopeError("give --predict or --no-predict, not both")
+    if getattr(args, "distributed", None) is None:
+        for flag in ("nproc", "mp_policy", "timeout"):
+            if getattr(args, flag, None) is not None:
+                raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
+                                    "--distributed ddp|fsdp")
+    else:
+        if args.nproc is not None and args.nproc < 1:
+            raise AmpscopeError("--nproc must be at least 1")
+        if args.timeout is not None and not args.timeout > 0:
+            raise AmpscopeError("--timeout must be a positive number of seconds")
+    total = getattr(args, "total_batch", None)
+    if total is not None and total < 1:
+        raise AmpscopeError("--total-batch must be a positive number of tokens")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -273,8 +293,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args([*argv, "trace"])
     try:
+        _check_flags(argv, args)
         _check_outputs(args)
-        return getattr(commands, f"cmd_{args.command}")(args)
+        command = getattr(commands, f"cmd_{args.command}")
+        if getattr(args, "json", None) != "-":
+            return command(args)
+        # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
+        common.json_stream = sys.stdout
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                return command(args)
+        finally:
+            common.json_stream = None
     except DtypeMismatchError as e:
         if args.debug:
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ampscope.cli.common import _console, _on_device, _progress, _run_options, _show, _write_json
 from ampscope.errors import AmpscopeError
@@ -20,16 +21,17 @@ def cmd_distributed(args: argparse.Namespace) -> int:
         raise AmpscopeError("--distributed runs the train workload")
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
-    parallel = Parallel(args.distributed, args.nproc, **parse_mp_policy(args.mp_policy))
+    nproc = args.nproc or 2
+    parallel = Parallel(args.distributed, nproc, **parse_mp_policy(args.mp_policy))
     common = {"setting": setting, "batch": options.batch, "seq": options.seq,
               "optimizer": options.optimizer}
     with _console(stderr=True).status(
             f"{'Predicting' if args.predict else 'Running'} {args.model} under "
-            f"{args.distributed.upper()} on {args.nproc} ranks…"):
+            f"{args.distributed.upper()} on {nproc} ranks…"):
         if args.predict:
             report = predict(args.model, parallel, **common)
         else:
-            report = launch(args.model, parallel, timeout=args.timeout, **common)
+            report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_distributed(report))
 
@@ -63,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         script_args = script_args[1:]
     args.model = args.target  # named in one-line errors
     # The script's prints stay visible, but never mixed into JSON on stdout.
-    sink = io.StringIO() if args.quiet else sys.stderr if args.json == "-" else None
+    sink = io.StringIO() if args.quiet else None  # (main sends prints to stderr for --json -)
     with contextlib.redirect_stdout(sink) if sink is not None else contextlib.nullcontext():
         result = run_script(args.target, script_args, module=args.module, device=args.device,
                             steps=args.steps, predict=args.predict)
@@ -218,12 +220,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _load_trace(path: str):
     from ampscope.records import Trace
 
+    if not Path(path).is_file():  # a folder, a FIFO (which would block), a missing file
+        raise AmpscopeError(f"cannot read {path}: not a regular file; give a trace written "
+                            "with `ampscope trace MODEL --json FILE`")
     try:
         with open(path) as f:
-            return Trace.from_dict(json.load(f))
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        return Trace.from_dict(data)
     except OSError as e:
         raise AmpscopeError(f"cannot read {path}: {e.strerror}") from e
-    except (ValueError, KeyError, TypeError) as e:
+    except UnicodeDecodeError as e:
+        raise AmpscopeError(f"{path} is not a text file; give a trace written with "
+                            "`ampscope trace MODEL --json FILE`") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise AmpscopeError(f"{path} is not an ampscope trace (write one with "
                             f"`ampscope trace MODEL --json FILE`): {e}") from e
 

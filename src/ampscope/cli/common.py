@@ -49,10 +49,14 @@ def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable
     return 0
 
 
+# The real stdout while a command with `--json -` runs with user code's prints sent to stderr.
+json_stream = None
+
+
 def _write_json(text: str, path: str) -> None:
     """Write to PATH, or stdout for '-'; say where it went on stderr."""
     if path == "-":
-        sys.stdout.write(text + "\n")
+        (json_stream or sys.stdout).write(text + "\n")
         return
     try:
         write_atomic(path, text + "\n")

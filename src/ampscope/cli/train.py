@@ -8,6 +8,7 @@ import json
 import sys
 
 from ampscope.cli.common import _console, _progress, _show, _write_json
+from ampscope.errors import AmpscopeError
 
 DEVICES = ["cpu", "cuda", "mps"]
 
@@ -135,8 +136,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ampscope.precision import device_available
     from ampscope.render.train import render_bench, save_bench_plot
     from ampscope.train.bench import bench
+
+    if args.device is not None and not device_available(args.device):
+        raise AmpscopeError(f"cannot bench on {args.device}: this machine has no {args.device} "
+                            "(the ladder times real steps; trace or predict for another device)")
 
     ladder = [r.strip() for r in args.ladder.split(",") if r.strip()] if args.ladder else None
     progress = _progress()

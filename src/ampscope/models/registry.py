@@ -123,6 +123,8 @@ def _find_factory(spec: str) -> Callable[[], object]:
                     "that contains it or install its package"
                 ) from e
             raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
+        except SystemExit as e:
+            raise AmpscopeError(f"importing {module_name!r} called sys.exit({e.code!r})") from e
         except Exception as e:
             raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
     factory: object = module
@@ -159,6 +161,9 @@ def _load_factory(spec: str, device: torch.device) -> LoadedModel:
     try:
         with torch.device(device):  # factories that build on the default device build there
             built = factory()
+    except SystemExit as e:
+        raise AmpscopeError(f"{spec} called sys.exit({e.code!r}) instead of returning a "
+                            "model") from e
     except Exception as e:
         raise AmpscopeError(f"{spec} raised {_one_line(e)}") from e
     if isinstance(built, nn.Module):

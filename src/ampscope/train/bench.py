@@ -54,6 +54,9 @@ class Rung:
 def parse_rung(text: str, device: str, compile_all: bool = False) -> Rung:
     """"fp32+amp-bf16+flash" as a Rung on `device` (unless the text names its own device)."""
     words = text.strip().lower().split("+")
+    repeated = sorted({w for w in words if w in RUNG_PARTS and words.count(w) > 1})
+    if repeated:
+        raise AmpscopeError(f"repeated part {repeated[0]!r} in rung {text!r}")
     extras = {w for w in words if w in RUNG_PARTS}
     spec = "+".join(w for w in words if w not in RUNG_PARTS)
     setting = parse_setting(spec if ":" in spec else on_device(spec, device))
