@@ -106,3 +106,33 @@ def test_opt_125m_per_layer_dtypes_in_the_four_classic_settings():
     # HF's causal-LM loss upcasts the logits: the loss is fp32 in every setting
     assert summary["outputs"] == ("loss float32",) * 4
     assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
+
+
+def test_a_failing_setting_becomes_a_column_that_says_why():
+    """A model whose head is bf16 on purpose: under fp32 (no autocast) its matmul refuses
+    mixed dtypes; the other settings are kept and the failure is recorded."""
+    import torch
+    from torch import nn
+
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 4).to(torch.bfloat16)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    def step(m, batch):
+        return m(batch["x"])
+
+    matrix, traces = ampscope.matrix(Mixed(), {"x": torch.randn(2, 4)},
+                                     settings=["fp32+amp-bf16", "fp32"], workload=step)
+    assert [t.setting.name for t in traces] == ["fp32+amp-bf16"]
+    [(name, why)] = matrix.failures
+    assert name == "fp32" and "dtype mismatch in head" in why
+    assert matrix.to_dict()["failures"] == [{"setting": "fp32", "error": why}]
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(render_matrix(matrix))
+    assert "fp32 fails: dtype mismatch in head" in out.getvalue()

@@ -281,6 +281,8 @@ def matrix(
     # (nanochat's bf16 embedding on CUDA); the same seed gives every build the same weights.
     plans: dict[str, tuple[LoadedModel, bool]] = {}
     traces = []
+    failures: list[tuple[str, str]] = []
+    first_error: Exception | None = None
     for i, s in enumerate(parsed):
         if on_setting is not None:
             on_setting(i, s.name)
@@ -289,8 +291,22 @@ def matrix(
                                    options.predict, have_inputs=inputs is not None)
             plans[s.device] = (lm, decided)
         lm, decided = plans[s.device]
-        traces.append(trace_run(lm, inputs, setting=s, options=replace(options, predict=decided)))
-    return build_matrix(traces), traces
+        try:
+            traces.append(trace_run(lm, inputs, setting=s,
+                                    options=replace(options, predict=decided)))
+        except Exception as e:  # one setting's failure is a column, not the end of the table
+            first_error = first_error or e
+            failures.append((s.name, _why(e)))
+    if not traces:
+        assert first_error is not None
+        raise first_error
+    return build_matrix(traces, tuple(failures)), traces
+
+
+def _why(e: Exception) -> str:
+    """A setting's failure in one line: ampscope's own message, or the error's type and text."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if isinstance(e, AmpscopeError) else f"{type(e).__name__}: {text}"
 
 
 def capture(model: nn.Module, *, name: str | None = None,

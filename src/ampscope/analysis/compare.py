@@ -50,6 +50,7 @@ class Matrix:
     settings: tuple[SettingRecord, ...]  # each trace's setting
     rows: tuple[MatrixRow, ...]
     summary: tuple[SummaryRow, ...]
+    failures: tuple[tuple[str, str], ...] = ()  # (setting, why it failed): no trace, no cells
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -69,6 +70,7 @@ class Matrix:
                         for r in self.rows],
             "summary": [{"what": s.what, "values": list(s.values), "differs": list(s.differs)}
                         for s in self.summary],
+            "failures": [{"setting": name, "error": why} for name, why in self.failures],
         }
 
 
@@ -136,7 +138,7 @@ def _summary(traces: list[Trace]) -> list[SummaryRow]:
     return [r for r in rows if any(v != "—" for v in r.values)]
 
 
-def build_matrix(traces: list[Trace]) -> Matrix:
+def build_matrix(traces: list[Trace], failures: tuple[tuple[str, str], ...] = ()) -> Matrix:
     """The side-by-side view of traces of one model and workload under several settings."""
     if not traces:
         raise ValueError("build_matrix needs at least one trace")
@@ -147,4 +149,5 @@ def build_matrix(traces: list[Trace]) -> Matrix:
         settings=tuple(t.setting for t in traces),
         rows=tuple(_module_rows(traces)),
         summary=tuple(_summary(traces)),
+        failures=tuple(failures),
     )

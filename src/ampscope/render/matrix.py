@@ -57,10 +57,14 @@ def render_matrix(matrix: Matrix) -> RenderableType:
     modules.add_column("type", overflow="ellipsis", max_width=10)
     for name in names:
         modules.add_column(name)
+    for name, _ in matrix.failures:  # a setting that failed: its column says so
+        modules.add_column(name)
     labels = short_names([(row.name, row.depth) for row in matrix.rows])
-    for label, row in zip(labels, matrix.rows, strict=True):
+    failed = [Text("fails (below)", style="bold red")] * len(matrix.failures)
+    for i, (label, row) in enumerate(zip(labels, matrix.rows, strict=True)):
         modules.add_row(Text(label), row.kind,
-                        *(_cell(c, d) for c, d in zip(row.cells, row.differs, strict=True)))
+                        *(_cell(c, d) for c, d in zip(row.cells, row.differs, strict=True)),
+                        *(failed if i == 0 else [Text("")] * len(failed)))
 
     summary = Table(title="Whole run", title_justify="left", show_edge=False)
     summary.add_column("")
@@ -69,4 +73,7 @@ def render_matrix(matrix: Matrix) -> RenderableType:
     for row in matrix.summary:
         summary.add_row(row.what, *(Text(v + MARK, style=DIFFERS) if d else Text(v)
                                     for v, d in zip(row.values, row.differs, strict=True)))
-    return Group(header, Text(), modules, Text(), summary)
+    parts: list[RenderableType] = [header, Text(), modules, Text(), summary]
+    for name, why in matrix.failures:
+        parts.append(Text.assemble((f"{name} fails: ", "bold red"), why))
+    return Group(*parts)
