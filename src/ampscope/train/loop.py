@@ -38,6 +38,7 @@ from ampscope.records import dtype_name
 from ampscope.train import checkpoint, measure
 from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, split
 from ampscope.train.tokenizer import Tokenizer, choose_tokenizer
+from ampscope.workloads import RunOptions
 
 DECAYS = ("cosine", "linear")
 ATTENTION = ("auto", "math", "flash")
@@ -245,8 +246,9 @@ def train(config: TrainConfig, *, resume: str | None = None,
     if config.attention not in ATTENTION:
         raise AmpscopeError(f"unknown attention {config.attention!r}; choose one of "
                             f"{', '.join(ATTENTION)}")
-    if min(config.steps, config.batch, config.seq, config.eval_batches) < 1:
-        raise AmpscopeError("steps, batch, seq and eval batches must be positive")
+    RunOptions("train", batch=config.batch, seq=config.seq)  # checked as every run's are
+    if min(config.steps, config.eval_batches) < 1:
+        raise AmpscopeError("steps and eval batches must be positive")
     notes: list[str] = []
     saved = checkpoint.read(resume) if resume is not None else None
     if saved is not None:
