@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -72,8 +73,10 @@ def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
                     f"{type(model).__name__}: it has no config.vocab_size and block_size to "
                     "make token ids from"
                 ) from None
-            # With inputs given, nothing needs the vocabulary or context length.
-            return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62)
+            # With inputs given, nothing needs the vocabulary or context length; the batch is
+            # the forward's arguments by name (train: the forward returns the loss).
+            return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62,
+                               logits_fn=_call_with_batch, loss_fn=_loss_of_call)
     if isinstance(model, str):
         if virtual is None:
             return registry.resolve(model, device=device, target_device=target_device)
@@ -104,6 +107,32 @@ def _run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: 
                                  what=what, device=setting.run_device)
 
 
+def _inputs_in_param_dtype(data: Batch, setting: Setting) -> tuple[Batch, list[str]]:
+    """Under a low-precision setting without autocast, float inputs in another float dtype
+    become the parameters' dtype (a model's first layer would refuse them otherwise)."""
+    low = setting.param_dtype in (torch.bfloat16, torch.float16)
+    if not low or setting.autocast_dtype is not None:
+        return data, []
+    cast = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and v.dtype != setting.param_dtype]
+    return {k: v.to(setting.param_dtype) if k in cast else v for k, v in data.items()}, cast
+
+
+def _call_with_batch(module: nn.Module, batch: Batch):
+    out = module(**batch)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _loss_of_call(module: nn.Module, batch: Batch) -> torch.Tensor:
+    out = module(**batch)
+    candidates = out if isinstance(out, tuple) else (out,)
+    loss = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() == 0), None)
+    if loss is None:
+        raise AmpscopeError(f"a train step needs a loss: {type(module).__name__}.forward returned "
+                            "no scalar tensor; pass workload=a callable that computes it")
+    return loss
+
+
 def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
     if isinstance(inputs, torch.Tensor):
         batch = {lm.input_name: inputs}
@@ -115,11 +144,21 @@ def _as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
                 f"'{lm.target_name}': ...}}"
             )
         return batch
+    if isinstance(inputs, tuple):
+        # Positional arguments, as torch.export and torch.jit.trace take them: named by the
+        # forward's own parameters, so the trace names them and a call passes them back.
+        try:
+            bound = inspect.signature(lm.module.forward).bind(*inputs)
+        except TypeError as e:
+            raise AmpscopeError(f"inputs={len(inputs)} positional arguments do not fit "
+                                f"{type(lm.module).__name__}.forward: {e}") from e
+        inputs = dict(bound.arguments)
     if isinstance(inputs, dict):
         # A tensor made under the caller's inference_mode cannot take part in autograd.
         return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
                 for k, v in inputs.items()}
-    raise AmpscopeError("inputs must be a tensor of token ids or a dict of named tensors")
+    raise AmpscopeError("inputs must be a tensor of token ids, a dict of named tensors, or a "
+                        "tuple of the forward's positional arguments")
 
 
 def trace(
@@ -168,6 +207,12 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
     virtual = VirtualDevice(setting.device) if setting.emulated else None
     with applied(setting, lm.module, fake=fake) as emulation:
         data = _batch_for(lm, inputs, options, device=setting.run_device)
+        if inputs is not None:
+            data, cast = _inputs_in_param_dtype(data, setting)
+            if cast:
+                notes.append(f"Float inputs {', '.join(cast)} were cast to "
+                             f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
+                             f"script would under {setting.name} (no autocast to do it).")
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None)
