@@ -48,6 +48,7 @@ from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import SettingRecord, Trace, dtype_name
+from ampscope.render.style import format_bytes
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 
@@ -203,6 +204,8 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
     workload_name = options.workload_name
     lm, predict, notes = _plan(model, setting, workload_name, options.optimizer, options.predict,
                                have_inputs=inputs is not None)
+    if not predict and inputs is None and options.batch * options.seq >= _PEAK_CHECK_TOKENS:
+        predict = _peak_check(lm, setting, options, notes)
     fake = fake_mode() if predict else None
     virtual = VirtualDevice(setting.device) if setting.emulated else None
     with applied(setting, lm.module, fake=fake) as emulation:
@@ -253,6 +256,34 @@ def _on_virtual(virtual: VirtualDevice | None, capture: Capture):
     virtual.memory = capture.memory_now
     with virtual.active():
         yield
+
+
+# From this many tokens a step's activations can outgrow its weights: a real run is first
+# predicted on fake tensors (seconds, whatever the size) and its peak held to the free memory.
+_PEAK_CHECK_TOKENS = 4096
+
+
+def _peak_check(lm: LoadedModel, setting: Setting, options: RunOptions, notes: list[str]) -> bool:
+    """Whether the run must be predicted: its predicted peak, plus the model as loaded, does not
+    fit in the memory free here. Refused instead when predicting was ruled out (--no-predict)."""
+    from ampscope.models.registry import available_memory_bytes
+
+    available = available_memory_bytes() if setting.run_device == "cpu" else None
+    if available is None:
+        return False
+    predicted = _trace_run(lm, None, setting, replace(options, predict=True))
+    loaded = sum(p.numel() * p.element_size() for p in lm.module.parameters())
+    needed = memory_report(predicted).peak.bytes + loaded
+    if needed <= available:
+        return False
+    why = (f"its predicted peak is {format_bytes(needed)} (the step's "
+           f"{format_bytes(needed - loaded)} and the model as loaded), more than the "
+           f"{format_bytes(available)} free here")
+    if options.predict is False:
+        raise AmpscopeError(f"a real run of {lm.name} would not fit: {why}; predict it on fake "
+                            "tensors (--predict) or make the batch or sequence smaller")
+    notes.append(f"Predicted on fake tensors because a real run would not fit: {why}.")
+    return True
 
 
 def _resolved(setting: str | Setting) -> Setting:

@@ -302,7 +302,17 @@ def catalog() -> ModelCatalog:
 
 
 def available_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """Memory available to a new process: MemAvailable on Linux, else physical memory, else None."""
+    """Memory available to a new process: MemAvailable on Linux, else physical memory, else None.
+    `AMPSCOPE_MEMORY_LIMIT` (bytes, or with a K/M/G suffix) overrides it: a cap below what the
+    machine has, for a shared machine or a test."""
+    limit = os.environ.get("AMPSCOPE_MEMORY_LIMIT", "").strip().upper()
+    if limit:
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(limit[-1], 1)
+        try:
+            return int(float(limit.rstrip("KMG")) * scale)
+        except ValueError:
+            raise AmpscopeError(f"AMPSCOPE_MEMORY_LIMIT={limit!r} is not a size in bytes "
+                                "(e.g. 8G, 512M)") from None
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):
