@@ -119,13 +119,25 @@ def _inputs_in_param_dtype(data: Batch, setting: Setting) -> tuple[Batch, list[s
     return {k: v.to(setting.param_dtype) if k in cast else v for k, v in data.items()}, cast
 
 
+def _call(module: nn.Module, batch: Batch):
+    """The forward called with the batch: by name where the forward has those parameters,
+    else in order (a lone tensor named `idx` for a forward that takes `x`)."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if set(batch) <= set(names):
+        return module(**batch)
+    return module(*batch.values())
+
+
 def _call_with_batch(module: nn.Module, batch: Batch):
-    out = module(**batch)
+    out = _call(module, batch)
     return out[0] if isinstance(out, tuple) else out
 
 
 def _loss_of_call(module: nn.Module, batch: Batch) -> torch.Tensor:
-    out = module(**batch)
+    out = _call(module, batch)
     candidates = out if isinstance(out, tuple) else (out,)
     loss = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() == 0), None)
     if loss is None:
