@@ -78,7 +78,8 @@ MEASURED = [
     (re.compile(r"\b\d{1,2}:\d{2}:\d{2}\b"), "<clock>"),
     (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:tok/s|tokens/s|it/s|steps/s)"), "<rate>"),
     (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:ms|µs|s|min)\b"), "<time>"),
-    (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?[KMG]i?B \(process peak RSS\)"), "<rss> (process peak RSS)"),
+    (re.compile(r"\b\d[\d,]*(?:\.\d+)? ?[KMG]i?B \(process peak RSS\)"),
+     "<rss> (process peak RSS)"),
     (re.compile(r"machine's \d[\d.]* ?[KMGT]B free"), "machine's <free> free"),
 ]
 BYTES = re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:[KMGT]i?)?B\b")
@@ -182,7 +183,8 @@ def listings(paths=DOC_FILES) -> dict[str, str]:
             if m:
                 text = "\n".join(lines[start + 1:end]) + "\n"
                 if files.setdefault(m["name"], text) != text:
-                    raise AssertionError(f"{path.name} lists {m['name']} differently from another page")
+                    raise AssertionError(f"{path.name} lists {m['name']} differently from "
+                                         "another page")
     return files
 
 
@@ -273,6 +275,21 @@ def _environment(env: dict[str, str]):
         torch.set_num_threads(saved_threads)
 
 
+@contextlib.contextmanager
+def _forget_imports():
+    """Modules a command imported from the current folder (mymodels, broken, ...) are dropped
+    afterwards, and sys.path restored: other tests in this process write their own files of
+    the same names."""
+    modules, path, here = set(sys.modules), list(sys.path), os.getcwd()
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - modules:
+            if (getattr(sys.modules[name], "__file__", None) or "").startswith(here + os.sep):
+                del sys.modules[name]
+        sys.path[:] = path
+
+
 def _main(argv: list[str]) -> int:
     from ampscope.cli import main
 
@@ -309,7 +326,8 @@ def run_command(text: str) -> str:
     """What the command line prints, run in the current directory."""
     shell = parse_command(text)
     chunks: list = []
-    with (_environment(shell.env), contextlib.redirect_stdout(_Stream(chunks, "out")),
+    with (_environment(shell.env), _forget_imports(),
+          contextlib.redirect_stdout(_Stream(chunks, "out")),
           contextlib.redirect_stderr(_Stream(chunks, "err"))):
         _main(shell.argv)
     stdout = "".join(t for name, t in chunks if name == "out")
@@ -562,7 +580,8 @@ def test_api_md_names_every_field_of_the_records():
     from ampscope.trace import Finding, ModelInfo, Trace
 
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-    rows = {m["name"]: m["row"] for m in re.finditer(r"^\| `(?P<name>\w+)` \|(?P<row>.*)$", text, re.M)}
+    rows = {m["name"]: m["row"]
+            for m in re.finditer(r"^\| `(?P<name>\w+)` \|(?P<row>.*)$", text, re.M)}
     classes = [ModelInfo, Finding, *(c for c in vars(records).values() if isinstance(c, type)
                                      and dataclasses.is_dataclass(c)
                                      and c.__module__ == records.__name__)]
@@ -730,5 +749,6 @@ if __name__ == "__main__":
         sys.exit(_update([a for a in args[1:] if a != "--force"], args[0] == "--update", force))
     if args[:1] == ["--show"] and len(args) == 2:
         sys.exit(_show(args[1]))
-    sys.exit("usage: python tests/test_docs.py --update|--dry-run [--force] [FILE | FILE:LINE ...]\n"
+    sys.exit("usage: python tests/test_docs.py --update|--dry-run [--force] "
+             "[FILE | FILE:LINE ...]\n"
              "       python tests/test_docs.py --show 'ampscope …'")
