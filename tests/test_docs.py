@@ -530,6 +530,16 @@ def test_every_opt_out_names_its_mode_and_reason_and_precedes_a_transcript():
                      f"one of {sorted(MODES)}, right before a $ block: {bad}")
 
 
+def test_commands_run_at_100_columns():
+    from rich.console import Console
+
+    with _environment({}):
+        assert Console().width == COLUMNS
+    printed = run_command("ampscope trace --help").splitlines()
+    assert max(map(len, printed)) <= COLUMNS < max(map(len, run_command(
+        "COLUMNS=140 ampscope trace --help").splitlines()))
+
+
 def test_every_command_line_is_one_the_check_can_run():
     for block in BLOCKS:
         for command in block.commands:
