@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean setup
+.PHONY: run test docs-check lint bench clean setup
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
+
+# Every `$ ampscope …` block of README.md and docs/*.md, run again (also part of `make test`).
+docs-check: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 tests/test_docs.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
