@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="run your own script, unmodified, and trace its model (on a device this "
                     "machine lacks, a virtual one)",
-        description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it "
+        description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
                     "after --steps optimizer steps, and trace the model it runs.",
         epilog="examples:\n  ampscope run --device cuda --steps 1 train.py --batch_size=4\n"
                "  ampscope run --device cuda -m scripts.base_train -- --depth=4\n"
@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=1,
                      help="stop after this many optimizer steps (default: %(default)s)")
     run.add_argument("--predict", action="store_true",
-                     help="run on fake tensors: the model is never materialised")
+                     help="every weight becomes a fake tensor as the model registers it: any "
+                          "size, no memory (the data stays real)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="TARGET is a module name, run as `python -m TARGET`")
     run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
