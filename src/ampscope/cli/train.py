@@ -117,9 +117,10 @@ def config_from_args(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ampscope.render.train import TrainProgress, train_header, train_summary
-    from ampscope.train.loop import train
+    from ampscope.train.loop import train, training_setting
 
     config = config_from_args(args)
+    training_setting(config.setting)  # refuse a device this machine lacks before the header
     console = _console(stderr=args.json == "-")  # keep stdout for the JSON
     tokens = config.total_batch or config.batch * config.seq
     start = f", resuming from {args.resume}" if args.resume else ""
