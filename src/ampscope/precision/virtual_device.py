@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ampscope import hardware
@@ -57,16 +58,9 @@ _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "x
 _NO_OPS = {_TensorBase.pin_memory: "pin_memory", _TensorBase.is_pinned: "is_pinned"}
 
 
-def _tensors(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensors(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _tensors(v, out)
-    return out
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (PyTorch's own pytree walk)."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 class DeviceMode(TorchFunctionMode):
@@ -131,14 +125,13 @@ class DeviceMode(TorchFunctionMode):
     def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
         """Results are on the CPU when the call put them there: an explicit CPU device, a
         factory on the default (CPU) device, or inputs that are all on the CPU."""
-        results = _tensors(out, [])
+        results = _tensors(out)
         if not results:
             return
         if device is not None:
             on_cpu = torch.device(device).type == "cpu"
         else:
-            inputs = _tensors(args, [])
-            _tensors(kwargs, inputs)
+            inputs = _tensors((args, kwargs))
             if inputs:
                 on_cpu = all(t in self.on_cpu for t in inputs)
             else:
