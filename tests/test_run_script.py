@@ -189,3 +189,34 @@ def test_module_mode_runs_a_package_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     t = ampscope.run_script("pkg.step", ["0.1"], module=True, steps=1)
     assert t.model.cls == "Linear" and t.workload == "train"
+
+
+def test_a_sampler_that_only_calls_model_forward(tmp_path):
+    """(e) as a script: inference_mode, a KV cache, model.forward(...) called directly. The
+    model is found by the parameters its forward uses; its calls after the first are model calls."""
+    script = tmp_path / "sample.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class CachedLM(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.proj, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)\n"
+        "    def forward(self, idx, cache):\n"
+        "        cache.append(self.proj(self.emb(idx)))\n"
+        "        return self.head(torch.stack(cache).sum(0))\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "model = CachedLM().to(device)\n"
+        "idx, cache = torch.zeros(1, 1, dtype=torch.long, device=device), []\n"
+        "with torch.inference_mode(), torch.autocast(device_type=device, dtype=torch.bfloat16):\n"
+        "    for _ in range(3):\n"
+        "        logits = model.forward(idx[:, -1:], cache)\n"
+        "        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)\n")
+    t = run_script(str(script), device="cuda")
+    assert t.model.cls == "CachedLM" and t.workload == "forward"
+    assert sum(1 for m in t.modules if m.name == "") == 2  # the calls after the first
+    ops = [o.op for o in t.ops]
+    assert "aten.addmm.default" in ops and "aten.linear.default" not in ops
+    assert sum(o.flops for o in t.ops) == 3 * (2 * 8 * 8 + 2 * 8 * 16)
+    head = [m for m in t.modules if m.name == "head"]
+    assert head and all(m.outputs[0].dtype == "bfloat16" for m in head)

@@ -92,6 +92,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                 stack.enter_context(Emulation(device, default_autocast_dtype(device)))
             if fake is not None:
                 stack.enter_context(_fake_model(fake))
+            capture.candidates = weakref.WeakSet()
+            stack.enter_context(_made_modules(capture.candidates))
             stack.enter_context(capture.recording())
             stack.callback(register_optimizer_step_post_hook(count_step).remove)
             if virtual is not None:
@@ -168,6 +170,24 @@ def _runner(target: str, argv: Sequence[str], module: bool):
             runpy.run_path(str(path), run_name="__main__")
 
     return path.name, run_path
+
+
+@contextlib.contextmanager
+def _made_modules(made: weakref.WeakSet) -> Iterator[None]:
+    """Every nn.Module the script makes, while it runs (nn.Module.__init__ sees them all)."""
+    import torch
+
+    original = torch.nn.Module.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.add(self)
+
+    torch.nn.Module.__init__ = __init__
+    try:
+        yield
+    finally:
+        torch.nn.Module.__init__ = original
 
 
 @contextlib.contextmanager

@@ -87,9 +87,12 @@ class ModuleTracker:
     def records(self) -> list[ModuleCall]:
         return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
 
-    def watch_direct_calls(self, module: nn.Module) -> Callable[[], None]:
+    def watch_direct_calls(self, module: nn.Module,
+                           on_call: Callable[[nn.Module, tuple, dict], None] | None = None
+                           ) -> Callable[[], None]:
         """Record `module.forward(...)` called directly (as samplers do), which runs no hook,
-        like `module(...)`. Returns what undoes it."""
+        like `module(...)`; `on_call` stands for the module's own forward pre-hooks. Returns
+        what undoes it."""
         tracker = self
         original = module.forward
         had_own = "forward" in module.__dict__
@@ -100,6 +103,8 @@ class ModuleTracker:
             if stack and stack[-1].module_id == id(module):  # module(...): its hooks ran
                 return original(*args, **kwargs)
             tracker._forward_pre(module, args)
+            if on_call is not None:
+                on_call(module, args, kwargs)
             try:
                 output = original(*args, **kwargs)
             except BaseException:

@@ -93,6 +93,8 @@ class FunctionRecorder(TorchFunctionMode):
         self.failure: FailedCall | None = None
         self.op_log: list[OpCall] | None = None  # the OpRecorder's list, set by it
         self.step = 0  # calls of the model so far, counted by the session
+        # Set while a script's model is not known yet: shown each call's tensor inputs.
+        self.on_inputs: Callable[[str, list[torch.Tensor]], None] | None = None
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
         self._tracker = tracker
         self._phase = phase
@@ -118,6 +120,8 @@ class FunctionRecorder(TorchFunctionMode):
             if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
             else None
         )
+        if self.on_inputs is not None:
+            self.on_inputs(name, inputs)
         source = user_source(skip=2)
         index = len(self.calls)
         ops_before = self.ops_seen

@@ -30,6 +30,9 @@ from ampscope.records import (
     dtype_name,
 )
 
+_MATMULS = frozenset({"torch.matmul", "torch.mm", "torch.bmm", "torch.addmm", "Tensor.matmul",
+                       "Tensor.__matmul__", "Tensor.__rmatmul__", "Tensor.mm"})
+
 
 class _PhaseClock:
     """Which phase the run is in. Backward is read off the autograd engine. Once a backward
@@ -72,6 +75,9 @@ class Capture:
         self._findings = findings
         self._explain_failure = explain_failure
         self._model_name = model_name
+        # For a script: the modules it made (set by the runner), to find its model by a
+        # parameter when it never calls a module, only module.forward(...).
+        self.candidates: weakref.WeakSet[nn.Module] | None = None
         self.device: str | None = None  # for capture() on a virtual device: the device it is
         self.trace = Trace(
             model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
@@ -105,6 +111,7 @@ class Capture:
             self._watch(self.model)
         else:
             tracker.on_new_root = self._adopt
+            self._functions.on_inputs = self._adopt_owner
         self._inference = InferenceAsNoGrad().__enter__()
         tracker.__enter__()
         self._functions.__enter__()
@@ -140,16 +147,53 @@ class Capture:
                 self._storages.register(t, kind, name)
         self._handles.append(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
-        self._undo.append(self._tracker.watch_direct_calls(model))
+        self._undo.append(self._tracker.watch_direct_calls(model, self._on_model_call))
 
     def _adopt(self, module: nn.Module, args: tuple) -> None:
-        """The first module a script calls outside any other becomes the model."""
+        """The first module a script calls outside any other becomes the model: or the module
+        that holds it, when the script called that one's forward(...) directly."""
+        root = self._outermost(lambda m: any(c is module for c in m.modules()))
+        if root is not None and root is not module:
+            self._adopt_root(root)
+            return
         self.model = module
         self._tracker.on_new_root = None
+        self._functions.on_inputs = None
         self.trace.model = ModelInfo(self._model_name or type(module).__name__,
                                      type(module).__name__, 0)
         self._watch(module)
         self._on_model_call(module, args, {})  # its pre-hook was registered after this call
+
+    def _adopt_owner(self, func: str, inputs: list[torch.Tensor]) -> None:
+        """A script that calls `model.forward(...)` directly runs no module hook: the model is
+        then the outermost module made by the script that holds a parameter the call uses.
+        Only compute calls count (`F.linear`, `F.embedding`, a matmul): while the model is being
+        built, its initialisation reads and fills parameters of modules not attached yet."""
+        if not (func.startswith("torch.nn.functional.") or func in _MATMULS):
+            return
+        params = [t for t in inputs if isinstance(t, nn.Parameter)]
+        if params:
+            root = self._outermost(lambda m: any(p is q for q in m.parameters() for p in params))
+            if root is not None:
+                self._adopt_root(root)
+
+    def _outermost(self, holds: Callable[[nn.Module], bool]) -> nn.Module | None:
+        """The outermost module the script made for which `holds` is true, if any."""
+        if not self.candidates:
+            return None
+        modules = list(self.candidates)
+        children = {id(c) for m in modules for c in m.children()}
+        return next((m for m in modules if id(m) not in children and holds(m)), None)
+
+    def _adopt_root(self, root: nn.Module) -> None:
+        """The model, found while its forward already runs (called directly): its later calls
+        are recorded as model calls."""
+        self.model = root
+        self._tracker.on_new_root = None
+        self._functions.on_inputs = None
+        self.trace.model = ModelInfo(self._model_name or type(root).__name__,
+                                     type(root).__name__, 0)
+        self._watch(root)
 
     def _on_root_forward(self) -> None:
         self._clock.after_backward = False  # a new step begins
