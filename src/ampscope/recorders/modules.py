@@ -184,8 +184,9 @@ class ModuleTracker:
                 # and the gradient it would wait for is the one the module before it produces.
                 needing_grad = [t for t in outputs if t.requires_grad]
                 if needing_grad:
-                    register_multi_grad_hook(needing_grad, self._passthrough_hook(module, call),
-                                             mode="any")
+                    register_multi_grad_hook(
+                        needing_grad, self._backward_start_hook(module, call.depth, enter=False),
+                        mode="any")
                 return
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
@@ -206,7 +207,10 @@ class ModuleTracker:
     # -- backward
     # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
     # after the step, and it must not keep the tracker (and all its records) alive.
-    def _backward_start_hook(self, module: nn.Module, depth: int):
+    def _backward_start_hook(self, module: nn.Module, depth: int, *, enter: bool = True):
+        """Opens the module's backward call when its output's gradient arrives. With
+        `enter=False` (a module that returned its input) the call is recorded, never entered:
+        its backward runs no op."""
         name, type_ = self._name(module), type(module).__name__
         tracker = weakref.ref(self)
 
@@ -217,6 +221,9 @@ class ModuleTracker:
             self._queue_end_of_backward()
             call = _OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
             self._calls.append(call)
+            if not enter:
+                call.outputs = call.inputs
+                return
             # Keep the deepest module innermost: a parent that returns its child's output as is
             # starts its backward on the same gradient, after the child.
             stack = self._backward_stack
@@ -224,22 +231,6 @@ class ModuleTracker:
             while position and stack[position - 1].depth > depth:
                 position -= 1
             stack.insert(position, call)
-
-        return hook
-
-    def _passthrough_hook(self, module: nn.Module, forward: _OpenCall):
-        """The backward call of a module that returned its input: recorded, never entered."""
-        name, type_, depth = self._name(module), type(module).__name__, forward.depth
-        tracker = weakref.ref(self)
-
-        def hook(grad: torch.Tensor) -> None:
-            self = tracker()
-            if self is None:
-                return
-            self._queue_end_of_backward()
-            call = _OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
-            call.outputs = call.inputs
-            self._calls.append(call)
 
         return hook
 
