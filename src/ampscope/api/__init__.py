@@ -1,0 +1,25 @@
+"""The Python API: `trace()` runs a workload under a setting; `capture()` records user code.
+
+- `planning.py`: the model, its batch, real or predicted;
+- `tracing.py`: `trace`, `matrix`, `capture`;
+- `reports.py`: `memory`, `flops`, `numerics`, `policy`;
+- `measure.py`: an untraced step's wall time and CUDA peak.
+"""
+
+from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
+from ampscope.api.planning import load
+from ampscope.api.reports import (
+    DEFAULT_NUMERICS_SETTINGS,
+    flops,
+    memory,
+    numerics,
+    policy,
+    tokens_of,
+)
+from ampscope.api.tracing import DEFAULT_MATRIX_SETTINGS, capture, matrix, trace, trace_run
+
+__all__ = [
+    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "flops",
+    "load", "matrix", "measure_peak_memory", "measure_step", "memory", "numerics", "policy",
+    "tokens_of", "trace", "trace_run",
+]

@@ -1,0 +1,184 @@
+"""What a run needs before it runs: the model as a LoadedModel, its batch, and whether it
+fits in memory for real or must be predicted on fake tensors."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.precision import (
+    Setting,
+    parse_setting,
+    resolve_device,
+)
+from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.records import dtype_name
+from ampscope.workloads import RunOptions
+
+
+def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
+         have_inputs: bool = False, target_device: str | None = None,
+         virtual: VirtualDevice | None = None) -> LoadedModel:
+    """A model spec, a module or a LoadedModel, as a LoadedModel.
+
+    `target_device` is the device an emulated run stands for (see registry.resolve); with
+    `virtual`, a spec's own code (a factory, the module it imports) runs on that virtual device,
+    backed by `device`."""
+    from ampscope.models import registry
+
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, nn.Module):
+        try:
+            return registry.wrap_module(model, type(model).__name__)
+        except AmpscopeError:
+            if not have_inputs:
+                raise AmpscopeError(
+                    f"pass inputs= (a tensor or a dict of tensors) to trace this "
+                    f"{type(model).__name__}: it has no config.vocab_size and block_size to "
+                    "make token ids from"
+                ) from None
+            # With inputs given, nothing needs the vocabulary or context length; the batch is
+            # the forward's arguments by name (train: the forward returns the loss).
+            return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62,
+                               logits_fn=_call_with_batch, loss_fn=_loss_of_call)
+    if isinstance(model, str):
+        if virtual is None:
+            return registry.resolve(model, device=device, target_device=target_device)
+        with virtual.active(backing=device):
+            return registry.resolve(model, device=device, target_device=target_device,
+                                    build_device=virtual.target)
+    raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
+
+
+def run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: str, *,
+                  built_on_meta: bool) -> str | None:
+    """Why a real run clearly cannot fit, in one line, or None: the working copy of the
+    weights, and for a train step their gradients and optimizer state, on top of the model as
+    loaded (a model still on meta would first be built in float32)."""
+    from ampscope.models.registry import memory_needed_message
+
+    per_param = 1  # the run's own copy of every weight (see precision.applied)
+    if workload not in ("forward", "generate"):  # a custom step may train: count as one
+        per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
+    itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
+    what = (f"as {per_param} {dtype_name(setting.param_dtype)} copies of the weights "
+            f"for a {workload} run")
+    bytes_per_parameter = per_param * itemsize
+    if built_on_meta:
+        bytes_per_parameter += 4
+        what = "built in float32 and " + what
+    return memory_needed_message(lm.name, lm.num_parameters, bytes_per_parameter=bytes_per_parameter,
+                                 what=what, device=setting.run_device)
+
+
+def inputs_in_param_dtype(data: Batch, setting: Setting) -> tuple[Batch, list[str]]:
+    """Under a low-precision setting without autocast, float inputs in another float dtype
+    become the parameters' dtype (a model's first layer would refuse them otherwise)."""
+    low = setting.param_dtype in (torch.bfloat16, torch.float16)
+    if not low or setting.autocast_dtype is not None:
+        return data, []
+    cast = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and v.dtype != setting.param_dtype]
+    return {k: v.to(setting.param_dtype) if k in cast else v for k, v in data.items()}, cast
+
+
+def _call(module: nn.Module, batch: Batch):
+    """The forward called with the batch: by name where the forward has those parameters,
+    else in order (a lone tensor named `idx` for a forward that takes `x`)."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if set(batch) <= set(names):
+        return module(**batch)
+    return module(*batch.values())
+
+
+def _call_with_batch(module: nn.Module, batch: Batch):
+    out = _call(module, batch)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _loss_of_call(module: nn.Module, batch: Batch) -> torch.Tensor:
+    out = _call(module, batch)
+    candidates = out if isinstance(out, tuple) else (out,)
+    loss = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() == 0), None)
+    if loss is None:
+        raise AmpscopeError(f"a train step needs a loss: {type(module).__name__}.forward returned "
+                            "no scalar tensor; pass workload=a callable that computes it")
+    return loss
+
+
+def as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
+    if isinstance(inputs, torch.Tensor):
+        batch = {lm.input_name: inputs}
+        if workload == "train" and not lm.targets_are_shifted_inputs:
+            batch[lm.target_name] = inputs  # HF-style: labels are the inputs, shifted inside
+        elif workload == "train":
+            raise AmpscopeError(
+                f"a train step needs targets: pass inputs={{'{lm.input_name}': ..., "
+                f"'{lm.target_name}': ...}}"
+            )
+        return batch
+    if isinstance(inputs, tuple):
+        # Positional arguments, as torch.export and torch.jit.trace take them: named by the
+        # forward's own parameters, so the trace names them and a call passes them back.
+        try:
+            bound = inspect.signature(lm.module.forward).bind(*inputs)
+        except TypeError as e:
+            raise AmpscopeError(f"inputs={len(inputs)} positional arguments do not fit "
+                                f"{type(lm.module).__name__}.forward: {e}") from e
+        inputs = dict(bound.arguments)
+    if isinstance(inputs, dict):
+        # A tensor made under the caller's inference_mode cannot take part in autograd.
+        return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v
+                for k, v in inputs.items()}
+    raise AmpscopeError("inputs must be a tensor of token ids, a dict of named tensors, or a "
+                        "tuple of the forward's positional arguments")
+
+
+def resolved(setting: str | Setting) -> Setting:
+    return resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
+
+
+def batch_for(lm: LoadedModel, inputs: torch.Tensor | Batch | None, options: RunOptions, *,
+              device: str = "cpu") -> Batch:
+    """The run's batch: the inputs given, or random token ids of the options' size."""
+    if inputs is not None:
+        return as_batch(lm, inputs, options.workload_name)
+    if options.seq > lm.max_seq_len:
+        raise AmpscopeError(f"seq {options.seq} exceeds {lm.name}'s context length "
+                            f"{lm.max_seq_len}")
+    generator = torch.Generator().manual_seed(options.seed)
+    return lm.make_batch(options.batch, options.seq, options.workload_name, generator,
+                         device=device)
+
+
+def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, optimizer: str,
+         predict: bool | None, *, have_inputs: bool) -> tuple[LoadedModel, bool, list[str]]:
+    """The model to run and whether to predict: a named model is first built on the meta device
+    (nothing allocated) to count what a real run would need."""
+    notes: list[str] = []
+    target = setting.device if setting.emulated else None
+    virtual = VirtualDevice(target) if target else None
+    on_meta = isinstance(model, str)
+    lm = load(model, device="meta" if on_meta else setting.run_device, have_inputs=have_inputs,
+              target_device=target, virtual=virtual)
+    shortfall = run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
+    if predict is None:
+        predict = shortfall is not None
+        if predict:
+            notes.append(f"Predicted on fake tensors because a real run would not fit: {shortfall}.")
+    elif predict:
+        notes.append("Predicted on fake tensors, as asked: no weight was materialised.")
+    elif shortfall is not None:
+        raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (--predict)")
+    if on_meta and not predict:
+        assert isinstance(model, str)
+        lm = load(model, device=setting.run_device, target_device=target, virtual=virtual)
+    return lm, predict, notes

@@ -1,0 +1,199 @@
+"""The reports built on a trace or on values: `memory`, `flops`, `numerics`, and the autocast
+`policy` of this build."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ampscope import hardware, workloads
+from ampscope.analysis import autocast
+from ampscope.analysis.autocast import PolicyReport
+from ampscope.analysis.flops import FlopReport, flop_report, utilization
+from ampscope.analysis.memory import MemoryReport, memory_report
+from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
+from ampscope.analysis.summary import numel
+from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
+from ampscope.api.planning import batch_for, load, resolved, run_shortfall
+from ampscope.api.tracing import trace
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.precision import (
+    DEVICES,
+    DTYPES,
+    Setting,
+    applied,
+    default_autocast_dtype,
+)
+from ampscope.precision.autocast_policy import read_policy
+from ampscope.precision.quiz import quiz as run_quiz
+from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
+from ampscope.records import SettingRecord, Trace, dtype_name
+from ampscope.workloads import RunOptions
+
+
+def memory(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    measure: bool = False,
+    **options,
+) -> MemoryReport:
+    """Trace one step (options as for `trace`) and account for every byte it held: by category
+    and dtype, the peak and where it happens, the live-bytes timeline, and the formulas people
+    use beside the counted figure. `measure=True` (a real CUDA device only; refused before
+    anything is traced elsewhere) also runs the step untraced and adds the allocator's peak."""
+    if measure:
+        cuda_to_measure(options.get("setting", "fp32"))
+    report = memory_report(trace(model, inputs, **options))
+    if measure:
+        timed = {k: v for k, v in options.items() if k != "predict"}
+        report.measured = measure_peak_memory(model, **timed)
+    return report
+
+
+def flops(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    step_time: float | None = None,
+    measure: bool = False,
+    gpu: str | None = None,
+    **options,
+) -> FlopReport:
+    """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
+    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T).
+
+    With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
+    step on this machine's real device — the report adds throughput and MFU against `gpu`'s
+    peaks (default: this machine's GPU; an H100 for emulated CUDA)."""
+    if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
+        raise AmpscopeError("the step time must be a positive number of seconds")
+    result = trace(model, inputs, **options)
+    report = flop_report(result, tokens=tokens_of(result))
+    if measure:
+        step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
+    if step_time is not None:
+        report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),
+                                         report.setting.matmul_precision)
+    return report
+
+
+def _accelerator(name: str | None, setting: SettingRecord):
+    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
+    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+    if name:
+        return hardware.by_name(name)
+    if setting.device != "cuda":
+        return None
+    if setting.emulated:
+        return hardware.by_name("h100")
+    return hardware.lookup(torch.cuda.get_device_name())
+
+
+def tokens_of(result: Trace) -> int:
+    """Tokens the step processed: the elements of its integer input (batch × sequence)."""
+    for record in result.inputs:
+        if record.role == "input" and record.dtype.startswith(("int", "uint")):
+            return numel(record.shape)
+    return 0
+
+
+DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
+
+
+def numerics(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    settings: Sequence[str | Setting] = DEFAULT_NUMERICS_SETTINGS,
+    reference: str = "fp64",
+    workload: str = "forward",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    on_setting: Callable[[int, str], None] | None = None,
+) -> NumericsReport:
+    """Run the same weights and inputs under each setting and under a higher-precision
+    `reference` ("fp64" or "fp32"); compare every module's output, the loss and (train) the
+    gradients; and report the range of the reference's activations, gradients and weights
+    against fp16, bf16 and fp8. Real runs only: values are the point."""
+    with torch.inference_mode(False):  # as trace_run: the caller's modes stay outside
+        return _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer,
+                         seed, on_setting)
+
+
+def _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer, seed,
+              on_setting) -> NumericsReport:
+    options = RunOptions(workload, batch, seq, optimizer, seed=seed, predict=False)
+    if workload not in ("forward", "train"):
+        raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
+    if reference not in ("fp64", "fp32"):
+        raise AmpscopeError(f"the reference is fp64 or fp32, not {reference!r}")
+    parsed = [resolved(s) for s in settings]
+    if not parsed:
+        raise AmpscopeError("give at least one setting")
+    ref_setting = resolved(reference)
+    lm = load(model, device="cpu", have_inputs=inputs is not None)
+    shortfall = run_shortfall(lm, ref_setting, workload, optimizer, built_on_meta=False)
+    if shortfall is not None:
+        raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
+    data = batch_for(lm, inputs, options)
+    if on_setting is not None:
+        on_setting(0, f"{reference} (reference)")
+    ref = _values_of(lm, data, ref_setting, options)
+    report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref),
+                            emulated=[s.name for s in parsed if s.emulated])
+    for i, s in enumerate(parsed):
+        if on_setting is not None:
+            on_setting(i + 1, s.name)
+        report.settings.append(compare_runs(s.name, _values_of(lm, data, s, options), ref))
+    return report
+
+
+def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptions) -> Values:
+    with applied(setting, lm.module):
+        run_data = {k: v.to(setting.run_device, copy=v.is_inference()) for k, v in data.items()}
+        torch.manual_seed(options.seed)  # the same dropout masks in every run (restored after)
+        with recording_values(lm.module) as values:
+            read_weights(lm.module, values)
+            out = workloads.run(lm, run_data, setting, options)
+        if "loss" in out:
+            values.loss = as_float64(out["loss"])
+        read_grads(lm.module, values)
+    return values
+
+
+def policy(device: str = "cpu", dtype: str | None = None, *, op: str | None = None,
+           compare: tuple[str, str] | None = None, quiz: bool = False) -> PolicyReport:
+    """The autocast policy of this PyTorch build, read from the build itself: `device`'s ops by
+    category; with `compare`, only the ops where two devices differ; with `quiz`, what common
+    expressions return on cpu, cuda and mps (or the two compared devices). `dtype` is "bf16" or
+    "fp16" (default: the first device's own autocast dtype); `op` keeps op names containing it."""
+    devices = tuple(compare) if compare else (device,)
+    for d in devices:
+        if d not in DEVICES:
+            raise AmpscopeError(f"unknown device {d!r}; choose {', '.join(DEVICES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise AmpscopeError(f"unknown autocast dtype {dtype!r}; choose bf16 or fp16")
+    torch_dtype = DTYPES[dtype] if dtype else default_autocast_dtype(devices[0])
+    name = dtype_name(torch_dtype)
+    if quiz:
+        asked = devices if compare else ("cpu", "cuda", "mps")
+        return PolicyReport(name, quiz={d: run_quiz(d, torch_dtype) for d in asked})
+    if compare:
+        a, b = (read_policy(d, torch_dtype) for d in devices)
+        return PolicyReport(name, devices=(devices[0], devices[1]),
+                            rows=autocast.compare(a, b, op))
+    rules = read_policy(device, torch_dtype)
+    rows = autocast.table(rules, op)
+    if not rows and op:
+        raise AmpscopeError(
+            f"no op containing {op!r} is on {device}'s autocast list: it follows "
+            f"its inputs there (try --compare cpu cuda --op {op})"
+        )
+    return PolicyReport(name, device=device, rows=rows, total=len(rules))

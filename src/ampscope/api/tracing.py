@@ -1,0 +1,258 @@
+"""`trace`, `matrix` and `capture`: one workload under a setting, several settings side by
+side, and the user's own code, recorded into Traces."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ampscope import workloads
+from ampscope.analysis.compare import Matrix, build_matrix
+from ampscope.analysis.diagnosis import diagnose
+from ampscope.analysis.findings import derive_findings
+from ampscope.analysis.memory import memory_report
+from ampscope.api.planning import batch_for, inputs_in_param_dtype, plan, resolved
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.models.base import Batch, LoadedModel
+from ampscope.precision import (
+    DEVICES,
+    Setting,
+    applied,
+    default_autocast_dtype,
+    device_available,
+)
+from ampscope.precision.emulation import Emulation, device_api_error
+from ampscope.precision.predict import (
+    check_matmul_dtypes,
+    data_dependent,
+    fake_batch,
+    fake_mode,
+    predicting,
+    value_needed_error,
+)
+from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.recorders.session import Capture
+from ampscope.records import Trace, dtype_name
+from ampscope.render.style import format_bytes
+from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
+
+
+def trace(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    setting: str | Setting = "fp32",
+    workload: workloads.Workload = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+    predict: bool | None = None,
+) -> Trace:
+    """Run `workload` once under `setting` and return what every tensor's dtype was.
+
+    A setting on a device this machine lacks (`cuda:fp32+amp-bf16` on a laptop) is emulated:
+    the run happens on the CPU with the device's autocast policy. `predict=True` runs on fake
+    tensors (no memory: any model size); `None` chooses it when a real run would not fit.
+
+    The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
+    (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
+    the model raised. Random token ids are made when `inputs` is None.
+    """
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    return trace_run(model, inputs, setting=setting, options=options)
+
+
+def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None = None,
+              *, setting: str | Setting = "fp32", options: RunOptions = DEFAULT_OPTIONS) -> Trace:
+    """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
+    # Built and run outside the caller's inference_mode: its tensors cannot take part in a
+    # train step (precision.applied sets the other modes the run needs).
+    with torch.inference_mode(False):
+        return _trace_run(model, inputs, setting, options)
+
+
+def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
+               setting: str | Setting, options: RunOptions) -> Trace:
+    setting = resolved(setting)
+    workload_name = options.workload_name
+    lm, predict, notes = plan(model, setting, workload_name, options.optimizer, options.predict,
+                              have_inputs=inputs is not None)
+    if not predict and inputs is None and options.batch * options.seq >= _PEAK_CHECK_TOKENS:
+        predict = _peak_check(lm, setting, options, notes)
+    fake = fake_mode() if predict else None
+    virtual = VirtualDevice(setting.device) if setting.emulated else None
+    with applied(setting, lm.module, fake=fake) as emulation:
+        data = batch_for(lm, inputs, options, device=setting.run_device)
+        if inputs is not None:
+            data, cast = inputs_in_param_dtype(data, setting)
+            if cast:
+                notes.append(f"Float inputs {', '.join(cast)} were cast to "
+                             f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
+                             f"script would under {setting.name} (no autocast to do it).")
+        capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
+                          workload=workload_name,
+                          op_check=check_matmul_dtypes if fake is not None else None)
+        try:
+            with predicting(fake) if fake is not None else contextlib.nullcontext():
+                run_data = fake_batch(data, fake) if fake is not None else data
+                with capture.recording(), _on_virtual(virtual, capture):
+                    outputs = workloads.run(lm, run_data, setting, options, predict=predict)
+        except Exception as e:
+            if predict and data_dependent(e):
+                raise value_needed_error(lm.name, workload_name, e) from e
+            if setting.emulated and (device_error := device_api_error(e, setting.device)):
+                raise device_error from e
+            diagnosis = diagnose(capture.failure)
+            if diagnosis is not None:
+                raise DtypeMismatchError(diagnosis) from e
+            raise
+        result = capture.finish(inputs=run_data, outputs=outputs)
+    result.mode = "predict" if predict else "run"
+    if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
+        notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
+                     "tensor has none of: the step was predicted as taken (finite gradients).")
+    result.notes = (notes + (emulation.notes(workload_name) if emulation is not None else [])
+                    + result.notes)  # what the capture itself noted comes last
+    if virtual is not None:
+        result.notes += virtual.notes()
+    result.findings = derive_findings(result)
+    return result
+
+
+@contextlib.contextmanager
+def _on_virtual(virtual: VirtualDevice | None, capture: Capture):
+    """The run's code on the virtual device (when emulated), its memory calls answered by the
+    capture's storage tracker."""
+    if virtual is None:
+        yield
+        return
+    virtual.memory = capture.memory_now
+    with virtual.active():
+        yield
+
+
+# From this many tokens a step's activations can outgrow its weights: a real run is first
+# predicted on fake tensors (seconds, whatever the size) and its peak held to the free memory.
+_PEAK_CHECK_TOKENS = 4096
+
+
+def _peak_check(lm: LoadedModel, setting: Setting, options: RunOptions, notes: list[str]) -> bool:
+    """Whether the run must be predicted: its predicted peak, plus the model as loaded, does not
+    fit in the memory free here. Refused instead when predicting was ruled out (--no-predict)."""
+    from ampscope.models.registry import available_memory_bytes
+
+    available = available_memory_bytes() if setting.run_device == "cpu" else None
+    if available is None:
+        return False
+    predicted = _trace_run(lm, None, setting, replace(options, predict=True))
+    loaded = sum(p.numel() * p.element_size() for p in lm.module.parameters())
+    needed = memory_report(predicted).peak.bytes + loaded
+    if needed <= available:
+        return False
+    why = (f"its predicted peak is {format_bytes(needed)} (the step's "
+           f"{format_bytes(needed - loaded)} and the model as loaded), more than the "
+           f"{format_bytes(available)} free here")
+    if options.predict is False:
+        raise AmpscopeError(f"a real run of {lm.name} would not fit: {why}; predict it on fake "
+                            "tensors (--predict) or make the batch or sequence smaller")
+    notes.append(f"Predicted on fake tensors because a real run would not fit: {why}.")
+    return True
+
+
+DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
+
+
+def matrix(
+    model: str | nn.Module | LoadedModel,
+    inputs: torch.Tensor | Batch | None = None,
+    *,
+    settings: Sequence[str | Setting] = DEFAULT_MATRIX_SETTINGS,
+    workload: workloads.Workload = "train",
+    batch: int = 1,
+    seq: int = 64,
+    optimizer: str = "adamw",
+    new_tokens: int = 4,
+    seed: int = 0,
+    predict: bool | None = None,
+    on_setting: Callable[[int, str], None] | None = None,
+) -> tuple[Matrix, list[Trace]]:
+    """Trace one workload under each setting (same weights, same batch) and line them up.
+
+    `on_setting(i, name)` is called before setting i runs (for a progress display).
+    """
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    parsed = [resolved(s) for s in settings]
+    if not parsed:
+        raise AmpscopeError("give at least one setting")
+    # One build per device: a model may make device-dependent choices when it is built
+    # (nanochat's bf16 embedding on CUDA); the same seed gives every build the same weights.
+    plans: dict[str, tuple[LoadedModel, bool]] = {}
+    traces = []
+    failures: list[tuple[str, str]] = []
+    first_error: Exception | None = None
+    for i, s in enumerate(parsed):
+        if on_setting is not None:
+            on_setting(i, s.name)
+        if s.device not in plans:
+            lm, decided, _ = plan(model, s, options.workload_name, options.optimizer,
+                                  options.predict, have_inputs=inputs is not None)
+            plans[s.device] = (lm, decided)
+        lm, decided = plans[s.device]
+        try:
+            traces.append(trace_run(lm, inputs, setting=s,
+                                    options=replace(options, predict=decided)))
+        except Exception as e:  # one setting's failure is a column, not the end of the table
+            first_error = first_error or e
+            failures.append((s.name, _why(e)))
+    if not traces:
+        assert first_error is not None
+        raise first_error
+    return build_matrix(traces, tuple(failures)), traces
+
+
+def _why(e: Exception) -> str:
+    """A setting's failure in one line: ampscope's own message, or the error's type and text."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if isinstance(e, AmpscopeError) else f"{type(e).__name__}: {text}"
+
+
+def capture(model: nn.Module, *, name: str | None = None,
+            device: str | None = None) -> contextlib.AbstractContextManager[Trace]:
+    """`with ampscope.capture(model) as t: ...` records whatever runs inside into the Trace `t`.
+
+    The model's own code, autocast regions and optimizer run as written; ampscope only watches.
+    With `device` ("cuda", "mps", "xpu") on a machine that lacks it, the code inside runs on
+    the virtual device: it sees that device, and its autocast follows that device's policy.
+    """
+    recorder = Capture(model, model_name=name, workload="custom", findings=derive_findings,
+                       explain_failure=_explain)
+    if device is None:
+        return recorder
+    if device not in DEVICES:
+        raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    recorder.device = device
+    if device_available(device):
+        return recorder
+    return _on_virtual_device(recorder, device)
+
+
+@contextlib.contextmanager
+def _on_virtual_device(recorder: Capture, device: str) -> Iterator[Trace]:
+    virtual = VirtualDevice(device)
+    with Emulation(device, default_autocast_dtype(device)), recorder as trace:
+        virtual.memory = recorder.memory_now
+        with virtual.active():
+            yield trace
+    trace.notes += virtual.notes()
+
+
+def _explain(failure) -> str | None:
+    """The dtype-mismatch diagnosis of the call that raised, as a note's text."""
+    diagnosis = diagnose(failure)
+    return diagnosis.text() if diagnosis is not None else None
