@@ -32,13 +32,6 @@ def data(tmp_path):
     return f"--data_dir={tmp_path}"
 
 
-@pytest.fixture(autouse=True)
-def fresh_model_module():
-    """The script imports its `model` module from its own folder: import it anew each run."""
-    yield
-    sys.modules.pop("model", None)
-
-
 def module_out(t, name):
     return next(m for m in t.modules if m.name == name and m.phase == "forward").outputs[0]
 
@@ -165,9 +158,11 @@ def test_a_cuda_call_that_cannot_be_virtual_is_one_line(tmp_path):
 
 def test_the_callers_state_comes_back(tmp_path, data):
     argv, path = sys.argv[:], sys.path[:]
+    assert "model" not in sys.modules
     autocast = torch.is_autocast_enabled("cpu")
     run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda")
     assert sys.argv == argv and sys.path == path
+    assert "model" not in sys.modules  # the script's own module is forgotten: imported anew
     assert torch.is_autocast_enabled("cpu") == autocast
     assert not torch.cuda.is_available()  # the virtual device is gone
 

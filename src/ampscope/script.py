@@ -41,6 +41,7 @@ from ampscope.precision.predict import (
 )
 from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
+from ampscope.recorders.source import user_source
 from ampscope.records import Trace
 
 
@@ -97,8 +98,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
             stack.enter_context(capture.recording())
             stack.callback(register_optimizer_step_post_hook(count_step).remove)
             if virtual is not None:
-                virtual.memory = capture.memory_now
-                stack.enter_context(virtual.active())
+                stack.enter_context(virtual.active(memory=capture.memory_now))
             if fake is not None:
                 stack.enter_context(_swappable(capture, virtual, fake))
                 stack.enter_context(_fake_values(values_read))
@@ -234,25 +234,12 @@ def _fake_values(read: list[str]) -> Iterator[None]:
     class FakeValues(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is item and isinstance(args[0], FakeTensor):
-                read.append(_caller_line() or "an unknown line")
+                read.append(user_source(skip=2) or "an unknown line")
                 return float("nan")
             return func(*args, **(kwargs or {}))
 
     with FakeValues():
         yield
-
-
-def _caller_line() -> str | None:
-    """`file.py:line` of the innermost frame on the stack outside PyTorch and ampscope."""
-    import torch
-
-    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if not frame.f_code.co_filename.startswith(skip):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
 
 
 @contextlib.contextmanager
@@ -300,8 +287,11 @@ def _swappable(capture: Capture, virtual: VirtualDevice | None,
 
 @contextlib.contextmanager
 def _script_argv(argv: list[str], first_path: str) -> Iterator[None]:
-    """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back, and
+    the modules the script imported from its own folder are forgotten, so the next run
+    imports them again (their import-time device checks included)."""
+    saved_argv, saved_path, saved_modules = sys.argv[:], sys.path[:], set(sys.modules)
+    folder = os.path.abspath(first_path) + os.sep
     sys.argv = argv
     sys.path.insert(0, first_path)
     try:
@@ -309,6 +299,10 @@ def _script_argv(argv: list[str], first_path: str) -> Iterator[None]:
     finally:
         sys.argv[:] = saved_argv
         sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            path = getattr(sys.modules[name], "__file__", None) or ""
+            if os.path.abspath(path).startswith(folder):
+                del sys.modules[name]
 
 
 def _script_error(e: Exception, label: str, capture: Capture, device: str | None,

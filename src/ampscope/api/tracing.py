@@ -101,7 +101,8 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
         try:
             with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
-                with capture.recording(), _on_virtual(virtual, capture):
+                with capture.recording(), (virtual.active(memory=capture.memory_now)
+                                             if virtual else contextlib.nullcontext()):
                     outputs = workloads.run(lm, run_data, setting, options, predict=predict)
         except Exception as e:
             if predict and data_dependent(e):
@@ -123,18 +124,6 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
         result.notes += virtual.notes()
     result.findings = derive_findings(result)
     return result
-
-
-@contextlib.contextmanager
-def _on_virtual(virtual: VirtualDevice | None, capture: Capture):
-    """The run's code on the virtual device (when emulated), its memory calls answered by the
-    capture's storage tracker."""
-    if virtual is None:
-        yield
-        return
-    virtual.memory = capture.memory_now
-    with virtual.active():
-        yield
 
 
 # From this many tokens a step's activations can outgrow its weights: a real run is first
@@ -245,10 +234,9 @@ def capture(model: nn.Module, *, name: str | None = None,
 @contextlib.contextmanager
 def _on_virtual_device(recorder: Capture, device: str) -> Iterator[Trace]:
     virtual = VirtualDevice(device)
-    with Emulation(device, default_autocast_dtype(device)), recorder as trace:
-        virtual.memory = recorder.memory_now
-        with virtual.active():
-            yield trace
+    with Emulation(device, default_autocast_dtype(device)), recorder as trace, \
+            virtual.active(memory=recorder.memory_now):
+        yield trace
     trace.notes += virtual.notes()
 
 

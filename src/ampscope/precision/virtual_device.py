@@ -55,7 +55,7 @@ _GETTERS = {  # attribute reads that say where a tensor is
 _DATA_SET = _TensorBase.data.__set__
 _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
           if hasattr(_TensorBase, name)}
-_NO_OPS = {_TensorBase.pin_memory: "pin_memory", _TensorBase.is_pinned: "is_pinned"}
+_NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -282,9 +282,6 @@ class _Stream:
         pass
 
 
-_BLOCK = 512  # CUDA's caching allocator rounds every block up to 512 bytes
-
-
 class VirtualDevice:
     """`with VirtualDevice("cuda"):` user code sees one emulated `cuda` device.
 
@@ -306,10 +303,14 @@ class VirtualDevice:
         self._peak_base = 0
 
     @contextlib.contextmanager
-    def active(self, backing: str = "cpu") -> Iterator[VirtualDevice]:
+    def active(self, backing: str = "cpu", *,
+               memory: Callable[[], tuple[int, int]] | None = None) -> Iterator[VirtualDevice]:
         """The virtual device for the body, with tensors backed by `backing` (cpu, or meta
-        while a model for a predicted run is built)."""
+        while a model for a predicted run is built); `memory` answers the memory calls (a
+        capture's `memory_now`)."""
         self.mode.backing = torch.device(backing)
+        if memory is not None:
+            self.memory = memory
         with contextlib.ExitStack() as stack:
             for owner, name, value in self._patches():
                 stack.enter_context(_patched(owner, name, value))
@@ -440,11 +441,6 @@ class VirtualDevice:
         for call in dict.fromkeys(self.mode.unsupported):
             notes.append(f"{call} ran on the CPU: only {self.target} is virtual here.")
         return notes
-
-
-def rounded(nbytes: int) -> int:
-    """Bytes as CUDA's caching allocator holds them: in 512-byte blocks."""
-    return -(-nbytes // _BLOCK) * _BLOCK
 
 
 def _clearing(original: Callable) -> Callable:
