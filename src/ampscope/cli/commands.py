@@ -64,9 +64,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     args.model = args.target  # named in one-line errors
-    # The script's prints stay visible, but never mixed into JSON on stdout.
-    sink = io.StringIO() if args.quiet else None  # (main sends prints to stderr for --json -)
-    with contextlib.redirect_stdout(sink) if sink is not None else contextlib.nullcontext():
+    # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
+    quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
+    with quiet:
         result = run_script(args.target, script_args, module=args.module, device=args.device,
                             steps=args.steps, predict=args.predict)
     return _show(args, result.to_json,
