@@ -302,3 +302,29 @@ def test_an_emulated_memory_report_says_so():
     Console(file=out, width=100, color_system=None).print(render_memory(report))
     assert "on cuda (emulated, predicted)" in out.getvalue().splitlines()[0]
     assert not ampscope.memory("gpt2-tiny", seq=8, predict=True).emulated
+
+
+def test_reports_from_a_trace_equal_those_of_a_new_run():
+    """memory(trace), flops(trace) and findings(trace) compute from the trace given, with
+    nothing run again, and equal the reports of the model traced with the same options."""
+    import ampscope
+
+    t = ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", seq=16, predict=True)
+    assert ampscope.memory(t).to_dict() == ampscope.memory(
+        "gpt2-tiny", setting="fp32+amp-bf16", seq=16, predict=True).to_dict()
+    assert ampscope.flops(t).to_dict() == ampscope.flops(
+        "gpt2-tiny", setting="fp32+amp-bf16", seq=16, predict=True).to_dict()
+    assert ampscope.findings(t) == t.findings
+    back = ampscope.Trace.from_dict(t.to_dict())
+    assert ampscope.findings(back) == t.findings
+    assert ampscope.memory(back).to_dict() == ampscope.memory(t).to_dict()
+
+
+def test_a_trace_refuses_options_that_would_change_its_run():
+    import ampscope
+
+    t = ampscope.trace("gpt2-tiny", seq=16, predict=True)
+    with pytest.raises(ampscope.AmpscopeError, match="seq cannot apply to a Trace"):
+        ampscope.memory(t, seq=32)
+    with pytest.raises(ampscope.AmpscopeError, match="measure cannot apply"):
+        ampscope.flops(t, measure=True)

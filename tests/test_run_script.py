@@ -48,7 +48,7 @@ def test_virtual_cuda_takes_the_scripts_cuda_branch(data):
     assert not any("_amp_foreach_non_finite_check_and_unscale_" in o.op for o in t.ops)
     # One optimizer step, then the script was stopped.
     assert sum(1 for c in t.calls if c.phase == "optimizer") > 0
-    assert any("stopped after first optimizer step" in n for n in t.notes)
+    assert any("stopped after its first optimizer step" in n for n in t.notes)
     assert any("torch.compile was called" in n for n in t.notes)
 
 
@@ -68,7 +68,7 @@ def test_float16_enables_the_grad_scaler(data):
 def test_steps_counts_optimizer_steps(data):
     t = run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda", steps=2)
     assert max(c.step for c in t.calls) == 2  # two calls of the model
-    assert any("stopped after second optimizer step" in n for n in t.notes)
+    assert any("stopped after its second optimizer step" in n for n in t.notes)
 
 
 def test_script_memory_logging_prints_the_tracked_peak(tmp_path, capsys, data):
@@ -188,7 +188,8 @@ def test_module_mode_runs_a_package_module(tmp_path, monkeypatch):
 
 def test_a_sampler_that_only_calls_model_forward(tmp_path):
     """(e) as a script: inference_mode, a KV cache, model.forward(...) called directly. The
-    model is found by the parameters its forward uses; its calls after the first are model calls."""
+    model is found by the module its forward calls first; every call, the first included, is a
+    model call with the root's inputs and output."""
     script = tmp_path / "sample.py"
     script.write_text(
         "import torch\n"
@@ -209,9 +210,57 @@ def test_a_sampler_that_only_calls_model_forward(tmp_path):
         "        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)\n")
     t = run_script(str(script), device="cuda")
     assert t.model.cls == "CachedLM" and t.workload == "forward"
-    assert sum(1 for m in t.modules if m.name == "") == 2  # the calls after the first
+    roots = [m for m in t.modules if m.name == ""]
+    assert len(roots) == 3
+    assert [r.outputs[0].dtype for r in roots] == ["bfloat16"] * 3
+    assert roots[0].inputs[0].dtype == "int64" and roots[0].inputs[0].shape == (1, 1)
+    assert all(m.depth == 1 for m in t.modules if m.name in ("emb", "proj", "head"))
+    assert {o.module for o in t.ops if o.op == "aten.embedding.default"} == {"emb"}
+    assert [o.module for o in t.ops if o.op == "aten.stack.default"] == ["", "", ""]
     ops = [o.op for o in t.ops]
     assert "aten.addmm.default" in ops and "aten.linear.default" not in ops
     assert sum(o.flops for o in t.ops) == 3 * (2 * 8 * 8 + 2 * 8 * 16)
     head = [m for m in t.modules if m.name == "head"]
     assert head and all(m.outputs[0].dtype == "bfloat16" for m in head)
+
+
+def test_gradient_accumulation_keeps_each_micro_steps_phases(data):
+    """Two micro-steps per optimizer step: forward, backward, forward, backward, then the
+    optimizer, each its own phase; the FLOPs per token are those of one pass (the tokens of
+    both passes are counted), and the note says what ran."""
+    import itertools
+
+    one = run_script(str(EXAMPLE), [data, "--block_size=16"], device="cuda")
+    two = run_script(str(EXAMPLE), [data, "--block_size=16", "--gradient_accumulation_steps=2"],
+                     device="cuda")
+    phases = [k for k, _ in itertools.groupby(o.phase for o in two.ops)]
+    assert phases == ["forward", "backward", "forward", "backward", "optimizer"]
+    assert sum(1 for m in two.modules if m.name == "" and m.phase == "forward") == 2
+    assert any("2 forward passes for 1 optimizer step" in n for n in two.notes)
+    f1, f2 = ampscope.flops(one), ampscope.flops(two)
+    assert f2.tokens == 2 * f1.tokens == 2 * 4 * 16
+    matmuls = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+    per_pass = sum(o.flops for o in one.ops if o.op in matmuls and o.phase != "optimizer")
+    assert sum(o.flops for o in two.ops if o.op in matmuls) == 2 * per_pass
+    casts = next(f.text for f in two.findings if f.text.startswith("Autocast inserted"))
+    assert "in 2 forward passes" in casts
+
+
+def test_run_adds_memory_flops_and_an_html_report(tmp_path, capsys, data):
+    page = tmp_path / "run.html"
+    code = main(["run", "-d", "cuda", "-q", "--memory", "--flops", "--report", str(page),
+                 str(EXAMPLE), data, "--block_size=16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Largest storages live at the peak" in out and "By the dtype the matmuls ran in" in out
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") and 'id="memory"' in html and 'id="flops"' in html
+    assert "emulated" in html
+
+
+def test_run_refuses_an_unwritable_report_before_the_script_runs(tmp_path, capsys, data):
+    code = main(["run", "-d", "cuda", "--report", str(tmp_path / "no" / "such" / "r.html"),
+                 str(EXAMPLE), data])
+    captured = capsys.readouterr()
+    assert code == 2 and "iter 0" not in captured.out
+    assert "cannot write" in captured.err

@@ -20,6 +20,7 @@ from model import GPT, GPTConfig
 # -- settings, overridable as --name=value
 data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 batch_size = 4
+gradient_accumulation_steps = 1
 block_size = 64
 n_layer = 2
 n_head = 4
@@ -74,10 +75,12 @@ if compile:
 X, Y = get_batch()
 for it in range(max_iters):
     t0 = time.time()
-    with ctx:
-        logits, loss = model(X, Y)
-    X, Y = get_batch()
-    scaler.scale(loss).backward()
+    for _ in range(gradient_accumulation_steps):
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
+        X, Y = get_batch()
+        scaler.scale(loss).backward()
     if grad_clip:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

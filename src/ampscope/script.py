@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.analysis.diagnosis import diagnose
-from ampscope.analysis.findings import derive_findings
+from ampscope.analysis.findings import derive_findings, plural
+from ampscope.analysis.summary import forward_passes
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.precision import DEVICES, GlobalState, default_autocast_dtype, device_available
 from ampscope.precision.emulation import Emulation, device_api_error
@@ -123,8 +124,13 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     result = capture.finish()
     result.mode = "predict" if predict else "run"
     result.workload = "train" if taken else "forward"
-    notes = [f"{label} was stopped after {_nth(taken)} optimizer step." if stopped else
+    notes = [f"{label} was stopped after its {_nth(taken)} optimizer step." if stopped else
              f"{label} ran to its end ({taken} optimizer steps)."]
+    passes = forward_passes(result)
+    if taken and passes > taken:
+        notes.append(f"The model ran {passes} forward passes for {plural(taken, 'optimizer step')} "
+                     f"(gradient accumulation): each pass is its own forward and backward phase "
+                     "in the trace; counts and tokens cover them all.")
     if predict:
         notes.append("Predicted: every parameter and buffer became a fake tensor as the model "
                      "was built, so no weight was kept in memory; the data stayed real.")

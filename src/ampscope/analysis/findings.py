@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
 from ampscope.analysis.flow import FlowRow, collapse_blocks
-from ampscope.analysis.summary import itemsize, numel
+from ampscope.analysis.summary import forward_passes, itemsize, numel
 from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, Trace, module_label
 
 _FLOATS = tuple(FLOATS)
@@ -101,7 +101,11 @@ def autocast_cast_findings(trace: Trace, changes: list[DtypeChange]) -> list[Fin
     total = sum(_nbytes(o.outputs[0]) for o in casts if o.outputs)
     targets = Counter(o.outputs[0].dtype for o in casts if o.outputs)
     dtype_text = ", ".join(f"{n} to {d}" for d, n in targets.items())
-    text = (f"Autocast inserted {plural(len(casts), 'cast')} in the forward pass "
+    passes = forward_passes(trace)
+    where = "in the forward pass" if passes == 1 else f"in {passes} forward passes"
+    if passes > 1 and len(casts) % passes == 0:
+        where += f" ({len(casts) // passes} each)"
+    text = (f"Autocast inserted {plural(len(casts), 'cast')} {where} "
             f"({total / 1e6:.2f} MB): {dtype_text}")
     clauses = _parameter_cast_clauses(trace, changes)
     if clauses:

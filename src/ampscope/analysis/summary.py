@@ -55,6 +55,23 @@ def _count(category: str, items: list[tuple[str, tuple[int, ...], str]]) -> list
     return out
 
 
+def forward_passes(trace: Trace) -> int:
+    """How many times the model itself was called forward: 1 for one step, more for a script
+    traced over several optimizer steps or with gradient accumulation (micro-steps)."""
+    return max(1, sum(1 for m in trace.modules if m.depth == 0 and m.name == ""
+                      and m.phase == "forward"))
+
+
+def tokens_of(trace: Trace) -> int:
+    """Tokens the traced steps processed: the elements of the model's integer input (batch ×
+    sequence), once per forward pass of a training run (the input is recorded at the first)."""
+    for record in trace.inputs:
+        if record.role == "input" and record.dtype.startswith(("int", "uint")):
+            passes = forward_passes(trace) if trace.workload == "train" else 1
+            return numel(record.shape) * passes
+    return 0
+
+
 def dtype_inventory(trace: Trace) -> list[DtypeCount]:
     rows = _count("parameters", [(p.dtype, p.shape, p.name) for p in trace.parameters])
     rows += _count("gradients", [(p.grad_dtype, p.shape, p.name) for p in trace.parameters

@@ -2,7 +2,7 @@
 
 - `planning.py`: the model, its batch, real or predicted;
 - `tracing.py`: `trace`, `matrix`, `capture`;
-- `reports.py`: `memory`, `flops`, `numerics`, `policy`;
+- `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
 - `measure.py`: an untraced step's wall time and CUDA peak.
 """
 
@@ -10,6 +10,7 @@ from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_s
 from ampscope.api.planning import load
 from ampscope.api.reports import (
     DEFAULT_NUMERICS_SETTINGS,
+    findings,
     flops,
     memory,
     numerics,
@@ -19,7 +20,7 @@ from ampscope.api.reports import (
 from ampscope.api.tracing import DEFAULT_MATRIX_SETTINGS, capture, matrix, trace, trace_run
 
 __all__ = [
-    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "flops",
+    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "findings", "flops",
     "load", "matrix", "measure_peak_memory", "measure_step", "memory", "numerics", "policy",
     "tokens_of", "trace", "trace_run",
 ]

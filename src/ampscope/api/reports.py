@@ -12,10 +12,11 @@ from torch import nn
 from ampscope import hardware, workloads
 from ampscope.analysis import autocast
 from ampscope.analysis.autocast import PolicyReport
+from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report, utilization
 from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
-from ampscope.analysis.summary import numel
+from ampscope.analysis.summary import tokens_of
 from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
 from ampscope.api.planning import batch_for, load, resolved, run_shortfall
 from ampscope.api.tracing import trace
@@ -31,12 +32,12 @@ from ampscope.precision import (
 from ampscope.precision.autocast_policy import read_policy
 from ampscope.precision.quiz import quiz as run_quiz
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
-from ampscope.records import SettingRecord, Trace, dtype_name
+from ampscope.records import Finding, SettingRecord, Trace, dtype_name
 from ampscope.workloads import RunOptions
 
 
 def memory(
-    model: str | nn.Module | LoadedModel,
+    model: str | nn.Module | LoadedModel | Trace,
     inputs: torch.Tensor | Batch | None = None,
     *,
     measure: bool = False,
@@ -45,7 +46,13 @@ def memory(
     """Trace one step (options as for `trace`) and account for every byte it held: by category
     and dtype, the peak and where it happens, the live-bytes timeline, and the formulas people
     use beside the counted figure. `measure=True` (a real CUDA device only; refused before
-    anything is traced elsewhere) also runs the step untraced and adds the allocator's peak."""
+    anything is traced elsewhere) also runs the step untraced and adds the allocator's peak.
+
+    Given a `Trace` (from `trace`, `capture`, `run_script` or `Trace.from_dict`), the report is
+    computed from it, with nothing run again."""
+    if isinstance(model, Trace):
+        _already_run(model, inputs, options, measure=measure)
+        return memory_report(model)
     if measure:
         cuda_to_measure(options.get("setting", "fp32"))
     report = memory_report(trace(model, inputs, **options))
@@ -56,7 +63,7 @@ def memory(
 
 
 def flops(
-    model: str | nn.Module | LoadedModel,
+    model: str | nn.Module | LoadedModel | Trace,
     inputs: torch.Tensor | Batch | None = None,
     *,
     step_time: float | None = None,
@@ -69,10 +76,15 @@ def flops(
 
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
-    peaks (default: this machine's GPU; an H100 for emulated CUDA)."""
+    peaks (default: this machine's GPU; an H100 for emulated CUDA). Given a `Trace`, the count
+    is made from it, with nothing run again (`step_time` still applies)."""
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
-    result = trace(model, inputs, **options)
+    if isinstance(model, Trace):
+        _already_run(model, inputs, options, measure=measure)
+        result = model
+    else:
+        result = trace(model, inputs, **options)
     report = flop_report(result, tokens=tokens_of(result))
     if measure:
         step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
@@ -80,6 +92,27 @@ def flops(
         report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),
                                          report.setting.matmul_precision)
     return report
+
+
+def findings(model: str | nn.Module | LoadedModel | Trace,
+             inputs: torch.Tensor | Batch | None = None, **options) -> list[Finding]:
+    """The findings of a trace in plain words, each with its cause: those of `model` traced
+    with `options` (as for `trace`), or of a `Trace` already made (derived again from its
+    records, so a trace read back from JSON gets them too)."""
+    if isinstance(model, Trace):
+        _already_run(model, inputs, options)
+        return derive_findings(model)
+    return trace(model, inputs, **options).findings
+
+
+def _already_run(result: Trace, inputs, options: dict, *, measure: bool = False) -> None:
+    """A Trace is a finished run: nothing that would change the run can apply to it."""
+    given = [name for name, value in (("inputs", inputs), ("measure", measure)) if value]
+    given += sorted(options)
+    if given:
+        raise AmpscopeError(
+            f"{', '.join(given)} cannot apply to a Trace that has already run; pass the model "
+            f"({result.model.name}) instead to run it again with them")
 
 
 def _accelerator(name: str | None, setting: SettingRecord):
@@ -92,14 +125,6 @@ def _accelerator(name: str | None, setting: SettingRecord):
     if setting.emulated:
         return hardware.by_name("h100")
     return hardware.lookup(torch.cuda.get_device_name())
-
-
-def tokens_of(result: Trace) -> int:
-    """Tokens the step processed: the elements of its integer input (batch × sequence)."""
-    for record in result.inputs:
-        if record.role == "input" and record.dtype.startswith(("int", "uint")):
-            return numel(record.shape)
-    return 0
 
 
 DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")

@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="draw the dtype flow of one forward pass")
     run.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout: "
                                                     "the script's prints go to stderr)")
+    run.add_argument("--memory", action="store_true",
+                     help="add the memory report of the captured steps")
+    run.add_argument("--flops", action="store_true",
+                     help="add the FLOP count of the captured steps")
+    run.add_argument("--report", metavar="PATH",
+                     help="also write the HTML report of the run (findings, dtype flow, "
+                          "memory, FLOPs)")
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                      help=argparse.SUPPRESS)
     run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
@@ -266,6 +273,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         paths.append(args.json)
     if args.command == "report":
         paths.append(args.output)
+    if args.command == "run" and args.report:
+        paths.append(args.report)
     for path in paths:
         why = unwritable(path)
         if why is not None:

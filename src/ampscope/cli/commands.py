@@ -56,6 +56,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     import contextlib
     import io
 
+    from rich.console import Group
+
     from ampscope.analysis.summary import trace_summary
     from ampscope.render.text import render_trace
     from ampscope.script import run_script
@@ -69,8 +71,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     with quiet:
         result = run_script(args.target, script_args, module=args.module, device=args.device,
                             steps=args.steps, predict=args.predict)
-    return _show(args, result.to_json,
-                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
+    memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
+                                  flops=args.flops or bool(args.report))
+    if args.report:
+        _write_report(args.report, [result], memory=memory, flops=flops)
+
+    def render():
+        parts = [render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram))]
+        if args.memory:
+            from ampscope.render.memory import render_memory
+            parts += [render_memory(r) for r in memory]
+        if args.flops:
+            from ampscope.render.flops import render_flops
+            parts += [render_flops(r) for r in flops]
+        return Group(*parts)
+
+    return _show(args, result.to_json, render)
+
+
+def _step_reports(result, *, memory: bool, flops: bool) -> tuple[list, list]:
+    """The memory and FLOP reports of a finished trace, those asked for."""
+    from ampscope.api import flops as flop_count
+    from ampscope.api import memory as memory_of
+
+    return ([memory_of(result)] if memory else []), ([flop_count(result)] if flops else [])
+
+
+def _write_report(path: str, traces: list, *, memory: list, flops: list, matrix=None,
+                  numerics=None) -> None:
+    """The HTML report, written atomically; one line on stderr says where."""
+    from ampscope.analysis.compare import build_matrix
+    from ampscope.render.html import report_html
+
+    page = report_html(traces, matrix if matrix is not None else build_matrix(traces),
+                       memory=memory, flops=flops, numerics=numerics)
+    try:
+        write_atomic(path, page)
+    except OSError as e:
+        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
+    print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -97,8 +136,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from ampscope.analysis.flops import flop_report
     from ampscope.analysis.memory import memory_report
-    from ampscope.api import matrix, numerics, tokens_of
-    from ampscope.render.html import report_html
+    from ampscope.analysis.summary import tokens_of
+    from ampscope.api import matrix, numerics
 
     options = _run_options(args)
     settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
@@ -124,16 +163,11 @@ def cmd_report(args: argparse.Namespace) -> int:
             values = numerics(args.model, settings=settings, workload=args.workload,
                               batch=args.batch, seq=args.seq, optimizer=args.optimizer,
                               on_setting=on_numerics)
-    page = report_html(traces, result, memory=[memory_report(t) for t in traces],
-                       flops=[flop_report(t, tokens=tokens_of(t)) for t in traces],
-                       numerics=values)
     if args.json:
         _write_json(json.dumps(result.to_dict(), indent=1), args.json)
-    try:
-        write_atomic(args.output, page)
-    except OSError as e:
-        raise AmpscopeError(f"cannot write {args.output}: {e.strerror}") from e
-    print(f"Wrote {args.output}", file=sys.stderr)  # plain: a path must not be wrapped
+    _write_report(args.output, traces, matrix=result,
+                  memory=[memory_report(t) for t in traces],
+                  flops=[flop_report(t, tokens=tokens_of(t)) for t in traces], numerics=values)
     return 0
 
 

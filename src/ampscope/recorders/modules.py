@@ -10,6 +10,7 @@ dtypes and an innermost-module stack for attributing ops.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Protocol
@@ -29,6 +30,26 @@ from ampscope.records import ModuleCall, TensorMeta
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _no_local_tracing(frame, event: str, arg) -> None:
+    """A global trace function that traces no new frame."""
+    return None
+
+
+def _running_forward(module: nn.Module):
+    """The frame on this thread's stack running `module`'s own forward (called directly), or
+    None. The outermost one, should forward call itself."""
+    import inspect
+
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get(code.co_varnames[0]) is module:
+            found = frame
+        frame = frame.f_back
+    return found
 
 
 class PhaseClock(Protocol):
@@ -123,6 +144,36 @@ class ModuleTracker:
 
         return undo
 
+    def enter_running(self, module: nn.Module,
+                      on_call: Callable[[nn.Module, tuple, dict], None] | None = None) -> bool:
+        """Record a call of `module` that is already running: a script called
+        `model.forward(...)` directly before the model was known, so neither a hook nor the
+        `watch_direct_calls` wrapper saw it start. The call is opened now, with the arguments
+        its frame holds, and closed with its return value when that frame returns (a trace
+        function on that one frame). False, and nothing recorded, where the frame is not found
+        or another tracer (a debugger, coverage) owns `sys.settrace`."""
+        frame = _running_forward(module)
+        if frame is None or sys.gettrace() is not None:
+            return False
+        code = frame.f_code
+        named = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]  # after self
+        local = frame.f_locals
+        args = tuple(local[n] for n in named if n in local)
+        self._forward_pre(module, args)
+        if on_call is not None:
+            on_call(module, args, {})
+
+        def on_event(f, event: str, arg):
+            if event == "return":  # also as an exception leaves it (arg None)
+                sys.settrace(None)
+                self._forward_post(module, args, {}, arg)
+            return on_event
+
+        frame.f_trace = on_event
+        frame.f_trace_lines = False
+        sys.settrace(_no_local_tracing)  # return events reach f_trace only while tracing is on
+        return True
+
     # -- install / remove
     def __enter__(self) -> ModuleTracker:
         self._handles = [
@@ -142,6 +193,8 @@ class ModuleTracker:
                           "_global_forward_hooks_always_called"):
                 getattr(nn_module, extra, {}).pop(handle.id, None)
         self._handles = []
+        if sys.gettrace() is _no_local_tracing:  # a running call that never returned
+            sys.settrace(None)
 
     # -- forward
     def _name(self, module: nn.Module) -> str:

@@ -194,6 +194,8 @@ class Capture:
         self.trace.model = ModelInfo(self._model_name or type(root).__name__,
                                      type(root).__name__, 0)
         self._watch(root)
+        if not self._tracker._forward_stack:  # its forward(...) runs now, called directly
+            self._tracker.enter_running(root, self._on_model_call)
 
     def _on_root_forward(self) -> None:
         self._clock.after_backward = False  # a new step begins
