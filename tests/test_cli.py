@@ -164,11 +164,12 @@ def test_a_train_step_too_big_for_this_machine_is_predicted_or_refused(capsys, m
     code, out, _ = run(capsys, "trace", "gpt2-tiny", "--seq", "4")
     assert code == 0
     flat = " ".join(out.split())
-    assert "predicted" in flat and "Predicted on fake tensors because a real run would not fit" in flat
-    code, _, err = run(capsys, "trace", "gpt2-tiny", "--seq", "4", "--no-predict")
-    assert code == 2
-    assert "gpt2-tiny has" in err and "as 4 float32 copies of the weights for a train run" in err
-    assert "--predict" in err
+    assert "predicted" in flat and "Predicted on fake tensors (the default" in flat
+    for real in ("--real", "--no-predict"):
+        code, _, err = run(capsys, "trace", "gpt2-tiny", "--seq", "4", real)
+        assert code == 2
+        assert "gpt2-tiny has" in err and "as 4 float32 copies of the weights for a train run" in err
+        assert "drop --real" in err
 
 
 def test_models_json(capsys):
@@ -259,7 +260,8 @@ def bad_files(tmp_path, monkeypatch):
     (["trace", "exiting:build"], "exiting:build called sys.exit(0) instead of returning a model"),
     (["matrix", "exiting:build"], "called sys.exit(0)"),
     (["trace", "exits_on_import:build"], "importing 'exits_on_import' called sys.exit(3)"),
-    (["trace", "gpt2-tiny", "--predict", "--no-predict"], "--predict or --no-predict, not both"),
+    (["trace", "gpt2-tiny", "--predict", "--no-predict"], "--predict or --real, not both"),
+    (["trace", "gpt2-tiny", "--predict", "--real"], "--predict or --real, not both"),
     (["trace", "gpt2-tiny", "--nproc", "4"], "--nproc only applies with --distributed"),
     (["memory", "gpt2-tiny", "--timeout", "5"], "--timeout only applies with --distributed"),
     (["trace", "gpt2-tiny", "--distributed", "ddp", "--timeout", "-1"], "--timeout must be"),

@@ -153,7 +153,7 @@ def test_ops_agree_with_debugmode(loaded, model, setting, workload):
     with applied(parsed, lm.module), DebugMode.dispatch_hooks(record_hook=_dtypes_hook), \
             _DebugModeSeeingSkips() as mode:
         workloads.run(lm, batch, parsed, workloads.RunOptions(workload))
-    trace = ampscope.trace(lm, batch, setting=setting, workload=workload)
+    trace = ampscope.trace(lm, batch, setting=setting, workload=workload, predict=False)
 
     # What DebugMode skipped is exactly the two kinds the module docstring explains.
     for _, (op, *_), types in mode.skipped:

@@ -233,7 +233,7 @@ def opt_cuda():
 
 def test_opt_on_emulated_cuda_shows_the_cuda_dtypes(opt_cuda):
     t = opt_cuda
-    assert t.setting.emulated and t.setting.device == "cuda" and t.mode == "run"
+    assert t.setting.emulated and t.setting.device == "cuda" and t.mode == "predict"
     forward = [m for m in t.modules if m.phase == "forward"]
     norms = [m for m in forward if m.type == "LayerNorm"]
     assert len(norms) == 12 * 2 + 1

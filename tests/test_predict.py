@@ -96,8 +96,7 @@ def test_a_model_that_would_not_fit_is_predicted_and_says_so(monkeypatch):
     monkeypatch.setattr(registry, "available_memory_bytes", lambda *a, **k: 10**6)
     t = ampscope.trace("gpt2-tiny", setting="bf16", workload="train", seq=4)
     assert t.mode == "predict"
-    assert t.notes[0].startswith("Predicted on fake tensors because a real run would not fit: "
-                                 "gpt2-tiny has")
+    assert t.notes[0].startswith("Predicted on fake tensors (the default")
     with pytest.raises(AmpscopeError, match="or predict it on fake tensors"):
         ampscope.trace("gpt2-tiny", setting="bf16", workload="train", seq=4, predict=False)
 
@@ -126,3 +125,29 @@ def test_code_that_reads_values_gets_one_line_in_predict_mode():
     with pytest.raises(AmpscopeError, match="predict mode cannot run .* reads a tensor's value"):
         ampscope.trace(Branchy(), torch.randn(2, 4), workload=lambda m, b: m(next(iter(b.values()))),
                        predict=True)
+
+
+class _ReadsAValue(torch.nn.Module):
+    """A model whose forward branches on a value: a fake tensor cannot answer it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
+def test_the_default_predicts_and_runs_for_real_when_the_model_reads_a_value():
+    import ampscope
+
+    plain = ampscope.trace(torch.nn.Linear(8, 8), torch.randn(2, 8), workload="forward")
+    assert plain.mode == "predict"
+    model = _ReadsAValue()
+    t = ampscope.trace(model, torch.randn(2, 8), workload="forward")
+    assert t.mode == "run"
+    assert t.notes[0].startswith("Run for real: the model reads a tensor's value")
+    # Asked for explicitly, predicting such a model is refused in one line.
+    with pytest.raises(ampscope.AmpscopeError, match="reads a tensor's value"):
+        ampscope.trace(model, torch.randn(2, 8), workload="forward", predict=True)

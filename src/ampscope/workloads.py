@@ -37,7 +37,7 @@ class RunOptions:
     optimizer: str = "adamw"  # for the train workload
     new_tokens: int = 4  # for the generate workload
     seed: int = 0  # random token ids, dropout masks and sampling
-    predict: bool | None = None  # fake tensors; None: only when a real run would not fit
+    predict: bool | None = None  # fake tensors; None: unless the model reads values
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):

@@ -169,15 +169,19 @@ def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, 
     on_meta = isinstance(model, str)
     lm = load(model, device="meta" if on_meta else setting.run_device, have_inputs=have_inputs,
               target_device=target, virtual=virtual)
-    shortfall = run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
     if predict is None:
-        predict = shortfall is not None
-        if predict:
-            notes.append(f"Predicted on fake tensors because a real run would not fit: {shortfall}.")
+        # Values only when needed: dtypes, shapes, FLOPs and memory need none, and a fake run
+        # takes seconds at any size (a real bf16 step on a CPU without fast bf16 takes minutes).
+        # trace_run runs it for real instead when the model reads a value.
+        predict = True
+        notes.append("Predicted on fake tensors (the default: dtypes, shapes, FLOPs and memory "
+                     "need no values; --real runs the step for real).")
     elif predict:
         notes.append("Predicted on fake tensors, as asked: no weight was materialised.")
-    elif shortfall is not None:
-        raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (--predict)")
+    else:
+        shortfall = run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
+        if shortfall is not None:
+            raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (drop --real)")
     if on_meta and not predict:
         assert isinstance(model, str)
         lm = load(model, device=setting.run_device, target_device=target, virtual=virtual)

@@ -58,7 +58,8 @@ def trace(
 
     A setting on a device this machine lacks (`cuda:fp32+amp-bf16` on a laptop) is emulated:
     the run happens on the CPU with the device's autocast policy. `predict=True` runs on fake
-    tensors (no memory: any model size); `None` chooses it when a real run would not fit.
+    tensors (no memory: any model size); `None`, the default, predicts too, unless the model
+    reads a tensor's value (then it runs for real, with a note); `False` always runs for real.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
@@ -74,7 +75,22 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     # Built and run outside the caller's inference_mode: its tensors cannot take part in a
     # train step (precision.applied sets the other modes the run needs).
     with torch.inference_mode(False):
-        return _trace_run(model, inputs, setting, options)
+        try:
+            return _trace_run(model, inputs, setting, options)
+        except _ValuesNeeded as needed:
+            # Predicted by default, but the model reads a value: run it for real, and say why.
+            result = _trace_run(model, inputs, setting, replace(options, predict=False))
+            result.notes.insert(0, f"Run for real: the model reads a tensor's value{needed.what}, "
+                                   "which a fake tensor has none of.")
+            return result
+
+
+class _ValuesNeeded(Exception):
+    """A run predicted by default stopped because the model read a value."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
 
 
 def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
@@ -84,7 +100,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
     lm, predict, notes = plan(model, setting, workload_name, options.optimizer, options.predict,
                               have_inputs=inputs is not None)
     if not predict and inputs is None and options.batch * options.seq >= _PEAK_CHECK_TOKENS:
-        predict = _peak_check(lm, setting, options, notes)
+        _check_peak(lm, setting, options)
     fake = fake_mode() if predict else None
     virtual = VirtualDevice(setting.device) if setting.emulated else None
     with applied(setting, lm.module, fake=fake) as emulation:
@@ -106,6 +122,9 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
                     outputs = workloads.run(lm, run_data, setting, options, predict=predict)
         except Exception as e:
             if predict and data_dependent(e):
+                if options.predict is None:
+                    op = getattr(e, "func", None)
+                    raise _ValuesNeeded(f" ({op})" if op is not None else "") from e
                 raise value_needed_error(lm.name, workload_name, e) from e
             if setting.emulated and (device_error := device_api_error(e, setting.device)):
                 raise device_error from e
@@ -131,27 +150,24 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
 _PEAK_CHECK_TOKENS = 4096
 
 
-def _peak_check(lm: LoadedModel, setting: Setting, options: RunOptions, notes: list[str]) -> bool:
-    """Whether the run must be predicted: its predicted peak, plus the model as loaded, does not
-    fit in the memory free here. Refused instead when predicting was ruled out (--no-predict)."""
+def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions) -> None:
+    """Refuse a real run whose predicted peak, plus the model as loaded, does not fit in the
+    memory free here. (A model that reads values cannot be predicted: its real run, the
+    fallback, is not checked.)"""
     from ampscope.models.registry import available_memory_bytes
 
     available = available_memory_bytes() if setting.run_device == "cpu" else None
     if available is None:
-        return False
+        return
     predicted = _trace_run(lm, None, setting, replace(options, predict=True))
     loaded = sum(p.numel() * p.element_size() for p in lm.module.parameters())
     needed = memory_report(predicted).peak.bytes + loaded
-    if needed <= available:
-        return False
-    why = (f"its predicted peak is {format_bytes(needed)} (the step's "
-           f"{format_bytes(needed - loaded)} and the model as loaded), more than the "
-           f"{format_bytes(available)} free here")
-    if options.predict is False:
-        raise AmpscopeError(f"a real run of {lm.name} would not fit: {why}; predict it on fake "
-                            "tensors (--predict) or make the batch or sequence smaller")
-    notes.append(f"Predicted on fake tensors because a real run would not fit: {why}.")
-    return True
+    if needed > available:
+        raise AmpscopeError(
+            f"a real run of {lm.name} would not fit: its predicted peak is "
+            f"{format_bytes(needed)} (the step's {format_bytes(needed - loaded)} and the model as "
+            f"loaded), more than the {format_bytes(available)} free here; predict it on fake "
+            "tensors (drop --real) or make the batch or sequence smaller")
 
 
 DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")

@@ -209,8 +209,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device of every setting without a DEVICE: prefix; a device this "
                              "machine lacks is emulated on the CPU")
     parser.add_argument("--predict", action=argparse.BooleanOptionalAction, default=None,
-                        help="run on fake tensors: no memory, any model size (default: only "
-                             "when a real run would not fit)")
+                        help="run on fake tensors: no memory, any model size (the default, "
+                             "unless the model reads a tensor's value)")
+    parser.add_argument("--real", dest="predict", action="store_false",
+                        help="run the step on real tensors (as --no-predict)")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
@@ -249,8 +251,8 @@ def _values_after_dashes(argv: list[str]) -> list[str]:
 
 def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
     """Flags argparse accepts together but that contradict each other or mean nothing."""
-    if "--predict" in argv and "--no-predict" in argv:
-        raise AmpscopeError("give --predict or --no-predict, not both")
+    if "--predict" in argv and ("--no-predict" in argv or "--real" in argv):
+        raise AmpscopeError("give --predict or --real, not both")
     if getattr(args, "distributed", None) is None:
         for flag in ("nproc", "mp_policy", "timeout"):
             if getattr(args, flag, None) is not None:

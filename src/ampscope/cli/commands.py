@@ -26,9 +26,9 @@ def cmd_distributed(args: argparse.Namespace) -> int:
     common = {"setting": setting, "batch": options.batch, "seq": options.seq,
               "optimizer": options.optimizer}
     with _console(stderr=True).status(
-            f"{'Predicting' if args.predict else 'Running'} {args.model} under "
+            f"{'Running' if args.predict is False else 'Predicting'} {args.model} under "
             f"{args.distributed.upper()} on {nproc} ranks…"):
-        if args.predict:
+        if args.predict is not False:  # predicted unless --real, as every other run
             report = predict(args.model, parallel, **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)

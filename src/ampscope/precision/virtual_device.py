@@ -29,12 +29,15 @@ turns the failure into one line naming the call and the user's line (`device_api
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
@@ -342,6 +345,7 @@ class VirtualDevice:
             (torch, "get_autocast_dtype", _translating(torch.get_autocast_dtype, self.target)),
             (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
+            (FakeTensor, "device", self._fake_device()),
         ]
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
@@ -375,6 +379,23 @@ class VirtualDevice:
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
         return patches
+
+    def _fake_device(self) -> property:
+        """A fake tensor's `.device` is a Python property, which no TorchFunctionMode sees: it
+        answers the virtual device to the user's code (a predicted run), and its own device to
+        PyTorch's and ampscope's code, whose fake kernels must see where the tensor really is."""
+        own = FakeTensor.__dict__["device"]
+        mode = self.mode
+        internal = (os.path.dirname(torch.__file__) + os.sep,
+                    os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+        def device(t):
+            real = own.__get__(t)
+            if sys._getframe(1).f_code.co_filename.startswith(internal):
+                return real
+            return mode._virtual(t)
+
+        return property(device)
 
     def _note(self, what: str, fn: Callable) -> Callable:
         def noted(*args, **kwargs):
