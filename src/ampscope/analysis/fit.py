@@ -143,27 +143,46 @@ class FitReport:
 
 @dataclass(frozen=True)
 class Point:
-    """What the search keeps of a probe: its batch, whether it fit, the live bytes per op."""
+    """What the search keeps of a probe: its batch, whether it fit, the live bytes through
+    each op and each op's phase."""
 
     batch: int
     fits: bool
     live: list[int]
+    phases: list[str]
 
 
 def extrapolated(a: Point, b: Point, budget: int) -> int | None:
-    """The largest batch whose live bytes at every op stay within `budget`, each op's bytes
-    extrapolated along the line through probes `a` and `b` (a.batch < b.batch, the same ops);
-    None when the two runs' ops differ or nothing grows with the batch."""
-    if a.batch >= b.batch or len(a.live) != len(b.live) or not a.live:
+    """The largest batch whose live bytes stay within `budget`, extrapolated along the line
+    through probes `a` and `b` (a.batch < b.batch); None when nothing grows with the batch.
+
+    When both runs have the same ops, each op's live bytes are extrapolated (exact when every
+    storage is affine in the batch). When they differ (a model may add an op from batch 2 on),
+    each phase's highest live bytes are: the peak of a phase is the maximum of affine lines, so
+    its line through two batches runs below it further on, and the guess is at or above the
+    answer."""
+    if a.batch >= b.batch or not a.live or not b.live:
         return None
+    if len(a.live) == len(b.live):
+        pairs = list(zip(a.live, b.live, strict=True))
+    else:
+        top_a, top_b = _phase_peaks(a), _phase_peaks(b)
+        pairs = [(top_a[p], top_b[p]) for p in top_a.keys() & top_b.keys()]
     step = b.batch - a.batch
     best: int | None = None
-    for x, y in zip(a.live, b.live, strict=True):
+    for x, y in pairs:
         if y > x:
             # x + (n - a) (y - x) / step <= budget
             n = a.batch + (budget - x) * step // (y - x)
             best = n if best is None else min(best, n)
     return best
+
+
+def _phase_peaks(point: Point) -> dict[str, int]:
+    peaks: dict[str, int] = {}
+    for live, phase in zip(point.live, point.phases, strict=True):
+        peaks[phase] = max(peaks.get(phase, 0), live)
+    return peaks
 
 
 def largest(probe: Callable[[int], Point], budget: int, *, start: int = 1,

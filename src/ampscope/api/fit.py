@@ -1,6 +1,7 @@
 """`fit`: the largest micro-batch (and sequence) whose predicted train step fits a GPU.
 
-Every figure comes from a predicted run (`memory(..., predict=True)` on fake tensors); the
+Every figure comes from a predicted run (`memory(..., predict=True)`: a trace on fake
+tensors and its memory report); the
 search that picks the runs is in analysis/fit.py. The model is built once on the meta device
 and every probe runs on it: each run makes its own fake working copies of the weights
 (`precision.applied`), so nothing carries over from one probe to the next.
@@ -24,9 +25,9 @@ from ampscope.analysis.fit import (
     largest,
     parse_bytes,
 )
-from ampscope.analysis.memory import MemoryReport
+from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.api.planning import load, resolved
-from ampscope.api.reports import memory
+from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
@@ -67,25 +68,28 @@ def fit(
     lm = _built(model, base)
     probes: list[Probe] = []
     notes: list[str] = []
-    reports: dict[tuple[str, int, int], MemoryReport] = {}
+    reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str]]] = {}
 
     def run(variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
+        """One predicted step: `memory(..., predict=True)`, keeping its ops' phases too."""
         key = (variant, batch, t)
         if key not in reports:
-            report = memory(lm, setting=s, batch=batch, seq=t, optimizer=optimizer,
-                            predict=True, **options)
+            result = trace(lm, setting=s, batch=batch, seq=t, optimizer=optimizer,
+                           predict=True, **options)
+            report = memory_report(result)
             peak = compared_peak(report)
             probe = Probe(variant, batch, t, peak, peak <= budget, report.peak.phase)
             probes.append(probe)
             if on_probe is not None:
                 on_probe(probe)
-            reports[key] = report
-        return reports[key]
+            reports[key] = report, [o.phase for o in result.ops]
+        return reports[key][0]
 
     def search(variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:
         def point(batch: int) -> Point:
             report = run(variant, s, batch, t, **options)
-            return Point(batch, compared_peak(report) <= budget, report.live_bytes)
+            return Point(batch, compared_peak(report) <= budget, report.live_bytes,
+                         reports[variant, batch, t][1])
 
         batch, closed = largest(point, budget, start=start, max_probes=max_probes)
         if not closed:
