@@ -31,17 +31,17 @@ def render_fit(report: FitReport) -> RenderableType:
                 f"{report.optimizer}: predicted peak {format_bytes(report.peak_bytes)} of "
                 f"{budget} ({where}), in the {report.peak_phase} pass, "
                 f"{len(report.probes)} predicted runs.")
-    shares = Table(title=f"At the limit (batch {report.batch}): what is live at the peak",
-                   title_justify="left", show_edge=False)
+    shares = Table(show_edge=False)
     shares.add_column("what")
     shares.add_column("bytes", justify="right")
     shares.add_column("share", justify="right")
     for s in report.at_limit:
         shares.add_row(s.label, format_bytes(s.bytes), f"{s.fraction:.0%}")
-    parts: list[RenderableType] = [head, Text(""), shares]
+    title = Text(f"At the limit (batch {report.batch}): what is live at the peak",
+                 style="italic")
+    parts: list[RenderableType] = [head, Text(""), title, shares]
     if report.variants:
-        room = Table(title="What would buy room (each predicted, not estimated)",
-                     title_justify="left", show_edge=False)
+        room = Table(show_edge=False)
         for column, justify in [("change", "left"), ("how", "left"),
                                 (f"peak at {report.batch}", "right"), ("saved", "right"),
                                 ("largest batch", "right"), ("its peak", "right")]:
@@ -50,7 +50,8 @@ def render_fit(report: FitReport) -> RenderableType:
             room.add_row(v.name, v.change, format_bytes(v.peak_at_limit),
                          format_bytes(v.saved_bytes), str(v.batch) if v.batch else "none",
                          format_bytes(v.peak_bytes))
-        parts += [Text(""), room]
+        parts += [Text(""), Text("What would buy room (each a predicted run, not a rule of "
+                                 "thumb)", style="italic"), room]
     for note in report.notes:
         parts.append(Text(note, style="dim"))
     return Group(*parts)
