@@ -124,6 +124,9 @@ def test_a_gpu_sets_the_budget_and_puts_a_bare_setting_on_cuda():
 
 # -- the search, on synthetic steps -----------------------------------------------------------
 
+OPS = ["aten.embedding", "aten.mm", "aten.gelu", "aten.mm"]
+
+
 def _step(batch: int, *, quadratic: bool = False) -> list[int]:
     """Live bytes of a made-up step: weights, then activations growing with the batch."""
     grow = batch * batch if quadratic else batch
@@ -138,7 +141,7 @@ def test_largest_brackets_the_answer(budget, quadratic):
     def probe(n: int) -> Point:
         seen.append(n)
         live = _step(n, quadratic=quadratic)
-        return Point(n, max(live) <= budget, live, ["forward"] * len(live))
+        return Point(n, max(live) <= budget, live, OPS, ["forward"] * len(live))
 
     truth = max((n for n in range(1, 50_000) if max(_step(n, quadratic=quadratic)) <= budget),
                 default=None)
@@ -150,13 +153,17 @@ def test_largest_brackets_the_answer(budget, quadratic):
 
 
 def test_extrapolated_is_exact_for_affine_steps_and_bounded_otherwise():
-    a = Point(1, True, _step(1), ["forward"] * 4)
-    b = Point(2, True, _step(2), ["forward"] * 4)
+    a = Point(1, True, _step(1), OPS, ["forward"] * 4)
+    b = Point(2, True, _step(2), OPS, ["forward"] * 4)
     assert extrapolated(a, b, 350) == 10  # 100 + 25·10 = 350
-    # Different op counts: each phase's highest bytes, a line below the convex truth.
-    c = Point(2, True, [*_step(2), 0], ["forward"] * 5)
+    # An op inserted at batch 2: the ops both ran are lined up, the same answer.
+    inserted = [*_step(2)[:2], 10**6, *_step(2)[2:]]
+    c = Point(2, True, inserted, [*OPS[:2], "aten.expand", *OPS[2:]], ["forward"] * 5)
     assert extrapolated(a, c, 350) == 10
-    flat = Point(2, True, _step(1), ["forward"] * 4)
+    # Runs that cannot be lined up: each phase's highest bytes, a line below the convex truth.
+    d = Point(2, True, [*_step(2), 0], ["aten.other"] * 5, ["forward"] * 5)
+    assert extrapolated(a, d, 350) == 10
+    flat = Point(2, True, _step(1), OPS, ["forward"] * 4)
     assert extrapolated(a, flat, 350) is None
 
 

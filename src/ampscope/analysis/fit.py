@@ -143,12 +143,13 @@ class FitReport:
 
 @dataclass(frozen=True)
 class Point:
-    """What the search keeps of a probe: its batch, whether it fit, the live bytes through
-    each op and each op's phase."""
+    """What the search keeps of a probe: its batch, whether it fit, and per op the live bytes
+    through it, its name and its phase."""
 
     batch: int
     fits: bool
     live: list[int]
+    ops: list[str]
     phases: list[str]
 
 
@@ -156,16 +157,16 @@ def extrapolated(a: Point, b: Point, budget: int) -> int | None:
     """The largest batch whose live bytes stay within `budget`, extrapolated along the line
     through probes `a` and `b` (a.batch < b.batch); None when nothing grows with the batch.
 
-    When both runs have the same ops, each op's live bytes are extrapolated (exact when every
-    storage is affine in the batch). When they differ (a model may add an op from batch 2 on),
-    each phase's highest live bytes are: the peak of a phase is the maximum of affine lines, so
-    its line through two batches runs below it further on, and the guess is at or above the
-    answer."""
+    Each op the two runs share has its live bytes extrapolated (exact when every storage is
+    affine in the batch); a model may run a few more ops at one batch than at another (an
+    `expand` from batch 2 on), which are left out. When the runs cannot be lined up that way,
+    each phase's highest live bytes are extrapolated instead: the peak of a phase is the
+    maximum of affine lines, so its line through two batches runs below it further on, and
+    the guess is at or above the answer."""
     if a.batch >= b.batch or not a.live or not b.live:
         return None
-    if len(a.live) == len(b.live):
-        pairs = list(zip(a.live, b.live, strict=True))
-    else:
+    pairs = _aligned(a, b)
+    if pairs is None:
         top_a, top_b = _phase_peaks(a), _phase_peaks(b)
         pairs = [(top_a[p], top_b[p]) for p in top_a.keys() & top_b.keys()]
     step = b.batch - a.batch
@@ -176,6 +177,28 @@ def extrapolated(a: Point, b: Point, budget: int) -> int | None:
             n = a.batch + (budget - x) * step // (y - x)
             best = n if best is None else min(best, n)
     return best
+
+
+def _aligned(a: Point, b: Point) -> list[tuple[int, int]] | None:
+    """(live bytes in a, in b) of the ops both ran, when one run is the other with ops
+    inserted (at most 1% more); None otherwise. One pass: at a mismatch the longer run's op is
+    the inserted one."""
+    if len(a.ops) == len(b.ops):
+        return list(zip(a.live, b.live, strict=True)) if a.ops == b.ops else None
+    short, long = (a, b) if len(a.ops) < len(b.ops) else (b, a)
+    surplus = len(long.ops) - len(short.ops)
+    if surplus > len(short.ops) // 100 + 2:
+        return None
+    pairs, j = [], 0
+    for i, op in enumerate(short.ops):
+        while j < len(long.ops) and long.ops[j] != op and surplus:
+            j += 1
+            surplus -= 1
+        if j == len(long.ops) or long.ops[j] != op:
+            return None
+        pairs.append((short.live[i], long.live[j]) if short is a else (long.live[j], short.live[i]))
+        j += 1
+    return pairs
 
 
 def _phase_peaks(point: Point) -> dict[str, int]:

@@ -68,7 +68,7 @@ def fit(
     lm = _built(model, base)
     probes: list[Probe] = []
     notes: list[str] = []
-    reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str]]] = {}
+    reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
 
     def run(variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
         """One predicted step: `memory(..., predict=True)`, keeping its ops' phases too."""
@@ -82,14 +82,14 @@ def fit(
             probes.append(probe)
             if on_probe is not None:
                 on_probe(probe)
-            reports[key] = report, [o.phase for o in result.ops]
+            reports[key] = report, [o.op for o in result.ops], [o.phase for o in result.ops]
         return reports[key][0]
 
     def search(variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:
         def point(batch: int) -> Point:
             report = run(variant, s, batch, t, **options)
-            return Point(batch, compared_peak(report) <= budget, report.live_bytes,
-                         reports[variant, batch, t][1])
+            _, ops, phases = reports[variant, batch, t]
+            return Point(batch, compared_peak(report) <= budget, report.live_bytes, ops, phases)
 
         batch, closed = largest(point, budget, start=start, max_probes=max_probes)
         if not closed:
