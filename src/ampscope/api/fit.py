@@ -71,7 +71,8 @@ def fit(
     reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
 
     def run(variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
-        """One predicted step: `memory(..., predict=True)`, keeping its ops' phases too."""
+        """One predicted step, as `memory(..., predict=True)` runs it; its ops' names and
+        phases are kept for the search's guesses."""
         key = (variant, batch, t)
         if key not in reports:
             result = trace(lm, setting=s, batch=batch, seq=t, optimizer=optimizer,
