@@ -213,6 +213,17 @@ CASES = [
         (("steps", 0, "step"), 0),
         (("config", "seed"), DELETE),
     ]),
+    ("fit", "fit", ["fit", "gpt2-tiny", "--memory", "12MiB", "-s", "cuda:fp32+amp-bf16", "--seq",
+                    "32"], [
+        (("batch",), 0),
+        (("probes",), []),
+        (("probes", 0, "fits"), "yes"),
+        (("at_limit", 0, "category"), "cache"),
+        (("at_limit", 0, "fraction"), 1.5),
+        (("variants", 0, "name"), "magic"),
+        (("peak_phase",), "sideways"),
+        (("optimizer",), "lion"),
+    ]),
     ("bench", "bench",
      ["bench", "--model", "gpt2-tiny", "--device", "cpu", "--ladder", "fp32,fp32+tf32,bf16",
       "--steps", "1", "--warmup", "0", "--batch", "2", "--seq", "16"], [

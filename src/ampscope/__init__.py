@@ -8,7 +8,7 @@
         ...
 """
 
-from ampscope.api import capture, findings, flops, matrix, memory, numerics, policy, trace
+from ampscope.api import capture, findings, fit, flops, matrix, memory, numerics, policy, trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, parse_setting
@@ -19,6 +19,7 @@ from ampscope.workloads import RunOptions
 
 notebook.register()  # Jupyter shows traces and reports as HTML
 
-__all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "findings", "flops",
+__all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "findings",
+           "fit", "flops",
            "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]
 __version__ = "0.1.0"

@@ -7,7 +7,8 @@ must show what such a script really does: autocast around the forward pass and t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 import torch
@@ -20,6 +21,9 @@ from ampscope.precision.emulation import foreach_by_default
 
 WORKLOADS = ("train", "forward", "generate")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+# How the optimizer updates its parameters: one kernel per parameter ("for-loop"), one per op
+# over all of them ("foreach": temporaries as large as every parameter), or one fused kernel.
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 Workload = str | Callable[[nn.Module, Batch], object]
 
 
@@ -38,6 +42,8 @@ class RunOptions:
     new_tokens: int = 4  # for the generate workload
     seed: int = 0  # random token ids, dropout masks and sampling
     predict: bool | None = None  # fake tensors; None: unless the model reads values
+    checkpoint: bool = False  # train: recompute each block's activations in backward
+    optimizer_impl: str | None = None  # from OPTIMIZER_IMPLS; None: PyTorch's choice
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):
@@ -57,6 +63,11 @@ class RunOptions:
             raise AmpscopeError(f"batch, seq and new_tokens must be positive integers; got {got}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise AmpscopeError(f"seed must be an integer, not {self.seed!r}")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise AmpscopeError(f"unknown optimizer implementation {self.optimizer_impl!r}; "
+                                f"choose one of {', '.join(OPTIMIZER_IMPLS)}")
+        if self.checkpoint and self.workload != "train":
+            raise AmpscopeError("activation checkpointing applies to the train workload only")
 
     def as_kwargs(self) -> dict:
         """The options as the keyword arguments of `ampscope.trace` and its siblings."""
@@ -71,34 +82,79 @@ class RunOptions:
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], *,
-                   foreach: bool | None = None) -> torch.optim.Optimizer:
+                   foreach: bool | None = None, fused: bool | None = None) -> torch.optim.Optimizer:
     # Hyperparameters are GPT-2-like; they change values, never dtypes. `foreach=None` lets
     # PyTorch choose by device, as a training script does.
     if name == "adamw":
         return torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                 foreach=foreach)
+                                 foreach=foreach, fused=fused)
     if name == "adam":
-        return torch.optim.Adam(params, lr=6e-4, foreach=foreach)
+        return torch.optim.Adam(params, lr=6e-4, foreach=foreach, fused=fused)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach)
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach, fused=fused)
     raise AmpscopeError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the children of the largest ModuleList (transformer.h, layers)."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+@contextlib.contextmanager
+def checkpointed(lm: LoadedModel) -> Iterator[None]:
+    """Every repeated block's forward runs under `torch.utils.checkpoint` (non-reentrant, as
+    PyTorch recommends): only its inputs are saved, its activations are recomputed in backward.
+    The blocks' own `forward` attributes are put back afterwards, also on failure."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = repeated_blocks(lm.module)
+    if not blocks:
+        raise AmpscopeError(f"activation checkpointing wraps each block of {lm.name}'s largest "
+                            "ModuleList, and it has none")
+    saved = [b.__dict__.get("forward") for b in blocks]
+
+    def wrapped(forward: Callable) -> Callable:
+        def run(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return run
+
+    try:
+        for b in blocks:
+            b.forward = wrapped(b.forward)
+        yield
+    finally:
+        for b, own in zip(blocks, saved, strict=True):
+            if own is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = own
+
+
+def _optimizer_choice(setting: Setting, impl: str | None) -> dict:
+    """`foreach`/`fused` arguments of the optimizer: the implementation asked for, or the one
+    PyTorch would pick on the setting's device (an emulated device gets its own default)."""
+    if impl == "fused":
+        return {"fused": True}
+    if impl is not None:
+        return {"foreach": impl == "foreach"}
+    return {"foreach": True if setting.emulated and foreach_by_default(setting.device) else None}
+
+
 def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str, *,
-               predict: bool = False) -> dict:
+               predict: bool = False, checkpoint: bool = False,
+               optimizer_impl: str | None = None) -> dict:
     module = lm.module
     module.train()
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise AmpscopeError(f"{lm.name} has no parameter that requires grad; nothing to train")
-    # An emulated device gets the optimizer implementation PyTorch would pick there.
-    foreach = True if setting.emulated and foreach_by_default(setting.device) else None
-    opt = make_optimizer(optimizer, params, foreach=foreach)
+    opt = make_optimizer(optimizer, params, **_optimizer_choice(setting, optimizer_impl))
     # fp16 autocast needs loss scaling to keep small gradients from flushing to zero;
     # pure fp16 parameters cannot be unscaled by GradScaler, so scripts skip it there.
     use_scaler = setting.autocast_dtype == torch.float16 and setting.param_dtype != torch.float16
     scaler = torch.amp.GradScaler(setting.run_device) if use_scaler else None
-    with setting.autocast():
+    with setting.autocast(), checkpointed(lm) if checkpoint else contextlib.nullcontext():
         loss = lm.loss(batch)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -143,7 +199,8 @@ def run(lm: LoadedModel, batch: Batch, setting: Setting, options: RunOptions, *,
             out = workload(lm.module, batch)
         return {"output": out} if isinstance(out, torch.Tensor) else {}
     if workload == "train":
-        return train_step(lm, batch, setting, optimizer, predict=predict)
+        return train_step(lm, batch, setting, optimizer, predict=predict,
+                          checkpoint=options.checkpoint, optimizer_impl=options.optimizer_impl)
     if workload == "forward":
         return forward(lm, batch, setting)
     if workload == "generate":

@@ -3,9 +3,11 @@
 - `planning.py`: the model, its batch, real or predicted;
 - `tracing.py`: `trace`, `matrix`, `capture`;
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
-- `measure.py`: an untraced step's wall time and CUDA peak.
+- `measure.py`: an untraced step's wall time and CUDA peak;
+- `fit.py`: `fit`, the largest batch whose predicted step fits a GPU.
 """
 
+from ampscope.api.fit import fit
 from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
 from ampscope.api.planning import load
 from ampscope.api.reports import (
@@ -20,7 +22,8 @@ from ampscope.api.reports import (
 from ampscope.api.tracing import DEFAULT_MATRIX_SETTINGS, capture, matrix, trace, trace_run
 
 __all__ = [
-    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "findings", "flops",
+    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "findings",
+    "fit", "flops",
     "load", "matrix", "measure_peak_memory", "measure_step", "memory", "numerics", "policy",
     "tokens_of", "trace", "trace_run",
 ]

@@ -47,6 +47,8 @@ def measure_step(
     optimizer: str = "adamw",
     new_tokens: int = 4,
     seed: int = 0,
+    checkpoint: bool = False,
+    optimizer_impl: str | None = None,
     repeats: int = 3,
 ) -> float:
     """Median wall seconds of the untraced step on this machine, after one warm-up run.
@@ -56,7 +58,8 @@ def measure_step(
     import statistics
     import time
 
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed)
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed,
+                         checkpoint=checkpoint, optimizer_impl=optimizer_impl)
     setting = resolved(setting)
     if setting.emulated:
         raise AmpscopeError(
@@ -89,12 +92,15 @@ def measure_peak_memory(
     optimizer: str = "adamw",
     new_tokens: int = 4,
     seed: int = 0,
+    checkpoint: bool = False,
+    optimizer_impl: str | None = None,
 ) -> MeasuredPeak:
     """The step's peak on a real CUDA device, counted as the prediction counts it: CUDA's
     `max_memory_allocated` over the step, less what was allocated before it (the model as
     loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
     loaded: its step works on its own copies of the weights, see precision.applied)."""
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed)
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed,
+                         checkpoint=checkpoint, optimizer_impl=optimizer_impl)
     setting = cuda_to_measure(setting)
     lm, data = real_step(model, setting, options)
     input_bytes = sum(t.numel() * t.element_size() for t in data.values())

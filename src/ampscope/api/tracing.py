@@ -53,6 +53,8 @@ def trace(
     new_tokens: int = 4,
     seed: int = 0,
     predict: bool | None = None,
+    checkpoint: bool = False,
+    optimizer_impl: str | None = None,
 ) -> Trace:
     """Run `workload` once under `setting` and return what every tensor's dtype was.
 
@@ -60,12 +62,16 @@ def trace(
     the run happens on the CPU with the device's autocast policy. `predict=True` runs on fake
     tensors (no memory: any model size); `None`, the default, predicts too, unless the model
     reads a tensor's value (then it runs for real, with a note); `False` always runs for real.
+    `checkpoint=True` recomputes each repeated block's activations in backward
+    (`torch.utils.checkpoint`); `optimizer_impl` is "for-loop", "foreach" or "fused" (default:
+    PyTorch's choice on the setting's device).
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
+                         optimizer_impl)
     return trace_run(model, inputs, setting=setting, options=options)
 
 
@@ -185,13 +191,16 @@ def matrix(
     new_tokens: int = 4,
     seed: int = 0,
     predict: bool | None = None,
+    checkpoint: bool = False,
+    optimizer_impl: str | None = None,
     on_setting: Callable[[int, str], None] | None = None,
 ) -> tuple[Matrix, list[Trace]]:
     """Trace one workload under each setting (same weights, same batch) and line them up.
 
     `on_setting(i, name)` is called before setting i runs (for a progress display).
     """
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict)
+    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
+                         optimizer_impl)
     parsed = [resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")

@@ -182,6 +182,11 @@ def _parser() -> argparse.ArgumentParser:
     add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
     add_bench_parser(sub)  # ampscope bench: the precision ladder
 
+    # ampscope fit: the largest batch that fits a GPU (cli/fit.py)
+    from ampscope.cli.fit import add_fit_parser
+
+    add_fit_parser(sub)
+
     models = sub.add_parser("models", help="list the built-in models and the HF zoo")
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -205,6 +210,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer of the train step (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=4,
                         help="tokens sampled by the generate workload (default: %(default)s)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="train: recompute each block's activations in backward "
+                             "(torch.utils.checkpoint around every repeated block)")
+    parser.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"],
+                        help="how the optimizer updates its parameters (default: PyTorch's "
+                             "choice on the device: foreach on cuda)")
     parser.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
                         help="device of every setting without a DEVICE: prefix; a device this "
                              "machine lacks is emulated on the CPU")

@@ -19,6 +19,9 @@ def cmd_distributed(args: argparse.Namespace) -> int:
 
     if args.workload != "train":
         raise AmpscopeError("--distributed runs the train workload")
+    if args.checkpoint or args.optimizer_impl:
+        raise AmpscopeError("--checkpoint and --optimizer-impl do not apply to --distributed "
+                            "runs yet; leave them out")
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     nproc = args.nproc or 2
@@ -249,6 +252,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ampscope.cli.train import cmd_bench as bench
 
     return bench(args)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from ampscope.cli.fit import cmd_fit as fit
+
+    return fit(args)
 
 
 def _load_trace(path: str):

@@ -68,7 +68,8 @@ def _write_json(text: str, path: str) -> None:
 def _run_options(args: argparse.Namespace) -> RunOptions:
     """The run options of a command line, checked before anything is built."""
     return RunOptions(workload=args.workload, batch=args.batch, seq=args.seq,
-                      optimizer=args.optimizer, new_tokens=args.new_tokens, predict=args.predict)
+                      optimizer=args.optimizer, new_tokens=args.new_tokens, predict=args.predict,
+                      checkpoint=args.checkpoint, optimizer_impl=args.optimizer_impl)
 
 
 def _on_device(settings: list[str], device: str | None) -> list[str]:

@@ -24,12 +24,6 @@ from ampscope.precision.predict import check_matmul_dtypes, fake_batch, predicti
 from ampscope.records import dtype_name
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: the children of the largest ModuleList (transformer.h, layers)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
-
-
 def compressed_allreduce(dtype: torch.dtype, bucket):
     """DDP's `fp16_compress_hook` / `bf16_compress_hook` with the dtype as the hook's state:
     all-reduce each gradient bucket in `dtype`, then copy back. (torch's own bf16 hook refuses
@@ -46,7 +40,7 @@ def wrap(model: nn.Module, parallel: Parallel, mesh=None) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         policy = parallel.fsdp_policy()
-        for block in _blocks(model):
+        for block in workloads.repeated_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model

@@ -1,0 +1,187 @@
+"""`fit`: the largest micro-batch (and sequence) whose predicted train step fits a GPU.
+
+Every figure comes from a predicted run (`memory(..., predict=True)`: a trace on fake
+tensors and its memory report); the
+search that picks the runs is in analysis/fit.py. The model is built once on the meta device
+and every probe runs on it: each run makes its own fake working copies of the weights
+(`precision.applied`), so nothing carries over from one probe to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ampscope import hardware, workloads
+from ampscope.analysis.fit import (
+    FitReport,
+    Point,
+    Probe,
+    Variant,
+    compared_peak,
+    dominant,
+    largest,
+    parse_bytes,
+)
+from ampscope.analysis.memory import MemoryReport, memory_report
+from ampscope.api.planning import load, resolved
+from ampscope.api.tracing import trace
+from ampscope.errors import AmpscopeError
+from ampscope.models.base import LoadedModel
+from ampscope.precision import Setting, on_device
+from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.render.style import format_bytes
+
+AS_GIVEN = "as given"
+_FSDP_NOTE = ("FSDP over more ranks is not offered: a rank's predicted peak under FSDP2 is not "
+              "modelled yet (it frees unsharded parameters with untyped_storage().resize_(0), "
+              "which ampscope's storage tracker does not see; docs/distributed.md).")
+
+
+def fit(
+    model: str | nn.Module | LoadedModel,
+    *,
+    gpu: str | None = None,
+    memory_size: int | str | None = None,
+    setting: str | Setting = "fp32+amp-bf16",
+    seq: int | str = 64,
+    optimizer: str = "adamw",
+    variants: bool = True,
+    max_probes: int = 16,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> FitReport:
+    """The largest micro-batch of a train step whose predicted peak fits `gpu`'s memory (from
+    hardware.py) or `memory_size` ("80GiB", or bytes); with `seq="auto"`, first the longest
+    power-of-two sequence (up to the model's context) that fits at batch 1.
+
+    A setting without a device runs on CUDA when `gpu` is given. With `variants`, each change
+    that could buy room — bf16 weights, activation checkpointing, a fused optimizer — is run
+    predicted at the batch found, and its own largest batch searched the same way.
+    `on_probe` is called after each predicted run. Raises AmpscopeError when even batch 1
+    does not fit."""
+    budget, accelerator, source = _budget(gpu, memory_size)
+    if isinstance(setting, str) and ":" not in setting and gpu is not None:
+        setting = on_device(setting, "cuda")
+    base = resolved(setting)
+    lm = _built(model, base)
+    probes: list[Probe] = []
+    notes: list[str] = []
+    reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
+
+    def run(variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
+        """One predicted step, as `memory(..., predict=True)` runs it; its ops' names and
+        phases are kept for the search's guesses."""
+        key = (variant, batch, t)
+        if key not in reports:
+            result = trace(lm, setting=s, batch=batch, seq=t, optimizer=optimizer,
+                           predict=True, **options)
+            report = memory_report(result)
+            peak = compared_peak(report)
+            probe = Probe(variant, batch, t, peak, peak <= budget, report.peak.phase)
+            probes.append(probe)
+            if on_probe is not None:
+                on_probe(probe)
+            reports[key] = report, [o.op for o in result.ops], [o.phase for o in result.ops]
+        return reports[key][0]
+
+    def search(variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:
+        def point(batch: int) -> Point:
+            report = run(variant, s, batch, t, **options)
+            _, ops, phases = reports[variant, batch, t]
+            return Point(batch, compared_peak(report) <= budget, report.live_bytes, ops, phases)
+
+        batch, closed = largest(point, budget, start=start, max_probes=max_probes)
+        if not closed:
+            notes.append(f"{variant}: stopped after {max_probes} probes; batch {batch} fits, "
+                         "a larger one may too")
+        return batch
+
+    seq_auto = seq == "auto"
+    if seq_auto:
+        t = _longest_seq(lm, lambda t: compared_peak(run(AS_GIVEN, base, 1, t)) <= budget)
+        if t is None:
+            raise AmpscopeError(_no_fit(lm.name, base, budget, source, probes))
+    elif isinstance(seq, int) and not isinstance(seq, bool) and seq > 0:
+        if seq > lm.max_seq_len:
+            raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
+        t = seq
+    else:
+        raise AmpscopeError(f"seq must be a positive integer or 'auto', not {seq!r}")
+    batch = search(AS_GIVEN, base, t)
+    if batch is None:
+        raise AmpscopeError(_no_fit(lm.name, base, budget, source, probes))
+    at_limit = run(AS_GIVEN, base, batch, t)
+    peak = compared_peak(at_limit)
+    found: list[Variant] = []
+    if variants:
+        for name, change, s, options in _variants(lm, base):
+            there = compared_peak(run(name, s, batch, t, **options))
+            own = search(name, s, t, start=batch, **options)
+            found.append(Variant(name, change, there, peak - there, own,
+                                 compared_peak(run(name, s, own, t, **options)) if own else None))
+        notes.append(_FSDP_NOTE)
+    return FitReport(
+        model=lm.name, accelerator=accelerator, memory_bytes=budget, memory_source=source,
+        setting=base.name, optimizer=optimizer, seq=t, seq_auto=seq_auto, batch=batch,
+        peak_bytes=peak, peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
+        probes=probes, variants=found, notes=notes)
+
+
+def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | None, str]:
+    """(bytes, the accelerator's short name, where the figure comes from)."""
+    accelerator = hardware.by_name(gpu) if gpu is not None else None
+    if memory_size is not None:
+        return parse_bytes(memory_size), accelerator.name if accelerator else None, "--memory"
+    if accelerator is None:
+        raise AmpscopeError("give the GPU (--gpu h100; `ampscope fit --help` lists them) or its "
+                            "memory (--memory 80GiB)")
+    return accelerator.memory_bytes, accelerator.name, f"hardware.py: {accelerator.title}"
+
+
+def _built(model: str | nn.Module | LoadedModel, setting: Setting) -> LoadedModel:
+    """The model once, as `plan` builds a named model for a predicted run: on the meta device
+    (an emulated device's own code sees that device while it builds)."""
+    target = setting.device if setting.emulated else None
+    virtual = VirtualDevice(target) if target else None
+    on_meta = isinstance(model, str)
+    return load(model, device="meta" if on_meta else setting.run_device, target_device=target,
+                virtual=virtual)
+
+
+def _longest_seq(lm: LoadedModel, fits: Callable[[int], bool]) -> int | None:
+    """The longest power of two up to the context length that fits (None: not even 1),
+    by bisection over the powers, the longest tried first (a small model fits it at once)."""
+    powers = [2**k for k in range(lm.max_seq_len.bit_length()) if 2**k <= lm.max_seq_len]
+    if fits(powers[-1]):
+        return powers[-1]
+    lo, hi = -1, len(powers) - 1  # powers[lo] fits (-1: none known), powers[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(powers[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return powers[lo] if lo >= 0 else None
+
+
+def _variants(lm: LoadedModel, base: Setting) -> list[tuple[str, str, Setting, dict]]:
+    """(name, how to ask for it, its setting, its run options) of each change to try."""
+    out = []
+    if base.param_dtype != torch.bfloat16:
+        pure = resolved(on_device("bf16", base.device))
+        out.append(("bf16 weights", f"-s {pure.name}", pure, {}))
+    if workloads.repeated_blocks(lm.module):
+        out.append(("checkpointing", "--checkpoint", base, {"checkpoint": True}))
+    out.append(("fused optimizer", "--optimizer-impl fused", base, {"optimizer_impl": "fused"}))
+    return out
+
+
+def _no_fit(name: str, setting: Setting, budget: int, source: str, probes: list[Probe]) -> str:
+    smallest = min(probes, key=lambda p: p.peak_bytes)
+    where = "--memory" if source == "--memory" else source.removeprefix("hardware.py: ")
+    return (f"{name} does not fit in {format_bytes(budget)} ({where}) under {setting.name} even "
+            f"at batch {smallest.batch}, seq {smallest.seq}: its predicted peak is "
+            f"{format_bytes(smallest.peak_bytes)}; try a bf16 setting, a shorter --seq or a "
+            "larger GPU")

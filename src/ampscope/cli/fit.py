@@ -1,0 +1,60 @@
+"""`ampscope fit`: its arguments and the command (parse, call, render). cli/__init__.py adds
+the subparser with `add_fit_parser`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ampscope.cli.common import _console, _show
+from ampscope.errors import AmpscopeError
+
+
+def add_fit_parser(sub) -> argparse.ArgumentParser:
+    from ampscope.hardware import KNOWN
+
+    p = sub.add_parser(
+        "fit", help="the largest micro-batch (and sequence) whose predicted train step fits a "
+                    "GPU, and what would buy room")
+    p.add_argument("model", help="model spec: a name from `ampscope models`, hf:PATH, or "
+                                 "package.module:factory")
+    p.add_argument("--gpu", metavar="NAME",
+                   help=f"the GPU whose memory to fill: {', '.join(a.name for a in KNOWN)}")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="the memory to fit in instead, e.g. 80GiB, 80GB, 24576MiB")
+    p.add_argument("--setting", "-s", default="fp32+amp-bf16",
+                   help="precision setting; without a DEVICE: prefix it runs on cuda when "
+                        "--gpu is given (default: %(default)s)")
+    p.add_argument("--seq", "-t", default="64", metavar="T|auto",
+                   help="tokens per sequence, or auto: the longest power of two up to the "
+                        "model's context that fits at batch 1 (default: %(default)s)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                   help="optimizer of the train step (default: %(default)s)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="only the search: skip what would buy room")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
+    return p
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from ampscope.api.fit import fit
+    from ampscope.render.fit import probe_line
+
+    if args.seq == "auto":
+        seq: int | str = "auto"
+    else:
+        try:
+            seq = int(args.seq)
+        except ValueError:
+            raise AmpscopeError(f"--seq takes a number of tokens or auto, not {args.seq!r}") from None
+    # The probes go to stdout as they run, or to stderr when stdout carries the JSON.
+    console = _console(stderr=args.json == "-")
+    console.print(f"Probing {args.model} (predicted train steps on fake tensors):")
+    report = fit(args.model, gpu=args.gpu, memory_size=args.memory, setting=args.setting,
+                 seq=seq, optimizer=args.optimizer, variants=not args.no_variants,
+                 on_probe=lambda p: console.print(probe_line(p)))
+    from ampscope.render.fit import render_fit
+
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1), lambda: render_fit(report))

@@ -1,0 +1,57 @@
+"""`ampscope fit`: each probe as it runs, then the limit, what fills it, and what buys room."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.analysis.fit import FitReport, Probe
+from ampscope.render.style import format_bytes
+
+
+def probe_line(probe: Probe) -> Text:
+    """One predicted run: `batch 4  seq 64  peak 1.2 MiB  fits: yes` (and the variant tried)."""
+    text = Text(f"  batch {probe.batch:>4}  seq {probe.seq:>5}  peak "
+                f"{format_bytes(probe.peak_bytes):>9}  fits: ")
+    text.append("yes" if probe.fits else "no ", style="green" if probe.fits else "red")
+    if probe.variant != "as given":
+        text.append(f"  {probe.variant}", style="dim")
+    return text
+
+
+def render_fit(report: FitReport) -> RenderableType:
+    budget = format_bytes(report.memory_bytes)
+    where = report.accelerator or "--memory"
+    head = Text()
+    head.append(f"Largest micro-batch: {report.batch}", style="bold")
+    head.append(f" at seq {report.seq}" + (" (the longest power of two that fits)"
+                                           if report.seq_auto else ""))
+    head.append(f" for {report.model} under {report.setting}, train step with "
+                f"{report.optimizer}: predicted peak {format_bytes(report.peak_bytes)} of "
+                f"{budget} ({where}), in the {report.peak_phase} pass, "
+                f"{len(report.probes)} predicted runs.")
+    shares = Table(show_edge=False)
+    shares.add_column("what")
+    shares.add_column("bytes", justify="right")
+    shares.add_column("share", justify="right")
+    for s in report.at_limit:
+        shares.add_row(s.label, format_bytes(s.bytes), f"{s.fraction:.0%}")
+    title = Text(f"At the limit (batch {report.batch}): what is live at the peak",
+                 style="italic")
+    parts: list[RenderableType] = [head, Text(""), title, shares]
+    if report.variants:
+        room = Table(show_edge=False)
+        for column, justify in [("change", "left"), ("how", "left"),
+                                (f"peak at {report.batch}", "right"), ("saved", "right"),
+                                ("largest batch", "right"), ("its peak", "right")]:
+            room.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        for v in report.variants:
+            room.add_row(v.name, v.change, format_bytes(v.peak_at_limit),
+                         format_bytes(v.saved_bytes), str(v.batch) if v.batch else "none",
+                         format_bytes(v.peak_bytes))
+        parts += [Text(""), Text("What would buy room (each a predicted run, not a rule of "
+                                 "thumb)", style="italic"), room]
+    for note in report.notes:
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)

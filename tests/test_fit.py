@@ -1,0 +1,229 @@
+"""`ampscope fit`: the batch it finds fits and the next does not (checked with the predicted
+memory API itself), every probe is printed, each variant's figures are its own predicted runs,
+and bad input is one line and exit 2. All on gpt2-tiny under emulated CUDA: seconds, no GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ampscope
+from ampscope.analysis.fit import Point, extrapolated, largest, parse_bytes
+from ampscope.api.fit import fit
+from ampscope.cli import main
+from ampscope.errors import AmpscopeError
+from ampscope.models.registry import resolve
+from ampscope.workloads import repeated_blocks
+
+MODEL, SETTING, SEQ = "gpt2-tiny", "cuda:fp32+amp-bf16", 32
+BUDGET = 6 * 2**20
+
+
+def peak(batch: int, seq: int = SEQ, setting: str = SETTING, **options) -> int:
+    """The ground truth: the predicted memory API's peak in CUDA allocator blocks."""
+    report = ampscope.memory(MODEL, setting=setting, batch=batch, seq=seq, predict=True,
+                             **options)
+    assert report.peak.rounded_bytes is not None
+    return report.peak.rounded_bytes
+
+
+@pytest.fixture(scope="module")
+def found():
+    return fit(MODEL, memory_size=BUDGET, setting=SETTING, seq=SEQ)
+
+
+def test_the_batch_found_fits_and_the_next_does_not(found):
+    assert 1 < found.batch < 32  # a small batch: the budget was chosen so
+    assert found.peak_bytes == peak(found.batch) <= BUDGET
+    assert peak(found.batch + 1) > BUDGET
+    assert found.memory_bytes == BUDGET and found.memory_source == "--memory"
+
+
+def test_what_is_live_at_the_limit_adds_up_to_the_peak(found):
+    report = ampscope.memory(MODEL, setting=SETTING, batch=found.batch, seq=SEQ, predict=True)
+    assert sum(s.bytes for s in found.at_limit) == sum(r.bytes for r in report.at_peak)
+    assert [s.bytes for s in found.at_limit] == sorted((s.bytes for s in found.at_limit),
+                                                       reverse=True)
+    assert abs(sum(s.fraction for s in found.at_limit) - 1) < 1e-9
+
+
+def test_each_variant_is_its_own_predicted_run(found):
+    by_name = {v.name: v for v in found.variants}
+    assert set(by_name) == {"bf16 weights", "checkpointing", "fused optimizer"}
+    runs = {"bf16 weights": {"setting": "cuda:bf16"}, "checkpointing": {"checkpoint": True},
+            "fused optimizer": {"optimizer_impl": "fused"}}
+    for name, options in runs.items():
+        variant = by_name[name]
+        assert variant.peak_at_limit == peak(found.batch, **options)
+        assert variant.saved_bytes == found.peak_bytes - variant.peak_at_limit
+    # Checkpointing keeps only each block's input for backward: it buys a larger batch here,
+    # and that batch is again the largest.
+    ckpt = by_name["checkpointing"]
+    assert ckpt.saved_bytes > 0 and ckpt.batch > found.batch
+    assert ckpt.peak_bytes == peak(ckpt.batch, checkpoint=True) <= BUDGET
+    assert peak(ckpt.batch + 1, checkpoint=True) > BUDGET
+
+
+def test_probes_bracket_the_answer(found):
+    given = [p for p in found.probes if p.variant == "as given"]
+    assert any(p.batch == found.batch and p.fits for p in given)
+    assert any(p.batch == found.batch + 1 and not p.fits for p in given)
+    assert len(given) <= 6  # two to guess from, the guess and the batch after it (and misses)
+
+
+def test_seq_auto_finds_the_longest_power_of_two_that_fits():
+    context = resolve(MODEL, device="meta").max_seq_len
+    budget = (peak(1, seq=context // 2) + peak(1, seq=context)) // 2
+    report = fit(MODEL, memory_size=budget, setting=SETTING, seq="auto", variants=False)
+    assert report.seq_auto and report.seq == context // 2
+    assert peak(report.batch, seq=report.seq) <= budget < peak(report.batch + 1, seq=report.seq)
+    assert not report.variants
+
+
+def test_the_cli_prints_every_probe_as_it_runs_and_writes_json(capsys, tmp_path):
+    path = tmp_path / "fit.json"
+    code = main(["fit", MODEL, "--memory", "6MiB", "-s", SETTING, "--seq", str(SEQ),
+                 "--no-variants", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    document = json.loads(path.read_text())
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("batch")]
+    assert len(lines) == len(document["probes"]) >= 2
+    for line, probe in zip(lines, document["probes"], strict=True):
+        assert line.split()[:4] == ["batch", str(probe["batch"]), "seq", str(probe["seq"])]
+        assert line.endswith("fits: yes" if probe["fits"] else "fits: no")
+    assert f"Largest micro-batch: {document['batch']} at seq {SEQ}" in out
+    assert document["variants"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "h1000"], "unknown accelerator 'h1000'"),
+    (["--memory", "0"], "must be more than 0 bytes"),
+    (["--memory", "80 furlongs"], "cannot read the memory size"),
+    ([], "give the GPU (--gpu h100"),
+    (["--memory", "1MiB"], "does not fit in 1 MiB (--memory) under cuda:fp32+amp-bf16 even at "
+                           "batch 1"),
+    (["--memory", "1GiB", "--seq", "many"], "--seq takes a number of tokens or auto"),
+    (["--memory", "1GiB", "--seq", "100000"], "exceeds gpt2-tiny's context length"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code = main(["fit", MODEL, "-s", SETTING, *argv])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_gpu_sets_the_budget_and_puts_a_bare_setting_on_cuda():
+    report = fit(MODEL, gpu="a100-40gb", setting="bf16", seq=SEQ, variants=False, max_probes=3)
+    assert report.memory_bytes == 40 * 2**30 and report.accelerator == "a100-40gb"
+    assert report.setting == "cuda:bf16"
+    assert any("stopped after 3 probes" in n for n in report.notes)  # 40 GiB: a huge batch
+
+
+# -- the search, on synthetic steps -----------------------------------------------------------
+
+OPS = ["aten.embedding", "aten.mm", "aten.gelu", "aten.mm"]
+
+
+def _step(batch: int, *, quadratic: bool = False) -> list[int]:
+    """Live bytes of a made-up step: weights, then activations growing with the batch."""
+    grow = batch * batch if quadratic else batch
+    return [100, 100 + 10 * grow, 100 + 25 * grow, 100 + 5 * grow]
+
+
+@pytest.mark.parametrize("budget", [125, 126, 349, 350, 5000, 10**6])
+@pytest.mark.parametrize("quadratic", [False, True])
+def test_largest_brackets_the_answer(budget, quadratic):
+    seen = []
+
+    def probe(n: int) -> Point:
+        seen.append(n)
+        live = _step(n, quadratic=quadratic)
+        return Point(n, max(live) <= budget, live, OPS, ["forward"] * len(live))
+
+    truth = max((n for n in range(1, 50_000) if max(_step(n, quadratic=quadratic)) <= budget),
+                default=None)
+    batch, closed = largest(probe, budget, max_probes=40)
+    assert closed and batch == truth
+    assert len(seen) == len(set(seen))  # no batch probed twice
+    if not quadratic and truth is not None and truth > 1:
+        assert len(seen) <= 4  # 1, 2, the guess, the batch after it
+
+
+def test_extrapolated_is_exact_for_affine_steps_and_bounded_otherwise():
+    a = Point(1, True, _step(1), OPS, ["forward"] * 4)
+    b = Point(2, True, _step(2), OPS, ["forward"] * 4)
+    assert extrapolated(a, b, 350) == 10  # 100 + 25·10 = 350
+    # An op inserted at batch 2: the ops both ran are lined up, the same answer.
+    inserted = [*_step(2)[:2], 10**6, *_step(2)[2:]]
+    c = Point(2, True, inserted, [*OPS[:2], "aten.expand", *OPS[2:]], ["forward"] * 5)
+    assert extrapolated(a, c, 350) == 10
+    # Runs that cannot be lined up: each phase's highest bytes, a line below the convex truth.
+    d = Point(2, True, [*_step(2), 0], ["aten.other"] * 5, ["forward"] * 5)
+    assert extrapolated(a, d, 350) == 10
+    flat = Point(2, True, _step(1), OPS, ["forward"] * 4)
+    assert extrapolated(a, flat, 350) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("24576MiB", 24576 * 2**20), ("1.5GiB", 3 * 2**29),
+    ("4096", 4096), (" 2 kib ", 2048), (512, 512),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "0GiB", -1, "GiB", "80 furlongs", "1e3 XB"])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(AmpscopeError):
+        parse_bytes(text)
+
+
+# -- the workload options the variants run ----------------------------------------------------
+
+def test_checkpointing_recomputes_blocks_and_leaves_them_as_they_were():
+    lm = resolve(MODEL)
+    blocks = repeated_blocks(lm.module)
+    assert len(blocks) == 2
+    plain = ampscope.trace(lm, setting="fp32", batch=4, seq=SEQ, predict=True)
+    ckpt = ampscope.trace(lm, setting="fp32", batch=4, seq=SEQ, predict=True, checkpoint=True)
+    forward = sum(o.phase == "forward" for o in plain.ops)
+    # Every block's forward ops run again in backward: more ops, the same forward.
+    assert sum(o.phase == "forward" for o in ckpt.ops) == forward
+    assert len(ckpt.ops) > len(plain.ops)
+    from ampscope.analysis.memory import saved_activation_bytes
+    assert saved_activation_bytes(ckpt) < saved_activation_bytes(plain)
+    assert all("forward" not in b.__dict__ for b in blocks)
+
+
+def test_checkpointing_is_refused_outside_a_train_step_and_without_blocks():
+    with pytest.raises(AmpscopeError, match="train workload only"):
+        ampscope.trace(MODEL, workload="forward", checkpoint=True, predict=True)
+    class Net(torch.nn.Module):  # one layer, no ModuleList of blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.lin(x).sum()
+
+    with pytest.raises(AmpscopeError, match="largest ModuleList, and it has none"):
+        ampscope.trace(Net(), {"x": torch.randn(2, 4)}, checkpoint=True)
+
+
+@pytest.mark.parametrize("impl, present, absent", [
+    ("fused", "aten._fused_adamw_.default", "aten._foreach_mul_.Scalar"),
+    ("foreach", "aten._foreach_mul_.Scalar", "aten._fused_adamw_.default"),
+    ("for-loop", "aten.mul_.Tensor", "aten._foreach_mul_.Scalar"),
+])
+def test_optimizer_impl_picks_the_update(impl, present, absent):
+    result = ampscope.trace(MODEL, setting="fp32", seq=8, predict=True, optimizer_impl=impl)
+    ops = {o.op for o in result.ops if o.phase == "optimizer"}
+    assert present in ops and absent not in ops
+
+
+def test_optimizer_impl_is_checked():
+    with pytest.raises(AmpscopeError, match="unknown optimizer implementation 'turbo'"):
+        ampscope.trace(MODEL, optimizer_impl="turbo", predict=True)
