@@ -6,19 +6,57 @@
 
     with ampscope.capture(model) as t:   # around your own training step
         ...
+
+The names below are imported on first use (PEP 562): `import ampscope` alone imports no torch,
+so the command line answers `--help`, `--version` and argument errors in a fraction of the
+second that importing torch takes.
 """
 
-from ampscope.api import capture, flops, matrix, memory, numerics, policy, trace
-from ampscope.errors import AmpscopeError
-from ampscope.models.base import LoadedModel
-from ampscope.precision import Setting, parse_setting
-from ampscope.records import Trace
-from ampscope.render import notebook
-from ampscope.script import run_script
-from ampscope.workloads import RunOptions
+from __future__ import annotations
 
-notebook.register()  # Jupyter shows traces and reports as HTML
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("ampscope")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "capture": "ampscope.api", "flops": "ampscope.api", "matrix": "ampscope.api",
+    "memory": "ampscope.api", "numerics": "ampscope.api", "policy": "ampscope.api",
+    "trace": "ampscope.api", "AmpscopeError": "ampscope.errors",
+    "LoadedModel": "ampscope.models.base", "Setting": "ampscope.precision",
+    "parse_setting": "ampscope.precision", "Trace": "ampscope.records",
+    "run_script": "ampscope.script", "RunOptions": "ampscope.workloads",
+}
 
 __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "flops",
            "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ampscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    if module != "ampscope.errors":  # Jupyter shows traces and reports as HTML (idempotent)
+        importlib.import_module("ampscope.render.notebook").register()
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
+    from ampscope.api import capture, flops, matrix, memory, numerics, policy, trace
+    from ampscope.errors import AmpscopeError
+    from ampscope.models.base import LoadedModel
+    from ampscope.precision import Setting, parse_setting
+    from ampscope.records import Trace
+    from ampscope.script import run_script
+    from ampscope.workloads import RunOptions

@@ -19,6 +19,7 @@ from ampscope.analysis.summary import numel
 from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
 from ampscope.api.planning import batch_for, load, resolved, run_shortfall
 from ampscope.api.tracing import trace
+from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
@@ -61,7 +62,7 @@ def flops(
     *,
     step_time: float | None = None,
     measure: bool = False,
-    gpu: str | None = None,
+    gpu: str | hardware.Accelerator | None = None,
     **options,
 ) -> FlopReport:
     """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
@@ -69,7 +70,10 @@ def flops(
 
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
-    peaks (default: this machine's GPU; an H100 for emulated CUDA)."""
+    peaks (a name from `hardware.table()`, or an `Accelerator` of your own figures; default:
+    this machine's GPU, an H100 for emulated CUDA). An unknown name is refused at once."""
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu)
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
     result = trace(model, inputs, **options)
@@ -82,9 +86,11 @@ def flops(
     return report
 
 
-def _accelerator(name: str | None, setting: SettingRecord):
-    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
-    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+def _accelerator(name: str | hardware.Accelerator | None, setting: SettingRecord):
+    """The accelerator whose peaks MFU is held to: the one given or named, this machine's GPU,
+    or the H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+    if isinstance(name, hardware.Accelerator):
+        return name
     if name:
         return hardware.by_name(name)
     if setting.device != "cuda":
@@ -100,9 +106,6 @@ def tokens_of(result: Trace) -> int:
         if record.role == "input" and record.dtype.startswith(("int", "uint")):
             return numel(record.shape)
     return 0
-
-
-DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
 
 
 def numerics(

@@ -16,6 +16,7 @@ from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.memory import memory_report
 from ampscope.api.planning import batch_for, inputs_in_param_dtype, plan, resolved
+from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
@@ -152,9 +153,6 @@ def _peak_check(lm: LoadedModel, setting: Setting, options: RunOptions, notes: l
                             "tensors (--predict) or make the batch or sequence smaller")
     notes.append(f"Predicted on fake tensors because a real run would not fit: {why}.")
     return True
-
-
-DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
 
 
 def matrix(

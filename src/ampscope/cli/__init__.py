@@ -12,16 +12,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ampscope.api import DEFAULT_MATRIX_SETTINGS
+from ampscope import __version__
 from ampscope.cli import commands, common
 from ampscope.cli.common import _write_json, one_line
+from ampscope.cli.examples import add_examples
+from ampscope.cli.hardware import add_hardware_arguments, resolve_hardware
+from ampscope.defaults import (
+    DEFAULT_MATRIX_SETTINGS,
+    DEFAULT_MODEL,
+    DEFAULT_NUMERICS_SETTINGS,
+    DEFAULT_SETTING,
+)
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.files import unwritable
 
+# Nothing imported here imports torch: `--help`, `--version` and argument errors answer at once;
+# the commands (cli/commands.py) import the library inside each function.
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
-
-DEFAULT_MODEL = "gpt2"
-DEFAULT_SETTING = "fp32+amp-bf16"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ampscope",
         description="Which precision does every tensor of a PyTorch model really run in?",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command")
 
@@ -47,11 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="run your own script, unmodified, and trace its model (on a device this "
                     "machine lacks, a virtual one)",
         description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
-                    "after --steps optimizer steps, and trace the model it runs.",
-        epilog="examples:\n  ampscope run --device cuda --steps 1 train.py --batch_size=4\n"
-               "  ampscope run --device cuda -m scripts.base_train -- --depth=4\n"
-               "  ampscope run --predict --device cuda train.py   # full size, no memory",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "after --steps optimizer steps, and trace the model it runs.")
     run.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
                      help="the device the script should see; one this machine lacks is virtual "
                           "(default: this machine's)")
@@ -122,14 +126,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="measured wall time of one step, for throughput and MFU")
     timing.add_argument("--measure", action="store_true",
                         help="time the untraced step on this machine (a real device only)")
-    flops.add_argument("--gpu", metavar="NAME",
-                       help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
-                            "this machine's GPU; h100 for emulated cuda)")
+    add_hardware_arguments(flops, memory=False,
+                           gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
+                                    "(default: this machine's GPU; h100 for emulated cuda)")
 
     numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
                                                "high-precision reference, layer by layer")
     _add_model_argument(numerics)
-    numerics.add_argument("--settings", default="fp32,fp32+amp-bf16,bf16",
+    numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
                           help="comma-separated settings (default: %(default)s)")
     numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
                           help="the setting every other is compared with (default: %(default)s)")
@@ -179,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
+    add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
     return parser
 
 
@@ -296,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_flags(argv, args)
         _check_outputs(args)
+        resolve_hardware(args)
         command = getattr(commands, f"cmd_{args.command}")
         if getattr(args, "json", None) != "-":
             return command(args)

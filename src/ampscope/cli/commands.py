@@ -161,7 +161,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     doing = "Counting and timing" if args.measure else "Counting"
     with _console(stderr=True).status(f"{doing} the FLOPs of {args.model} under {setting}…"):
         report = flops(args.model, setting=setting, step_time=args.step_time,
-                       measure=args.measure, gpu=args.gpu, **options.as_kwargs())
+                       measure=args.measure, gpu=args.accelerator, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_flops(report))
 
