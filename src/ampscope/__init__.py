@@ -15,6 +15,7 @@ second that importing torch takes.
 from __future__ import annotations
 
 import importlib
+import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,10 @@ try:
     __version__ = version("ampscope")
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
+
+# The library logs its decisions (predicted because…, emulated, fallbacks) to the "ampscope"
+# logger at INFO and never configures handlers: that is the application's choice (`ampscope -v`).
+logging.getLogger("ampscope").addHandler(logging.NullHandler())
 
 # Public name -> the module that defines it.
 _EXPORTS = {

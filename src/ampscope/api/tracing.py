@@ -4,6 +4,7 @@ side, and the user's own code, recorded into Traces."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
@@ -41,6 +42,9 @@ from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
+
 
 def trace(
     model: str | nn.Module | LoadedModel,
@@ -55,6 +59,7 @@ def trace(
     seed: int = 0,
     predict: bool | None = None,
 ) -> Trace:
+
     """Run `workload` once under `setting` and return what every tensor's dtype was.
 
     A setting on a device this machine lacks (`cuda:fp32+amp-bf16` on a laptop) is emulated:
@@ -96,6 +101,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
                 notes.append(f"Float inputs {', '.join(cast)} were cast to "
                              f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
                              f"script would under {setting.name} (no autocast to do it).")
+                log.info("%s", notes[-1])
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None)
@@ -119,6 +125,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
     if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
+        log.info("%s", notes[-1])
     result.notes = (notes + (emulation.notes(workload_name) if emulation is not None else [])
                     + result.notes)  # what the capture itself noted comes last
     if virtual is not None:
@@ -152,6 +159,7 @@ def _peak_check(lm: LoadedModel, setting: Setting, options: RunOptions, notes: l
         raise AmpscopeError(f"a real run of {lm.name} would not fit: {why}; predict it on fake "
                             "tensors (--predict) or make the batch or sequence smaller")
     notes.append(f"Predicted on fake tensors because a real run would not fit: {why}.")
+    log.info("%s", notes[-1])
     return True
 
 

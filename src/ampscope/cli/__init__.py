@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -184,7 +185,40 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
     add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
+    _add_verbose(parser, sub.choices)
     return parser
+
+
+_GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
+
+
+def _add_verbose(parser: argparse.ArgumentParser,
+                 commands: dict[str, argparse.ArgumentParser]) -> None:
+    """-v/--verbose on the top level and on every command (as --debug: either place)."""
+    help_text = "show the decisions ampscope makes (predicted or real, emulated, fallbacks)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=help_text)
+    for command in commands.values():
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help=help_text)
+
+
+@contextlib.contextmanager
+def _verbose(on: bool):
+    """With -v, the "ampscope" logger's INFO records go to stderr while the command runs."""
+    if not on:
+        yield
+        return
+    logger = logging.getLogger("ampscope")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ampscope: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -229,14 +263,15 @@ def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
 def _values_after_dashes(argv: list[str]) -> list[str]:
     """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
     only knows plain negative numbers like -2), so move the values behind a "--"."""
-    leading = [a for a in argv[:argv.index("formats")] if a == "--debug"] if "formats" in argv else []
+    leading = ([a for a in argv[:argv.index("formats")] if a in _GLOBAL_FLAGS]
+               if "formats" in argv else [])
     if argv[len(leading):len(leading) + 1] != ["formats"] or "--" in argv:
         return argv
     options, values, rest = [*leading], [], iter(argv[len(leading) + 1:])
     for arg in rest:
         if arg == "--json":
             options += [arg, next(rest, "")]
-        elif arg.startswith("--") or arg == "-h":
+        elif arg.startswith("--") or arg in ("-h", "-v"):
             options.append(arg)
         else:
             values.append(arg)
@@ -291,7 +326,7 @@ def run() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not [a for a in argv if a != "--debug"]:
+    if not [a for a in argv if a not in _GLOBAL_FLAGS]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
     argv = _values_after_dashes(argv)
     parser = _parser()
@@ -303,15 +338,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_outputs(args)
         resolve_hardware(args)
         command = getattr(commands, f"cmd_{args.command}")
-        if getattr(args, "json", None) != "-":
-            return command(args)
-        # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
-        common.json_stream = sys.stdout
-        try:
-            with contextlib.redirect_stdout(sys.stderr):
+        with _verbose(args.verbose):
+            if getattr(args, "json", None) != "-":
                 return command(args)
-        finally:
-            common.json_stream = None
+            # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
+            common.json_stream = sys.stdout
+            try:
+                with contextlib.redirect_stdout(sys.stderr):
+                    return command(args)
+            finally:
+                common.json_stream = None
     except DtypeMismatchError as e:
         if args.debug:
             raise
