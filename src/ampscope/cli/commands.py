@@ -263,7 +263,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ampscope.models.registry import catalog
+    from ampscope.models.catalog import catalog
     from ampscope.render.models import render_models
 
     models = catalog()
