@@ -55,7 +55,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "formats": (
         "ampscope formats                 # range, eps and layout of every format",
         "ampscope formats 0.1 65504 1e-8  # how each format stores these values",
-        "ampscope formats -- -inf -1e-8   # values that start with a minus",
+        "ampscope formats -inf -1e-8      # negative values as they are",
     ),
     "policy": (
         "ampscope policy -d cuda --op softmax",
