@@ -73,7 +73,7 @@ def flops(
     peaks (a name from `hardware.table()`, or an `Accelerator` of your own figures; default:
     this machine's GPU, an H100 for emulated CUDA). An unknown name is refused at once."""
     if isinstance(gpu, str):
-        gpu = hardware.by_name(gpu)
+        gpu = hardware.by_name(gpu) if gpu else None
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
     result = trace(model, inputs, **options)
@@ -86,13 +86,11 @@ def flops(
     return report
 
 
-def _accelerator(name: str | hardware.Accelerator | None, setting: SettingRecord):
-    """The accelerator whose peaks MFU is held to: the one given or named, this machine's GPU,
-    or the H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
-    if isinstance(name, hardware.Accelerator):
-        return name
-    if name:
-        return hardware.by_name(name)
+def _accelerator(given: hardware.Accelerator | None, setting: SettingRecord):
+    """The accelerator whose peaks MFU is held to: the one given, this machine's GPU, or the
+    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
+    if given is not None:
+        return given
     if setting.device != "cuda":
         return None
     if setting.emulated:
