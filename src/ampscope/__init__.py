@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__ = version("ampscope")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
 
 # The library logs its decisions (predicted because…, emulated, fallbacks) to the "ampscope"
 # logger at INFO and never configures handlers: that is the application's choice (`ampscope -v`).
@@ -43,6 +37,9 @@ __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "ca
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on demand: importlib.metadata costs 50 ms at start-up
+        globals()[name] = _version()
+        return globals()[name]
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ampscope' has no attribute {name!r}")
@@ -51,6 +48,15 @@ def __getattr__(name: str) -> Any:
         importlib.import_module("ampscope.render.notebook").register()
     globals()[name] = value  # the next access skips this function
     return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ampscope")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 def __dir__() -> list[str]:

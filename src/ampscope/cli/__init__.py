@@ -13,7 +13,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ampscope import __version__
 from ampscope.cli import commands, common
 from ampscope.cli.common import _write_json, one_line
 from ampscope.cli.examples import add_examples
@@ -37,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ampscope",
         description="Which precision does every tensor of a PyTorch model really run in?",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_Version, help="show ampscope's version and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command")
 
@@ -187,6 +186,19 @@ def _parser() -> argparse.ArgumentParser:
     add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
     _add_verbose(parser, sub.choices)
     return parser
+
+
+class _Version(argparse.Action):
+    """--version, with the version read only when asked (importlib.metadata is slow to load)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import ampscope
+
+        print(f"{parser.prog} {ampscope.__version__}")
+        parser.exit()
 
 
 _GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
