@@ -352,3 +352,25 @@ def test_negative_values_reach_formats_also_after_debug(capsys):
 
     assert main(["--debug", "formats", "-inf", "--json", "-"]) == 0
     assert '"-inf"' in capsys.readouterr().out
+
+
+def test_the_measured_table_is_what_this_torch_answers():
+    """`ampscope formats` without values reads format_table.MEASURED (no torch import) when the
+    installed torch is the build it was measured on: each row must be finfo's figures and the
+    casts' behaviour beyond max as torch gives them here."""
+    from importlib.metadata import version
+
+    from ampscope.analysis import format_table
+    from ampscope.analysis.formats import beyond
+
+    if version("torch") != format_table.MEASURED_ON:
+        assert format_table.measured_report() is None  # another build: measured afresh
+        return
+    assert tuple(format_table.MEASURED) == FORMATS
+    for name, row in format_table.MEASURED.items():
+        assert (row.overflow, row.infinity) == beyond(name), name
+        if name != "tf32":
+            info = torch.finfo(getattr(torch, name))
+            assert (row.max, row.smallest_normal, row.finfo_eps) == (
+                info.max, info.smallest_normal, info.eps), name
+    assert format_table.measured_report().to_dict() == formats_report().to_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -455,3 +456,27 @@ def test_resolve_refuses_a_model_that_cannot_fit(monkeypatch):
 
 def test_loaded_model_is_exported():
     assert LoadedModel.__module__ == "ampscope.models.base"
+
+
+def test_the_catalog_table_equals_what_the_registry_builds():
+    """`ampscope models` reads catalog.MODELS instead of building every model (no torch import):
+    each row must be what building the model on the meta device gives, in the same order."""
+    from ampscope.models import catalog, smollm2
+
+    computed = [registry._model_info(name) for name in registry.model_names()]
+    assert list(catalog.MODELS) == computed
+    # The packages each model needs are the ones its builder checks for.
+    assert catalog.REQUIRES[smollm2.NAME] == tuple(smollm2._REQUIRED)
+    assert {n for n, needs in catalog.REQUIRES.items() if needs == ("transformers",)} == set(hf.ZOO)
+
+
+def test_the_listing_drops_a_model_whose_packages_are_missing(monkeypatch):
+    from ampscope.models import catalog
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    listed = {info.name for info in catalog.catalog().models}
+    assert listed == {"gpt2", "gpt2-medium", "gpt2-tiny", "nanochat-d4", "nanochat-d20",
+                      "nanochat-tiny"}
+    assert listed == {info.name for info in list_models()}

@@ -6,20 +6,80 @@
 
     with ampscope.capture(model) as t:   # around your own training step
         ...
+
+The names below are imported on first use (PEP 562): `import ampscope` alone imports no torch,
+so the command line answers `--help`, `--version` and argument errors in a fraction of the
+second that importing torch takes.
 """
 
-from ampscope.api import capture, findings, fit, flops, matrix, memory, numerics, policy, trace
-from ampscope.errors import AmpscopeError
-from ampscope.models.base import LoadedModel
-from ampscope.precision import Setting, parse_setting
-from ampscope.records import Trace
-from ampscope.render import notebook
-from ampscope.script import run_script
-from ampscope.workloads import RunOptions
+from __future__ import annotations
 
-notebook.register()  # Jupyter shows traces and reports as HTML
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+# The library logs its decisions (predicted because…, emulated, fallbacks) to the "ampscope"
+# logger at INFO and never configures handlers: that is the application's choice (`ampscope -v`).
+logging.getLogger("ampscope").addHandler(logging.NullHandler())
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "capture": "ampscope.api", "findings": "ampscope.api", "fit": "ampscope.api",
+    "flops": "ampscope.api", "matrix": "ampscope.api",
+    "memory": "ampscope.api", "numerics": "ampscope.api", "policy": "ampscope.api",
+    "trace": "ampscope.api", "AmpscopeError": "ampscope.errors",
+    "LoadedModel": "ampscope.models.base", "Setting": "ampscope.precision",
+    "parse_setting": "ampscope.precision", "Trace": "ampscope.records",
+    "run_script": "ampscope.script", "RunOptions": "ampscope.workloads",
+}
 
 __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "findings",
            "fit", "flops",
            "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on demand: importlib.metadata costs 50 ms at start-up
+        globals()[name] = _version()
+        return globals()[name]
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ampscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    if module != "ampscope.errors":  # Jupyter shows traces and reports as HTML (idempotent)
+        importlib.import_module("ampscope.render.notebook").register()
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ampscope")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
+    from ampscope.api import (
+        capture,
+        findings,
+        fit,
+        flops,
+        matrix,
+        memory,
+        numerics,
+        policy,
+        trace,
+    )
+    from ampscope.errors import AmpscopeError
+    from ampscope.models.base import LoadedModel
+    from ampscope.precision import Setting, parse_setting
+    from ampscope.records import Trace
+    from ampscope.script import run_script
+    from ampscope.workloads import RunOptions

@@ -16,6 +16,7 @@ matmul precision, default dtype, grad mode, RNG) are restored, also when the scr
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import runpy
 import sys
@@ -44,6 +45,9 @@ from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
 from ampscope.records import Trace
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 
 class _StopScript(BaseException):
@@ -137,6 +141,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     for line in dict.fromkeys(values_read):
         notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has no "
                      "values).")
+    for note in notes:
+        log.info("%s", note)
     if virtual is not None:
         notes += virtual.notes()
     result.notes = notes + result.notes

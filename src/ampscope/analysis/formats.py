@@ -7,7 +7,7 @@
 Where the facts come from:
 
 - max, smallest normal and eps come from `torch.finfo`; the layout (sign/exponent/mantissa
-  bits, bias, which of inf and NaN exist) is written down in `LAYOUTS` from each format's
+  bits, bias, which of inf and NaN exist) is written down in `LAYOUTS` (format_table.py) from each format's
   definition and checked against `torch.finfo` and torch's own bit decoding in the tests.
   Where finfo contradicts the layout it is reported, not followed: torch's
   `finfo(float8_e5m2fnuz).eps` is 0.125 (c10's `numeric_limits::epsilon()` returns the bit
@@ -33,138 +33,36 @@ same measure). Counting the implicit leading bit, (mantissa_bits + 1)·log10(2),
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from functools import cache
-from typing import NamedTuple
 
 import torch
 
+from ampscope.analysis.format_table import (
+    LAYOUTS,
+    SCHEMA,
+    SKIPPED,
+    STATUSES,
+    FormatFacts,
+    FormatsReport,
+    Layout,
+    Stored,
+    ValueReport,
+    _Limits,
+    assemble,
+    limits,
+)
 from ampscope.errors import AmpscopeError
 
-SCHEMA = "ampscope.formats/1"
+__all__ = ["LAYOUTS", "SCHEMA", "SKIPPED", "STATUSES", "FormatFacts", "FormatsReport", "Layout",
+           "Stored", "ValueReport", "facts", "format_facts", "formats_report", "store"]
+_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+
 # Beyond 1e±400 every format here has long overflowed or underflowed; clamping the exact value
 # there keeps Fraction arithmetic cheap (1e-100000000 would build a 40 MB integer) and changes
 # no status, stored value or printed error.
 _CLAMP = Decimal("1e400")
-
-
-class Layout(NamedTuple):
-    sign: int
-    exponent: int
-    mantissa: int
-    bias: int
-    has_inf: bool
-    has_nan: bool
-    note: str = ""
-
-    @property
-    def bits(self) -> int:
-        return self.sign + self.exponent + self.mantissa
-
-
-# From each format's definition: IEEE 754 (fp64, fp32, fp16), Google's bfloat16, NVIDIA's
-# TensorFloat-32, the OCP 8-bit float spec (e4m3fn, e5m2), the "fnuz" formats of AMD/Graphcore
-# (finite, NaN, unsigned zero) and OCP MX's e8m0 scale.
-LAYOUTS: dict[str, Layout] = {
-    "float64": Layout(1, 11, 52, 1023, True, True),
-    "float32": Layout(1, 8, 23, 127, True, True),
-    "tf32": Layout(1, 8, 10, 127, True, True,
-                   "not a torch dtype: float32's range with 10 mantissa bits, the precision "
-                   "matmuls run in under torch.backends.cuda.matmul.allow_tf32 / "
-                   "set_float32_matmul_precision('high'); computed from its definition"),
-    "bfloat16": Layout(1, 8, 7, 127, True, True),
-    "float16": Layout(1, 5, 10, 15, True, True),
-    "float8_e4m3fn": Layout(1, 4, 3, 7, False, True,
-                            "no inf; only S.1111.111 is NaN, so exponent 1111 holds 256..448"),
-    "float8_e5m2": Layout(1, 5, 2, 15, True, True),
-    "float8_e4m3fnuz": Layout(1, 4, 3, 8, False, True,
-                              "no inf, no -0; the only NaN is 1.0000.000, the -0 pattern"),
-    "float8_e5m2fnuz": Layout(1, 5, 2, 16, False, True,
-                              "no inf, no -0; the only NaN is 1.00000.00, the -0 pattern"),
-    "float8_e8m0fnu": Layout(0, 8, 0, 127, False, True,
-                             "exponent only: the powers of two 2^-127..2^127 (OCP MX block "
-                             "scale); no sign, no zero, 11111111 is NaN. torch's cast keeps "
-                             "|x| and turns 0 into 2^-127"),
-}
-# Formats the installed torch may know but that are left out, with the reason.
-SKIPPED = {
-    "float4_e2m1fn_x2": "two fp4 values packed in one byte: torch.finfo does not support it and "
-                        "torch has no cast to it (\"copy_kernel\" not implemented)",
-}
-STATUSES = ("exact", "rounded", "subnormal", "underflow", "overflow", "saturated", "nan",
-            "sign-lost", "no-zero")
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
-
-
-@dataclass(frozen=True)
-class FormatFacts:
-    name: str  # torch dtype name without "torch.", or "tf32"
-    bits: int
-    sign_bits: int
-    exponent_bits: int
-    mantissa_bits: int  # stored bits, without the implicit leading 1
-    bias: int
-    max: float
-    smallest_normal: float
-    smallest_subnormal: float | None  # None: the format has no subnormals
-    eps: float  # gap between 1.0 and the next value, 2^-mantissa_bits
-    digits: float  # mantissa_bits·log10(2)
-    has_inf: bool
-    has_nan: bool
-    overflow: str  # what torch's cast makes of finite values beyond max: "inf", "max", "nan"
-    infinity: str  # ... and of ±inf: "inf", "max", "nan"
-    source: str  # "torch.finfo" or "definition"
-    notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict:
-        return {k: _json_float(v) if isinstance(v, float) else v
-                for k, v in asdict(self).items()} | {"notes": list(self.notes)}
-
-
-@dataclass(frozen=True)
-class Stored:
-    """How one format stores one value."""
-
-    format: str
-    value: float  # the stored value, exactly (every value of these formats is a float64)
-    bits: str  # "sign exponent mantissa" from the raw bits, e.g. "0 01111111 0000000"
-    status: str  # one of STATUSES
-    relative_error: float | None  # |stored - value| / |value|; None when either is inf or NaN
-    nearest: bool | None  # no value of the format is closer; None when either is inf or NaN
-
-    def to_dict(self) -> dict:
-        return {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True)
-class ValueReport:
-    text: str  # as the user wrote it
-    value: float  # parsed to float64
-    stored: tuple[Stored, ...]
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "value": _json_float(self.value),
-                "stored": [s.to_dict() for s in self.stored]}
-
-
-@dataclass(frozen=True)
-class FormatsReport:
-    formats: tuple[FormatFacts, ...]
-    values: tuple[ValueReport, ...]
-    skipped: tuple[tuple[str, str], ...]  # (dtype name, why it is left out)
-
-    def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "torch": torch.__version__,
-                "formats": [f.to_dict() for f in self.formats],
-                "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
-                "values": [v.to_dict() for v in self.values]}
-
-
-def _json_float(x: float) -> float | str:
-    """JSON has no inf or NaN: write them as the strings "inf", "-inf", "nan"."""
-    return x if math.isfinite(x) else str(x)
 
 
 def available_formats() -> tuple[str, ...]:
@@ -232,57 +130,26 @@ def neighbours(name: str, raw: int) -> list[float]:
 # --- facts --------------------------------------------------------------------------------
 
 
-class _Limits(NamedTuple):
-    max: float
-    smallest_normal: float
-    eps: float
-    source: str
-    notes: tuple[str, ...]
-
-    @property
-    def max_step(self) -> Fraction:
-        """The gap below max, the same as the gap the next value up would have had."""
-        return Fraction(2) ** (math.frexp(self.max)[1] - 1) * Fraction(self.eps)
-
-
-@cache
 def _limits(name: str) -> _Limits:
-    layout = LAYOUTS[name]
-    eps = math.ldexp(1.0, -layout.mantissa)
-    if name == "tf32":
-        top = 2 ** layout.exponent - 2 - layout.bias  # the all-ones exponent is inf/NaN
-        return _Limits(math.ldexp(2.0 - eps, top), math.ldexp(1.0, 1 - layout.bias), eps,
-                       "definition", (layout.note,))
+    if name == "tf32":  # not a torch dtype: its limits follow from its definition
+        return limits(name, math.nan, math.nan, math.nan)
     info = torch.finfo(getattr(torch, name))
-    notes = (layout.note,) if layout.note else ()
-    if info.eps != eps:
-        notes += (f"torch.finfo gives eps {info.eps:g}, but with {layout.mantissa} mantissa bits "
-                  f"the gap after 1.0 is {eps:g}, shown here",)
-    return _Limits(info.max, info.smallest_normal, eps, "torch.finfo", notes)
+    return limits(name, info.max, info.smallest_normal, info.eps)
 
 
 _BEYOND = {"overflow": "inf", "exact": "inf", "saturated": "max", "nan": "nan"}
 
 
+def beyond(name: str) -> tuple[str, str]:
+    """What torch's cast makes of a value beyond max, and of +inf: "inf", "max" or "nan"."""
+    top = _limits(name).max
+    return (_BEYOND[store(str(Decimal(top) * 2), name).status],
+            _BEYOND[store("inf", name).status])
+
+
 @cache
 def facts(name: str) -> FormatFacts:
-    layout, limits = LAYOUTS[name], _limits(name)
-    overflow = _BEYOND[store(str(Decimal(limits.max) * 2), name).status]
-    infinity = _BEYOND[store("inf", name).status]
-    notes = limits.notes
-    if not layout.has_inf:  # torch chooses what happens here; measured above, not assumed
-        pm = "±" if layout.sign else ""
-        words = {"inf": f"{pm}inf", "max": f"{pm}{limits.max:g}", "nan": "NaN"}
-        notes += (f"torch's cast turns values that round beyond {pm}{limits.max:g} into "
-                  f"{words[overflow]}, and {pm}inf into {words[infinity]}",)
-    return FormatFacts(
-        name=name, bits=layout.bits, sign_bits=layout.sign, exponent_bits=layout.exponent,
-        mantissa_bits=layout.mantissa, bias=layout.bias, max=limits.max,
-        smallest_normal=limits.smallest_normal,
-        smallest_subnormal=limits.smallest_normal * limits.eps if layout.mantissa else None,
-        eps=limits.eps, digits=layout.mantissa * math.log10(2), has_inf=layout.has_inf,
-        has_nan=layout.has_nan, overflow=overflow, infinity=infinity, source=limits.source,
-        notes=notes)
+    return assemble(name, _limits(name), *beyond(name))
 
 
 def format_facts(names: tuple[str, ...] | None = None) -> tuple[FormatFacts, ...]:
@@ -358,4 +225,4 @@ def formats_report(values: list[str] | tuple[str, ...] = (),
     names = names or available_formats()
     reports = tuple(ValueReport(v, parse_value(v)[0], tuple(store(v, n) for n in names))
                     for v in values)
-    return FormatsReport(format_facts(names), reports, skipped_formats())
+    return FormatsReport(format_facts(names), reports, skipped_formats(), torch.__version__)

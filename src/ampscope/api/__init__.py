@@ -10,16 +10,14 @@
 from ampscope.api.fit import fit
 from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
 from ampscope.api.planning import load
-from ampscope.api.reports import (
-    DEFAULT_NUMERICS_SETTINGS,
-    findings,
-    flops,
-    memory,
-    numerics,
-    policy,
-    tokens_of,
-)
-from ampscope.api.tracing import DEFAULT_MATRIX_SETTINGS, capture, matrix, trace, trace_run
+from ampscope.api.reports import findings, flops, memory, numerics, policy, tokens_of
+from ampscope.api.tracing import capture, matrix, trace, trace_run
+from ampscope.defaults import DEFAULT_MATRIX_SETTINGS, DEFAULT_NUMERICS_SETTINGS
+from ampscope.render import notebook
+
+# Jupyter shows traces and reports as HTML, also for `from ampscope.api import trace` (the
+# package root registers the views only when one of its names is first used).
+notebook.register()
 
 __all__ = [
     "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "findings",

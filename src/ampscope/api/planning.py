@@ -4,6 +4,7 @@ fits in memory for real or must be predicted on fake tensors."""
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from ampscope.precision import (
 from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.records import dtype_name
 from ampscope.workloads import RunOptions
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 
 def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
@@ -182,6 +186,10 @@ def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, 
         shortfall = run_shortfall(lm, setting, workload, optimizer, built_on_meta=on_meta)
         if shortfall is not None:
             raise AmpscopeError(f"{shortfall}, or predict it on fake tensors (drop --real)")
+        log.info("%s runs for real under %s, as asked: its weights, gradients and optimizer "
+                 "state fit in memory", lm.name, setting.name)
+    for note in notes:
+        log.info("%s", note)
     if on_meta and not predict:
         assert isinstance(model, str)
         lm = load(model, device=setting.run_device, target_device=target, virtual=virtual)

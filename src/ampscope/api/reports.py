@@ -20,6 +20,7 @@ from ampscope.analysis.summary import tokens_of
 from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
 from ampscope.api.planning import batch_for, load, resolved, run_shortfall
 from ampscope.api.tracing import trace
+from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
@@ -68,7 +69,7 @@ def flops(
     *,
     step_time: float | None = None,
     measure: bool = False,
-    gpu: str | None = None,
+    gpu: str | hardware.Accelerator | None = None,
     **options,
 ) -> FlopReport:
     """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
@@ -76,8 +77,11 @@ def flops(
 
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
-    peaks (default: this machine's GPU; an H100 for emulated CUDA). Given a `Trace`, the count
-    is made from it, with nothing run again (`step_time` still applies)."""
+    peaks (a name from `hardware.table()`, or an `Accelerator` of your own figures; default:
+    this machine's GPU, an H100 for emulated CUDA). An unknown name is refused at once. Given a
+    `Trace`, the count is made from it, with nothing run again (`step_time` still applies)."""
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu) if gpu else None
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
     if isinstance(model, Trace):
@@ -115,19 +119,16 @@ def _already_run(result: Trace, inputs, options: dict, *, measure: bool = False)
             f"({result.model.name}) instead to run it again with them")
 
 
-def _accelerator(name: str | None, setting: SettingRecord):
-    """The accelerator whose peaks MFU is held to: the one named, this machine's GPU, or the
+def _accelerator(given: hardware.Accelerator | None, setting: SettingRecord):
+    """The accelerator whose peaks MFU is held to: the one given, this machine's GPU, or the
     H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
-    if name:
-        return hardware.by_name(name)
+    if given is not None:
+        return given
     if setting.device != "cuda":
         return None
     if setting.emulated:
         return hardware.by_name("h100")
     return hardware.lookup(torch.cuda.get_device_name())
-
-
-DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
 
 
 def numerics(

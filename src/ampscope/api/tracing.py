@@ -4,6 +4,7 @@ side, and the user's own code, recorded into Traces."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.memory import memory_report
 from ampscope.api.planning import batch_for, inputs_in_param_dtype, plan, resolved
+from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
@@ -40,6 +42,9 @@ from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
+
 
 def trace(
     model: str | nn.Module | LoadedModel,
@@ -56,6 +61,7 @@ def trace(
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
 ) -> Trace:
+
     """Run `workload` once under `setting` and return what every tensor's dtype was.
 
     A setting on a device this machine lacks (`cuda:fp32+amp-bf16` on a laptop) is emulated:
@@ -117,6 +123,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
                 notes.append(f"Float inputs {', '.join(cast)} were cast to "
                              f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
                              f"script would under {setting.name} (no autocast to do it).")
+                log.info("%s", notes[-1])
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None)
@@ -143,6 +150,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
     if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
+        log.info("%s", notes[-1])
     result.notes = (notes + (emulation.notes(workload_name) if emulation is not None else [])
                     + result.notes)  # what the capture itself noted comes last
     if virtual is not None:
@@ -174,9 +182,6 @@ def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions) -> None:
             f"{format_bytes(needed)} (the step's {format_bytes(needed - loaded)} and the model as "
             f"loaded), more than the {format_bytes(available)} free here; predict it on fake "
             "tensors (drop --real) or make the batch or sequence smaller")
-
-
-DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
 
 
 def matrix(

@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from ampscope.api import DEFAULT_MATRIX_SETTINGS
 from ampscope.cli import commands, common
 from ampscope.cli.common import _write_json, one_line
+from ampscope.cli.examples import add_examples
+from ampscope.cli.hardware import add_hardware_arguments, resolve_hardware
+from ampscope.defaults import (
+    DEFAULT_MATRIX_SETTINGS,
+    DEFAULT_MODEL,
+    DEFAULT_NUMERICS_SETTINGS,
+    DEFAULT_SETTING,
+)
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.files import unwritable
 
+# Nothing imported here imports torch: `--help`, `--version` and argument errors answer at once;
+# the commands (cli/commands.py) import the library inside each function.
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
-
-DEFAULT_MODEL = "gpt2"
-DEFAULT_SETTING = "fp32+amp-bf16"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ampscope",
         description="Which precision does every tensor of a PyTorch model really run in?",
     )
+    parser.add_argument("--version", action=_Version, help="show ampscope's version and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command")
 
@@ -47,11 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "run", help="run your own script, unmodified, and trace its model (on a device this "
                     "machine lacks, a virtual one)",
         description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
-                    "after --steps optimizer steps, and trace the model it runs.",
-        epilog="examples:\n  ampscope run --device cuda --steps 1 train.py --batch_size=4\n"
-               "  ampscope run --device cuda -m scripts.base_train -- --depth=4\n"
-               "  ampscope run --predict --device cuda train.py   # full size, no memory",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "after --steps optimizer steps, and trace the model it runs.")
     run.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
                      help="the device the script should see; one this machine lacks is virtual "
                           "(default: this machine's)")
@@ -129,14 +133,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="measured wall time of one step, for throughput and MFU")
     timing.add_argument("--measure", action="store_true",
                         help="time the untraced step on this machine (a real device only)")
-    flops.add_argument("--gpu", metavar="NAME",
-                       help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 (default: "
-                            "this machine's GPU; h100 for emulated cuda)")
+    add_hardware_arguments(flops, memory=False,
+                           gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
+                                    "(default: this machine's GPU; h100 for emulated cuda)")
 
     numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
                                                "high-precision reference, layer by layer")
     _add_model_argument(numerics)
-    numerics.add_argument("--settings", default="fp32,fp32+amp-bf16,bf16",
+    numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
                           help="comma-separated settings (default: %(default)s)")
     numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
                           help="the setting every other is compared with (default: %(default)s)")
@@ -191,7 +195,54 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
     models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
+    add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
+    _add_verbose(parser, sub.choices)
     return parser
+
+
+class _Version(argparse.Action):
+    """--version, with the version read only when asked (importlib.metadata is slow to load)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import ampscope
+
+        print(f"{parser.prog} {ampscope.__version__}")
+        parser.exit()
+
+
+_GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
+
+
+def _add_verbose(parser: argparse.ArgumentParser,
+                 commands: dict[str, argparse.ArgumentParser]) -> None:
+    """-v/--verbose on the top level and on every command (as --debug: either place)."""
+    help_text = "show the decisions ampscope makes (predicted or real, emulated, fallbacks)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=help_text)
+    for command in commands.values():
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help=help_text)
+
+
+@contextlib.contextmanager
+def _verbose(on: bool):
+    """With -v, the "ampscope" logger's INFO records go to stderr while the command runs."""
+    if not on:
+        yield
+        return
+    logger = logging.getLogger("ampscope")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ampscope: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -244,14 +295,15 @@ def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
 def _values_after_dashes(argv: list[str]) -> list[str]:
     """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
     only knows plain negative numbers like -2), so move the values behind a "--"."""
-    leading = [a for a in argv[:argv.index("formats")] if a == "--debug"] if "formats" in argv else []
+    leading = ([a for a in argv[:argv.index("formats")] if a in _GLOBAL_FLAGS]
+               if "formats" in argv else [])
     if argv[len(leading):len(leading) + 1] != ["formats"] or "--" in argv:
         return argv
     options, values, rest = [*leading], [], iter(argv[len(leading) + 1:])
     for arg in rest:
         if arg == "--json":
             options += [arg, next(rest, "")]
-        elif arg.startswith("--") or arg == "-h":
+        elif arg.startswith("--") or arg in ("-h", "-v"):
             options.append(arg)
         else:
             values.append(arg)
@@ -308,7 +360,7 @@ def run() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not [a for a in argv if a != "--debug"]:
+    if not [a for a in argv if a not in _GLOBAL_FLAGS]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
     argv = _values_after_dashes(argv)
     parser = _parser()
@@ -318,16 +370,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_flags(argv, args)
         _check_outputs(args)
+        resolve_hardware(args)
         command = getattr(commands, f"cmd_{args.command}")
-        if getattr(args, "json", None) != "-":
-            return command(args)
-        # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
-        common.json_stream = sys.stdout
-        try:
-            with contextlib.redirect_stdout(sys.stderr):
+        with _verbose(args.verbose):
+            if getattr(args, "json", None) != "-":
                 return command(args)
-        finally:
-            common.json_stream = None
+            # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
+            common.json_stream = sys.stdout
+            try:
+                with contextlib.redirect_stdout(sys.stderr):
+                    return command(args)
+            finally:
+                common.json_stream = None
     except DtypeMismatchError as e:
         if args.debug:
             raise

@@ -198,7 +198,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     doing = "Counting and timing" if args.measure else "Counting"
     with _console(stderr=True).status(f"{doing} the FLOPs of {args.model} under {setting}…"):
         report = flops(args.model, setting=setting, step_time=args.step_time,
-                       measure=args.measure, gpu=args.gpu, **options.as_kwargs())
+                       measure=args.measure, gpu=args.accelerator, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_flops(report))
 
@@ -225,10 +225,15 @@ def cmd_numerics(args: argparse.Namespace) -> int:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    from ampscope.analysis.formats import formats_report
+    from ampscope.analysis.format_table import measured_report
     from ampscope.render.formats import render_formats
 
-    report = formats_report(args.values)
+    # Without values, the facts as measured on this torch build answer without importing torch.
+    report = None if args.values else measured_report()
+    if report is None:
+        from ampscope.analysis.formats import formats_report
+
+        report = formats_report(args.values)
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_formats(report))
 
@@ -306,7 +311,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ampscope.models.registry import catalog
+    from ampscope.models.catalog import catalog
     from ampscope.render.models import render_models
 
     models = catalog()

@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 from ampscope.errors import AmpscopeError
 from ampscope.files import write_atomic
-from ampscope.workloads import RunOptions
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 300
@@ -65,8 +64,10 @@ def _write_json(text: str, path: str) -> None:
     print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
 
 
-def _run_options(args: argparse.Namespace) -> RunOptions:
+def _run_options(args: argparse.Namespace):
     """The run options of a command line, checked before anything is built."""
+    from ampscope.workloads import RunOptions  # imports torch: only once a command runs
+
     return RunOptions(workload=args.workload, batch=args.batch, seq=args.seq,
                       optimizer=args.optimizer, new_tokens=args.new_tokens, predict=args.predict,
                       checkpoint=args.checkpoint, optimizer_impl=args.optimizer_impl)

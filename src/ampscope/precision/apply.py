@@ -8,6 +8,7 @@ itself works on its own copies of every parameter and buffer, converted as the s
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ from ampscope.precision import matmul
 from ampscope.precision.emulation import Emulation
 from ampscope.precision.predict import fake_like
 from ampscope.precision.setting import Setting
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 # --- global state -------------------------------------------------------------------------
 
@@ -198,6 +202,12 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
             for device in AUTOCAST_DEVICES:
                 torch.set_autocast_enabled(device, False)
             emulation = None
+            autocast = setting.autocast_dtype
+            log.info("Running under %s: parameters in %s, autocast %s, float32 matmul precision "
+                     "%r%s", setting.name, str(setting.param_dtype).removeprefix("torch."),
+                     str(autocast).removeprefix("torch.") if autocast else "off",
+                     setting.matmul_precision,
+                     f"; {setting.device} emulated on the CPU" if setting.emulated else "")
             if setting.emulated:
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None:

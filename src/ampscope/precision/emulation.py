@@ -18,6 +18,7 @@ Backward runs without autocast, on the dtypes forward produced, exactly as on th
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,6 +27,9 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -262,6 +266,8 @@ class Emulation:
                 f"Attention kernels are the CPU's: ampscope does not model {self.device}'s "
                 "choice of scaled_dot_product_attention kernel."
             )
+        for note in notes:
+            log.info("%s", note)
         return notes
 
 

@@ -29,6 +29,7 @@ turns the failure into one line naming the call and the user's line (`device_api
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -46,6 +47,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ampscope import hardware
 from ampscope.precision import emulation
 from ampscope.precision.setting import default_autocast_dtype
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 _TensorBase = torch._C.TensorBase
 _GETTERS = {  # attribute reads that say where a tensor is
@@ -461,6 +465,8 @@ class VirtualDevice:
                          f"answered from {source}.")
         for call in dict.fromkeys(self.mode.unsupported):
             notes.append(f"{call} ran on the CPU: only {self.target} is virtual here.")
+        for note in notes:
+            log.info("%s", note)
         return notes
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -29,6 +30,9 @@ from ampscope.records import (
     Trace,
     dtype_name,
 )
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
 
 _MATMULS = frozenset({"torch.matmul", "torch.mm", "torch.bmm", "torch.addmm", "Tensor.matmul",
                        "Tensor.__matmul__", "Tensor.__rmatmul__", "Tensor.mm"})
@@ -320,4 +324,5 @@ class Capture:
                 "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "
                 "(linear, to) then split into the ops a device runs (addmm, _to_copy), with the "
                 "same dtypes, and autocast sees each part as it does there.")
+            log.info("%s", trace.notes[-1])
         return trace

@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.formats import FormatFacts, FormatsReport, Stored, ValueReport
+from ampscope.analysis.format_table import FormatFacts, FormatsReport, Stored, ValueReport
 from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES
 
 # The formats text.py has no short name for (yet), in the same spelling.

@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.models.registry import ModelCatalog
+from ampscope.models.catalog import ModelCatalog
 
 
 def render_models(catalog: ModelCatalog) -> RenderableType:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, spl
 from ampscope.train.tokenizer import Tokenizer, choose_tokenizer
 from ampscope.workloads import RunOptions
 
+# The run's choices for `ampscope -v` and callers' logging (`log` is the step callback here).
+decisions = logging.getLogger(__name__)
 DECAYS = ("cosine", "linear")
 ATTENTION = ("auto", "math", "flash")
 # What must be equal for a resumed run to continue the same run: the model, its weights' dtype,
@@ -303,6 +306,8 @@ def train(config: TrainConfig, *, resume: str | None = None,
     tokens_per_step = total_batch
     acc = measure.accelerator(device)
     compute_dtype = setting.autocast_dtype or setting.param_dtype  # what the matmuls run in
+    for note in notes:  # the choices made for this run (tokenizer, dtype, fallbacks), for -v
+        decisions.info("%s", note)
 
     result = TrainResult(
         config=config, setting=setting.to_dict(), device_name=measure.device_name(device),
