@@ -100,8 +100,8 @@ def test_the_cli_prints_every_probe_as_it_runs_and_writes_json(capsys, tmp_path)
 
 @pytest.mark.parametrize("argv, message", [
     (["--gpu", "h1000"], "unknown accelerator 'h1000'"),
-    (["--memory", "0"], "must be more than 0 bytes"),
-    (["--memory", "80 furlongs"], "cannot read the memory size"),
+    (["--memory", "0"], "'0' is not a size"),
+    (["--memory", "80 furlongs"], "'80 furlongs' is not a size"),
     ([], "give the GPU (--gpu h100"),
     (["--memory", "1MiB"], "does not fit in 1 MiB (--memory) under cuda:fp32+amp-bf16 even at "
                            "batch 1"),

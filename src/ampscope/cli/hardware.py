@@ -29,7 +29,8 @@ def resolve_hardware(args: argparse.Namespace) -> None:
     if not hasattr(args, "gpu"):
         return
     base = hardware.by_name(args.gpu) if args.gpu else None
-    peaks = hardware.parse_peak_flops(args.peak_flops) if args.peak_flops is not None else None
+    given = getattr(args, "peak_flops", None)  # `fit` takes --gpu and --memory only
+    peaks = hardware.parse_peak_flops(given) if given is not None else None
     size = getattr(args, "memory", None)
     memory = hardware.parse_size(size) if size is not None else None
     args.accelerator = hardware.with_figures(base, peak_flops=peaks, memory_bytes=memory)
