@@ -13,11 +13,12 @@ from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, parse_setting
 from ampscope.records import Trace
-from ampscope.render import notebook
+from ampscope.render import notebook, perfetto
 from ampscope.script import run_script
 from ampscope.workloads import RunOptions
 
 notebook.register()  # Jupyter shows traces and reports as HTML
+perfetto.register()  # Trace.to_perfetto
 
 __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "flops",
            "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]

@@ -39,25 +39,37 @@ def cmd_distributed(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     if args.distributed:
         return cmd_distributed(args)
-    from ampscope.analysis.summary import trace_summary
     from ampscope.api import trace
-    from ampscope.render.text import render_trace
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     status = _console(stderr=True)
     with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
+    return _show_trace(args, result)
+
+
+def _show_trace(args: argparse.Namespace, result) -> int:
+    """`trace` and `run`: the timeline to --perfetto PATH, then JSON, CSV and the rendering."""
+    from ampscope.analysis.summary import trace_summary
+    from ampscope.render.perfetto import to_perfetto
+    from ampscope.render.text import render_trace
+
+    if args.perfetto:
+        try:
+            to_perfetto(result, args.perfetto)
+        except OSError as e:
+            raise AmpscopeError(f"cannot write {args.perfetto}: {e.strerror}") from e
+        print(f"Wrote {args.perfetto}", file=sys.stderr)  # plain: a path must not be wrapped
     return _show(args, result.to_json,
-                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
+                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)),
+                 table=lambda: result.table("ops" if args.ops else "modules"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     import contextlib
     import io
 
-    from ampscope.analysis.summary import trace_summary
-    from ampscope.render.text import render_trace
     from ampscope.script import run_script
 
     script_args = args.script_args
@@ -69,8 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with quiet:
         result = run_script(args.target, script_args, module=args.module, device=args.device,
                             steps=args.steps, predict=args.predict)
-    return _show(args, result.to_json,
-                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
+    return _show_trace(args, result)
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -91,7 +102,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
         progress.update(task, completed=len(settings))
     return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
-                 lambda: render_matrix(result))
+                 lambda: render_matrix(result), table=result.table)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -149,7 +160,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     with _console(stderr=True).status(f"{doing} the memory of {args.model} under {setting}…"):
         report = memory(args.model, setting=setting, measure=args.measure, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_memory(report))
+                 lambda: render_memory(report), table=report.table)
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -163,7 +174,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         report = flops(args.model, setting=setting, step_time=args.step_time,
                        measure=args.measure, gpu=args.gpu, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_flops(report))
+                 lambda: render_flops(report), table=report.table)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
