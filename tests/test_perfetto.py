@@ -161,3 +161,24 @@ def test_perfetto_trace_processor_loads_and_queries_it(step, tmp_path):
         assert {"forward", "backward", "optimizer"} <= threads
         depth = list(tp.query("select max(depth) as d from slice"))
         assert depth[0].d == max(m.depth for m in step.modules) + 1
+
+
+def test_cli_run_writes_the_timeline_and_table_of_the_scripts_step(tmp_path, capsys):
+    """`ampscope run` on the example training script, on a virtual CUDA device."""
+    import csv
+
+    import numpy as np
+
+    example = Path(__file__).parent.parent / "examples" / "gpt" / "train.py"
+    np.random.default_rng(0).integers(0, 512, 5_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    timeline, table, saved = tmp_path / "t.json", tmp_path / "m.csv", tmp_path / "trace.json"
+    assert main(["run", "--device", "cuda", "--steps", "1", "--quiet", "--perfetto", str(timeline),
+                 "--csv", str(table), "--json", str(saved), str(example),
+                 f"--data_dir={tmp_path}", "--block_size=16"]) == 0
+    traced = Trace.from_dict(json.loads(saved.read_text()))
+    written = json.loads(timeline.read_text())
+    assert len(_slices(written, "op")) == len(traced.ops) > 0
+    assert {e["tid"] for e in _slices(written, "op")} == set(TIDS.values())  # all three phases
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["type"] for r in rows] == [m.type for m in traced.modules]
