@@ -25,7 +25,7 @@ from ampscope.records.tensors import (
     StorageRecord,
     TensorMeta,
 )
-from ampscope.records.trace_table import trace_table
+from ampscope.records.trace_table import KINDS, modules_table, ops_table, tensors_table
 
 SCHEMA = "ampscope.trace/1"
 
@@ -97,7 +97,14 @@ class Trace:
     def table(self, kind: str = "ops") -> Table:
         """The records as one table: a row per op ("ops"), per module call ("modules") or per
         named tensor ("tensors"); the columns are listed in docs/api.md."""
-        return trace_table(self, kind)
+        if kind == "ops":
+            return ops_table(self.ops, self.calls)
+        if kind == "modules":
+            return modules_table(self.modules)
+        if kind == "tensors":
+            return tensors_table(self.parameters, self.buffers, self.optimizer_state,
+                                 [*self.inputs, *self.outputs])
+        raise ValueError(f"no table {kind!r}: give one of {', '.join(KINDS)}")
 
     def to_dataframe(self, kind: str = "ops"):
         """`table(kind)` as a pandas DataFrame (pandas is the optional extra `ampscope[pandas]`)."""

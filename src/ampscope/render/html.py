@@ -15,10 +15,8 @@ browser.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
 from ampscope.analysis.compare import Matrix
@@ -27,19 +25,17 @@ from ampscope.analysis.flops import FlopReport
 from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport
 from ampscope.analysis.summary import dtype_inventory
-from ampscope.records import Trace, module_label
-from ampscope.render.flops import human
+from ampscope.records import Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
 from ampscope.render.numerics import _err as divergence_text
 from ampscope.render.plots import (
     divergence_by_depth_svg,
-    dtype_color,
     flops_by_module_svg,
     live_bytes_svg,
     memory_at_peak_svg,
 )
-from ampscope.render.style import SHORT_DTYPES, format_bytes, short_op
+from ampscope.render.templating import environment, macros
 
 MONO = 'ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace'
 CSS = f"""
@@ -88,25 +84,9 @@ CSS = f"""
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-@functools.cache
-def _environment() -> Environment:
-    env = Environment(loader=PackageLoader("ampscope.render", "templates"), autoescape=True,
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(
-        dtype_color=dtype_color, short_dtype=lambda d: SHORT_DTYPES.get(d, d), human=human,
-        bytes=format_bytes, short_op=short_op, module_label=module_label,
-        thousands=lambda n: f"{n:,}", zip=lambda a, b: zip(a, b, strict=True))
-    env.globals.update(share=_share)
-    return env
-
-
 def _sections():
     """The macros of sections.html.j2, callable from here; each returns Markup."""
-    return _environment().get_template("sections.html.j2").module
-
-
-def _share(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "—"
+    return macros("sections.html.j2")
 
 
 # --- sections --------------------------------------------------------------------------------
@@ -130,7 +110,7 @@ def flow_body(traces: Sequence[Trace]) -> Markup:
     diagrams = [build_diagram(t) for t in traces]
     columns = [{"title": t.setting.name, "diagram": g, "sections": [
         {"block": s.block, "label": s.label, "steps": len(s.steps),
-         "svg": Markup(section_svg(s, last=i == len(g.sections) - 1))}  # escaped by flowgraph.py
+         "svg": section_svg(s, last=i == len(g.sections) - 1)}
         for i, s in enumerate(g.sections)]} for t, g in zip(traces, diagrams, strict=True)]
     seen = dict.fromkeys(d for g in diagrams for s in g.sections for step in s.steps
                          for d in (*step.inputs, step.output))
@@ -187,7 +167,7 @@ def section(key: str, title: str, body: Markup) -> Markup:
 
 def fragment(*parts: Markup) -> str:
     """A notebook cell's HTML: the styles travel with it (no <html> wrapper)."""
-    return _environment().get_template("fragment.html.j2").render(css=Markup(CSS), parts=parts)
+    return environment().get_template("fragment.html.j2").render(css=Markup(CSS), parts=parts)
 
 
 def trace_html(trace: Trace) -> str:
@@ -230,6 +210,6 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *,
         sections.append(("flops", "FLOPs by module", flops_body(flops)))
     if numerics is not None:
         sections.append(("numerics", "Numerics per layer", numerics_body(numerics)))
-    return _environment().get_template("page.html.j2").render(
+    return environment().get_template("page.html.j2").render(
         title=title or f"ampscope: {traces[0].model.name}, {traces[0].workload}",
         css=Markup(CSS), csp=Markup(CSP), header=header(traces), sections=sections)
