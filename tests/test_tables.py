@@ -150,3 +150,9 @@ def test_csv_bad_paths_are_refused_before_the_run(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_csv_with_distributed_is_refused_not_ignored(capsys):
+    assert main(["memory", "gpt2-tiny", "--distributed", "ddp", "--csv", "m.csv"]) == 2
+    err = capsys.readouterr().err
+    assert "--csv is not available with --distributed" in err and len(err.splitlines()) == 1

@@ -19,6 +19,9 @@ def cmd_distributed(args: argparse.Namespace) -> int:
 
     if args.workload != "train":
         raise AmpscopeError("--distributed runs the train workload")
+    for flag in ("csv", "perfetto"):
+        if getattr(args, flag, None):
+            raise AmpscopeError(f"--{flag} is not available with --distributed; use --json PATH")
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     nproc = args.nproc or 2
