@@ -207,6 +207,28 @@ def assert_inert(html: str) -> None:
     assert external_loads(html) == []
 
 
+class _Text(HTMLParser):
+    """The text a browser shows or keeps from a page: character data and attribute values,
+    with every character reference decoded."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.parts += [value for _, value in attrs if value]
+
+
+def page_text(html: str) -> str:
+    parser = _Text()
+    parser.feed(html)
+    parser.close()
+    return "\n".join(parser.parts)
+
+
 def test_module_and_class_names_are_escaped():
     """A model whose submodule is registered as `<script>…` and whose class is named `<img …>`."""
 
@@ -222,8 +244,7 @@ def test_module_and_class_names_are_escaped():
                                      workload="forward")
     html = report_html(traces, matrix, memory=[memory_report(t) for t in traces])
     assert_inert(html)
-    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in html  # it is shown, as text
-    assert "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html
+    assert SCRIPT in page_text(html) and IMG in page_text(html)  # it is shown, as text
     for fragment in (traces[1]._repr_html_(), matrix._repr_html_()):
         assert_inert(fragment)
         assert "&lt;script&gt;" in fragment
@@ -262,3 +283,66 @@ def test_every_text_from_records_is_escaped():
     assert html.count("&lt;script&gt;") >= 8
     for fragment in (trace._repr_html_(), flops._repr_html_(), numerics._repr_html_()):
         assert_inert(fragment)
+
+
+EVIL_MODEL = """
+from torch import nn
+
+PAYLOAD = "PAYLOAD"
+
+
+def build():
+    def init(self):
+        nn.Module.__init__(self)
+        self.add_module(PAYLOAD, nn.Linear(4, 4))
+
+    cls = type(PAYLOAD, (nn.Module,), {
+        "__init__": init,
+        "forward": lambda self, x: getattr(self, PAYLOAD)(x).bfloat16().float().sum(),
+    })
+    return cls()
+""".replace('"PAYLOAD"', repr(SCRIPT))
+
+
+def test_a_script_payload_is_escaped_everywhere_it_appears(tmp_path):
+    """A module and a class named `<script>…`, defined in a file named `m<script>.py`: each
+    shows up as text in every section that names it, and never once as markup."""
+    import importlib.util
+
+    path = tmp_path / "m<script>.py"
+    path.write_text(EVIL_MODEL)
+    spec = importlib.util.spec_from_file_location("evil_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    matrix, traces = ampscope.matrix(module.build(), torch.randn(2, 4), settings=SETTINGS,
+                                     workload="forward")
+    assert len(traces) == 2 and any(o.source == "m<script>.py:14" for o in traces[1].ops)
+    html = report_html(traces, matrix, memory=[memory_report(t) for t in traces],
+                       flops=[flop_report(t, tokens=2) for t in traces])
+    pages = [html, traces[1]._repr_html_(), matrix._repr_html_()]
+    for page in pages:
+        assert_inert(page)
+        assert "<script" not in page.lower()
+        # Every "<script>" the page shows is one escaped in its source, and the other way round.
+        assert page_text(page).count("<script>") == page.count("&lt;script&gt;") > 0
+    sections = dict(re.findall(r'<section id="(\w+)">(.*?)</section>', html, re.S))
+    head = html[:html.index("<nav>")]
+    assert SCRIPT in page_text(head)  # the class, in the header
+    assert SCRIPT in page_text(sections["matrix"])  # the module and its type
+    assert SCRIPT in page_text(sections["flow"])  # the module, on its step and in its tooltip
+    findings = page_text(sections["findings"])
+    assert SCRIPT in findings and "m<script>.py:14" in findings  # the module and the file
+
+
+def test_the_templates_ship_with_the_package():
+    """Every template the report renders is package data of the wheel (pyproject.toml)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["ampscope"]
+    package = root / "src" / "ampscope"
+    shipped = {p for g in globs for p in package.glob(g)}
+    templates = set((package / "render" / "templates").iterdir())
+    assert templates and templates <= shipped

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ampscope.analysis.flow import collapse_blocks, dtypes
 from ampscope.records import SettingRecord, Trace, module_label
+from ampscope.records.table import Table, table
 
 Cell = tuple[tuple[str, ...], tuple[str, ...]] | None  # (in dtypes, out dtypes); None: not run
 
@@ -72,6 +73,24 @@ class Matrix:
                         for s in self.summary],
             "failures": [{"setting": name, "error": why} for name, why in self.failures],
         }
+
+    def table(self) -> Table:
+        """The module rows as `ampscope matrix` prints them: per setting, the dtypes into and
+        out of each module (space-separated; empty where the setting did not run it)."""
+        columns = ["module", "type", "depth", "repeats"]
+        for name in self.names:
+            columns += [f"{name} in", f"{name} out"]
+        rows = []
+        for r in self.rows:
+            cells: list = [r.name, r.kind, r.depth, r.repeats]
+            for c in r.cells:
+                cells += [None, None] if c is None else [" ".join(c[0]), " ".join(c[1])]
+            rows.append(cells)
+        return table(columns, rows)
+
+    def to_dataframe(self):
+        """`table()` as a pandas DataFrame (the optional extra `ampscope[pandas]`)."""
+        return self.table().to_dataframe()
 
 
 def _first_step(trace: Trace) -> list:

@@ -27,6 +27,7 @@ from ampscope import hardware
 from ampscope.analysis.flow import collapse_blocks
 from ampscope.analysis.summary import numel
 from ampscope.records import OpCall, SettingRecord, Trace, module_label
+from ampscope.records.table import Table, table
 
 SCHEMA = "ampscope.flops/1"
 PHASES = ("forward", "backward", "optimizer")
@@ -95,6 +96,18 @@ class FlopReport:
             "modules": [asdict(r) for r in self.rows],
             "utilization": asdict(self.utilization) if self.utilization else None,
         }
+
+    def table(self) -> Table:
+        """Own FLOPs of each module, as `ampscope flops` prints them: identical blocks on one
+        row (`repeats` of them, `forward`/`backward` per block); `total` is the row's FLOPs
+        over all its repeats. The optimizer's FLOPs belong to no module (`by_phase`)."""
+        return table(("module", "repeats", "forward", "backward", "total", "dtype"),
+                     ((r.name, r.repeats, r.forward, r.backward,
+                       r.repeats * (r.forward + r.backward), r.dtype) for r in self.rows))
+
+    def to_dataframe(self):
+        """`table()` as a pandas DataFrame (the optional extra `ampscope[pandas]`)."""
+        return self.table().to_dataframe()
 
 
 def matmul_dtype(op: OpCall) -> str:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from ampscope.analysis.summary import itemsize, numel
 from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
+from ampscope.records.table import Table, table
 
 SCHEMA = "ampscope.memory/1"
 
@@ -144,6 +145,23 @@ class MemoryReport:
             "measured": asdict(self.measured) if self.measured else None,
             "emulated": self.emulated,
         }
+
+
+    def table(self) -> Table:
+        """Category × dtype, as `ampscope memory` prints it: bytes and storages live at the
+        peak beside everything the step allocated (0 where none is live at the peak)."""
+        peak = {(r.category, r.dtype): r for r in self.at_peak}
+        rows = []
+        for r in self.allocated:
+            p = peak.get((r.category, r.dtype))
+            rows.append((r.category, r.dtype, p.bytes if p else 0, p.count if p else 0,
+                         r.bytes, r.count))
+        return table(("category", "dtype", "peak_bytes", "peak_storages", "allocated_bytes",
+                      "allocated_storages"), rows)
+
+    def to_dataframe(self):
+        """`table()` as a pandas DataFrame (the optional extra `ampscope[pandas]`)."""
+        return self.table().to_dataframe()
 
 
 def _storage_dict(s: StorageRecord) -> dict:

@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
                        help="draw the dtype flow of one forward pass, one block drawn once")
+    _add_export_arguments(trace, csv="the modules table (with --ops: the ops)", perfetto=True)
     _add_distributed_arguments(trace)
 
     run = sub.add_parser(
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", metavar="PATH",
                      help="also write the HTML report of the run (findings, dtype flow, "
                           "memory, FLOPs)")
+    _add_export_arguments(run, csv="the modules table (with --ops: the ops)", perfetto=True)
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                      help=argparse.SUPPRESS)
     run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
@@ -91,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
                         help="comma-separated settings (default: %(default)s)")
     _add_run_arguments(matrix)
+    _add_export_arguments(matrix, csv="the modules table")
 
     report = sub.add_parser("report", help="one self-contained HTML page: findings, dtype flow, "
                                            "settings matrix, memory and FLOPs")
@@ -121,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--measure", action="store_true",
                         help="on a real CUDA device, also run the step and show "
                              "torch.cuda.max_memory_allocated beside the prediction")
+    _add_export_arguments(memory, csv="bytes by category and dtype")
     _add_distributed_arguments(memory)
 
     flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
@@ -136,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     add_hardware_arguments(flops, memory=False,
                            gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
                                     "(default: this machine's GPU; h100 for emulated cuda)")
+    _add_export_arguments(flops, csv="FLOPs by module")
 
     numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
                                                "high-precision reference, layer by layer")
@@ -280,6 +285,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser, *, csv: str,
+                          perfetto: bool = False) -> None:
+    """--csv (the table a command prints) and --perfetto (the step as a timeline)."""
+    parser.add_argument("--csv", metavar="PATH",
+                        help=f"write {csv} as CSV ('-' for stdout)")
+    if perfetto:
+        parser.add_argument("--perfetto", metavar="PATH",
+                            help="write the step as a timeline for ui.perfetto.dev or "
+                                 "chrome://tracing (Trace Event JSON)")
+
+
 def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", choices=["ddp", "fsdp"],
                         help="run the train step under DDP or FSDP2 on --nproc ranks (real "
@@ -334,8 +350,14 @@ def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before the run, not after it."""
     paths = []
-    if getattr(args, "json", None) is not None and args.json != "-":
-        paths.append(args.json)
+    for flag in ("json", "csv", "perfetto"):
+        path = getattr(args, flag, None)
+        if path is not None and (path != "-" or flag == "perfetto"):
+            paths.append(path)
+    if getattr(args, "perfetto", None) == "-":
+        raise AmpscopeError("--perfetto writes a file: give a path, e.g. --perfetto step.json")
+    if getattr(args, "json", None) == "-" and getattr(args, "csv", None) == "-":
+        raise AmpscopeError("--json - and --csv - would both write to stdout: give one a file")
     if args.command == "report":
         paths.append(args.output)
     if args.command == "run" and args.report:
@@ -373,9 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_hardware(args)
         command = getattr(commands, f"cmd_{args.command}")
         with _verbose(args.verbose):
-            if getattr(args, "json", None) != "-":
+            if "-" not in (getattr(args, "json", None), getattr(args, "csv", None)):
                 return command(args)
-            # JSON alone on stdout: whatever user code prints while it runs goes to stderr.
+            # JSON (or CSV) alone on stdout: whatever user code prints goes to stderr.
             common.json_stream = sys.stdout
             try:
                 with contextlib.redirect_stdout(sys.stderr):

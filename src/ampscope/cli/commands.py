@@ -22,6 +22,9 @@ def cmd_distributed(args: argparse.Namespace) -> int:
     if args.checkpoint or args.optimizer_impl:
         raise AmpscopeError("--checkpoint and --optimizer-impl do not apply to --distributed "
                             "runs yet; leave them out")
+    for flag in ("csv", "perfetto"):
+        if getattr(args, flag, None):
+            raise AmpscopeError(f"--{flag} is not available with --distributed; use --json PATH")
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     nproc = args.nproc or 2
@@ -42,27 +45,41 @@ def cmd_distributed(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     if args.distributed:
         return cmd_distributed(args)
-    from ampscope.analysis.summary import trace_summary
     from ampscope.api import trace
-    from ampscope.render.text import render_trace
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     status = _console(stderr=True)
     with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
+    return _show_trace(args, result)
+
+
+def _show_trace(args: argparse.Namespace, result, extra: list | None = None) -> int:
+    """`trace` and `run`: the timeline to --perfetto PATH, then JSON, CSV and the rendering
+    (with `extra` renderables after the trace's)."""
+    from rich.console import Group
+
+    from ampscope.analysis.summary import trace_summary
+    from ampscope.render.perfetto import to_perfetto
+    from ampscope.render.text import render_trace
+
+    if args.perfetto:
+        try:
+            to_perfetto(result, args.perfetto)
+        except OSError as e:
+            raise AmpscopeError(f"cannot write {args.perfetto}: {e.strerror}") from e
+        print(f"Wrote {args.perfetto}", file=sys.stderr)  # plain: a path must not be wrapped
     return _show(args, result.to_json,
-                 lambda: render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram)))
+                 lambda: Group(render_trace(trace_summary(result, ops=args.ops,
+                                                          diagram=args.diagram)), *(extra or [])),
+                 table=lambda: result.table("ops" if args.ops else "modules"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     import contextlib
     import io
 
-    from rich.console import Group
-
-    from ampscope.analysis.summary import trace_summary
-    from ampscope.render.text import render_trace
     from ampscope.script import run_script
 
     script_args = args.script_args
@@ -78,18 +95,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   flops=args.flops or bool(args.report))
     if args.report:
         _write_report(args.report, [result], memory=memory, flops=flops)
-
-    def render():
-        parts = [render_trace(trace_summary(result, ops=args.ops, diagram=args.diagram))]
-        if args.memory:
-            from ampscope.render.memory import render_memory
-            parts += [render_memory(r) for r in memory]
-        if args.flops:
-            from ampscope.render.flops import render_flops
-            parts += [render_flops(r) for r in flops]
-        return Group(*parts)
-
-    return _show(args, result.to_json, render)
+    extra = []
+    if args.memory:
+        from ampscope.render.memory import render_memory
+        extra += [render_memory(r) for r in memory]
+    if args.flops:
+        from ampscope.render.flops import render_flops
+        extra += [render_flops(r) for r in flops]
+    return _show_trace(args, result, extra=extra)
 
 
 def _step_reports(result, *, memory: bool, flops: bool) -> tuple[list, list]:
@@ -133,7 +146,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
         progress.update(task, completed=len(settings))
     return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
-                 lambda: render_matrix(result))
+                 lambda: render_matrix(result), table=result.table)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -186,7 +199,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     with _console(stderr=True).status(f"{doing} the memory of {args.model} under {setting}…"):
         report = memory(args.model, setting=setting, measure=args.measure, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_memory(report))
+                 lambda: render_memory(report), table=report.table)
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
@@ -200,7 +213,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         report = flops(args.model, setting=setting, step_time=args.step_time,
                        measure=args.measure, gpu=args.accelerator, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_flops(report))
+                 lambda: render_flops(report), table=report.table)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:

@@ -7,9 +7,13 @@ import argparse
 import re
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ampscope.errors import AmpscopeError
 from ampscope.files import write_atomic
+
+if TYPE_CHECKING:  # the records import torch: the command line starts without it
+    from ampscope.records.table import Table
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 300
@@ -37,13 +41,16 @@ def _progress():
                     console=console, transient=True, disable=not console.is_terminal)
 
 
-def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object]) -> int:
-    """The end of every command: JSON to --json PATH when asked ('-': JSON only, on stdout),
-    then the rendering for a person."""
+def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object],
+          table: Callable[[], Table] | None = None) -> int:
+    """The end of every command: JSON to --json PATH and the printed table as CSV to --csv PATH
+    when asked ('-': that document only, on stdout), then the rendering for a person."""
     if args.json:
         _write_json(to_json(), args.json)
-        if args.json == "-":
-            return 0
+    if table is not None and getattr(args, "csv", None):
+        _write_output(table().to_csv().removesuffix("\n"), args.csv)
+    if "-" in (args.json, getattr(args, "csv", None)):
+        return 0
     _console().print(render())
     return 0
 
@@ -54,6 +61,11 @@ json_stream = None
 
 def _write_json(text: str, path: str) -> None:
     """Write to PATH, or stdout for '-'; say where it went on stderr."""
+    _write_output(text, path)
+
+
+def _write_output(text: str, path: str) -> None:
+    """Write to PATH (atomically), or stdout for '-'; say where it went on stderr."""
     if path == "-":
         (json_stream or sys.stdout).write(text + "\n")
         return

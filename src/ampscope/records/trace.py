@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ampscope.files import write_atomic
 from ampscope.records.setting import SettingRecord
+from ampscope.records.table import Table
 from ampscope.records.tensors import (
     TARGET_NAMES,
     BufferRecord,
@@ -24,6 +25,7 @@ from ampscope.records.tensors import (
     StorageRecord,
     TensorMeta,
 )
+from ampscope.records.trace_table import KINDS, modules_table, ops_table, tensors_table
 
 SCHEMA = "ampscope.trace/1"
 
@@ -91,6 +93,22 @@ class Trace:
         if path is not None:
             write_atomic(path, text + "\n")
         return text
+
+    def table(self, kind: str = "ops") -> Table:
+        """The records as one table: a row per op ("ops"), per module call ("modules") or per
+        named tensor ("tensors"); the columns are listed in docs/api.md."""
+        if kind == "ops":
+            return ops_table(self.ops, self.calls)
+        if kind == "modules":
+            return modules_table(self.modules)
+        if kind == "tensors":
+            return tensors_table(self.parameters, self.buffers, self.optimizer_state,
+                                 [*self.inputs, *self.outputs])
+        raise ValueError(f"no table {kind!r}: give one of {', '.join(KINDS)}")
+
+    def to_dataframe(self, kind: str = "ops"):
+        """`table(kind)` as a pandas DataFrame (pandas is the optional extra `ampscope[pandas]`)."""
+        return self.table(kind).to_dataframe()
 
     @classmethod
     def from_dict(cls, data: dict) -> Trace:

@@ -1,37 +1,41 @@
 """HTML: the self-contained report page (`ampscope report`) and the notebook fragments
-(`_repr_html_` of Trace, Matrix, FlopReport and NumericsReport), from the same section renderers.
+(`_repr_html_` of Trace, Matrix, FlopReport and NumericsReport), from the same section templates.
+
+The markup is in jinja2 templates (render/templates/, shipped with the package) rendered with
+autoescaping on: everything that comes from the model or the user (module, class and parameter
+names, source paths, finding text, setting names) is escaped wherever a template puts it; only
+the templates' own macros and the SVG of render/plots.py and render/flowgraph.py go in as
+markup. The functions here only gather what each section shows.
 
 The page loads nothing: no script, no web font, no image file, no stylesheet link. Plots are
 inline SVG (render/plots.py with matplotlib, render/flowgraph.py by hand), collapsing uses
 `<details>`, and a Content-Security-Policy that allows no source at all backs that up in the
-browser. Everything that comes from the model or the user (module, class and parameter names,
-source paths, finding text, setting names) goes through `escape`.
+browser.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from html import escape
 
-from ampscope.analysis.compare import Cell, Matrix
-from ampscope.analysis.diagram import Diagram, build_diagram
+from markupsafe import Markup
+
+from ampscope.analysis.compare import Matrix
+from ampscope.analysis.diagram import build_diagram
 from ampscope.analysis.flops import FlopReport
 from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport
 from ampscope.analysis.summary import dtype_inventory
-from ampscope.records import Trace, module_label
-from ampscope.render.flops import human
+from ampscope.records import Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
 from ampscope.render.numerics import _err as divergence_text
 from ampscope.render.plots import (
     divergence_by_depth_svg,
-    dtype_color,
     flops_by_module_svg,
     live_bytes_svg,
     memory_at_peak_svg,
 )
-from ampscope.render.style import SHORT_DTYPES, format_bytes, short_op
+from ampscope.render.templating import environment, macros
 
 MONO = 'ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace'
 CSS = f"""
@@ -80,246 +84,90 @@ CSS = f"""
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
-def dtype_span(dtype: str) -> str:
-    return (f'<span class="dt" style="color: {dtype_color(dtype)}">'
-            f"{escape(SHORT_DTYPES.get(dtype, dtype))}</span>")
-
-
-def dtypes_html(dtypes: Sequence[str]) -> str:
-    return " ".join(map(dtype_span, dtypes)) or '<span class="meta">—</span>'
-
-
-def table(columns: Sequence[str], rows: Sequence[Sequence[str]],
-          classes: Sequence[str] = ()) -> str:
-    """A table of already escaped cells; `classes[i]` is column i's class ("num", "name")."""
-    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    body = []
-    for row in rows:
-        cells = []
-        for i, cell in enumerate(row):
-            cls = classes[i] if i < len(classes) else ""
-            cells.append(f'<td class="{cls}">{cell}</td>' if cls else f"<td>{cell}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-def section(key: str, title: str, body: str) -> str:
-    return f'<section id="{key}"><h2>{escape(title)}</h2>{body}</section>'
-
-
-def setting_name(trace: Trace) -> str:
-    return trace.setting.name
-
-
-def _details(summary: str, body: str, *, open_: bool = True, cls: str = "setting") -> str:
-    return (f'<details class="{cls}"{" open" if open_ else ""}><summary>{summary}</summary>'
-            f"{body}</details>")
+def _sections():
+    """The macros of sections.html.j2, callable from here; each returns Markup."""
+    return macros("sections.html.j2")
 
 
 # --- sections --------------------------------------------------------------------------------
 
 
-def header(traces: Sequence[Trace]) -> str:
+def header(traces: Sequence[Trace]) -> Markup:
     """Model, workload, the settings and where they ran, and what the runs assumed."""
-    first = traces[0]
-    where = []
-    for t in traces:
-        device = t.setting.device + (" (emulated)" if t.setting.emulated else "")
-        where.append(f"<b>{escape(setting_name(t))}</b> on {escape(device)}"
-                     + (" (predicted)" if t.mode == "predict" else ""))
     notes = list(dict.fromkeys(n for t in traces for n in t.notes))
-    return (f'<p class="meta"><b>{escape(first.model.name)}</b> ({escape(first.model.cls)}, '
-            f"{first.model.parameters:,} parameters) · workload <b>{escape(first.workload)}</b> · "
-            f"{', '.join(where)}</p>"
-            + "".join(f'<p class="hint">{escape(n)}</p>' for n in notes))
+    return _sections().header(traces, notes)
 
 
-def findings_body(traces: Sequence[Trace]) -> str:
-    parts = []
-    for t in traces:
-        items = "".join(f'<li>{escape(f.text)}<span class="cause">{escape(f.cause)}</span></li>'
-                        for f in t.findings) or "<li>No findings.</li>"
-        parts.append(_details(f"{escape(setting_name(t))} · {len(t.findings)} findings",
-                              f'<ul class="findings">{items}</ul>'))
-    return "".join(parts)
+def findings_body(traces: Sequence[Trace]) -> Markup:
+    return _sections().findings(traces)
 
 
-def inventory_body(trace: Trace) -> str:
-    rows = [(escape(r.category), dtype_span(r.dtype), str(r.tensors), f"{r.elements:,}",
-             f"{r.bytes / 1e6:.2f}", escape(r.detail)) for r in dtype_inventory(trace)]
-    return table(("category", "dtype", "tensors", "elements", "MB", "which"), rows,
-                 ("", "", "num", "num", "num", ""))
+def inventory_body(trace: Trace) -> Markup:
+    return _sections().inventory(dtype_inventory(trace))
 
 
-def _flow_column(title: str, diagram: Diagram) -> str:
-    parts = [f'<div class="flow"><h3>{escape(title)}</h3>',
-             '<div class="io">' + ", ".join(f"{escape(n)} {dtype_span(d)}"
-                                             for n, d in diagram.inputs) + "</div>"]
-    if not diagram.sections:
-        parts.append('<p class="hint">No forward call was recorded.</p>')
-    for i, s in enumerate(diagram.sections):
-        svg = section_svg(s, last=i == len(diagram.sections) - 1)
-        if s.block is None:
-            parts.append(svg)
-        else:
-            parts.append(_details(f"{escape(s.label)} · {len(s.steps)} steps", svg, cls="block"))
-    parts.append('<div class="io">' + ", ".join(f"{escape(n)} {dtype_span(d)}"
-                                                for n, d in diagram.outputs) + "</div></div>")
-    return "".join(parts)
-
-
-def _legend(diagrams: Sequence[Diagram]) -> str:
+def flow_body(traces: Sequence[Trace]) -> Markup:
+    diagrams = [build_diagram(t) for t in traces]
+    columns = [{"title": t.setting.name, "diagram": g, "sections": [
+        {"block": s.block, "label": s.label, "steps": len(s.steps),
+         "svg": section_svg(s, last=i == len(g.sections) - 1)}
+        for i, s in enumerate(g.sections)]} for t, g in zip(traces, diagrams, strict=True)]
     seen = dict.fromkeys(d for g in diagrams for s in g.sections for step in s.steps
                          for d in (*step.inputs, step.output))
-    swatches = "".join(f'<span><i class="swatch" style="background: {dtype_color(d)}"></i>'
-                       f"{escape(SHORT_DTYPES.get(d, d))}</span> " for d in seen)
-    return (f'<p class="legend hint">Edge colour: the dtype flowing. {swatches}<br>'
-            "<span>◆ on an edge: casts autocast inserted (colour: the dtype cast to)</span> "
-            "<span>thick border, ⇒: the step changed dtype</span> "
-            "<span>dashed lane: the residual stream into a residual add</span> "
-            "<span>shaded: one block, drawn once for identical repeats (click to fold)</span></p>")
+    return _sections().flow(columns, list(seen))
 
 
-def flow_body(traces: Sequence[Trace]) -> str:
-    diagrams = [build_diagram(t) for t in traces]
-    columns = "".join(_flow_column(setting_name(t), g)
-                      for t, g in zip(traces, diagrams, strict=True))
-    return (_legend(diagrams) + f'<div class="flows">{columns}</div>'
-            '<p class="hint">Steps of one forward pass, as the user-level calls ran them; '
-            "hover a step for its full text.</p>")
-
-
-def _cell(cell: Cell, differs: bool) -> str:
-    if cell is None:
-        return '<span class="meta">not run</span>'
-    return dtypes_html(cell[0]) + " → " + dtypes_html(cell[1]) + (" *" if differs else "")
-
-
-def _row(label: str, kind: str, cells: Sequence[str], differs: Sequence[bool]) -> str:
-    tds = "".join(f'<td class="differs">{c}</td>' if d else f"<td>{c}</td>"
-                  for c, d in zip(cells, differs, strict=True))
-    return f'<tr><td class="name">{escape(label)}</td>{kind}{tds}</tr>'
-
-
-def matrix_body(matrix: Matrix) -> str:
-    names = [escape(n) for n in matrix.names]
-    head = "".join(f"<th>{n}</th>" for n in names)
+def matrix_body(matrix: Matrix) -> Markup:
     labels = short_names([(r.name, r.depth) for r in matrix.rows])
-    modules = "".join(
-        _row(label, f"<td>{escape(r.kind)}</td>",
-             [_cell(c, d) for c, d in zip(r.cells, r.differs, strict=True)], r.differs)
-        for label, r in zip(labels, matrix.rows, strict=True))
-    summary = "".join(
-        _row(s.what, "", [escape(v) + (" *" if d else "") for v, d in zip(s.values, s.differs,
-                                                                          strict=True)], s.differs)
-        for s in matrix.summary)
-    return (f'<p class="hint">{escape(matrix.model)} · workload {escape(matrix.workload)} · '
-            f'highlighted and *: differs from {names[0]}</p>'
-            f"<h3>Modules, forward pass: in → out</h3><table><thead><tr><th>module</th>"
-            f"<th>type</th>{head}</tr></thead><tbody>{modules}</tbody></table>"
-            f"<h3>Whole run</h3><table><thead><tr><th></th>{head}</tr></thead>"
-            f"<tbody>{summary}</tbody></table>")
+    return _sections().matrix(matrix, labels)
 
 
-def _share(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "—"
+def _svg(svg: str | None) -> Markup | None:
+    """A matplotlib SVG (render/plots.py), whose text matplotlib escapes as XML."""
+    return Markup(svg) if svg else None
 
 
-def flops_body(reports: Sequence[FlopReport]) -> str:
-    rows = []
+def flops_body(reports: Sequence[FlopReport]) -> Markup:
+    return _sections().flops(reports, [_svg(flops_by_module_svg(r)) for r in reports])
+
+
+def memory_body(reports: Sequence[MemoryReport]) -> Markup:
+    charts = [("Live at the peak, by category (colour) and dtype (hatching)",
+               _svg(memory_at_peak_svg(reports))),
+              ("Live bytes over the step", _svg(live_bytes_svg(reports)))]
+    breakdowns = []
     for r in reports:
-        by_dtype = ", ".join(f"{dtype_span(d)} {_share(n, r.total)}"
-                             for d, n in sorted(r.by_dtype.items(), key=lambda kv: -kv[1]))
-        rows.append((escape(r.setting.name), f"{r.tokens:,}",
-                     *(human(r.by_phase.get(p, 0)) for p in ("forward", "backward", "optimizer")),
-                     human(r.total), human(r.total / r.tokens) if r.tokens else "—",
-                     by_dtype or "—"))
-    parts = [table(("setting", "tokens", "forward", "backward", "optimizer", "total",
-                    "per token", "matmuls by dtype"), rows,
-                   ("", "num", "num", "num", "num", "num", "num", ""))]
-    for i, r in enumerate(reports):
-        chart = flops_by_module_svg(r)
-        conventions = table(
-            ("convention", "FLOPs", "vs counted", "what it assumes"),
-            [(escape(c.name), human(c.flops),
-              f"{100 * (c.flops / r.total - 1):+.1f}%" if r.total else "—", escape(c.note))
-             for c in r.conventions], ("", "num", "num", ""))
-        parts.append(_details(
-            f"{escape(r.setting.name)}: own FLOPs of each module, and the conventions",
-            (f'<div class="plot">{chart}</div>' if chart else
-             '<p class="hint">No op with a FLOP formula ran.</p>') + conventions,
-            open_=i == 0))
-    return "".join(parts)
-
-
-def memory_body(reports: Sequence[MemoryReport]) -> str:
-    rows = []
-    for r in reports:
-        p = r.peak
-        where = (f"op {p.op} {escape(short_op(p.op_name or '?'))} in "
-                 f"{escape(module_label(p.module))} ({escape(p.phase or '?')})"
-                 if p.op is not None else "before the first op")
-        rows.append((escape(r.setting), format_bytes(p.bytes), where,
-                     format_bytes(r.before_bytes), format_bytes(r.end_bytes)))
-    parts = [table(("setting", "peak", "where", "before the step", "after it"), rows,
-                   ("", "num", "", "num", "num"))]
-    for title, chart in (("Live at the peak, by category (colour) and dtype (hatching)",
-                          memory_at_peak_svg(reports)),
-                         ("Live bytes over the step", live_bytes_svg(reports))):
-        if chart:
-            parts.append(f'<h3>{title}</h3><div class="plot">{chart}</div>')
-    for i, r in enumerate(reports):
         peak = {(row.category, row.dtype): row for row in r.at_peak}
-        breakdown = table(("category", "dtype", "at peak", "allocated in the step"), [
-            (escape(row.category.replace("_", " ")), dtype_span(row.dtype),
-             format_bytes(peak[key].bytes) if (key := (row.category, row.dtype)) in peak else "—",
-             format_bytes(row.bytes)) for row in r.allocated], ("", "", "num", "num"))
-        estimates = table(("formula", "estimate", "counted", "note"), [
-            (f"<b>{escape(e.label)}</b><br>{escape(e.formula)}", format_bytes(e.bytes),
-             format_bytes(e.counted) + (f"<br>{escape(e.counted_label)}" if e.counted_label
-                                        else ""), escape(e.note)) for e in r.estimates],
-            ("", "num", "num", ""))
-        notes = "".join(f'<p class="hint">{escape(n)}</p>' for n in r.notes)
-        parts.append(_details(f"{escape(r.setting)}: by category and dtype, and the formulas",
-                              breakdown + estimates + notes, open_=i == 0))
-    return "".join(parts)
+        breakdowns.append([(row, peak.get((row.category, row.dtype))) for row in r.allocated])
+    return _sections().memory(reports, charts, breakdowns)
 
 
-def numerics_body(report: NumericsReport) -> str:
-    parts = [f'<p class="hint">{escape(report.model)} · workload {escape(report.workload)} · '
-             f"each setting against {escape(report.reference)}: relative L2 error · SQNR</p>"]
-    chart = divergence_by_depth_svg(report)
-    if chart:
-        parts.append(f'<div class="plot">{chart}</div>')
+def numerics_body(report: NumericsReport) -> Markup:
+    rows: list[list[str]] = []
     if report.settings:
         first = report.settings[0]
-        rows = [[escape(f"{b.container}.{b.index}")] + [
+        rows = [[f"{b.container}.{b.index}"] + [
             divergence_text(s.blocks[i].divergence) if i < len(s.blocks) else "—"
             for s in report.settings] for i, b in enumerate(first.blocks)]
         roots = [next((m.divergence for m in s.modules if m.name == ""), None)
                  for s in report.settings]
         rows.append(["model output", *map(divergence_text, roots)])
         rows.append(["loss", *(divergence_text(s.loss) for s in report.settings)])
-        parts.append(table(("where", *(s.setting for s in report.settings)), rows,
-                           ("", *("num",) * len(report.settings))))
-    over = report.fp16_overflows()
-    if over:
-        parts.append("<p><b>fp16 would overflow</b> (|x| &gt; 65504) in: " + ", ".join(
-            f"{escape(r.name or '(model)')} ({escape(r.kind)}, amax {r.amax:.3g})"
-            for r in over[:8]) + "</p>")
-    flushed, total = report.fp16_gradient_underflow()
-    if total:
-        parts.append(f"<p>fp16 without loss scaling would flush {flushed:,} of {total:,} "
-                     f"gradient values to zero ({100 * flushed / total:.2f}%).</p>")
-    return "".join(parts)
+    columns = ("where", *(s.setting for s in report.settings))
+    return _sections().numerics(report, _svg(divergence_by_depth_svg(report)), columns, rows,
+                                report.fp16_overflows()[:8], report.fp16_gradient_underflow())
 
 
 # --- fragments and the page ------------------------------------------------------------------
 
 
-def fragment(*parts: str) -> str:
+def section(key: str, title: str, body: Markup) -> Markup:
+    return _sections().section(key, title, body)
+
+
+def fragment(*parts: Markup) -> str:
     """A notebook cell's HTML: the styles travel with it (no <html> wrapper)."""
-    return f'<div class="ampscope"><style>{CSS}</style>{"".join(parts)}</div>'
+    return environment().get_template("fragment.html.j2").render(css=Markup(CSS), parts=parts)
 
 
 def trace_html(trace: Trace) -> str:
@@ -362,16 +210,6 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *,
         sections.append(("flops", "FLOPs by module", flops_body(flops)))
     if numerics is not None:
         sections.append(("numerics", "Numerics per layer", numerics_body(numerics)))
-    title = title or f"ampscope: {traces[0].model.name}, {traces[0].workload}"
-    nav = "".join(f'<a href="#{key}">{escape(name)}</a>' for key, name, _ in sections)
-    body = "".join(section(key, name, html) for key, name, html in sections)
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{escape(title)}</title><style>{CSS}\nbody {{ margin: 24px 32px; }}</style>"
-        f'</head><body><div class="ampscope"><h1>{escape(title)}</h1>{header(traces)}'
-        f"<nav>{nav}</nav>{body}"
-        '<p class="hint">Written by ampscope. Self-contained: this file loads nothing.</p>'
-        "</div></body></html>\n"
-    )
+    return environment().get_template("page.html.j2").render(
+        title=title or f"ampscope: {traces[0].model.name}, {traces[0].workload}",
+        css=Markup(CSS), csp=Markup(CSP), header=header(traces), sections=sections)
