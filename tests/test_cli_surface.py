@@ -286,7 +286,10 @@ def test_decisions_are_logged_where_they_are_made(caplog):
 def test_verbose_shows_the_decisions_on_stderr(capsys):
     code, out, err = run(capsys, "-v", "trace", "gpt2-tiny", "--seq", "8", "-s", "fp32")
     assert code == 0
-    assert ("ampscope: gpt2-tiny runs for real under fp32: its weights, gradients and "
+    assert "ampscope: Predicted on fake tensors (the default" in err
+    code, out, err = run(capsys, "-v", "trace", "gpt2-tiny", "--seq", "8", "-s", "fp32", "--real")
+    assert code == 0
+    assert ("ampscope: gpt2-tiny runs for real under fp32, as asked: its weights, gradients and "
             "optimizer state fit in memory") in err
     assert "ampscope: Running under fp32: parameters in float32, autocast off" in err
     assert "Running under" not in out
