@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -194,6 +195,20 @@ class DeviceMode(TorchFunctionMode):
 
         return __new__
 
+    def fake_device(self, original: property) -> property:
+        """`FakeTensor.device`, which a fake tensor answers in Python without a torch function
+        call: answered from the tag while user code runs (this mode on the stack), as the
+        TensorBase getter is. Inside an op (FakeTensorMode's own device propagation, ampscope's
+        recorders) the mode is off the stack and the fake tensor's own device is read."""
+        mode = self
+
+        def device(t: FakeTensor) -> torch.device:
+            if t.fake_mode.in_kernel_invocation or mode not in _get_current_function_mode_stack():
+                return original.fget(t)
+            return mode._virtual(t)
+
+        return property(device, original.fset)
+
     def _tagged_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
         if value in self.on_cpu:
             self.on_cpu[t] = True
@@ -342,6 +357,7 @@ class VirtualDevice:
             (torch, "get_autocast_dtype", _translating(torch.get_autocast_dtype, self.target)),
             (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
+            (FakeTensor, "device", self.mode.fake_device(FakeTensor.__dict__["device"])),
         ]
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
