@@ -102,11 +102,12 @@ def test_policy_history_names_the_build_and_the_change(capsys):
                    "in_this_build": applies(changes()[0])}
     assert main(["policy", "--device", "cuda", "--history"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"this build: PyTorch {torch.__version__}" in out and "pytorch/pytorch#174824" in out
+    assert f"this build, PyTorch {torch.__version__}, has the change" in out
+    assert "pytorch/pytorch#174824" in out
     for argv in (["policy"], ["policy", "--compare", "cpu", "cuda"], ["policy", "--quiz"]):
         assert _json(capsys, *argv)["torch"] == torch.__version__
         assert main(argv) == 0
-        assert f"PyTorch {torch.__version__}" in " ".join(capsys.readouterr().out.split())
+        assert f"Read from PyTorch {torch.__version__}." in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_trace_says_when_its_dtypes_depend_on_the_release():

@@ -9,10 +9,15 @@ from ampscope.analysis.autocast import PolicyReport, PolicyRow, meaning
 from ampscope.render.style import dtype_text
 
 
+def _read_from(version: str) -> dict:
+    """The caption every policy table carries: the build the policy was read from."""
+    return {"caption": f"Read from PyTorch {version}.", "caption_justify": "left"}
+
+
 def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int, version: str
                  ) -> Table:
-    table = Table(title=f"Autocast on {device} with {dtype} in PyTorch {version}: {len(rows)} of "
-                        f"{total} ops",
+    table = Table(title=f"Autocast on {device} with {dtype}: {len(rows)} of {total} ops",
+                  **_read_from(version),
                   title_justify="left", show_edge=False)
     table.add_column("op")
     table.add_column("category")
@@ -25,8 +30,8 @@ def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int, ver
 def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str, version: str
                   ) -> Table:
     table = Table(title=f"Where autocast differs between {devices[0]} and {devices[1]} "
-                        f"({dtype}, PyTorch {version}): {len(rows)} ops", title_justify="left",
-                  show_edge=False)
+                        f"({dtype}): {len(rows)} ops", title_justify="left", show_edge=False,
+                  **_read_from(version))
     table.add_column("op")
     for device in devices:
         table.add_column(device)
@@ -39,8 +44,8 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str, versio
                ) -> Table:
     """answers: device → expression → input dtype → output dtype."""
     devices = list(answers)
-    table = Table(title=f"What comes out under autocast ({dtype}, PyTorch {version})",
-                  title_justify="left", show_edge=False)
+    table = Table(title=f"What comes out under autocast ({dtype})", title_justify="left",
+                  show_edge=False, **_read_from(version))
     table.add_column("expression")
     inputs = list(next(iter(next(iter(answers.values())).values())))
     for device in devices:
@@ -55,9 +60,10 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str, versio
 def history_table(report: PolicyReport) -> Table:
     """How the device's policy changed for the ops GPT-style models call."""
     assert report.history is not None
-    table = Table(title=f"Autocast on {report.device} in earlier releases, ops GPT-style models "
-                        f"call (this build: PyTorch {report.torch})",
-                  title_justify="left", show_edge=False)
+    table = Table(title=f"Autocast on {report.device} in earlier releases (ops GPT-style models "
+                        "call)", title_justify="left", show_edge=False,
+                  caption=f"here: this build, PyTorch {report.torch}, has the change.",
+                  caption_justify="left")
     for column in ("op", "before", "since", "release", "here"):
         table.add_column(column)
     table.add_column("source", no_wrap=True)
