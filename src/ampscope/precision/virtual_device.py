@@ -29,6 +29,7 @@ turns the failure into one line naming the call and the user's line (`device_api
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -197,13 +198,18 @@ class DeviceMode(TorchFunctionMode):
 
     def fake_device(self, original: property) -> property:
         """`FakeTensor.device`, which a fake tensor answers in Python without a torch function
-        call: answered from the tag while user code runs (this mode on the stack), as the
-        TensorBase getter is. Inside an op (FakeTensorMode's own device propagation, ampscope's
-        recorders) the mode is off the stack and the fake tensor's own device is read."""
+        call: answered from the tag while this mode is on the stack, as the TensorBase getter
+        is, except to PyTorch's private internals (FakeTensorMode's device propagation and
+        cache keys, decompositions, meta kernels), which run inside ops that may be dispatched
+        straight from C++ with the mode still on the stack (`nn.Parameter(...)`), and must see
+        where the fake tensor really is."""
         mode = self
 
         def device(t: FakeTensor) -> torch.device:
             if t.fake_mode.in_kernel_invocation or mode not in _get_current_function_mode_stack():
+                return original.fget(t)
+            reader = sys._getframe(1).f_globals.get("__name__", "")
+            if reader.startswith("torch._"):
                 return original.fget(t)
             return mode._virtual(t)
 
