@@ -56,12 +56,15 @@ C10_REGISTER_GUARD_IMPL(MPS, c10::impl::FakeGuardImpl<c10::DeviceType::MPS>);
 
 
 @pytest.fixture(scope="session")
-def fake_device_guard(request) -> None:
+def fake_device_guard(request, tmp_path_factory) -> None:
     """PyTorch's fake device guard registered for cuda and mps, built once into pytest's cache
-    folder (rebuilt only when the source or the torch build changes)."""
+    folder (rebuilt only when the source or the torch build changes; in a temporary folder when
+    the cache is off)."""
     from torch.utils.cpp_extension import load_inline
 
-    folder = request.config.cache.mkdir(f"fake_device_guard-{torch.__version__}")
+    name = f"fake_device_guard-{torch.__version__}"
+    cache = request.config.cache
+    folder = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     try:
         load_inline("ampscope_fake_device_guard", cpp_sources=[_GUARD_SOURCE], functions=[],
                     build_directory=str(folder))
