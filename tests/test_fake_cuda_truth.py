@@ -63,7 +63,7 @@ def fake_device_guard(request, tmp_path_factory) -> None:
     from torch.utils.cpp_extension import load_inline
 
     name = f"fake_device_guard-{torch.__version__}"
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)
     folder = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     try:
         load_inline("ampscope_fake_device_guard", cpp_sources=[_GUARD_SOURCE], functions=[],
