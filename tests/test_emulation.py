@@ -305,3 +305,83 @@ def test_model_code_that_asks_for_the_device_runs_on_the_virtual_device(tmp_path
     with pytest.raises(AmpscopeError) as e:
         ampscope.trace(Leaky(), torch.randn(2, 4), setting="cuda:fp32", workload=step)
     assert "syncing.py:13 needs torch.cuda.ipc_collect()" in str(e.value)
+
+
+# --- norm statistics in the target's dtypes ----------------------------------------------------
+
+
+def _layer_norm_args(dtype):
+    x, w = torch.randn(2, 3, 4, dtype=dtype), torch.randn(4, dtype=dtype)
+    return (x, [4], w, w, 1e-5)
+
+
+def test_norm_statistics_dtypes_are_read_from_pytorchs_fake_implementations():
+    from ampscope.precision.norm_stats import target_dtypes
+
+    aten = torch.ops.aten
+    args = _layer_norm_args(torch.bfloat16)
+    # The CPU answer agrees with the CPU kernel itself (a real call, the ground truth here).
+    cpu_kernel = tuple(t.dtype for t in aten.native_layer_norm(*args))
+    assert target_dtypes(aten.native_layer_norm.default, args, "cpu") == cpu_kernel \
+        == (torch.bfloat16,) * 3
+    for device in ("cuda", "mps"):  # mean and rstd stay fp32 on the GPUs
+        assert target_dtypes(aten.native_layer_norm.default, args, device) == \
+            (torch.bfloat16, torch.float32, torch.float32)
+    x, c = torch.randn(2, 4, 3, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)
+    batch_norm = (x, c, c, None, None, True, 0.1, 1e-5)
+    assert target_dtypes(aten.native_batch_norm.default, batch_norm, "cpu") == \
+        tuple(t.dtype for t in aten.native_batch_norm(*batch_norm))
+    assert target_dtypes(aten.native_batch_norm.default, batch_norm, "cuda")[1:] == \
+        (torch.float32, torch.float32)
+    # group norm and fused rms norm keep the same dtypes on every device in this build
+    group_norm = (x, c, c, 2, 4, 3, 2, 1e-5)
+    assert target_dtypes(aten.native_group_norm.default, group_norm, "cuda") == \
+        tuple(t.dtype for t in aten.native_group_norm(*group_norm))
+    rms = (x, [3], None, 1e-5)
+    assert target_dtypes(aten._fused_rms_norm.default, rms, "cuda") == \
+        tuple(t.dtype for t in aten._fused_rms_norm(*rms))
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_layer_norm_statistics_are_fp32_on_emulated_cuda_in_trace_backward_and_memory(predict):
+    def layer_norms(setting):
+        t = ampscope.trace("gpt2-tiny", setting=setting, workload="train", seq=8, predict=predict)
+        forward = [o for o in t.ops if o.op == "aten.native_layer_norm.default"]
+        backward = [o for o in t.ops if o.op == "aten.native_layer_norm_backward.default"]
+        saved = [s for s in t.storages if s.saved and s.op == "aten.native_layer_norm.default"]
+        return forward, backward, saved
+
+    forward, backward, saved = layer_norms("cuda:bf16")
+    assert len(forward) == len(backward) == 5  # 2 per block and ln_f
+    assert all([m.dtype for m in o.outputs] == ["bfloat16", "float32", "float32"]
+               for o in forward)
+    assert all([m.dtype for m in o.inputs][2:4] == ["float32", "float32"] for o in backward)
+    stats = [s for s in saved if s.shape == (1, 8, 1)]
+    assert len(stats) == 10 and all(s.dtype == "float32" and s.nbytes == 8 * 4 for s in stats)
+    forward, backward, saved = layer_norms("bf16")  # the CPU keeps them in bf16
+    assert all([m.dtype for m in o.outputs] == ["bfloat16"] * 3 for o in forward)
+    stats = [s for s in saved if s.shape == (1, 8, 1)]
+    assert len(stats) == 10 and all(s.dtype == "bfloat16" and s.nbytes == 8 * 2 for s in stats)
+
+
+def test_autocast_casts_of_q_and_k_are_counted_on_the_math_attention_path():
+    """Falcon with multi-query attention passes a mask, so the emulated H100 runs SDPA's math
+    path, which computes in fp32 and casts back; autocast's casts of the fp32 (rotary) q and k
+    to bf16 before it are autocast's all the same."""
+    transformers = pytest.importorskip("transformers")
+    from ampscope.models.hf import build_from_config, hf_loaded_model
+
+    config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True, new_decoder_architecture=False,
+                                       vocab_size=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    lm = hf_loaded_model(build_from_config(config, device="cpu"), name="falcon-mqa")
+    t = ampscope.trace(lm, setting="cuda:fp32+amp-bf16", workload="forward", seq=8)
+    sdpa = {c.index for c in t.calls if c.func.endswith("scaled_dot_product_attention")}
+    casts = [o for o in t.ops if o.caller in sdpa and o.op == "aten._to_copy.default"]
+    autocast = [(o.inputs[0].dtype, o.outputs[0].dtype) for o in casts if o.autocast_cast]
+    assert autocast == [("float32", "bfloat16")] * 4  # q and k, in each of the two layers
+    own = [(o.inputs[0].dtype, o.outputs[0].dtype) for o in casts if not o.autocast_cast]
+    assert ("bfloat16", "float32") in own and ("float32", "bfloat16") in own  # the math path's
+    flagged = sum(o.autocast_cast for o in t.ops if o.phase == "forward")
+    assert any(f.text.startswith(f"Autocast inserted {flagged} casts") for f in t.findings)

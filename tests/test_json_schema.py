@@ -197,6 +197,11 @@ CASES = [
         (("ops", 0, "category"), "lower"),
         (("devices",), ["cpu"]),
     ]),
+    ("policy-history", "policy", ["policy", "--device", "cuda", "--history"], [
+        (("history", 0, "source"), "a release note"),
+        (("history", 0, "in_this_build"), DELETE),
+        (("torch",), DELETE),
+    ]),
     ("policy-quiz", "policy", ["policy", "--quiz"], [
         (("quiz", "tpu"), {}),
         (("dtype",), "float32"),

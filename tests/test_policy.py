@@ -69,3 +69,70 @@ def test_compare_cpu_cuda_shows_where_they_differ(capsys):
 def test_policy_default_dtype_is_the_devices(capsys):
     assert _json(capsys, "policy", "--device", "cuda")["dtype"] == "float16"
     assert _json(capsys, "policy")["dtype"] == "bfloat16"
+
+
+# --- the policy across releases ---------------------------------------------------------------
+
+
+def test_every_listed_change_agrees_with_this_build():
+    """A change this build has must show in the policy read from the build; each row cites the
+    pull request that made it."""
+    import re
+
+    from ampscope.precision.autocast_policy import read_policy
+    from ampscope.precision.policy_history import applies, changes
+
+    assert changes()
+    for change in changes():
+        assert re.fullmatch(r"pytorch/pytorch#\d+", change.source), change
+        policy = read_policy(change.device, torch.bfloat16)
+        here = policy[change.op].category if change.op in policy else "passthrough"
+        assert here == (change.since if applies(change) else change.before), change
+        assert change.before != change.since
+
+
+def test_policy_history_names_the_build_and_the_change(capsys):
+    from ampscope.precision.policy_history import applies, changes
+
+    data = _json(capsys, "policy", "--device", "cuda", "--history")
+    assert data["torch"] == torch.__version__ and data["device"] == "cuda"
+    rms = next(row for row in data["history"] if row["op"] == "rms_norm")
+    assert rms == {"op": "rms_norm", "device": "cuda", "before": "passthrough", "since": "fp32",
+                   "version": "2.12", "source": "pytorch/pytorch#174824",
+                   "in_this_build": applies(changes()[0])}
+    assert main(["policy", "--device", "cuda", "--history"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"this build, PyTorch {torch.__version__}, has the change" in out
+    assert "pytorch/pytorch#174824" in out
+    for argv in (["policy"], ["policy", "--compare", "cpu", "cuda"], ["policy", "--quiz"]):
+        assert _json(capsys, *argv)["torch"] == torch.__version__
+        assert main(argv) == 0
+        assert f"Read from PyTorch {torch.__version__}." in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_trace_says_when_its_dtypes_depend_on_the_release():
+    import dataclasses
+
+    import ampscope
+    from ampscope.analysis.policy_versions import policy_version_findings
+
+    cuda = ampscope.trace("nanochat-tiny", setting="cuda:fp32+amp-bf16", workload="forward",
+                          seq=8)
+    assert cuda.setting.torch == cuda.to_dict()["setting"]["torch"] == torch.__version__
+    [finding] = [f for f in cuda.findings if "depend on the release" in f.text]
+    assert finding.text.startswith(
+        f"rms_norm runs in float32 under cuda autocast in PyTorch {torch.__version__}")
+    assert "before PyTorch 2.12 it followed its inputs (pytorch/pytorch#174824)" in finding.text
+    rms = [c for c in cuda.calls if c.func.endswith("rms_norm")]
+    assert rms and all(c.outputs[0].dtype == "float32" for c in rms)  # as the finding says
+    # The same trace had it come from 2.11: the finding says what changes from 2.12 on.
+    older = dataclasses.replace(cuda, setting=dataclasses.replace(cuda.setting, torch="2.11.0"))
+    [finding] = policy_version_findings(older)
+    assert "rms_norm follows its inputs under cuda autocast in PyTorch 2.11.0" in finding.text
+    assert "from PyTorch 2.12 on it runs in float32" in finding.text
+    # The CPU has no listed recent change for these ops; a trace of a build that did not record
+    # its version says nothing.
+    cpu = ampscope.trace("nanochat-tiny", setting="fp32+amp-bf16", workload="forward", seq=8)
+    assert not policy_version_findings(cpu)
+    unknown = dataclasses.replace(cuda, setting=dataclasses.replace(cuda.setting, torch=None))
+    assert not policy_version_findings(unknown)

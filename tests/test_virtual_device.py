@@ -201,3 +201,27 @@ def test_capture_on_a_virtual_device_around_your_own_loop():
     assert any("saw cuda" in n for n in t.notes)
     assert not torch.cuda.is_available()
     assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_tensors_are_on_the_virtual_device_also_when_predicted(predict):
+    """A fake tensor answers `.device` in Python (FakeTensor.device), not through a torch
+    function: in predict mode it must still say cuda, or `x.to(hidden.device)` copies to the
+    CPU and `torch.arange(..., device=hidden.device)` makes CPU tensors (HF's rotary embedding
+    and position ids)."""
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            assert h.device.type == "cuda", h.device
+            positions = torch.arange(h.shape[-1], device=h.device)
+            return h * positions.to(h.device, torch.float32)
+
+    t = ampscope.trace(Rotary(), torch.randn(2, 4), setting="cuda:fp32", predict=predict,
+                       workload=lambda m, b: m(next(iter(b.values()))))
+    copies = [o for o in t.ops if o.op == "aten._to_copy.default"]
+    assert [(c.inputs[0].dtype, c.outputs[0].dtype) for c in copies] == [("int64", "float32")]

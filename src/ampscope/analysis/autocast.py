@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ampscope.precision.autocast_policy import OpPolicy
+from ampscope.precision.policy_history import PolicyChange
 
 SCHEMA = "ampscope.policy/1"
 
@@ -63,19 +64,27 @@ def compare(a: dict[str, OpPolicy], b: dict[str, OpPolicy], op_filter: str | Non
 
 @dataclass
 class PolicyReport:
-    """What `ampscope policy` shows, in one of three forms: one device's policy (`device`), two
-    devices' differences (`devices`), or the quiz's answers (`quiz`)."""
+    """What `ampscope policy` shows, in one of four forms: one device's policy (`device`), two
+    devices' differences (`devices`), the quiz's answers (`quiz`), or how `device`'s policy
+    changed in earlier releases (`history`). `torch` names the build it was read from."""
 
     dtype: str  # the autocast dtype, e.g. "bfloat16"
+    torch: str  # the PyTorch version the policy was read from
     device: str | None = None
     devices: tuple[str, str] | None = None
     rows: list[PolicyRow] = field(default_factory=list)
     total: int = 0  # ops on `device`'s autocast list, before any op filter
     quiz: dict[str, dict[str, dict[str, str]]] | None = None  # device → expression → in → out
+    history: list[PolicyChange] | None = None  # `device`'s listed changes, for --history
+    in_build: tuple[bool, ...] = ()  # per history row: whether this build has the change
 
     def to_dict(self) -> dict:
-        data: dict = {"schema": SCHEMA, "dtype": self.dtype}
-        if self.quiz is not None:
+        data: dict = {"schema": SCHEMA, "dtype": self.dtype, "torch": self.torch}
+        if self.history is not None:
+            data.update(device=self.device, history=[
+                {**c.to_dict(), "in_this_build": has}
+                for c, has in zip(self.history, self.in_build, strict=True)])
+        elif self.quiz is not None:
             data["quiz"] = self.quiz
         elif self.devices is not None:
             data.update(devices=list(self.devices), ops=[

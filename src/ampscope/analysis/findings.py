@@ -10,6 +10,7 @@ from collections import Counter, defaultdict
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
 from ampscope.analysis.flow import FlowRow, collapse_blocks
+from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
 from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, Trace, module_label
 
@@ -339,6 +340,7 @@ def derive_findings(trace: Trace) -> list[Finding]:
         *explicit_cast_findings(trace),
         *autocast_cast_findings(trace, changes),
         *autocast_policy_findings(changes),
+        *policy_version_findings(trace),
         *type_promotion_findings(changes),
         *output_findings(trace),
         *gradient_findings(trace),

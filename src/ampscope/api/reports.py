@@ -29,6 +29,7 @@ from ampscope.precision import (
     Setting,
     applied,
     default_autocast_dtype,
+    policy_history,
 )
 from ampscope.precision.autocast_policy import read_policy
 from ampscope.precision.quiz import quiz as run_quiz
@@ -195,11 +196,14 @@ def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptio
 
 
 def policy(device: str = "cpu", dtype: str | None = None, *, op: str | None = None,
-           compare: tuple[str, str] | None = None, quiz: bool = False) -> PolicyReport:
+           compare: tuple[str, str] | None = None, quiz: bool = False,
+           history: bool = False) -> PolicyReport:
     """The autocast policy of this PyTorch build, read from the build itself: `device`'s ops by
     category; with `compare`, only the ops where two devices differ; with `quiz`, what common
     expressions return on cpu, cuda and mps (or the two compared devices). `dtype` is "bf16" or
-    "fp16" (default: the first device's own autocast dtype); `op` keeps op names containing it."""
+    "fp16" (default: the first device's own autocast dtype); `op` keeps op names containing it;
+    with `history`, how `device`'s policy changed in earlier releases for the ops GPT-style
+    models call (precision/policy_history.json), each change marked as in this build or not."""
     devices = tuple(compare) if compare else (device,)
     for d in devices:
         if d not in DEVICES:
@@ -208,12 +212,17 @@ def policy(device: str = "cpu", dtype: str | None = None, *, op: str | None = No
         raise AmpscopeError(f"unknown autocast dtype {dtype!r}; choose bf16 or fp16")
     torch_dtype = DTYPES[dtype] if dtype else default_autocast_dtype(devices[0])
     name = dtype_name(torch_dtype)
+    version = torch.__version__
+    if history:
+        found = policy_history.for_device(device, op)
+        return PolicyReport(name, version, device=device, history=found,
+                            in_build=tuple(policy_history.applies(c) for c in found))
     if quiz:
         asked = devices if compare else ("cpu", "cuda", "mps")
-        return PolicyReport(name, quiz={d: run_quiz(d, torch_dtype) for d in asked})
+        return PolicyReport(name, version, quiz={d: run_quiz(d, torch_dtype) for d in asked})
     if compare:
         a, b = (read_policy(d, torch_dtype) for d in devices)
-        return PolicyReport(name, devices=(devices[0], devices[1]),
+        return PolicyReport(name, version, devices=(devices[0], devices[1]),
                             rows=autocast.compare(a, b, op))
     rules = read_policy(device, torch_dtype)
     rows = autocast.table(rules, op)
@@ -222,4 +231,4 @@ def policy(device: str = "cpu", dtype: str | None = None, *, op: str | None = No
             f"no op containing {op!r} is on {device}'s autocast list: it follows "
             f"its inputs there (try --compare cpu cuda --op {op})"
         )
-    return PolicyReport(name, device=device, rows=rows, total=len(rules))
+    return PolicyReport(name, version, device=device, rows=rows, total=len(rules))

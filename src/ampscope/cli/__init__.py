@@ -182,6 +182,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="only the ops where two devices' policies differ")
     policy.add_argument("--quiz", action="store_true",
                         help="what x.sum(), x.mean(), softmax, ... return on cpu, cuda and mps")
+    policy.add_argument("--history", action="store_true",
+                        help="how the device's policy changed in earlier PyTorch releases, for "
+                             "the ops GPT-style models call (with the pull request of each)")
     policy.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)

@@ -255,7 +255,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
     from ampscope.api import policy
     from ampscope.render.autocast import render_policy
 
-    report = policy(args.device, args.dtype, op=args.op, compare=args.compare, quiz=args.quiz)
+    report = policy(args.device, args.dtype, op=args.op, compare=args.compare, quiz=args.quiz,
+                    history=args.history)
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_policy(report))
 

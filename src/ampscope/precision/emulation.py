@@ -214,8 +214,9 @@ def _cudnn(version: int | None) -> str:
 
 
 class Emulation:
-    """Everything an emulated run changes, for its duration: the target's autocast policy and,
-    for CUDA, the attention kernels an H100 would pick (`precision.attention_choice`)."""
+    """Everything an emulated run changes, for its duration: the target's autocast policy, the
+    dtypes its norm kernels keep their statistics in (`precision.norm_stats`) and, for CUDA,
+    the attention kernels an H100 would pick (`precision.attention_choice`)."""
 
     def __init__(self, device: str, autocast_dtype: torch.dtype | None) -> None:
         self.device = device
@@ -225,8 +226,10 @@ class Emulation:
 
     def __enter__(self) -> Emulation:
         from ampscope.precision.attention_kernels import cuda_attention
+        from ampscope.precision.norm_stats import TargetNormStats
 
         with self._stack as stack:
+            stack.enter_context(TargetNormStats(self.device))
             if self.autocast_dtype is not None:
                 stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))
             if self.device == "cuda":

@@ -67,6 +67,7 @@ class Setting:
             param_dtype=dtype_name(self.param_dtype),
             autocast_dtype=dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
             matmul_precision=self.matmul_precision,
+            torch=torch.__version__,
         )
 
     def to_dict(self) -> dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 import types
@@ -39,7 +38,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -201,6 +200,25 @@ class DeviceMode(TorchFunctionMode):
 
         return __new__
 
+    def fake_device(self, original: property) -> property:
+        """`FakeTensor.device`, which a fake tensor answers in Python without a torch function
+        call: answered from the tag while this mode is on the stack, as the TensorBase getter
+        is, except to PyTorch's private internals (FakeTensorMode's device propagation and
+        cache keys, decompositions, meta kernels), which run inside ops that may be dispatched
+        straight from C++ with the mode still on the stack (`nn.Parameter(...)`), and must see
+        where the fake tensor really is."""
+        mode = self
+
+        def device(t: FakeTensor) -> torch.device:
+            if t.fake_mode.in_kernel_invocation or mode not in _get_current_function_mode_stack():
+                return original.fget(t)
+            reader = sys._getframe(1).f_globals.get("__name__", "")
+            if reader.startswith("torch._"):
+                return original.fget(t)
+            return mode._virtual(t)
+
+        return property(device, original.fset)
+
     def _tagged_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
         if value in self.on_cpu:
             self.on_cpu[t] = True
@@ -349,7 +367,7 @@ class VirtualDevice:
             (torch, "get_autocast_dtype", _translating(torch.get_autocast_dtype, self.target)),
             (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
-            (FakeTensor, "device", self._fake_device()),
+            (FakeTensor, "device", self.mode.fake_device(FakeTensor.__dict__["device"])),
         ]
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
@@ -383,23 +401,6 @@ class VirtualDevice:
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
         return patches
-
-    def _fake_device(self) -> property:
-        """A fake tensor's `.device` is a Python property, which no TorchFunctionMode sees: it
-        answers the virtual device to the user's code (a predicted run), and its own device to
-        PyTorch's and ampscope's code, whose fake kernels must see where the tensor really is."""
-        own = FakeTensor.__dict__["device"]
-        mode = self.mode
-        internal = (os.path.dirname(torch.__file__) + os.sep,
-                    os.path.dirname(os.path.dirname(__file__)) + os.sep)
-
-        def device(t):
-            real = own.__get__(t)
-            if sys._getframe(1).f_code.co_filename.startswith(internal):
-                return real
-            return mode._virtual(t)
-
-        return property(device)
 
     def _note(self, what: str, fn: Callable) -> Callable:
         def noted(*args, **kwargs):

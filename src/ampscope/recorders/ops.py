@@ -72,13 +72,21 @@ _DETACH = torch.ops.aten.detach.default
 def _unmark_round_trips(ops: list[OpCall], start: int, result_dtype: str | None) -> None:
     """Casts a function makes itself are not autocast's: autocast casts a call's inputs and
     never casts its result back, so a cast out of the dtype the call returns (bf16 → fp32) and
-    the cast back (fp32 → bf16) under one call are the function's own (CPU `rms_norm` computes
-    in fp32 this way). `analysis.causes` applies the same rule."""
+    the casts back (fp32 → bf16) after it, under one call, are the function's own (CPU
+    `rms_norm` computes in fp32 this way). `analysis.causes` pairs them the same way."""
     casts = [i for i in range(start, len(ops)) if ops[i].autocast_cast]
-    pairs = {(ops[i].inputs[0].dtype, ops[i].outputs[0].dtype) for i in casts}
-    for i in casts:
-        src, dst = ops[i].inputs[0].dtype, ops[i].outputs[0].dtype
-        if (dst, src) in pairs and result_dtype in (src, dst):
+    kinds = [(ops[i].inputs[0].dtype, ops[i].outputs[0].dtype) for i in casts]
+    out_of_result: set[tuple[str, str]] = set()  # the function's casts out, seen so far
+    for n, (i, (src, dst)) in enumerate(zip(casts, kinds, strict=True)):
+        # Order tells them apart: autocast casts the inputs before the function runs, so a cast
+        # into the result's dtype is the function's own only after its cast out of it (the
+        # math attention path's casts back to bf16 are; autocast's casts of fp32 q and k to
+        # bf16 before it are not).
+        cast_out = src == result_dtype and (dst, src) in kinds[n + 1:]
+        cast_back = dst == result_dtype and (dst, src) in out_of_result
+        if cast_out:
+            out_of_result.add((src, dst))
+        if cast_out or cast_back:
             ops[i] = replace(ops[i], autocast_cast=False)
 
 

@@ -279,7 +279,8 @@ class Capture:
         autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
         return SettingRecord(name="as-run", device=device, emulated=emulated,
                              param_dtype=dtype_name(main) if main else None,
-                             autocast_dtype=autocast, matmul_precision=self._matmul_precision)
+                             autocast_dtype=autocast, matmul_precision=self._matmul_precision,
+                             torch=torch.__version__)
 
     def _storage_records(self, outputs: dict[str, object]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records."""

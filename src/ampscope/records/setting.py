@@ -18,6 +18,9 @@ class SettingRecord:
     param_dtype: str | None  # dtype holding most parameter elements; None: no float parameter
     autocast_dtype: str | None  # None: autocast off
     matmul_precision: str  # "highest" or "high" (TF32)
+    # The PyTorch build whose autocast policy the run followed (emulated or not): the policy
+    # changes between releases (precision/policy_history.json). None in traces written before.
+    torch: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -31,6 +34,7 @@ class SettingRecord:
             param_dtype=data.get("param_dtype"),
             autocast_dtype=data.get("autocast_dtype"),
             matmul_precision=data.get("matmul_precision", "highest"),
+            torch=data.get("torch"),
         )
 
 

@@ -9,8 +9,15 @@ from ampscope.analysis.autocast import PolicyReport, PolicyRow, meaning
 from ampscope.render.style import dtype_text
 
 
-def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int) -> Table:
+def _read_from(version: str) -> dict:
+    """The caption every policy table carries: the build the policy was read from."""
+    return {"caption": f"Read from PyTorch {version}.", "caption_justify": "left"}
+
+
+def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int, version: str
+                 ) -> Table:
     table = Table(title=f"Autocast on {device} with {dtype}: {len(rows)} of {total} ops",
+                  **_read_from(version),
                   title_justify="left", show_edge=False)
     table.add_column("op")
     table.add_column("category")
@@ -20,9 +27,11 @@ def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int) -> 
     return table
 
 
-def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str) -> Table:
+def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str, version: str
+                  ) -> Table:
     table = Table(title=f"Where autocast differs between {devices[0]} and {devices[1]} "
-                        f"({dtype}): {len(rows)} ops", title_justify="left", show_edge=False)
+                        f"({dtype}): {len(rows)} ops", title_justify="left", show_edge=False,
+                  **_read_from(version))
     table.add_column("op")
     for device in devices:
         table.add_column(device)
@@ -31,11 +40,12 @@ def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str) -
     return table
 
 
-def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str) -> Table:
+def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str, version: str
+               ) -> Table:
     """answers: device → expression → input dtype → output dtype."""
     devices = list(answers)
     table = Table(title=f"What comes out under autocast ({dtype})", title_justify="left",
-                  show_edge=False)
+                  show_edge=False, **_read_from(version))
     table.add_column("expression")
     inputs = list(next(iter(next(iter(answers.values())).values())))
     for device in devices:
@@ -47,11 +57,29 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str) -> Tab
     return table
 
 
+def history_table(report: PolicyReport) -> Table:
+    """How the device's policy changed for the ops GPT-style models call."""
+    assert report.history is not None
+    table = Table(title=f"Autocast on {report.device} in earlier releases (ops GPT-style models "
+                        "call)", title_justify="left", show_edge=False,
+                  caption=f"here: this build, PyTorch {report.torch}, has the change.",
+                  caption_justify="left")
+    for column in ("op", "before", "since", "release", "here"):
+        table.add_column(column)
+    table.add_column("source", no_wrap=True)
+    for change, has in zip(report.history, report.in_build, strict=True):
+        table.add_row(change.name, Text(change.before, style="dim"), change.since,
+                      change.version, "yes" if has else "no", change.source)
+    return table
+
+
 def render_policy(report: PolicyReport) -> Table:
     """The table `ampscope policy` prints for the report's form."""
+    if report.history is not None:
+        return history_table(report)
     if report.quiz is not None:
-        return quiz_table(report.quiz, report.dtype)
+        return quiz_table(report.quiz, report.dtype, report.torch)
     if report.devices is not None:
-        return compare_table(report.rows, report.devices, report.dtype)
+        return compare_table(report.rows, report.devices, report.dtype, report.torch)
     assert report.device is not None
-    return policy_table(report.rows, report.device, report.dtype, report.total)
+    return policy_table(report.rows, report.device, report.dtype, report.total, report.torch)

@@ -1,0 +1,145 @@
+"""Normalization statistics in the dtypes the target device keeps them.
+
+`native_layer_norm` returns the output and the mean and 1/std it saves for backward. With bf16
+or fp16 inputs the CPU kernel returns those statistics in the input's dtype; CUDA and MPS keep
+them in float32. The batch-norm kernels differ the same way. Nothing here states which device
+does what: PyTorch's own fake implementations of these ops (the reference `native_layer_norm`
+in torch._refs, the Meta kernels of the others) branch on the input's device, and
+`target_dtypes` reads the answer by calling them on fake tensors of the target device. When a
+fake implementation cannot take that device on this build, it is asked with `meta` tensors,
+which those implementations treat as any device that is not the CPU.
+
+While an emulated run is active, `TargetNormStats` (a TorchDispatchMode below ampscope's
+recorders) converts the statistics the CPU kernel returned to those dtypes, so the trace, the
+tensors saved for backward and the memory report see what the device keeps; the backward kernel
+then gets them back in the dtypes the CPU kernel takes. Both conversions run inside the mode,
+where the recorders above it do not see them, as the device makes none.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """A norm's backward op: the forward call its arguments describe, and where the saved
+    statistics sit among its arguments (with the forward output each one is)."""
+
+    forward: torch._ops.OpOverload
+    forward_args: Callable[[tuple], tuple]  # backward args -> the forward call's args
+    stats: tuple[tuple[int, int], ...]  # (backward argument index, forward output index)
+
+
+# Forward norms whose statistics (outputs after the first) may differ by device.
+NORMS = (
+    aten.native_layer_norm.default,
+    aten.native_group_norm.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_no_training.default,
+    aten._fused_rms_norm.default,
+)
+
+BACKWARDS = {
+    # (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
+    aten.native_layer_norm_backward.default: _Backward(
+        aten.native_layer_norm.default, lambda a: (a[1], a[2], a[5], a[6], 1e-5),
+        ((3, 1), (4, 2))),
+    # (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+    aten.native_group_norm_backward.default: _Backward(
+        aten.native_group_norm.default, lambda a: (a[1], a[4], None, *a[5:9], 1e-5),
+        ((2, 1), (3, 2))),
+    # (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+    #  output_mask)
+    aten.native_batch_norm_backward.default: _Backward(
+        aten.native_batch_norm.default, lambda a: (a[1], a[2], None, a[3], a[4], a[7], 0.1, a[8]),
+        ((5, 1), (6, 2))),
+    # (grad_out, input, normalized_shape, rstd, weight, output_mask)
+    aten._fused_rms_norm_backward.default: _Backward(
+        aten._fused_rms_norm.default, lambda a: (a[1], a[2], a[4], None), ((3, 1),)),
+}
+
+
+def _signature(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return value
+
+
+def target_dtypes(op: torch._ops.OpOverload, args: tuple, device: str,
+                  kwargs: dict | None = None) -> tuple[torch.dtype, ...]:
+    """The dtypes of `op(*args, **kwargs)`'s tensor outputs on `device`, from PyTorch's fake
+    implementation of the op (see the module docstring)."""
+    return _target_dtypes(op, _signature(args), _signature(tuple((kwargs or {}).items())),
+                          device)
+
+
+@functools.cache
+def _target_dtypes(op: torch._ops.OpOverload, signature: tuple, kw_signature: tuple,
+                   device: str) -> tuple[torch.dtype, ...]:
+    for where in (device, "meta"):
+        try:
+            with FakeTensorMode():
+                out = op(*_fake_args(signature, where), **dict(_fake_args(kw_signature, where)))
+        except Exception:  # noqa: BLE001 - this build cannot take the device: ask meta
+            continue
+        return tuple(t.dtype for t in out if isinstance(t, torch.Tensor))
+    raise RuntimeError(f"no fake implementation of {op} answers for {device}")
+
+
+def _fake_args(signature, device: str):
+    if isinstance(signature, tuple) and signature[:1] == ("tensor",):
+        _, dtype, shape = signature
+        return torch.empty(shape, dtype=dtype, device=device)
+    if isinstance(signature, tuple):
+        return tuple(_fake_args(s, device) for s in signature)
+    return signature
+
+
+def _converted(out, dtypes: tuple[torch.dtype, ...]):
+    converted = [t.to(d) if isinstance(t, torch.Tensor) and t.dtype != d else t
+                 for t, d in zip(out, dtypes, strict=True)]
+    return type(out)(converted)
+
+
+class TargetNormStats(TorchDispatchMode):
+    """While active, norm statistics come out in the dtypes `device` keeps them in."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        backward = BACKWARDS.get(func)
+        if backward is not None:
+            args = self._stats_for_this_kernel(backward, args)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in NORMS:
+            wanted = target_dtypes(func, args, self.device, kwargs)
+            if wanted != tuple(t.dtype for t in out):
+                out = _converted(out, wanted)
+        return out
+
+    def _stats_for_this_kernel(self, backward: _Backward, args: tuple) -> tuple:
+        """The saved statistics in the dtypes the CPU's forward kernel gives them, which its
+        backward kernel expects (eps and momentum change no dtype: any value serves)."""
+        kernel = target_dtypes(backward.forward, backward.forward_args(args), "cpu")
+        args = list(args)
+        for arg, output in backward.stats:
+            if isinstance(args[arg], torch.Tensor) and args[arg].dtype != kernel[output]:
+                args[arg] = args[arg].to(kernel[output])
+        return tuple(args)
