@@ -16,7 +16,7 @@ from ampscope.api import DEFAULT_MATRIX_SETTINGS
 from ampscope.cli import commands, common
 from ampscope.cli.common import _write_json, one_line
 from ampscope.errors import AmpscopeError, DtypeMismatchError
-from ampscope.files import unwritable
+from ampscope.files import unwritable, unwritable_folder
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
 
@@ -270,6 +270,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         why = unwritable(path)
         if why is not None:
             raise AmpscopeError(f"cannot write {path!r}: {why}")
+    if args.command in ("train", "bench") and args.out is not None:
+        why = unwritable_folder(args.out)
+        if why is not None:
+            raise AmpscopeError(f"cannot write into --out {args.out!r}: {why}; give another "
+                                "folder")
 
 
 def run() -> None:
