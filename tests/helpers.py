@@ -102,7 +102,6 @@ def gpt2_tiny_report() -> dict:
 # --- torch's global state, all of it (tests/test_state.py) ------------------------------
 
 import sys  # noqa: E402  (the section's own imports, kept with it)
-import warnings  # noqa: E402
 
 AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu", "xla", "ipu", "mtia", "privateuseone")
 # Every backend and op that has a new-API `fp32_precision`, parents before children.
@@ -211,7 +210,6 @@ def torch_state() -> dict[str, object]:
                                          False),
         "autograd_multithreading": torch._C._is_multithreading_enabled(),
         "view_replay": torch._C._is_view_replay_enabled(),
-        "warning_filters": list(warnings.filters),
         "argv": list(sys.argv),
         "path": list(sys.path),
         "cwd": os.getcwd(),

@@ -105,8 +105,10 @@ def injected(lm, fault: str):
     if fault in ("forward", "interrupt"):
         handle = block.mlp.register_forward_hook(lambda m, i, o: fail(fault))
     elif fault == "backward":
-        handle = block.mlp.register_forward_hook(
-            lambda m, i, o: o.register_hook(lambda g: fail(fault)))
+        def arm(module, args, output):
+            output.register_hook(lambda grad: fail(fault))
+
+        handle = block.mlp.register_forward_hook(arm)
     elif fault == "optimizer":
         handle = optim_module.register_optimizer_step_pre_hook(lambda *a: fail(fault))
     else:
