@@ -230,7 +230,7 @@ CASES = [
     case("bench --batch 0", "--batch must be a positive"),
     case("bench --seq 0", "--seq must be a positive"),
     case("bench --total-batch 0", "--total-batch must be a positive number"),
-    case("run --steps 0 script_without_model.py", "--steps must be a positive"),
+    case("run --steps 0 script_without_model.py", "--steps must be at least 1"),
     case("trace gpt2-tiny --distributed ddp --nproc 0", "--nproc must be at least 1"),
     case("trace gpt2-tiny --distributed ddp --timeout 0", "--timeout must be a positive"),
     case("trace gpt2-tiny --distributed ddp --timeout nan", "--timeout must be a positive"),

@@ -271,7 +271,7 @@ def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
     total = getattr(args, "total_batch", None)
     if total is not None and total < 1:
         raise AmpscopeError("--total-batch must be a positive number of tokens")
-    if args.command in ("train", "bench", "run"):  # the others' sizes are checked by RunOptions
+    if args.command in ("train", "bench"):  # the others' sizes: RunOptions and run_script
         for flag in _POSITIVE:
             value = getattr(args, flag, None)
             if value is not None and not 0 < value < math.inf:
@@ -283,7 +283,7 @@ def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} must be 0 or more; got {value}")
 
 
-# Options of train, bench and run that only make sense above zero, or at zero and above.
+# Options of train and bench that only make sense above zero, or at zero and above.
 _POSITIVE = ("steps", "batch", "seq", "lr", "eval_every", "log_every")
 _NOT_NEGATIVE = ("warmup_steps", "warmup", "save_every", "sample_tokens")
 
