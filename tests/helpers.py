@@ -97,3 +97,127 @@ def gpt2_tiny_report() -> dict:
     html = report_html(traces, matrix, memory=memory, flops=flops, numerics=numerics)
     return {"matrix": matrix, "traces": traces, "flops": flops, "memory": memory,
             "numerics": numerics, "html": html}
+
+
+# --- torch's global state, all of it (tests/test_state.py) ------------------------------
+
+import sys  # noqa: E402  (the section's own imports, kept with it)
+
+AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu", "xla", "ipu", "mtia", "privateuseone")
+# Every backend and op that has a new-API `fp32_precision`, parents before children.
+FP32_PRECISION_PATHS = ("", "cuda", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn",
+                        "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _attr(path: str):
+    obj = torch.backends
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _read(getter):
+    """A legacy TF32 getter raises once the new API was used ("mix of the legacy and new
+    APIs"): that answer is part of the state, and reading changes nothing."""
+    try:
+        return getter()
+    except RuntimeError as e:
+        return f"raises: {str(e).split(',')[0]}"
+
+
+def _optional(obj, name: str, *args):
+    fn = getattr(obj, name, None)
+    return fn(*args) if callable(fn) else "absent in this build"
+
+
+def _hook_dicts(module) -> dict[str, object]:
+    """Every `_global_*` of a module: hook dicts by key and hook identity, flags by value."""
+    found = {}
+    for name, value in vars(module).items():
+        if name.startswith("_global_"):
+            found[name] = ({k: id(v) for k, v in value.items()} if isinstance(value, dict)
+                           else value)
+    return found
+
+
+def torch_state() -> dict[str, object]:
+    """All of torch's process-global state a run could touch, as plain comparable values.
+
+    Legacy matmul-precision getters are read through `_read` (they raise rather than answer
+    once the new per-backend API was used); the new API is read per backend and op, which
+    never raises and never marks either API as used."""
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    autocast = {}
+    for device in AUTOCAST_DEVICES:
+        try:
+            autocast[device] = (torch.is_autocast_enabled(device),
+                                torch.get_autocast_dtype(device))
+        except RuntimeError:  # not a device type this build knows
+            continue
+    cuda = torch.backends.cuda
+    state: dict[str, object] = {
+        "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "forward_grad": torch._C._is_fwd_grad_enabled(),
+        "autocast": autocast,
+        "autocast_cache": torch.is_autocast_cache_enabled(),
+        "fp32_precision": {path: _attr(path).fp32_precision for path in FP32_PRECISION_PATHS
+                           if hasattr(_attr(path), "fp32_precision")},
+        "legacy_matmul": {
+            "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+            "cuda.matmul.allow_tf32": _read(lambda: cuda.matmul.allow_tf32),
+            "cudnn.allow_tf32": _read(lambda: torch.backends.cudnn.allow_tf32),
+            "allow_fp16_reduced": _read(
+                lambda: cuda.matmul.allow_fp16_reduced_precision_reduction),
+            "allow_bf16_reduced": _read(
+                lambda: cuda.matmul.allow_bf16_reduced_precision_reduction),
+        },
+        "default_dtype": torch.get_default_dtype(),
+        "default_device": str(torch.get_default_device()),
+        "num_threads": torch.get_num_threads(),
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled(),
+                          torch.get_deterministic_debug_mode(),
+                          torch.utils.deterministic.fill_uninitialized_memory),
+        "warn_always": torch.is_warn_always_enabled(),
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "rng_cpu": bytes(torch.get_rng_state().numpy()),
+        "rng_cuda": ([bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()]
+                     if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
+        "module_hooks": _hook_dicts(nn_module),
+        "optimizer_hooks": _hook_dicts(optim_module),
+        "backends": {
+            "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
+                      torch.backends.cudnn.deterministic,
+                      getattr(torch.backends.cudnn, "benchmark_limit", None)),
+            "mkldnn": torch.backends.mkldnn.enabled,
+            "mha_fastpath": torch.backends.mha.get_fastpath_enabled(),
+            "sdp": (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                    cuda.math_sdp_enabled(), _optional(cuda, "cudnn_sdp_enabled"),
+                    _optional(cuda, "fp16_bf16_reduction_math_sdp_allowed")),
+            "linalg": str(cuda.preferred_linalg_library()),
+            "blas": str(_optional(cuda, "preferred_blas_library")),
+            "opt_einsum": (torch.backends.opt_einsum.enabled,
+                           torch.backends.opt_einsum.strategy),
+        },
+        "mode_stacks": (torch._C._len_torch_function_stack(),
+                        torch._C._len_torch_dispatch_stack()),
+        "dispatch_tls": (str(torch._C._dispatch_tls_local_include_set()),
+                         str(torch._C._dispatch_tls_local_exclude_set())),
+        "saved_tensors_hooks": _optional(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                                         False),
+        "autograd_multithreading": torch._C._is_multithreading_enabled(),
+        "view_replay": torch._C._is_view_replay_enabled(),
+        "argv": list(sys.argv),
+        "path": list(sys.path),
+        "cwd": os.getcwd(),
+    }
+    return state
+
+
+def state_differences(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    """What changed between two `torch_state()`s, one line per entry (empty: nothing)."""
+    return [f"{key}: {before[key]!r} -> {after.get(key)!r}"
+            for key in before if before[key] != after.get(key)]

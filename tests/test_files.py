@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import safetensors.torch
+import torch
+from torch import nn
 
 from ampscope.cli import main
+from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, write_atomic
+from ampscope.train import checkpoint
 
 
 def test_a_failed_write_leaves_the_old_file_as_it_was(tmp_path):
@@ -65,3 +71,62 @@ def test_unwritable_outputs_are_refused_before_the_run(capsys, tmp_path, argv, w
     out, err = capsys.readouterr()
     assert out == "" and why in err and len(err.strip().splitlines()) == 1
     assert "Tracing" not in err  # refused before anything ran
+
+
+# --- train checkpoints: --out and --resume ------------------------------------------------
+
+
+def tiny_checkpoint(path):
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return checkpoint.save(path, model=model, optimizer=optimizer, scaler=None, step=1,
+                           loader={"position": 0, "epoch": 0}, config={}, history={})
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_training(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, why in ((afile, "it is a file, not a folder"),
+                     (afile / "sub", f"{afile} is a file, not a folder")):
+        assert main(["train", "--steps", "1", "--out", str(out)]) == 2
+        stdout, err = capsys.readouterr()
+        assert stdout == "" and len(err.strip().splitlines()) == 1
+        assert f"cannot write into --out {str(out)!r}: {why}; give another folder" in err
+
+
+def test_a_failed_checkpoint_write_is_one_sentence_and_keeps_the_old_one(tmp_path, monkeypatch):
+    path = tmp_path / "step-000001"
+    tiny_checkpoint(path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(AmpscopeError, match=f"cannot write the checkpoint {path}: No space left "
+                                            "on device; free some space or give another --out"):
+        tiny_checkpoint(path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]  # no .tmp left
+
+
+@pytest.mark.parametrize("damage", ["header", "missing"])
+def test_a_damaged_checkpoint_is_one_line_on_resume(tmp_path, capsys, damage):
+    path = tiny_checkpoint(tmp_path / "step-000001")
+    if damage == "header":
+        (path / "trainer.safetensors").write_bytes(b"\xff" * 8 + b"junk")
+    else:
+        (path / "model.safetensors").unlink()
+        model = nn.Linear(2, 2)
+        with pytest.raises(AmpscopeError) as raised:
+            checkpoint.restore(checkpoint.read(path), model=model,
+                               optimizer=torch.optim.AdamW(model.parameters()), scaler=None)
+        assert str(raised.value).startswith(f"cannot read the checkpoint {path} (")
+        return
+    assert main(["train", "--resume", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert (f"cannot read the checkpoint {path} (Error while deserializing header" in err
+            and "resume from another step-NNNNNN folder" in err), err

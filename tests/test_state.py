@@ -4,18 +4,24 @@ installed."""
 
 from __future__ import annotations
 
+import contextlib
+import textwrap
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
 import ampscope
+from ampscope.errors import AmpscopeError
 from ampscope.models import gpt2
 from ampscope.precision import matmul
+from tests.helpers import state_differences, torch_state
 
 
 def snapshot(model: nn.Module) -> dict:
+    """The model's own state, and all of torch's global state (`tests.helpers.torch_state`)."""
     return {
         "params": {n: (p.detach().clone(), p.dtype, p.device, p.requires_grad,
                        None if p.grad is None else p.grad.clone(), p.data_ptr())
@@ -23,21 +29,12 @@ def snapshot(model: nn.Module) -> dict:
         "buffers": {n: (b.clone(), b.dtype) for n, b in model.named_buffers()},
         "training": {n: m.training for n, m in model.named_modules()},
         "hooks": {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks),
-                      dict(m._backward_hooks), dict(m._backward_pre_hooks))
+                      dict(m._backward_hooks), dict(m._backward_pre_hooks),
+                      dict(m._forward_hooks_with_kwargs), dict(m._state_dict_hooks),
+                      dict(m._load_state_dict_pre_hooks))
                   for n, m in model.named_modules()},
-        "global_hooks": (dict(nn_module._global_forward_hooks),
-                         dict(nn_module._global_forward_hooks_with_kwargs),
-                         dict(nn_module._global_forward_hooks_always_called),
-                         dict(nn_module._global_forward_pre_hooks),
-                         dict(optim_module._global_optimizer_pre_hooks),
-                         dict(optim_module._global_optimizer_post_hooks)),
-        "modes": (torch._C._len_torch_function_stack(),
-                  torch._C._len_torch_dispatch_stack()),
-        "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-        "matmul": matmul.snapshot(),  # every backend's fp32_precision, never the legacy getter
-        "default_dtype": torch.get_default_dtype(),
-        "grad_enabled": torch.is_grad_enabled(),
-        "rng": torch.get_rng_state(),
+        "ties": [id(p) for _, p in model.named_parameters(remove_duplicate=False)],
+        "torch": torch_state(),
     }
 
 
@@ -50,10 +47,9 @@ def assert_same(before: dict, after: dict) -> None:
         assert (grad is None) == (g2 is None) and (grad is None or torch.equal(grad, g2)), name
     for name, (value, dtype) in before["buffers"].items():
         assert torch.equal(value, after["buffers"][name][0]) and dtype == after["buffers"][name][1]
-    for key in ("training", "hooks", "global_hooks", "modes", "autocast", "matmul",
-                "default_dtype", "grad_enabled"):
+    for key in ("training", "hooks", "ties"):
         assert before[key] == after[key], key
-    assert torch.equal(before["rng"], after["rng"])
+    assert state_differences(before["torch"], after["torch"]) == []
 
 
 @pytest.fixture
@@ -84,27 +80,121 @@ class Explodes(Exception):
     pass
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "optimizer"])
-def test_state_is_unchanged_when_the_run_fails(user_model, where):
-    model = user_model.module
-    before = snapshot(model)
-    block = model.transformer.h[1]
-    if where == "forward":
-        handle = block.mlp.register_forward_hook(lambda m, i, o: (_ for _ in ()).throw(Explodes()))
-    elif where == "backward":
-        def arm(m, i, o):
-            o.register_hook(lambda g: (_ for _ in ()).throw(Explodes()))
+def fail(fault: str):
+    raise KeyboardInterrupt() if fault == "interrupt" else Explodes(fault)
+
+
+FAULTS = ["forward", "loss", "backward", "optimizer", "interrupt"]
+# Each API on a train step (numerics too: its train workload reaches backward and the optimizer).
+APIS = {
+    "trace": lambda lm: ampscope.trace(lm, setting="bf16+amp-bf16", seq=8),
+    "trace-predicted": lambda lm: ampscope.trace(lm, setting="fp32+amp-bf16", seq=8,
+                                                 predict=True),
+    "numerics": lambda lm: ampscope.numerics(lm, settings=["fp32+amp-bf16"], seq=8,
+                                             workload="train"),
+    "memory": lambda lm: ampscope.memory(lm, setting="fp32+tf32", seq=8),
+    "flops": lambda lm: ampscope.flops(lm, setting="fp32+amp-bf16", seq=8, step_time=0.5),
+    "matrix": lambda lm: ampscope.matrix(lm, settings=["fp32", "fp32+amp-bf16"], seq=8),
+}
+
+
+@contextlib.contextmanager
+def injected(lm, fault: str):
+    """`fault` injected into the user's model (a hook of theirs) or its loss, removed after."""
+    block = lm.module.transformer.h[1]
+    if fault in ("forward", "interrupt"):
+        handle = block.mlp.register_forward_hook(lambda m, i, o: fail(fault))
+    elif fault == "backward":
+        def arm(module, args, output):
+            output.register_hook(lambda grad: fail(fault))
+
         handle = block.mlp.register_forward_hook(arm)
+    elif fault == "optimizer":
+        handle = optim_module.register_optimizer_step_pre_hook(lambda *a: fail(fault))
     else:
-        handle = optim_module.register_optimizer_step_pre_hook(
-            lambda *a: (_ for _ in ()).throw(Explodes()))
-    before = snapshot(model)  # including the injected hook
+        def loss(module, batch):
+            gpt2_loss = module(batch["idx"], batch["targets"])[1]
+            fail(fault)
+            return gpt2_loss
+
+        original, lm.loss_fn = lm.loss_fn, loss
+        handle = SimpleNamespace(remove=lambda: setattr(lm, "loss_fn", original))
     try:
-        with pytest.raises(Explodes):
-            ampscope.trace(user_model, setting="bf16+amp-bf16", workload="train", seq=8)
-        assert_same(before, snapshot(model))
+        yield
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("api", APIS)
+def test_state_is_unchanged_when_the_run_fails(user_model, api, fault):
+    with injected(user_model, fault):
+        before = snapshot(user_model.module)  # the injected hook included
+        with pytest.raises(KeyboardInterrupt if fault == "interrupt" else Explodes):
+            APIS[api](user_model)
+        assert_same(before, snapshot(user_model.module))
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+
+    fault = sys.argv[1]
+
+    def fail():
+        raise KeyboardInterrupt() if fault == "interrupt" else RuntimeError(fault)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    if fault in ("forward", "interrupt"):
+        model[1].register_forward_hook(lambda m, i, o: fail())
+    if fault == "optimizer":
+        optimizer.register_step_pre_hook(lambda *a: fail())
+    torch.set_default_dtype(torch.float64)  # global state the script changes: put back
+    torch.backends.fp32_precision = "tf32"
+    sys.path.insert(0, "/somewhere/else")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(2, 4, dtype=torch.float32))
+        if fault == "backward":
+            out.register_hook(lambda g: fail())
+        loss = out.float().pow(2).mean()
+    if fault == "loss":
+        fail()
+    loss.backward()
+    optimizer.step()
+""")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_state_is_unchanged_when_a_script_fails(tmp_path, fault):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    before = torch_state()
+    with pytest.raises(KeyboardInterrupt if fault == "interrupt" else AmpscopeError,
+                       match=None if fault == "interrupt" else fault):
+        ampscope.run_script(str(script), [fault])
+    assert state_differences(before, torch_state()) == []
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_state_is_unchanged_when_user_code_in_capture_fails(user_model, fault):
+    """capture() watches the user's own code: their modes win inside, and after a failure
+    nothing of ampscope is left installed."""
+    lm = user_model
+    model = lm.module
+    with injected(lm, fault):
+        before = snapshot(model)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        batch = lm.make_batch(1, 8, "train", torch.Generator().manual_seed(0))
+        with pytest.raises(KeyboardInterrupt if fault == "interrupt" else Explodes), \
+                ampscope.capture(model):
+            lm.loss(batch).backward()
+            optimizer.step()
+        # What the user's own code did is theirs: gradients it accumulated go back by hand.
+        for name, p in model.named_parameters():
+            p.grad = before["params"][name][4]
+        assert_same(before, snapshot(model))
 
 
 def test_capture_leaves_nothing_installed_when_user_code_raises():

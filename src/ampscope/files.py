@@ -3,7 +3,8 @@
 Every file ampscope writes (`--json PATH`, `report -o`, `bench --out`, `Trace.to_json(path)`)
 goes to a temporary file in the same folder first and is renamed over the target only when it
 is complete: a full disk or a size limit leaves the old file as it was. `unwritable` tells,
-before a long run starts, whether a path could be written at all.
+before a long run starts, whether a path could be written at all; `unwritable_folder` the same
+for a folder a command creates (`train --out`, `bench --out`).
 """
 
 from __future__ import annotations
@@ -51,4 +52,23 @@ def unwritable(path: str | Path) -> str | None:
         return f"the folder {folder} is not writable"
     if path.exists() and not os.access(path, os.W_OK):
         return "the file is read-only"
+    return None
+
+
+def unwritable_folder(path: str | Path) -> str | None:
+    """Why a folder could not be created (with its parents) or written into, or None."""
+    if not str(path):
+        return "no path given"
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            return "it is a file, not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "the folder is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the folder {parent} is not writable"
     return None

@@ -173,6 +173,9 @@ def _runner(target: str, argv: Sequence[str], module: bool):
 
         return f"python -m {target}", run_module
     path = Path(target)
+    if path.exists() and not path.is_file():  # a folder, or a FIFO that would block
+        raise AmpscopeError(f"{target}: not a regular file; give the path of a .py file, or -m "
+                            "package.module")
     if not path.is_file():
         raise AmpscopeError(f"no script at {target} (give the path of a .py file, or -m "
                             "package.module)")

@@ -27,6 +27,10 @@ OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 Workload = str | Callable[[nn.Module, Batch], object]
 
 
+# The largest batch, seq or new_tokens a run takes: more is no size any machine runs.
+MAX_SIZE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """What one run does besides its model and setting: the workload and its size.
@@ -61,6 +65,10 @@ class RunOptions:
         if bad:
             got = ", ".join(f"{k}={v!r}" for k, v in bad.items())
             raise AmpscopeError(f"batch, seq and new_tokens must be positive integers; got {got}")
+        huge = {k: v for k, v in sizes.items() if v > MAX_SIZE}
+        if huge:  # beyond any tensor dimension torch's random ids can take
+            got = ", ".join(f"{k}={v:,}" for k, v in huge.items())
+            raise AmpscopeError(f"batch, seq and new_tokens must be at most {MAX_SIZE:,}; got {got}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise AmpscopeError(f"seed must be an integer, not {self.seed!r}")
         if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:

@@ -158,9 +158,25 @@ def batch_for(lm: LoadedModel, inputs: torch.Tensor | Batch | None, options: Run
     if options.seq > lm.max_seq_len:
         raise AmpscopeError(f"seq {options.seq} exceeds {lm.name}'s context length "
                             f"{lm.max_seq_len}")
+    _ids_fit(options)
     generator = torch.Generator().manual_seed(options.seed)
     return lm.make_batch(options.batch, options.seq, options.workload_name, generator,
                          device=device)
+
+
+def _ids_fit(options: RunOptions) -> None:
+    """The token ids are made for real even when the run is predicted: refuse a batch whose ids
+    (and the targets, as int64) alone would not fit before allocating them."""
+    from ampscope.models.registry import available_memory_bytes
+    from ampscope.render.style import format_bytes
+
+    needed = 2 * 8 * options.batch * options.seq
+    available = available_memory_bytes()
+    if available is not None and needed > available:
+        raise AmpscopeError(
+            f"{options.batch:,}×{options.seq:,} tokens would not fit: their ids alone need "
+            f"{format_bytes(needed)}, more than the {format_bytes(available)} free here; make the "
+            "batch or sequence smaller")
 
 
 def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, optimizer: str,

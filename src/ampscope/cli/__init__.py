@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -24,15 +25,28 @@ from ampscope.defaults import (
     DEFAULT_SETTING,
 )
 from ampscope.errors import AmpscopeError, DtypeMismatchError
-from ampscope.files import unwritable
+from ampscope.files import unwritable, unwritable_folder
 
 # Nothing imported here imports torch: `--help`, `--version` and argument errors answer at once;
 # the commands (cli/commands.py) import the library inside each function.
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "main", "one_line", "run", "_write_json"]
 
 
+class _UsageError(Exception):
+    """What argparse would print under its usage block before exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse answers a bad command line with its whole usage block and an exit: here, one
+    line that names the command's --help instead, and `main` returns 2 (subparsers are made of
+    this class too)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ampscope",
         description="Which precision does every tensor of a PyTorch model really run in?",
     )
@@ -348,6 +362,21 @@ def _check_flags(argv: list[str], args: argparse.Namespace) -> None:
     total = getattr(args, "total_batch", None)
     if total is not None and total < 1:
         raise AmpscopeError("--total-batch must be a positive number of tokens")
+    if args.command in ("train", "bench"):  # the others' sizes: RunOptions and run_script
+        for flag in _POSITIVE:
+            value = getattr(args, flag, None)
+            if value is not None and not 0 < value < math.inf:
+                raise AmpscopeError(f"--{flag.replace('_', '-')} must be a positive number; "
+                                    f"got {value}")
+        for flag in _NOT_NEGATIVE:
+            value = getattr(args, flag, None)
+            if value is not None and not value >= 0:
+                raise AmpscopeError(f"--{flag.replace('_', '-')} must be 0 or more; got {value}")
+
+
+# Options of train and bench that only make sense above zero, or at zero and above.
+_POSITIVE = ("steps", "batch", "seq", "lr", "eval_every", "log_every")
+_NOT_NEGATIVE = ("warmup_steps", "warmup", "save_every", "sample_tokens")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -369,6 +398,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         why = unwritable(path)
         if why is not None:
             raise AmpscopeError(f"cannot write {path!r}: {why}")
+    if args.command in ("train", "bench") and args.out is not None:
+        why = unwritable_folder(args.out)
+        if why is not None:
+            raise AmpscopeError(f"cannot write into --out {args.out!r}: {why}; give another "
+                                "folder")
 
 
 def run() -> None:
@@ -389,9 +423,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
     argv = _values_after_dashes(argv)
     parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args([*argv, "trace"])
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            args = parser.parse_args([*argv, "trace"])
+    except _UsageError as e:
+        print(f"ampscope: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
     try:
         _check_flags(argv, args)
         _check_outputs(args)

@@ -279,12 +279,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return fit(args)
 
 
-def _load_trace(path: str):
-    from ampscope.records import Trace
-
+def _check_regular(path: str) -> None:
     if not Path(path).is_file():  # a folder, a FIFO (which would block), a missing file
         raise AmpscopeError(f"cannot read {path}: not a regular file; give a trace written "
                             "with `ampscope trace MODEL --json FILE`")
+
+
+def _load_trace(path: str):
+    from ampscope.records import Trace
+
+    _check_regular(path)
     try:
         with open(path) as f:
             data = json.load(f)
@@ -309,6 +313,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     files = [os.path.exists(x) or x.endswith(".json") for x in (args.a, args.b)]
     if all(files):
+        for path in (args.a, args.b):
+            _check_regular(path)
         a, b = _load_trace(args.a), _load_trace(args.b)
     elif any(files):
         raise AmpscopeError("give two trace files or two settings, not one of each")

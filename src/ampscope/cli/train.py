@@ -4,6 +4,7 @@ render). cli/__init__.py adds the two subparsers with `add_train_parser` / `add_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -124,11 +125,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     console = _console(stderr=args.json == "-")  # keep stdout for the JSON
     tokens = config.total_batch or config.batch * config.seq
     start = f", resuming from {args.resume}" if args.resume else ""
-    console.print(f"Training {config.model} under {config.setting}: {config.steps} steps of "
-                  f"{tokens:,} tokens{start}")
-    log_every = args.log_every or max(1, config.steps // 20)
-    with TrainProgress(console, config.steps, log_every) as progress:
-        result = train(config, resume=args.resume, log=progress)
+    progress = TrainProgress(console, config.steps, args.log_every or max(1, config.steps // 20))
+    with contextlib.ExitStack() as stack:
+
+        def on_start() -> None:  # the header and the bar once the options all held
+            console.print(f"Training {config.model} under {config.setting}: {config.steps} "
+                          f"steps of {tokens:,} tokens{start}")
+            stack.enter_context(progress)
+
+        result = train(config, resume=args.resume, log=progress, on_start=on_start)
     console.print(train_header(result))
     console.print(train_summary(result))
     if args.json:
@@ -145,7 +150,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise AmpscopeError(f"cannot bench on {args.device}: this machine has no {args.device} "
                             "(the ladder times real steps; trace or predict for another device)")
 
-    ladder = [r.strip() for r in args.ladder.split(",") if r.strip()] if args.ladder else None
+    ladder = None if args.ladder is None else [r.strip() for r in args.ladder.split(",")
+                                               if r.strip()]
+    if ladder == []:
+        raise AmpscopeError("--ladder needs at least one rung, e.g. fp32,fp32+amp-bf16")
     progress = _progress()
     with progress:
         task = progress.add_task("bench", total=len(ladder) if ladder else None)

@@ -14,8 +14,11 @@ dtype is the setting's choice, not the checkpoint's.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,7 +142,7 @@ def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -
     """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
     transformers = transformers_module()
     try:
-        with torch.device(device):
+        with quiet_transformers(), torch.device(device):
             return transformers.AutoModelForCausalLM.from_config(
                 config, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
             )
@@ -168,6 +171,9 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
         raise AmpscopeError(
             f"hf:{path}: no such file or folder; give a config.json or a folder with one"
         )
+    if not path.is_dir() and not path.is_file():
+        raise AmpscopeError(f"hf:{path}: not a regular file or folder; give a config.json or a "
+                            "folder with one")
     folder = path if path.is_dir() else path.parent
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
@@ -180,6 +186,9 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
         return hf_loaded_model(build_from_config(config, device=device), name=name)
 
     if sorted(folder.glob("*.safetensors")):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            _shards(index)  # transformers would open whatever the index names
         module = load_pretrained(folder, config, label=name)
         return hf_loaded_model(module.to(device), name=name)
     checkpoint = _torch_checkpoint(folder)
@@ -192,27 +201,62 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
 def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
                     **options: Any) -> nn.Module:
     """Load the weights in `folder` (safetensors, or a GGUF file named in `options`) in float32,
-    with `config` as given, without touching the network. `label` names the model in errors."""
+    with `config` as given, without touching the network. `label` names the model in errors.
+
+    Weights the checkpoint lacks are refused, as for torch checkpoints: transformers would
+    fill them with random values and only log it."""
+    from safetensors import SafetensorError
+
     transformers = transformers_module()
-    progress_bar = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..." on stderr
     try:
-        module = transformers.AutoModelForCausalLM.from_pretrained(
-            folder,
-            config=config,
-            local_files_only=True,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            **dtype_kwargs(torch.float32),
-            **options,
-        )
+        with quiet_transformers():
+            module, info = transformers.AutoModelForCausalLM.from_pretrained(
+                folder,
+                config=config,
+                local_files_only=True,
+                attn_implementation=ATTN_IMPLEMENTATION,
+                output_loading_info=True,
+                **dtype_kwargs(torch.float32),
+                **options,
+            )
+    except SafetensorError as e:  # a damaged file, or one that is not safetensors at all
+        raise AmpscopeError(
+            f"{label}: its .safetensors file cannot be read ({_first_line(e)}); save it again "
+            "with save_pretrained() or download it again"
+        ) from e
     except (OSError, ValueError, RuntimeError) as e:
         raise AmpscopeError(f"{label}: cannot load its weights: {_first_line(e)}") from e
-    finally:
-        if progress_bar:
-            transformers.utils.logging.enable_progress_bar()
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise AmpscopeError(
+            f"{label}: checkpoint does not match config.json ({len(missing)} missing keys such "
+            f"as {missing[0]!r}); check both come from one model"
+        )
     # from_pretrained switches to eval mode; from_config and every other spec leave an
     # nn.Module in its default training mode. Keep all specs alike: the workload decides.
     return module.train()
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hold back transformers' log lines, Python warnings and progress bars while it builds or
+    loads a model: they would come before ampscope's own one-line answer (or error) on stderr.
+    What ampscope needs from them (missing weights, unknown model types) it checks and says
+    itself. The logger level and the progress-bar switch are put back as they were."""
+    transformers = transformers_module()
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    progress_bar = transformers.utils.logging.is_progress_bar_enabled()
+    logger.setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..."
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+        if progress_bar:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _first_line(e: BaseException) -> str:
@@ -223,7 +267,12 @@ def _first_line(e: BaseException) -> str:
 def _read_config(config_file: Path) -> PretrainedConfig:
     transformers = transformers_module()
     try:
-        config_dict = json.loads(config_file.read_text())
+        config_dict = json.loads(config_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise AmpscopeError(
+            f"cannot read {config_file}: it is not a UTF-8 text file; give the config.json "
+            "that config.save_pretrained() writes"
+        ) from e
     except (OSError, json.JSONDecodeError) as e:
         raise AmpscopeError(f"cannot read {config_file}: {e}") from e
     if not isinstance(config_dict, dict) or "model_type" not in config_dict:
@@ -232,7 +281,8 @@ def _read_config(config_file: Path) -> PretrainedConfig:
         )
     model_type = config_dict.pop("model_type")
     try:
-        config = transformers.AutoConfig.for_model(model_type, **config_dict)
+        with quiet_transformers():
+            config = transformers.AutoConfig.for_model(model_type, **config_dict)
     except ValueError as e:  # unknown model_type
         raise AmpscopeError(f"{config_file}: {_first_line(e)}") from e
     config._attn_implementation = ATTN_IMPLEMENTATION
@@ -243,13 +293,47 @@ def _torch_checkpoint(folder: Path) -> list[Path] | None:
     """The torch checkpoint file(s) in `folder`, or None when it has none."""
     index = folder / "pytorch_model.bin.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / shard for shard in sorted(set(weight_map.values()))]
+        return _shards(index)
     files = sorted(p for ext in ("bin", "pt", "pth") for p in folder.glob(f"*.{ext}"))
     if len(files) > 1:
         names = ", ".join(p.name for p in files)
         raise AmpscopeError(f"hf:{folder}: several checkpoints ({names}); keep one per folder")
-    return files or None
+    return [_inside(folder, p.name) for p in files] or None
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shards a sharded checkpoint's index names, each checked to lie in its folder (see
+    `_inside`): an index is data from elsewhere, never a way out of the folder."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()), key=str)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AmpscopeError(
+            f"hf:{index.parent}: cannot read {index.name} ({type(e).__name__}); it should map "
+            'each weight to its shard: {"weight_map": {"name": "file", ...}}'
+        ) from e
+    return [_inside(index.parent, shard) for shard in shards]
+
+
+def _inside(folder: Path, name: object) -> Path:
+    """`folder / name`, refused unless it is a regular file of the folder: a plain file name
+    (no `..`, no absolute path), and no symlink out of it except into the Hugging Face cache's
+    `blobs` folder, where a hub snapshot's files link to."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise AmpscopeError(
+            f"hf:{folder}: its index names the shard {name!r} outside the folder; a shard "
+            "must be a file name in the folder itself"
+        )
+    path = folder / name
+    real, home = path.resolve(), folder.resolve()
+    blobs = home.parent.parent / "blobs"
+    if real.parent != home and real.parent != blobs:
+        raise AmpscopeError(
+            f"hf:{folder}: {name} links to {real}, outside the folder; copy the file in instead"
+        )
+    if not real.is_file():
+        raise AmpscopeError(f"hf:{folder}: {name} is missing or not a regular file")
+    return path
 
 
 def _load_state_dict(module: nn.Module, files: list[Path], folder: Path) -> None:

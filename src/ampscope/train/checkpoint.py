@@ -19,8 +19,10 @@ Floats in the JSON round-trip exactly (Python writes the shortest repr that read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +65,30 @@ def save(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler | None, step: int, loader: dict, config: dict,
          history: dict) -> Path:
     """Write a checkpoint folder; written under a temporary name first, so an interrupted save
-    never leaves a half-written checkpoint where `--resume` would find it."""
-    st, _ = _safetensors()
+    never leaves a half-written checkpoint where `--resume` would find it. A failed write (a
+    full disk, a folder that went away) is one sentence, and leaves no temporary folder."""
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write(tmp, model=model, optimizer=optimizer, scaler=scaler, step=step, loader=loader,
+               config=config, history=history)
+        # The old checkpoint stays until the new one is complete and in its place.
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise AmpscopeError(f"cannot write the checkpoint {path}: {e.strerror or e}; free some "
+                            "space or give another --out") from e
+    return path
+
+
+def _write(tmp: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scaler: torch.amp.GradScaler | None, step: int, loader: dict, config: dict,
+           history: dict) -> None:
+    st, _ = _safetensors()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     st.save_model(model, str(tmp / "model.safetensors"))  # drops the tied duplicate
@@ -88,14 +111,6 @@ def save(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                "scaler": scaler.state_dict() if scaler is not None else None,
                "history": history}
     st.save_file(rng, str(tmp / "trainer.safetensors"), metadata={"trainer": json.dumps(trainer)})
-    # The old checkpoint stays until the new one is complete and in its place.
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -117,36 +132,52 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
 
 
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """A checkpoint that cannot be read (a damaged or missing file, foreign metadata) is one
+    sentence that says what to do, not safetensors' or json's own exception."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AmpscopeError(f"cannot read the checkpoint {path} ({detail}); resume from another "
+                            "step-NNNNNN folder, or train again without --resume") from e
+
+
 def read(path: str | Path) -> Checkpoint:
     st, _ = _safetensors()
     path = latest_checkpoint(path)
-    meta = json.loads(_metadata(path / "trainer.safetensors").get("trainer", "{}"))
-    rng = st.load_file(str(path / "trainer.safetensors"))
-    if meta.get("format") != FORMAT:
-        raise AmpscopeError(f"{path} is not an ampscope training checkpoint")
-    return Checkpoint(path, meta["step"], meta["loader"], meta["config"], meta["scaler"],
-                      meta["history"], rng)
+    with _readable(path):
+        meta = json.loads(_metadata(path / "trainer.safetensors").get("trainer", "{}"))
+        rng = st.load_file(str(path / "trainer.safetensors"))
+        if meta.get("format") != FORMAT:
+            raise AmpscopeError(f"{path} is not an ampscope training checkpoint")
+        return Checkpoint(path, meta["step"], meta["loader"], meta["config"], meta["scaler"],
+                          meta["history"], rng)
 
 
 def restore(checkpoint: Checkpoint, *, model: nn.Module, optimizer: torch.optim.Optimizer,
             scaler: torch.amp.GradScaler | None) -> None:
     """Put the weights, optimizer state, scaler state and RNG states back in place."""
     st, _ = _safetensors()
-    missing, unexpected = st.load_model(model, str(checkpoint.path / "model.safetensors"),
-                                        strict=False)
-    if missing or unexpected:
-        raise AmpscopeError(f"{checkpoint.path} holds another model's weights "
-                            f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
-    path = checkpoint.path / "optimizer.safetensors"
-    state: dict[int, dict] = {}
-    for key, tensor in st.load_file(str(path)).items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = tensor
-    meta = _metadata(path)
-    for key, value in json.loads(meta.get("other", "{}")).items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    groups = json.loads(meta["param_groups"])
+    with _readable(checkpoint.path):
+        missing, unexpected = st.load_model(model, str(checkpoint.path / "model.safetensors"),
+                                            strict=False)
+        if missing or unexpected:
+            raise AmpscopeError(f"{checkpoint.path} holds another model's weights "
+                                f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
+        path = checkpoint.path / "optimizer.safetensors"
+        state: dict[int, dict] = {}
+        for key, tensor in st.load_file(str(path)).items():
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = tensor
+        meta = _metadata(path)
+        for key, value in json.loads(meta.get("other", "{}")).items():
+            index, name = key.split(".", 1)
+            state.setdefault(int(index), {})[name] = value
+        groups = json.loads(meta["param_groups"])
     for group in groups:  # JSON has no tuples; AdamW's betas were one
         if isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])

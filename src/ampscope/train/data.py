@@ -40,10 +40,15 @@ def read_text(path: str | None) -> str:
     """The text to train on: the file at `path` (UTF-8), or the default corpus."""
     if path is None:
         return default_corpus()
+    if Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file():
+        raise AmpscopeError(f"cannot read --data {path}: not a regular file")  # a FIFO blocks
     try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise AmpscopeError(f"cannot read --data {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise AmpscopeError(f"{path} is not UTF-8 text (byte {e.start} is not); give a text "
+                            "file with --data") from e
 
 
 @functools.lru_cache(maxsize=4)

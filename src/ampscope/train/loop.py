@@ -236,9 +236,12 @@ def _check_resume(saved: dict, config: TrainConfig, notes: list[str]) -> None:
 
 
 def train(config: TrainConfig, *, resume: str | None = None,
-          log: Callable[[StepLog | EvalLog], None] | None = None) -> TrainResult:
+          log: Callable[[StepLog | EvalLog], None] | None = None,
+          on_start: Callable[[], None] | None = None) -> TrainResult:
     """Train `config.model` from scratch (or from the checkpoint at `resume`) and return the
-    losses, throughput and a sample. `log` is called after every step and evaluation."""
+    losses, throughput and a sample. `log` is called after every step and evaluation;
+    `on_start` once everything is checked and built, before the first step (a header printed
+    there never precedes a one-line error about the options)."""
     # -- the setting, the device and the model --------------------------------------------------
     from ampscope.models import registry
 
@@ -330,6 +333,8 @@ def train(config: TrainConfig, *, resume: str | None = None,
         result.checkpoint = str(path)
 
     # -- the loop ------------------------------------------------------------------------------
+    if on_start is not None:
+        on_start()
     with applied(setting), attention_kernel(config.attention):
         start = 0
         if saved is None:
