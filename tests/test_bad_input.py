@@ -277,8 +277,9 @@ CASES = [
     case("policy --compare cpu tpu", "tpu"),
     case("policy --compare cpu", "expected 2 arguments"),
     # --- contradictory or meaningless flags ----------------------------------------------
-    case("trace gpt2-tiny --predict --no-predict", "--predict or --no-predict, not both"),
-    case("memory gpt2-tiny --no-predict --predict", "--predict or --no-predict, not both"),
+    case("trace gpt2-tiny --predict --no-predict", "--predict or --real, not both"),
+    case("trace gpt2-tiny --predict --real", "--predict or --real, not both"),
+    case("memory gpt2-tiny --no-predict --predict", "--predict or --real, not both"),
     case("trace gpt2-tiny --nproc 4", "--nproc only applies with --distributed"),
     case("trace gpt2-tiny --mp-policy param=bf16", "--mp-policy only applies with --distributed"),
     case("memory gpt2-tiny --timeout 5", "--timeout only applies with --distributed"),
