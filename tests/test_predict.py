@@ -151,3 +151,25 @@ def test_the_default_predicts_and_runs_for_real_when_the_model_reads_a_value():
     # Asked for explicitly, predicting such a model is refused in one line.
     with pytest.raises(ampscope.AmpscopeError, match="reads a tensor's value"):
         ampscope.trace(model, torch.randn(2, 8), workload="forward", predict=True)
+
+
+def test_a_predicted_transformers_model_says_its_attention_got_a_mask(tmp_path):
+    """transformers builds its causal mask explicitly when it sees fake tensors; a real run
+    without padding passes no mask. The predicted trace says so, and the real one has no mask."""
+    transformers = pytest.importorskip("transformers")
+    import ampscope
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=64)
+    config.save_pretrained(tmp_path)
+
+    def masked(t):
+        return [len(o.inputs) >= 4 for o in t.ops
+                if "scaled_dot_product" in o.op and o.phase == "forward"]
+
+    fake = ampscope.trace(f"hf:{tmp_path}", seq=8, workload="forward")
+    real = ampscope.trace(f"hf:{tmp_path}", seq=8, workload="forward", predict=False)
+    assert masked(fake) == [True] and masked(real) == [False]
+    assert any(n.startswith("transformers treats fake tensors as tracing") for n in fake.notes)
+    assert not any("transformers treats" in n for n in real.notes)

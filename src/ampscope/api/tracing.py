@@ -97,6 +97,13 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
             return result
 
 
+def _fake_mask(lm: LoadedModel, result: Trace) -> bool:
+    """A predicted transformers model whose attention got a mask (a 4th tensor)."""
+    return type(lm.module).__module__.startswith("transformers.") and any(
+        "scaled_dot_product" in o.op and len(o.inputs) >= 4
+        for o in result.ops if o.phase == "forward")
+
+
 class _ValuesNeeded(Exception):
     """A run predicted by default stopped because the model read a value."""
 
@@ -147,6 +154,11 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
             raise
         result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
+    if predict and _fake_mask(lm, result):
+        notes.append("transformers treats fake tensors as tracing and built its attention mask "
+                     "explicitly, where a real run without padding passes is_causal=True and no "
+                     "mask: the predicted step has the mask's ops and storage (--real for the "
+                     "real step's).")
     if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
