@@ -151,9 +151,12 @@ def test_a_model_that_raises_gets_one_line(tmp_path, monkeypatch, capsys):
 def test_console_script_traces_the_default_model_on_no_arguments():
     """`ampscope` alone (the README's run command) traces gpt2; here through `-m` on a tiny
     stand-in would not test the default, so check the parsed default instead."""
-    from ampscope.cli import DEFAULT_MODEL, _parser
+    from ampscope.cli import DEFAULT_MODEL, _parser, default_setting
     args = _parser().parse_args(["trace"])
-    assert (args.model, args.setting, args.workload) == (DEFAULT_MODEL, "fp32+amp-bf16", "train")
+    assert (args.model, args.workload) == (DEFAULT_MODEL, "train")
+    assert default_setting(args.model) == "fp32+amp-bf16"
+    assert default_setting("mypkg.model:build") == "native+amp-bf16"
+    assert default_setting("hf:./ckpt") == "fp32+amp-bf16"
     done = subprocess.run([sys.executable, "-m", "ampscope", "--help"], capture_output=True,
                           text=True, check=False)
     assert done.returncode == 0 and "trace" in done.stdout

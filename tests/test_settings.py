@@ -138,3 +138,32 @@ def test_run_options_round_trip_as_keyword_arguments():
     assert RunOptions(**options.as_kwargs()) == options
     assert options.workload_name == "forward"
     assert RunOptions(lambda module, batch: None).workload_name == "<lambda>"
+
+
+def test_native_keeps_the_parameter_dtypes_the_model_chose():
+    """A model that makes its embedding and first Linear bf16 and asserts it: `native` keeps
+    every parameter as made (its assertion holds), where `fp32` converts the bf16 majority."""
+    import ampscope
+
+    class Chooses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8).to(torch.bfloat16)
+            self.proj = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, idx):
+            assert self.emb.weight.dtype == torch.bfloat16, "the model's own bf16 embedding"
+            return self.head(self.proj(self.emb(idx)).float())
+
+    model = Chooses()
+    made = {n: p.dtype for n, p in model.named_parameters()}
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for name in ("native", "native+amp-bf16", "cuda:native+amp-bf16"):
+        t = ampscope.trace(model, ids, setting=name, workload="forward")
+        assert t.setting.name == name and t.setting.param_dtype is None
+        assert {p.name: p.dtype for p in t.parameters} == {n: str(d).removeprefix("torch.")
+                                                            for n, d in made.items()}
+    with pytest.raises(AssertionError, match="own bf16 embedding"):
+        ampscope.trace(model, ids, setting="fp32", workload="forward")
+    assert {n: p.dtype for n, p in model.named_parameters()} == made

@@ -13,6 +13,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
     Setting,
+    main_dtype,
     parse_setting,
     resolve_device,
 )
@@ -69,8 +70,9 @@ def run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: s
     per_param = 1  # the run's own copy of every weight (see precision.applied)
     if workload not in ("forward", "generate"):  # a custom step may train: count as one
         per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
-    itemsize = torch.empty((), dtype=setting.param_dtype).element_size()
-    what = (f"as {per_param} {dtype_name(setting.param_dtype)} copies of the weights "
+    dtype = setting.param_dtype or main_dtype(lm.module) or torch.float32  # native: the model's
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    what = (f"as {per_param} {dtype_name(dtype)} copies of the weights "
             f"for a {workload} run")
     bytes_per_parameter = per_param * itemsize
     if built_on_meta:

@@ -45,6 +45,18 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+# A model made by the user's own factory keeps the parameter dtypes it chose (its own bf16
+# embedding, say), as in the user's training script; the built-in models take the usual fp32.
+_SETTING_DEFAULT = (f"default: {DEFAULT_SETTING}; native+amp-bf16, every parameter as the "
+                    "model made it, for a package.module:factory")
+
+
+def default_setting(model: str) -> str:
+    """The setting a command runs `model` under when none is given."""
+    factory = ":" in model and not model.startswith("hf:")
+    return "native+amp-bf16" if factory else DEFAULT_SETTING
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ampscope",
@@ -56,9 +68,8 @@ def _parser() -> argparse.ArgumentParser:
 
     trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
     _add_model_argument(trace)
-    trace.add_argument("--setting", "-s", default=DEFAULT_SETTING,
-                       help="precision setting, e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32 "
-                            "(default: %(default)s)")
+    trace.add_argument("--setting", "-s", help=f"precision setting, e.g. fp32, bf16, "
+                       f"fp32+amp-bf16, native+amp-bf16, fp32+tf32 ({_SETTING_DEFAULT})")
     _add_run_arguments(trace)
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
@@ -132,8 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     memory = sub.add_parser("memory", help="every byte of one step by category and dtype; the "
                                            "peak and where it happens")
     _add_model_argument(memory)
-    memory.add_argument("--setting", "-s", default=DEFAULT_SETTING,
-                        help="precision setting (default: %(default)s)")
+    memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(memory)
     memory.add_argument("--measure", action="store_true",
                         help="on a real CUDA device, also run the step and show "
@@ -143,8 +153,7 @@ def _parser() -> argparse.ArgumentParser:
 
     flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
     _add_model_argument(flops)
-    flops.add_argument("--setting", "-s", default=DEFAULT_SETTING,
-                       help="precision setting (default: %(default)s)")
+    flops.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(flops)
     timing = flops.add_mutually_exclusive_group()
     timing.add_argument("--step-time", type=float, metavar="SECONDS",
@@ -431,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ampscope: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     try:
+        if args.command in ("trace", "memory", "flops") and args.setting is None:
+            args.setting = default_setting(args.model)
         _check_flags(argv, args)
         _check_outputs(args)
         resolve_hardware(args)

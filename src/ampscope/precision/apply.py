@@ -153,7 +153,7 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
     cannot reach the user's tensors. With `fake` (a FakeTensorMode: predict mode) the copies
     are fake tensors, which hold no memory.
     """
-    convert = main_dtype(model) not in (None, setting.param_dtype)
+    convert = setting.param_dtype is not None and main_dtype(model) not in (None, setting.param_dtype)
     device = torch.device(setting.run_device)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,9 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
             emulation = None
             autocast = setting.autocast_dtype
             log.info("Running under %s: parameters in %s, autocast %s, float32 matmul precision "
-                     "%r%s", setting.name, str(setting.param_dtype).removeprefix("torch."),
+                     "%r%s", setting.name,
+                     str(setting.param_dtype).removeprefix("torch.") if setting.param_dtype
+                     else "the model's own dtypes",
                      str(autocast).removeprefix("torch.") if autocast else "off",
                      setting.matmul_precision,
                      f"; {setting.device} emulated on the CPU" if setting.emulated else "")

@@ -34,9 +34,12 @@ DTYPES: dict[str, torch.dtype] = {
 AUTOCAST_DTYPES = ("bf16", "fp16")
 DEVICES = ("cpu", "cuda", "mps", "xpu")
 GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32] with DEVICE cpu|cuda|mps|xpu, PARAMS fp32|bf16|fp16|fp64, "
-    "AMP bf16|fp16; e.g. fp32, bf16, fp32+amp-bf16, fp32+tf32, cuda:fp32+amp-fp16"
+    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32] with DEVICE cpu|cuda|mps|xpu, PARAMS "
+    "fp32|bf16|fp16|fp64|native (native: every parameter as the model made it), AMP bf16|fp16; "
+    "e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, fp32+tf32, cuda:fp32+amp-fp16"
 )
+# The PARAMS part that converts nothing: each parameter keeps the dtype the model gave it.
+NATIVE = "native"
 _PATTERN = re.compile(
     r"^(?:(?P<device>[a-z]+):)?(?P<params>[a-z0-9]+)(?P<rest>(?:\+[a-z0-9-]+)*)$"
 )
@@ -48,7 +51,7 @@ class Setting:
 
     name: str  # canonical spelling, e.g. "fp32+amp-bf16" (device prefix only when not cpu)
     device: str
-    param_dtype: torch.dtype
+    param_dtype: torch.dtype | None  # None: native, the model's own dtypes
     autocast_dtype: torch.dtype | None
     matmul_precision: str  # "highest" or "high" (TF32)
     emulated: bool = False  # the device is absent: tensors live on the CPU, autocast is the device's
@@ -64,7 +67,7 @@ class Setting:
             name=self.name,
             device=self.device,
             emulated=self.emulated,
-            param_dtype=dtype_name(self.param_dtype),
+            param_dtype=dtype_name(self.param_dtype) if self.param_dtype else None,
             autocast_dtype=dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
             matmul_precision=self.matmul_precision,
             torch=torch.__version__,
@@ -92,7 +95,7 @@ def parse_setting(text: str) -> Setting:
     if device not in DEVICES:
         raise AmpscopeError(_unknown_device(device, text))
     params = match["params"]
-    if params not in DTYPES:
+    if params not in DTYPES and params != NATIVE:
         raise AmpscopeError(
             f"unknown parameter dtype {params!r} in setting {text!r}; the grammar is {GRAMMAR}"
         )
@@ -119,7 +122,7 @@ def parse_setting(text: str) -> Setting:
         canonical += "+tf32"
     if device != "cpu":
         canonical = f"{device}:{canonical}"
-    return Setting(canonical, device, DTYPES[params], autocast_dtype, matmul_precision)
+    return Setting(canonical, device, DTYPES.get(params), autocast_dtype, matmul_precision)
 
 
 def on_device(text: str, device: str) -> str:

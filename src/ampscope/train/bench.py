@@ -85,6 +85,8 @@ def _tf32_changes_cpu_matmuls() -> bool:
 def not_applicable(rung: Rung) -> str | None:
     """Why a rung cannot run (or would only repeat another) on this machine; None if it can."""
     s = rung.setting
+    if s.param_dtype is None:
+        return "native keeps the model's own dtypes: a rung names its parameter dtype (fp32, bf16)"
     if not device_available(s.device):
         return f"this machine has no {s.device} device"
     cuda_capability = torch.cuda.get_device_capability() if s.device == "cuda" else None

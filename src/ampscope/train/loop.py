@@ -191,11 +191,11 @@ def training_setting(text: str) -> Setting:
     return setting
 
 
-def _to_param_dtype(module: nn.Module, dtype: torch.dtype) -> list[str]:
+def _to_param_dtype(module: nn.Module, dtype: torch.dtype | None) -> list[str]:
     """Convert the model to the setting's parameter dtype, as a trace does (precision.applied):
     only when most of it is in another dtype, so a model's own choices (nanochat's bf16 rotary
     tables) survive an fp32 setting as they would in its own training script."""
-    if main_dtype(module) in (None, dtype):
+    if dtype is None or main_dtype(module) in (None, dtype):  # native: as the model made it
         return []
     module.to(dtype=dtype)
     return [f"parameters converted to {dtype_name(dtype)}"]
@@ -268,10 +268,11 @@ def train(config: TrainConfig, *, resume: str | None = None,
         raise AmpscopeError(f"--seq {config.seq} exceeds {lm.name}'s context length "
                             f"{lm.max_seq_len}")
     notes += _to_param_dtype(model, setting.param_dtype)
-    itemsize = setting.param_dtype.itemsize
+    params = setting.param_dtype or main_dtype(model) or torch.float32  # native: the model's
+    itemsize = params.itemsize
     shortfall = registry.memory_needed_message(
         lm.name, lm.num_parameters, bytes_per_parameter=3 * itemsize, device=device,
-        what=f"for gradients and AdamW's two moments in {dtype_name(setting.param_dtype)}")
+        what=f"for gradients and AdamW's two moments in {dtype_name(params)}")
     if shortfall:
         raise AmpscopeError(shortfall)
 
@@ -295,9 +296,9 @@ def train(config: TrainConfig, *, resume: str | None = None,
     # loss (so every gradient) by a large factor and divides it out before the update, skipping
     # steps whose gradients overflowed. bf16 has fp32's exponent range and needs none. Pure
     # fp16 parameters cannot be unscaled in place (GradScaler refuses fp16 gradients).
-    use_scaler = setting.autocast_dtype == torch.float16 and setting.param_dtype != torch.float16
+    use_scaler = setting.autocast_dtype == torch.float16 and params != torch.float16
     scaler = torch.amp.GradScaler(device) if use_scaler else None
-    if setting.param_dtype == torch.float16:
+    if params == torch.float16:
         notes.append("fp16 parameters train without loss scaling: small gradients may "
                      "underflow; fp32+amp-fp16 is the usual recipe")
     if setting.matmul_precision == "high" and device != "cuda":
@@ -308,7 +309,7 @@ def train(config: TrainConfig, *, resume: str | None = None,
     flops_per_token, formula = measure.flops_per_token(model, T)
     tokens_per_step = total_batch
     acc = measure.accelerator(device)
-    compute_dtype = setting.autocast_dtype or setting.param_dtype  # what the matmuls run in
+    compute_dtype = setting.autocast_dtype or params  # what the matmuls run in
     for note in notes:  # the choices made for this run (tokenizer, dtype, fallbacks), for -v
         decisions.info("%s", note)
 
