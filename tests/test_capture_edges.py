@@ -151,3 +151,69 @@ def test_ops_are_aten_ops_only(gpt2_tiny):
     """The optimizer's profiler range is no computation and is not listed."""
     t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)
     assert {o.op.split(".")[0] for o in t.ops} == {"aten"}
+
+
+def test_state_held_outside_parameters_and_buffers_is_in_the_inventory():
+    """A plain tensor attribute set in forward (running statistics kept by hand) and a cache
+    object passed to the model: each tensor recorded once, with its dtype and final shape; the
+    model's own parameters (also reachable through the cache) are not repeated."""
+    import ampscope
+
+    class Cache:
+        def __init__(self):
+            self.keys: list[torch.Tensor] = []
+            self.weight_ref = None
+
+    class Held(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, cache):
+            y = self.proj(x)
+            self.running = y.detach().mean(0).to(torch.float64)  # a plain attribute
+            cache.keys.append(y.detach().to(torch.bfloat16))
+            cache.weight_ref = self.proj.weight  # a parameter: not held state
+            return y
+
+    cache = Cache()
+
+    def step(model, batch):
+        for _ in range(2):
+            model(batch["x"], cache)
+
+    t = ampscope.trace(Held(), {"x": torch.randn(3, 8)}, workload=step)
+    held = {h.name: (h.where, h.dtype, h.shape) for h in t.held}
+    assert held == {"running": ("attribute", "float64", (8,)),
+                    "cache.keys[0]": ("argument", "bfloat16", (3, 8)),
+                    "cache.keys[1]": ("argument", "bfloat16", (3, 8))}
+    text = next(f.text for f in t.findings if "outside its parameters" in f.text)
+    assert "cache: 2 bfloat16 tensors" in text and "running: 1 float64 tensor" in text
+    back = ampscope.Trace.from_dict(t.to_dict())
+    assert back.held == t.held
+
+
+def test_a_transformers_kv_cache_has_the_dtype_and_length_of_the_run():
+    """Ground truth: the cache transformers itself returns from the same model's forward."""
+    transformers = pytest.importorskip("transformers")
+    import ampscope
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    with torch.no_grad():
+        truth = model(ids, use_cache=True).past_key_values
+    expected = {(f"layers[{i}].{kind}", str(getattr(layer, kind).dtype).removeprefix("torch."),
+                 tuple(getattr(layer, kind).shape))
+                for i, layer in enumerate(truth.layers) for kind in ("keys", "values")}
+
+    def step(m, batch):
+        return m(batch["input_ids"], use_cache=True, past_key_values=transformers.DynamicCache(
+            config=config))
+
+    t = ampscope.trace(model, {"input_ids": ids}, setting="native", workload=step)
+    got = {(h.name.removeprefix("past_key_values."), h.dtype, h.shape) for h in t.held}
+    assert got == expected and len(got) == 4

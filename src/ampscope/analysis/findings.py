@@ -329,11 +329,28 @@ def optimizer_findings(trace: Trace) -> list[Finding]:
     return [Finding(f"Optimizer state: {', '.join(parts)}.", "optimizer")]
 
 
+def held_state_findings(trace: Trace) -> list[Finding]:
+    """What the model holds outside its parameters and buffers (a KV cache, a plain tensor
+    attribute), by holder and dtype: "kv_cache: 4 float32 tensors (0.02 MB)"."""
+    if not trace.held:
+        return []
+    groups: dict[tuple[str, str], list[int]] = {}
+    for h in trace.held:
+        holder = h.name.split(".")[0].split("[")[0] if h.where == "argument" else h.name
+        groups.setdefault((holder, h.dtype), []).append(numel(h.shape) * itemsize(h.dtype))
+    parts = [f"{holder}: {plural(len(sizes), dtype + ' tensor')} ({sum(sizes) / 1e6:.2f} MB)"
+             for (holder, dtype), sizes in groups.items()]
+    shown = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more" if len(parts) > 4 else "")
+    return [Finding(f"The model holds {plural(len(trace.held), 'tensor')} outside its parameters "
+                    f"and buffers at the end of the run: {shown}.", "buffer-dtype")]
+
+
 def derive_findings(trace: Trace) -> list[Finding]:
     changes = dtype_changes(trace)
     return [
         *parameter_findings(trace),
         *buffer_findings(trace),
+        *held_state_findings(trace),
         *input_findings(trace),
         *activation_findings(trace, changes),
         *tensor_dtype_findings(changes),

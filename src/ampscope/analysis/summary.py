@@ -80,6 +80,8 @@ def dtype_inventory(trace: Trace) -> list[DtypeCount]:
     rows += _count("optimizer state", [(s.dtype, s.shape, s.key) for s in trace.optimizer_state])
     rows += _count("inputs", [(i.dtype, i.shape, i.name) for i in trace.inputs])
     rows += _count("outputs", [(o.dtype, o.shape, o.name) for o in trace.outputs])
+    rows += _count("held state", [(h.dtype, h.shape, h.name.split(".")[0].split("[")[0])
+                                  for h in trace.held])
     return rows
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from ampscope.records import (
     TARGET_NAMES,
     BufferRecord,
+    HeldRecord,
     InputRecord,
     OptimizerStateRecord,
     ParameterRecord,
@@ -82,3 +83,55 @@ def named_tensors(named: dict[str, object], role: str | None = None) -> list[Inp
             r = role or ("target" if name in TARGET_NAMES else "input")
             records.append(InputRecord(name, r, dtype_name(value.dtype), tuple(value.shape)))
     return records
+
+
+# What nn.Module itself keeps in a module's __dict__ (hooks, children, parameters, buffers):
+# never the model's own state.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+_DEPTH = 4  # cache.layers[0].keys: an object, its list, an entry, the entry's tensor
+
+
+def held_state(model: nn.Module, arguments: dict[str, object]) -> list[HeldRecord]:
+    """The tensors the model holds outside its parameters and buffers: plain tensor attributes
+    of its modules (and in their lists, dicts and objects), and the tensors inside the
+    non-tensor objects passed to it (`arguments`: a KV cache), each tensor once."""
+    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    records: list[HeldRecord] = []
+    seen: set[int] = set()
+
+    def add(found, where: str) -> None:
+        for name, t in found:
+            if id(t) in own or id(t) in seen:
+                continue
+            seen.add(id(t))
+            records.append(HeldRecord(name, where, dtype_name(t.dtype), tuple(t.shape)))
+
+    for prefix, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key not in _MODULE_OWN and key != "forward":
+                name = f"{prefix}.{key}" if prefix else key
+                add(_tensors_in(value, name, _DEPTH, set()), "attribute")
+    for name, value in arguments.items():
+        add(_tensors_in(value, name, _DEPTH, set()), "argument")
+    return records
+
+
+def _tensors_in(value: object, path: str, depth: int, visited: set[int]):
+    """(path, tensor) for every tensor in `value`, through lists, tuples, dicts and plain
+    objects' attributes, `depth` levels down (modules are left to the parameter inventory)."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if depth == 0 or id(value) in visited or isinstance(value, (nn.Module, str, bytes, type)):
+        return
+    visited.add(id(value))
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif hasattr(value, "__dict__") and not callable(value):
+        items = [(f"{path}.{k}", v) for k, v in vars(value).items() if not k.startswith("__")]
+    else:
+        return
+    for item_path, item in items:
+        yield from _tensors_in(item, item_path, depth - 1, visited)

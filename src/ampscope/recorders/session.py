@@ -91,6 +91,7 @@ class Capture:
         # inventory is taken, and its state is part of what the trace must report.
         self._optimizers: list[torch.optim.Optimizer] = []
         self._inputs: dict[str, torch.Tensor] | None = None
+        self._arguments: dict[str, object] = {}
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
 
@@ -206,11 +207,16 @@ class Capture:
         self._functions.step += 1
 
     def _on_model_call(self, module, args, kwargs) -> None:
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
+        # Objects passed to the model (a KV cache) hold tensors of the model's: kept until
+        # `finish` takes their inventory, as they are at the end of the run.
+        for k, v in bound.items():
+            if not isinstance(v, (torch.Tensor, int, float, bool, str, type(None))):
+                self._arguments[k] = v
         if self._inputs is None:
-            try:
-                bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
             self._inputs = {k: v for k, v in bound.items() if isinstance(v, torch.Tensor)}
             for k, v in self._inputs.items():
                 self._functions.origins[id(v)] = (weakref.ref(v), f"model input {k}")
@@ -314,6 +320,8 @@ class Capture:
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model)
         trace.storages = self._storage_records(outputs or {})
+        trace.held = inventory.held_state(model, self._arguments)
+        self._arguments = {}
         self._optimizers = []
         if inputs is not None or not trace.inputs:
             trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))

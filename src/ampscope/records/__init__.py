@@ -21,6 +21,7 @@ from ampscope.records.tensors import (
     BufferRecord,
     FailedCall,
     FunctionCall,
+    HeldRecord,
     InputRecord,
     ModuleCall,
     OpCall,
@@ -36,7 +37,7 @@ from ampscope.records.trace import SCHEMA, Finding, ModelInfo, Trace
 
 __all__ = [
     "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
-    "BufferRecord", "FailedCall", "Finding", "FunctionCall", "InputRecord", "ModelInfo",
+    "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
     "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
     "StorageRecord", "TensorMeta", "Trace", "dtype_name", "module_label",
 ]

@@ -139,6 +139,18 @@ class OptimizerStateRecord:
 
 
 @dataclass(frozen=True)
+class HeldRecord:
+    """A tensor the model holds outside its parameters and buffers: a plain tensor attribute
+    of one of its modules (a rotary table made at run time, running statistics), or one inside
+    an object passed to it (a KV cache), as it was at the end of the run."""
+
+    name: str  # "blocks.0.attn.cache_k" (an attribute) or "past_key_values.layers[0].keys"
+    where: str  # "attribute" or "argument"
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class InputRecord:
     name: str
     role: str  # "input" or "target"

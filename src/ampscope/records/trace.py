@@ -17,6 +17,7 @@ from ampscope.records.tensors import (
     TARGET_NAMES,
     BufferRecord,
     FunctionCall,
+    HeldRecord,
     InputRecord,
     ModuleCall,
     OpCall,
@@ -64,6 +65,7 @@ class Trace:
     mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
     storages: list[StorageRecord] = field(default_factory=list)  # memory: recorders/memory.py
+    held: list[HeldRecord] = field(default_factory=list)  # KV caches, plain tensor attributes
 
     def to_dict(self) -> dict:
         return {
@@ -83,6 +85,7 @@ class Trace:
                 "optimizer_state": [_plain(s) for s in self.optimizer_state],
                 "inputs": [_plain(i) for i in self.inputs],
                 "outputs": [_plain(o) for o in self.outputs],
+                "held": [_plain(h) for h in self.held],
             },
             "findings": [asdict(f) for f in self.findings],
             "storages": [_storage(s) for s in self.storages],
@@ -158,6 +161,8 @@ class Trace:
                     for i in tensors.get("inputs", [])],
             outputs=[InputRecord(o["name"], o.get("role", "output"), o["dtype"], tuple(o["shape"]))
                      for o in tensors.get("outputs", [])],
+            held=[HeldRecord(h["name"], h["where"], h["dtype"], tuple(h["shape"]))
+                  for h in tensors.get("held", [])],
             findings=[Finding(f["text"], f["cause"], f.get("source"))
                       for f in data.get("findings", [])],
             mode=data.get("mode", "run"),
