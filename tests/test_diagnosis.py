@@ -119,3 +119,36 @@ def test_cli_prints_the_diagnosis(tmp_path, monkeypatch, capsys):
                           "head: torch.nn.functional.linear at mixed_model.py:15")
     assert "from Tensor.bfloat16 in (model) at mixed_model.py:14" in err
     assert "usual fixes:" in err and "Traceback" not in err
+
+
+class _ConvCast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x.to(torch.bfloat16))
+
+
+class _BmmCast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x):
+        return torch.bmm(x.to(torch.bfloat16), self.w)
+
+
+@pytest.mark.parametrize("model, x, func", [
+    (_ConvCast, torch.randn(1, 3, 8, 8), "torch.nn.functional.conv2d"),
+    (_BmmCast, torch.randn(2, 4, 4), "torch.bmm"),
+])
+@pytest.mark.parametrize("predict", [False, None])
+def test_conv_and_bmm_mismatches_are_diagnosed(model, x, func, predict):
+    """Not only linear/matmul: a conv (whose error names the bias) and a bmm, real and
+    predicted, get the diagnosis with both dtypes."""
+    with pytest.raises(DtypeMismatchError) as e:
+        ampscope.trace(model(), x, workload="forward", predict=predict)
+    first = str(e.value).splitlines()[0]
+    assert "dtype mismatch in" in first and func in first
+    assert "bfloat16" in first and "float32" in first

@@ -11,7 +11,7 @@ from ampscope.records import FailedCall, module_label
 # How PyTorch words a dtype mismatch (matmul, linear, addmm, index ops, conv, ...).
 _MISMATCH = re.compile(
     r"same dtype|expected scalar type|dtype mismatch|must have the same|"
-    r"expected (both|all) .*dtype|Input type .* and weight type|found dtype|"
+    r"expected (both|all) .*dtype|Input type .* and (weight|bias) type|found dtype|"
     r"expected .*(Float|Half|BFloat16|Double)", re.I)
 _FLOATS = ("float64", "float32", "bfloat16", "float16")
 
