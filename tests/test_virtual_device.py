@@ -225,3 +225,28 @@ def test_tensors_are_on_the_virtual_device_also_when_predicted(predict):
                        workload=lambda m, b: m(next(iter(b.values()))))
     copies = [o for o in t.ops if o.op == "aten._to_copy.default"]
     assert [(c.inputs[0].dtype, c.outputs[0].dtype) for c in copies] == [("int64", "float32")]
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.norm(self.proj(x), p=2, dim=-1)
+
+
+@pytest.mark.parametrize("predict", [False, None])
+def test_device_branches_in_pytorchs_own_python_code_take_the_targets_path(predict):
+    """torch.norm, written in Python, skips its linalg path on MPS (it reads input.device inside
+    the call the mode handed on): on the virtual MPS device it runs aten.norm as an MPS device
+    does, on the CPU and virtual CUDA linalg_vector_norm."""
+    import ampscope
+
+    def norms(setting):
+        t = ampscope.trace(_Norm(), torch.randn(2, 4), setting=setting, workload="forward",
+                           predict=predict)
+        return [o.op for o in t.ops if "norm" in o.op]
+
+    assert norms("mps:fp32") == ["aten.norm.ScalarOpt_dim"]
+    assert norms("cuda:fp32") == norms("fp32") == ["aten.linalg_vector_norm.default"]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -200,20 +200,41 @@ class DeviceMode(TorchFunctionMode):
 
         return __new__
 
+    def tensor_device(self) -> property:
+        """`Tensor.device`, answered from the tag for every reader but PyTorch's private
+        internals (`torch._*`, whose kernels must see where the tensor really is) and ampscope's
+        own code. A property rather than the mode's getter alone: PyTorch's own Python
+        functions (`torch.norm` takes another path on MPS) read the device inside a torch
+        function the mode handed on, with the mode off its stack, and must still see the
+        target, as on the device."""
+        mode = self
+        getter = _TensorBase.device.__get__
+
+        def device(t: torch.Tensor) -> torch.device:
+            with torch._C.DisableTorchFunction():
+                real = getter(t)
+            reader = sys._getframe(1).f_globals.get("__name__", "")
+            if real != mode.backing or reader.startswith(("torch._", "ampscope.")):
+                return real
+            return mode._virtual(t)
+
+        return property(device)
+
     def fake_device(self, original: property) -> property:
         """`FakeTensor.device`, which a fake tensor answers in Python without a torch function
-        call: answered from the tag while this mode is on the stack, as the TensorBase getter
-        is, except to PyTorch's private internals (FakeTensorMode's device propagation and
-        cache keys, decompositions, meta kernels), which run inside ops that may be dispatched
-        straight from C++ with the mode still on the stack (`nn.Parameter(...)`), and must see
+        call: answered from the tag, as the TensorBase getter is (also inside a PyTorch Python
+        function the mode handed on, as `tensor_device` does), except to PyTorch's private
+        internals (FakeTensorMode's device propagation and cache keys, decompositions, meta
+        kernels), which run inside ops that may be dispatched straight from C++ with the mode
+        still on the stack (`nn.Parameter(...)`), and to ampscope's own code: both must see
         where the fake tensor really is."""
         mode = self
 
         def device(t: FakeTensor) -> torch.device:
-            if t.fake_mode.in_kernel_invocation or mode not in _get_current_function_mode_stack():
+            if t.fake_mode.in_kernel_invocation:
                 return original.fget(t)
             reader = sys._getframe(1).f_globals.get("__name__", "")
-            if reader.startswith("torch._"):
+            if reader.startswith(("torch._", "ampscope.")):
                 return original.fget(t)
             return mode._virtual(t)
 
@@ -368,6 +389,7 @@ class VirtualDevice:
             (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
             (FakeTensor, "device", self.mode.fake_device(FakeTensor.__dict__["device"])),
+            (torch.Tensor, "device", self.mode.tensor_device()),
         ]
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
