@@ -4,7 +4,8 @@
 - `tracing.py`: `trace`, `matrix`, `capture`;
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
 - `measure.py`: an untraced step's wall time and allocator peak (CUDA or CPU);
-- `fit.py`: `fit`, the largest batch whose predicted step fits a GPU.
+- `fit.py`: `fit`, the largest batch whose predicted step fits a GPU;
+- `watch.py`: `watch`, one optimizer step of the user's own training loop, traced as it runs.
 """
 
 from ampscope.api.fit import fit
@@ -12,6 +13,7 @@ from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_meas
 from ampscope.api.planning import load
 from ampscope.api.reports import findings, flops, memory, numerics, policy, tokens_of
 from ampscope.api.tracing import capture, matrix, trace, trace_run
+from ampscope.api.watch import Watch, watch
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS, DEFAULT_NUMERICS_SETTINGS
 from ampscope.render import notebook
 
@@ -23,5 +25,5 @@ __all__ = [
     "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "peak_to_measure", "findings",
     "fit", "flops",
     "load", "matrix", "measure_peak_memory", "measure_step", "memory", "numerics", "policy",
-    "tokens_of", "trace", "trace_run",
+    "tokens_of", "trace", "trace_run", "Watch", "watch",
 ]
