@@ -245,3 +245,37 @@ def test_lightning_callback_traces_step_2_of_fit_into_its_log_dir(tmp_path):
     assert {s.key for s in t.optimizer_state} == {"step", "exp_avg", "exp_avg_sq"}
     assert (tmp_path / "run" / "ampscope-step2.json").exists()
     assert (tmp_path / "run" / "ampscope-step2.html").exists()
+
+
+def test_a_failed_write_is_logged_and_the_training_goes_on(tmp_path, monkeypatch, caplog):
+    import errno
+    import importlib
+
+    watch_module = importlib.import_module("ampscope.api.watch")  # the name is the function
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(watch_module, "write_atomic", full_disk)
+    model, optimizer = model_and_optimizer()
+    w = ampscope.watch(model, optimizer, out=tmp_path)
+    with caplog.at_level("WARNING", logger="ampscope"):
+        for i in range(1, 4):
+            train_step(model, optimizer, i)
+    # the loop was not stopped (AdamW counted 3 steps), and the trace is kept
+    assert {float(s["step"]) for s in optimizer.state.values()} == {3.0}
+    assert w.steps == 2 and w.trace is not None
+    assert w.files == [tmp_path / "ampscope-step2.json"]  # written before the disk filled
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ampscope.watch: cannot write to {tmp_path}: No space left on device"]
+
+
+def test_the_frameworks_are_imported_only_by_their_callbacks():
+    import subprocess
+    import sys
+
+    code = ("import sys, ampscope, ampscope.integrations; ampscope.watch; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -42,7 +42,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, s
 
 class Watch:
     """What `watch` returns: `trace` (None until step `step` has run), `steps` (the optimizer
-    steps seen so far), `files` (the paths written), `close()`."""
+    steps seen, up to `step`: nothing counts after it), `files` (the paths written), `close()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  step: int = 2, out: str | Path | None = None, name: str | None = None) -> None:
