@@ -99,7 +99,7 @@ def test_models_lists_builtins_and_the_zoo(capsys):
         (["trace", "no_such_module_xyz:build"], "no_such_module_xyz"),
         (["numerics", "gpt2-tiny", "--seq", "100"], "context length"),
         (["policy", "--op", "softmax"], "no op containing 'softmax' is on cpu's autocast list"),
-        (["memory", "gpt2-tiny", "--device", "mps", "--measure"], "--measure needs a real CUDA"),
+        (["memory", "gpt2-tiny", "--device", "mps", "--measure"], "--measure needs a real CUDA device or the CPU"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_code_2(capsys, argv, message):

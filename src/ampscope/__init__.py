@@ -27,7 +27,7 @@ _EXPORTS = {
     "capture": "ampscope.api", "findings": "ampscope.api", "fit": "ampscope.api",
     "flops": "ampscope.api", "matrix": "ampscope.api",
     "memory": "ampscope.api", "numerics": "ampscope.api", "policy": "ampscope.api",
-    "trace": "ampscope.api", "AmpscopeError": "ampscope.errors",
+    "trace": "ampscope.api", "watch": "ampscope.api", "AmpscopeError": "ampscope.errors",
     "LoadedModel": "ampscope.models.base", "Setting": "ampscope.precision",
     "parse_setting": "ampscope.precision", "Trace": "ampscope.records",
     "run_script": "ampscope.script", "RunOptions": "ampscope.workloads",
@@ -35,7 +35,7 @@ _EXPORTS = {
 
 __all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "findings",
            "fit", "flops",
-           "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace"]
+           "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace", "watch"]
 
 
 def __getattr__(name: str) -> Any:
@@ -77,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
         numerics,
         policy,
         trace,
+        watch,
     )
     from ampscope.errors import AmpscopeError
     from ampscope.models.base import LoadedModel

@@ -92,12 +92,18 @@ class TimelineBucket:
 
 @dataclass(frozen=True)
 class MeasuredPeak:
-    """The step's peak as a real CUDA device's allocator saw it (`memory --measure`)."""
+    """The step's peak as the real device's allocator saw it (`memory --measure`): CUDA's
+    counter on a GPU, the profiler's allocation events on the CPU."""
 
-    device: str  # torch.cuda.get_device_name()
+    device: str  # torch.cuda.get_device_name(), or "cpu"
+    source: str  # "torch.cuda.max_memory_allocated" or "torch.profiler memory events"
     max_memory_allocated: int  # over the step, counted as the prediction counts it
-    raw_max_memory_allocated: int  # torch.cuda.max_memory_allocated() as it read
-    allocated_before: int  # what was allocated before the step (the model as loaded, the batch)
+    # CUDA: torch.cuda.max_memory_allocated() as it read; CPU: the most bytes the step
+    # allocated over what was live at its start
+    raw_max_memory_allocated: int
+    # CUDA: allocated before the step (the model as loaded, the batch); CPU: the step's own
+    # copies of the weights and the batch, live at its start
+    allocated_before: int
 
     def error(self, predicted: int) -> float:
         """The prediction's relative error against this measurement."""
@@ -123,7 +129,7 @@ class MemoryReport:
     timeline: list[TimelineBucket]
     rounding: str | None  # "cuda" when the peak is also given with CUDA's block rounding
     notes: list[str] = field(default_factory=list)
-    measured: MeasuredPeak | None = None  # on a real CUDA device, with --measure
+    measured: MeasuredPeak | None = None  # on a real CUDA device or the CPU, with --measure
     emulated: bool = False  # the device was absent: the run was emulated on the CPU
 
     def to_dict(self) -> dict:

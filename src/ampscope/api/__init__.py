@@ -3,15 +3,17 @@
 - `planning.py`: the model, its batch, real or predicted;
 - `tracing.py`: `trace`, `matrix`, `capture`;
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
-- `measure.py`: an untraced step's wall time and CUDA peak;
-- `fit.py`: `fit`, the largest batch whose predicted step fits a GPU.
+- `measure.py`: an untraced step's wall time and allocator peak (CUDA or CPU);
+- `fit.py`: `fit`, the largest batch whose predicted step fits a GPU;
+- `watch.py`: `watch`, one optimizer step of the user's own training loop, traced as it runs.
 """
 
 from ampscope.api.fit import fit
-from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
+from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
 from ampscope.api.planning import load
 from ampscope.api.reports import findings, flops, memory, numerics, policy, tokens_of
 from ampscope.api.tracing import capture, matrix, trace, trace_run
+from ampscope.api.watch import Watch, watch
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS, DEFAULT_NUMERICS_SETTINGS
 from ampscope.render import notebook
 
@@ -20,8 +22,8 @@ from ampscope.render import notebook
 notebook.register()
 
 __all__ = [
-    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "cuda_to_measure", "findings",
+    "DEFAULT_MATRIX_SETTINGS", "DEFAULT_NUMERICS_SETTINGS", "capture", "peak_to_measure", "findings",
     "fit", "flops",
     "load", "matrix", "measure_peak_memory", "measure_step", "memory", "numerics", "policy",
-    "tokens_of", "trace", "trace_run",
+    "tokens_of", "trace", "trace_run", "Watch", "watch",
 ]

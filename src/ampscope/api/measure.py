@@ -1,7 +1,13 @@
 """Measurements of an untraced step on this machine's real device: its wall time (for MFU)
-and, on CUDA, the allocator's peak (beside the predicted one)."""
+and the allocator's peak (beside the predicted one): CUDA's own counter on a GPU, the
+profiler's allocation events on the CPU."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -25,16 +31,24 @@ def real_step(model: str | nn.Module | LoadedModel, setting: Setting,
     return lm, batch_for(lm, None, options, device=setting.run_device)
 
 
-def cuda_to_measure(setting: str | Setting) -> Setting:
-    """The setting, if it runs on a real CUDA device here; else the one-line refusal of
-    `memory --measure` (checked before any tracing)."""
+def peak_to_measure(setting: str | Setting) -> Setting:
+    """The setting, if it runs for real on a CUDA device or on the CPU here; else the one-line
+    refusal of `memory --measure` (checked before any tracing)."""
     setting = resolved(setting)
-    if setting.device != "cuda" or setting.emulated:
+    if setting.device not in ("cuda", "cpu") or setting.emulated:
         raise AmpscopeError(
-            f"--measure needs a real CUDA device and {setting.name} runs "
-            f"{'emulated ' if setting.emulated else ''}on {setting.run_device}"
+            f"--measure needs a real CUDA device or the CPU and {setting.name} runs "
+            f"{'emulated ' if setting.emulated else ''}on {setting.run_device}; "
+            "drop --device or choose a cpu setting"
         )
     return setting
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (a batch's ids and targets may be views
+    of one storage: the prediction counts it once, and so must the measurement)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def measure_step(
@@ -95,15 +109,16 @@ def measure_peak_memory(
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
 ) -> MeasuredPeak:
-    """The step's peak on a real CUDA device, counted as the prediction counts it: CUDA's
-    `max_memory_allocated` over the step, less what was allocated before it (the model as
-    loaded and the batch), plus the batch (the prediction counts the inputs, not the model as
-    loaded: its step works on its own copies of the weights, see precision.applied)."""
+    """The step's peak on this machine's real device, counted as the prediction counts it: the
+    step's own copies of the weights and the batch, plus the most bytes the step allocated on
+    top of them (see precision.applied: the step works on its own copies of the weights)."""
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed,
                          checkpoint=checkpoint, optimizer_impl=optimizer_impl)
-    setting = cuda_to_measure(setting)
+    setting = peak_to_measure(setting)
     lm, data = real_step(model, setting, options)
-    input_bytes = sum(t.numel() * t.element_size() for t in data.values())
+    if setting.device == "cpu":
+        return _cpu_peak(lm, data, setting, options)
+    input_bytes = _storage_bytes(data.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -112,7 +127,61 @@ def measure_peak_memory(
         torch.cuda.synchronize()
     return MeasuredPeak(
         device=torch.cuda.get_device_name(),
+        source="torch.cuda.max_memory_allocated",
         max_memory_allocated=torch.cuda.max_memory_allocated() - before + input_bytes,
         raw_max_memory_allocated=torch.cuda.max_memory_allocated(),
         allocated_before=before,
     )
+
+
+def _cpu_peak(lm: LoadedModel, data: Batch, setting: Setting,
+              options: RunOptions) -> MeasuredPeak:
+    """The CPU has no peak counter: the profiler records every allocation and free of the step
+    (`profile_memory=True`), and replaying them in time order gives the most bytes live at
+    once, relative to the start. Started inside `applied`, so that what applied keeps for
+    itself (a copy of the RNG state) is not counted; the step's weights and batch, live at the
+    start, are counted from their storages."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with applied(setting, lm.module):
+        module = lm.module
+        start = _storage_bytes([*module.parameters(), *module.buffers(), *data.values()])
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _fd2_silenced():
+            prof.start()
+        try:
+            workloads.run(lm, data, setting, options)
+        finally:
+            with _fd2_silenced():
+                prof.stop()
+    # The events torch's own parser reads (torch.autograd.profiler_util): one "[memory]" event
+    # per allocation (+bytes) and free (-bytes), each with its time.
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return MeasuredPeak(device="cpu", source="torch.profiler memory events",
+                        max_memory_allocated=start + peak, raw_max_memory_allocated=peak,
+                        allocated_before=start)
+
+
+@contextlib.contextmanager
+def _fd2_silenced() -> Iterator[None]:
+    """Kineto writes a "profiler_start" / "profiler_stop" line straight to file descriptor 2
+    when the profiler starts and stops, whatever its log level: `--measure` silences those two
+    moments (never the step), so that stderr keeps only what ampscope says."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

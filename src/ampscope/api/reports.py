@@ -17,7 +17,7 @@ from ampscope.analysis.flops import FlopReport, flop_report, utilization
 from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import tokens_of
-from ampscope.api.measure import cuda_to_measure, measure_peak_memory, measure_step
+from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
 from ampscope.api.planning import batch_for, load, resolved, run_shortfall
 from ampscope.api.tracing import trace
 from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
@@ -56,7 +56,7 @@ def memory(
         _already_run(model, inputs, options, measure=measure)
         return memory_report(model)
     if measure:
-        cuda_to_measure(options.get("setting", "fp32"))
+        peak_to_measure(options.get("setting", "fp32"))
     report = memory_report(trace(model, inputs, **options))
     if measure:
         timed = {k: v for k, v in options.items() if k != "predict"}

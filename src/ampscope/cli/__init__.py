@@ -146,8 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(memory)
     memory.add_argument("--measure", action="store_true",
-                        help="on a real CUDA device, also run the step and show "
-                             "torch.cuda.max_memory_allocated beside the prediction")
+                        help="also run the step untraced and show its measured peak beside "
+                             "the prediction (a real CUDA device or the CPU)")
     _add_export_arguments(memory, csv="bytes by category and dtype")
     _add_distributed_arguments(memory)
 

@@ -203,7 +203,10 @@ class Capture:
             self._tracker.enter_running(root, self._on_model_call)
 
     def _on_root_forward(self) -> None:
-        self._clock.after_backward = False  # a new step begins
+        # A new step begins: also inside optimizer.step(closure), where an optimizer that takes
+        # a closure (LBFGS; Lightning runs every step this way) runs forward and backward.
+        self._clock.after_backward = False
+        self._clock.in_optimizer_step = False
         self._functions.step += 1
 
     def _on_model_call(self, module, args, kwargs) -> None:

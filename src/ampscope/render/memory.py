@@ -138,7 +138,8 @@ def render_memory(report: MemoryReport) -> RenderableType:
     if report.measured is not None:
         m = report.measured
         predicted = report.peak.rounded_bytes or report.peak.bytes
-        parts += [Text(), Text(f"Measured on {m.device}: max_memory_allocated "
+        parts += [Text(), Text(f"Measured on {m.device} ({m.source}): peak "
                                f"{m.max_memory_allocated:,} B; predicted {predicted:,} B "
-                               f"({100 * m.error(predicted):+.1f}%)")]
+                               f"({predicted - m.max_memory_allocated:+,} B, "
+                               f"{100 * m.error(predicted):+.3f}%)")]
     return Group(*parts)
