@@ -14,7 +14,12 @@ Every count follows PyTorch's convention: a multiply-add is 2 FLOPs, elementwise
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 aten = torch.ops.aten
 
@@ -44,21 +49,85 @@ def _kept_fraction(query_len: int, key_len: int) -> float:
     return kept / (query_len * key_len)
 
 
-def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> tuple[int, int]:
+class _Fallback(Exception):
+    """An argument `_shapes` does not rebuild as pytree would (a named tuple, a dict)."""
+
+
+def _shapes(value):
+    """`value` with every tensor replaced by its shape: what `shape_wrapper`'s `tree_map` hands a
+    formula, for the plain tuples, lists and scalars ops take, without pytree's cost."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    cls = type(value)
+    if cls is tuple or cls is list:
+        return cls(_shapes(v) for v in value)
+    if isinstance(value, (tuple, list, dict)):
+        raise _Fallback
+    return value
+
+
+# The body every `shape_wrapper`-wrapped formula runs: such a formula is called unwrapped, with
+# shapes computed here.
+_SHAPE_WRAPPER_CODE = shape_wrapper(lambda: None).__code__
+
+
+class _Formula:
+    """What is known of one op overload's FLOPs, looked up once."""
+
+    __slots__ = ("count", "extra", "raw", "attention", "names")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        packet = func.overloadpacket
+        count = flop_registry.get(packet)
+        extra = count is None and packet in _EXTRA
+        if extra:
+            count = _EXTRA[packet]
+        self.count, self.extra = count, extra
+        # Called with shapes (a wrapped formula's own function), or as it is.
+        self.raw = None
+        if count is not None and not extra and count.__code__ is _SHAPE_WRAPPER_CODE:
+            self.raw = count.__wrapped__
+        self.attention = count is not None and "attention" in packet.__name__
+        self.names = [a.name for a in func._schema.arguments] if self.attention else []
+
+    def flops(self, args: tuple, kwargs: dict, out) -> int:
+        if self.raw is not None:
+            try:
+                shapes, shaped_kwargs = _shapes(args), {k: _shapes(v) for k, v in kwargs.items()}
+                out_shape = _shapes(out)
+            except _Fallback:
+                return int(self.count(*args, **kwargs, out_val=out))
+            return int(self.raw(*shapes, out_shape=out_shape, **shaped_kwargs))
+        if self.extra:
+            return int(self.count(*args, **kwargs))
+        return int(self.count(*args, **kwargs, out_val=out))
+
+
+_formulas: dict[torch._ops.OpOverload, _Formula | None] = {}
+
+
+def formula(func: torch._ops.OpOverload) -> _Formula | None:
+    """The op's FLOP formula, None for ops that have none (elementwise, views, copies)."""
+    try:
+        return _formulas[func]
+    except KeyError:
+        found = _Formula(func)
+        result = _formulas[func] = found if found.count is not None else None
+        return result
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
+             known: _Formula | None = None) -> tuple[int, int]:
     """(FLOPs, FLOPs with causal attention counted on the kept entries only) of one op; (0, 0)
-    for ops without a formula (elementwise, views, copies)."""
-    packet = func.overloadpacket
-    formula = flop_registry.get(packet)
-    if formula is not None:
-        flops = int(formula(*args, **kwargs, out_val=out))
-    elif packet in _EXTRA:
-        flops = int(_EXTRA[packet](*args, **kwargs))
-    else:
+    for ops without a formula (elementwise, views, copies). `known` is `formula(func)`, where
+    the caller has it already."""
+    found = known if known is not None else formula(func)
+    if found is None:
         return 0, 0
-    if "attention" not in packet.__name__:
+    flops = found.flops(args, kwargs, out)
+    if not found.attention:
         return flops, flops
-    names = [a.name for a in func._schema.arguments]
-    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    bound = {**dict(zip(found.names, args, strict=False)), **kwargs}
     if not bound.get("is_causal"):
         return flops, flops
     query = bound.get("query")
