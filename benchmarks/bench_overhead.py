@@ -69,11 +69,26 @@ VARIANTS: dict[str, Callable[[LoadedModel, Batch, Setting], int]] = {
 
 
 def seconds(run: Callable[[LoadedModel, Batch, Setting], int], lm: LoadedModel, batch: Batch,
-            setting: Setting) -> float:
+            setting: Setting) -> tuple[float, float]:
+    """Wall time and this process's CPU time of one run: on a shared machine the CPU time
+    leaves out the time other processes held the core (with one thread the two agree when
+    the machine is idle)."""
     gc.collect()  # the previous run's garbage is not this run's cost
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     run(lm, batch, setting)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def report(times: dict[str, list[float]], n_ops: int, title: str) -> None:
+    base = statistics.median(times["untraced"])
+    per_op = {n: (statistics.median(t) - base) / n_ops * 1e6 for n, t in times.items()}
+    print(title)
+    print(f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'µs/op over':>11} "
+          f"{'÷ DebugMode':>12}")
+    for name, samples in times.items():
+        ratio = "" if name == "untraced" else f"{per_op[name] / per_op['DebugMode']:.2f}"
+        print(f"{name:<10} {statistics.median(samples) * 1e3:>10.1f} {min(samples) * 1e3:>8.1f} "
+              f"{max(samples) * 1e3:>8.1f} {per_op[name]:>11.1f} {ratio:>12}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,24 +123,18 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     names = list(VARIANTS)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
         seconds(VARIANTS[name], lm, batch, setting)  # warm-up
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            times[name].append(seconds(VARIANTS[name], lm, batch, setting))
-    base = statistics.median(times["untraced"])
-    per_op = {n: (statistics.median(t) - base) / n_ops * 1e6 for n, t in times.items()}
-    print(f"median of {args.repeats} rounds")
-    print(f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'µs/op over':>11} "
-          f"{'÷ DebugMode':>12}")
-    for name, samples in times.items():
-        ratio = per_op[name] / per_op["DebugMode"] if name != "untraced" else float("nan")
-        print(f"{name:<10} {statistics.median(samples) * 1e3:>10.1f} {min(samples) * 1e3:>8.1f} "
-              f"{max(samples) * 1e3:>8.1f} {per_op[name]:>11.1f} "
-              f"{'' if name == 'untraced' else f'{ratio:.2f}':>12}")
-
+            w, c = seconds(VARIANTS[name], lm, batch, setting)
+            wall[name].append(w)
+            cpu[name].append(c)
+    report(wall, n_ops, f"wall time, median of {args.repeats} rounds")
+    report(cpu, n_ops, f"CPU time of this process, median of {args.repeats} rounds")
 
 if __name__ == "__main__":
     main()

@@ -49,32 +49,29 @@ def _kept_fraction(query_len: int, key_len: int) -> float:
     return kept / (query_len * key_len)
 
 
-class _Fallback(Exception):
-    """An argument `_shapes` does not rebuild as pytree would (a named tuple, a dict)."""
-
-
-def _shapes(value):
-    """`value` with every tensor replaced by its shape: what `shape_wrapper`'s `tree_map` hands a
-    formula, for the plain tuples, lists and scalars ops take, without pytree's cost."""
+def _key(value):
+    """`value` as a formula keyed on shapes sees it, hashable: each tensor as its shape, lists
+    as tuples. Within one op overload each argument is always a tensor or never, so the key
+    tells calls apart exactly as the formula would."""
     if isinstance(value, torch.Tensor):
         return value.shape
-    cls = type(value)
-    if cls is tuple or cls is list:
-        return cls(_shapes(v) for v in value)
-    if isinstance(value, (tuple, list, dict)):
-        raise _Fallback
+    if isinstance(value, (tuple, list)):
+        return tuple(map(_key, value))
+    if isinstance(value, dict):
+        return tuple((k, _key(v)) for k, v in value.items())
     return value
 
 
-# The body every `shape_wrapper`-wrapped formula runs: such a formula is called unwrapped, with
-# shapes computed here.
+# The body of every `shape_wrapper`-wrapped formula: it sees shapes only, so its count is a
+# function of the key above. Formulas registered raw (`get_raw=True`: varlen attention) may
+# read values, and are counted on every call.
 _SHAPE_WRAPPER_CODE = shape_wrapper(lambda: None).__code__
 
 
 class _Formula:
     """What is known of one op overload's FLOPs, looked up once."""
 
-    __slots__ = ("count", "extra", "raw", "attention", "names")
+    __slots__ = ("count", "extra", "by_shape", "attention", "names")
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         packet = func.overloadpacket
@@ -83,27 +80,31 @@ class _Formula:
         if extra:
             count = _EXTRA[packet]
         self.count, self.extra = count, extra
-        # Called with shapes (a wrapped formula's own function), or as it is.
-        self.raw = None
-        if count is not None and not extra and count.__code__ is _SHAPE_WRAPPER_CODE:
-            self.raw = count.__wrapped__
+        self.by_shape = extra or getattr(count, "__code__", None) is _SHAPE_WRAPPER_CODE
         self.attention = count is not None and "attention" in packet.__name__
         self.names = [a.name for a in func._schema.arguments] if self.attention else []
 
-    def flops(self, args: tuple, kwargs: dict, out) -> int:
-        if self.raw is not None:
-            try:
-                shapes, shaped_kwargs = _shapes(args), {k: _shapes(v) for k, v in kwargs.items()}
-                out_shape = _shapes(out)
-            except _Fallback:
-                return int(self.count(*args, **kwargs, out_val=out))
-            return int(self.raw(*shapes, out_shape=out_shape, **shaped_kwargs))
+    def counts(self, args: tuple, kwargs: dict, out) -> tuple[int, int]:
         if self.extra:
-            return int(self.count(*args, **kwargs))
-        return int(self.count(*args, **kwargs, out_val=out))
+            flops = int(self.count(*args, **kwargs))
+        else:
+            flops = int(self.count(*args, **kwargs, out_val=out))
+        if not self.attention:
+            return flops, flops
+        bound = {**dict(zip(self.names, args, strict=False)), **kwargs}
+        if not bound.get("is_causal"):
+            return flops, flops
+        query = bound.get("query")
+        key = bound.get("key")
+        if query is None or key is None:
+            return flops, flops
+        return flops, round(flops * _kept_fraction(query.shape[-2], key.shape[-2]))
 
 
 _formulas: dict[torch._ops.OpOverload, _Formula | None] = {}
+# Counts by (op, shapes and other arguments): a model's blocks repeat the same shapes, and a
+# formula costs more than the rest of an op's record (pytree maps its arguments to shapes).
+_counted: dict[tuple, tuple[int, int]] = {}
 
 
 def formula(func: torch._ops.OpOverload) -> _Formula | None:
@@ -124,14 +125,16 @@ def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
     found = known if known is not None else formula(func)
     if found is None:
         return 0, 0
-    flops = found.flops(args, kwargs, out)
-    if not found.attention:
-        return flops, flops
-    bound = {**dict(zip(found.names, args, strict=False)), **kwargs}
-    if not bound.get("is_causal"):
-        return flops, flops
-    query = bound.get("query")
-    key = bound.get("key")
-    if query is None or key is None:
-        return flops, flops
-    return flops, round(flops * _kept_fraction(query.shape[-2], key.shape[-2]))
+    if not found.by_shape:
+        return found.counts(args, kwargs, out)
+    key = (func, _key(args), _key(kwargs), _key(out))
+    try:
+        return _counted[key]
+    except KeyError:
+        pass
+    except TypeError:  # an argument that cannot be a key
+        return found.counts(args, kwargs, out)
+    result = found.counts(args, kwargs, out)
+    if len(_counted) < 100_000:
+        _counted[key] = result
+    return result

@@ -26,7 +26,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import meta_of, metas, tensors_in
+from ampscope.recorders.tensors import meta_of, no_torch_function, tensors_in
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -254,40 +254,43 @@ class OpRecorder(TorchDispatchMode):
             facts = _op_facts[func] = _OpFacts(func)
         if not facts.recorded:
             return out
-        functions = self._functions
-        functions.ops_seen += 1
-        inputs = tensors_in(args)
-        if kwargs:
-            tensors_in(kwargs, inputs)
-        phase = self._phase.now()
-        if phase != "backward" and functions.current_phase == "backward":
-            phase = "backward"  # the gradient seed of loss.backward(), before the engine runs
-        caller = functions.current if phase != "backward" else None
-        autocast_cast = (
-            facts.cast
-            and caller is not None
-            and not functions.current_is_cast
-            and functions.current_autocast is not None
-        )
-        grad_fn = node = None
-        if phase == "backward":
-            node = torch._C._current_autograd_node()
-            grad_fn = node.name() if node is not None else None
-        if facts.flops is not None:
-            flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
-        else:
-            flops = flops_causal = 0
-        results = tensors_in(out)
-        outputs = tuple(map(meta_of, results))
-        rows = self.rows
-        if self.storages is not None:
-            self.storages.on_op(len(rows), results, outputs, node)
-        rows.append((
-            len(rows), func, self._tracker.current(), phase, tuple(map(meta_of, inputs)),
-            outputs, autocast_cast, caller,
-            functions.source_now() if caller is not None else None,
-            tuple(map(self._name_of, inputs)), grad_fn, flops, flops_causal,
-        ))
+        # The function mode above would see every `.dtype` and `.shape` read below as a call
+        # (a Python round trip each, most of the recording's cost): none is the user's.
+        with no_torch_function():
+            functions = self._functions
+            functions.ops_seen += 1
+            inputs = tensors_in(args)
+            if kwargs:
+                tensors_in(kwargs, inputs)
+            phase = self._phase.now()
+            if phase != "backward" and functions.current_phase == "backward":
+                phase = "backward"  # the gradient seed of loss.backward(), before the engine runs
+            caller = functions.current if phase != "backward" else None
+            autocast_cast = (
+                facts.cast
+                and caller is not None
+                and not functions.current_is_cast
+                and functions.current_autocast is not None
+            )
+            grad_fn = node = None
+            if phase == "backward":
+                node = torch._C._current_autograd_node()
+                grad_fn = node.name() if node is not None else None
+            if facts.flops is not None:
+                flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
+            else:
+                flops = flops_causal = 0
+            results = tensors_in(out)
+            outputs = tuple(map(meta_of, results))
+            rows = self.rows
+            if self.storages is not None:
+                self.storages.on_op(len(rows), results, outputs, node)
+            rows.append((
+                len(rows), func, self._tracker.current(), phase, tuple(map(meta_of, inputs)),
+                outputs, autocast_cast, caller,
+                functions.source_now() if caller is not None else None,
+                tuple(map(self._name_of, inputs)), grad_fn, flops, flops_causal,
+            ))
         return out
 
 

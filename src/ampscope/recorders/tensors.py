@@ -12,6 +12,11 @@ import torch
 from ampscope.records import TensorMeta, dtype_name
 
 
+# Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
+# hooks, where a TorchFunctionMode (the function recorder, the virtual device) would see each
+# read as a call of its own (about 1.5 µs a read): they read them with torch functions off.
+no_torch_function = torch._C.DisableTorchFunction
+
 # What each argument type is to the walk (a tensor, a sequence, a dict, or nothing to look
 # into), decided once per type: an `isinstance` chain per argument, most of them ints of a
 # shape, cost more than the rest of the recording.
