@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampscope.precision import AUTOCAST_DEVICES
+from ampscope.recorders import progress
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
@@ -234,6 +235,9 @@ class OpRecorder(TorchDispatchMode):
         self._phase = phase
         self._functions = functions
         self._names = names  # id(tensor) -> (weakref, parameter/buffer name)
+        # Told of each op, when the run was started inside `progress.reporting`.
+        found = progress.listener()
+        self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
         return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
@@ -291,6 +295,8 @@ class OpRecorder(TorchDispatchMode):
                 functions.source_now() if caller is not None else None,
                 tuple(map(self._name_of, inputs)), grad_fn, flops, flops_causal,
             ))
+            if self._progress is not None:
+                self._progress.op(len(rows), phase)
         return out
 
 

@@ -11,7 +11,6 @@ import torch
 
 from ampscope.records import TensorMeta, dtype_name
 
-
 # Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
 # hooks, where a TorchFunctionMode (the function recorder, the virtual device) would see each
 # read as a call of its own (about 1.5 µs a read): they read them with torch functions off.
