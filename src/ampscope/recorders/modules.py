@@ -117,6 +117,11 @@ class ModuleTracker:
         stack = self._backward_stack if in_backward() else self._forward_stack
         return stack[-1].name if stack else None
 
+    def current_in(self, backward: bool) -> str | None:
+        """`current()`, told whether a backward pass runs."""
+        stack = self._backward_stack if backward else self._forward_stack
+        return stack[-1].name if stack else None
+
     def records(self) -> list[ModuleCall]:
         return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
 

@@ -27,7 +27,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import meta_of, no_torch_function, tensors_in
+from ampscope.recorders.tensors import meta_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -91,6 +91,7 @@ class _OpFacts:
 
 
 _op_facts: dict = {}
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 # An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
 # for its name (turned into a string once per overload, when the records are built).
@@ -155,9 +156,10 @@ class FunctionRecorder(TorchFunctionMode):
         name = func_name(func)
         outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source,
                  self.current_frame)
-        inputs = tensors_in(args)
+        inputs: list[torch.Tensor] = []
+        walk(args, inputs)
         if kwargs:
-            tensors_in(kwargs, inputs)
+            walk(kwargs.values(), inputs)
         device = inputs[0].device.type if inputs else "cpu"
         autocast = (
             dtype_name(torch.get_autocast_dtype(device))
@@ -192,8 +194,9 @@ class FunctionRecorder(TorchFunctionMode):
             (self.current, self.current_is_cast, self.current_autocast, self.current_source,
              self.current_frame) = outer
             self.current_phase = outer_phase
-        results = tensors_in(out)
-        outputs = tuple(meta_of(t) for t in results)
+        results: list[torch.Tensor] = []
+        walk((out,), results)
+        outputs = tuple(map(meta_of, results))
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
@@ -263,19 +266,19 @@ class OpRecorder(TorchDispatchMode):
         with no_torch_function():
             functions = self._functions
             functions.ops_seen += 1
-            inputs = tensors_in(args)
+            inputs: list[torch.Tensor] = []
+            walk(args, inputs)
             if kwargs:
-                tensors_in(kwargs, inputs)
-            phase = self._phase.now()
-            if phase != "backward" and functions.current_phase == "backward":
-                phase = "backward"  # the gradient seed of loss.backward(), before the engine runs
-            caller = functions.current if phase != "backward" else None
-            autocast_cast = (
-                facts.cast
-                and caller is not None
-                and not functions.current_is_cast
-                and functions.current_autocast is not None
-            )
+                walk(kwargs.values(), inputs)
+            backward = _graph_task_id() != -1
+            if backward or functions.current_phase == "backward":
+                # (not yet in the engine: the gradient seed of loss.backward())
+                phase, caller, autocast_cast = "backward", None, False
+            else:
+                phase = self._phase.now()
+                caller = functions.current
+                autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
+                                 and functions.current_autocast is not None)
             grad_fn = node = None
             if phase == "backward":
                 node = torch._C._current_autograd_node()
@@ -284,16 +287,19 @@ class OpRecorder(TorchDispatchMode):
                 flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
             else:
                 flops = flops_causal = 0
-            results = tensors_in(out)
+            results: list[torch.Tensor] = []
+            walk((out,), results)
             outputs = tuple(map(meta_of, results))
             rows = self.rows
             if self.storages is not None:
                 self.storages.on_op(len(rows), results, outputs, node)
+            names = self._names
             rows.append((
-                len(rows), func, self._tracker.current(), phase, tuple(map(meta_of, inputs)),
-                outputs, autocast_cast, caller,
+                len(rows), func, self._tracker.current_in(backward), phase,
+                tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
                 functions.source_now() if caller is not None else None,
-                tuple(map(self._name_of, inputs)), grad_fn, flops, flops_causal,
+                tuple(self._name_of(t) if id(t) in names else None for t in inputs),
+                grad_fn, flops, flops_causal,
             ))
             if self._progress is not None:
                 self._progress.op(len(rows), phase)

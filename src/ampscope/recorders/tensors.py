@@ -31,7 +31,9 @@ def _kind(cls: type) -> int:
     return kind
 
 
-def _walk(values, out: list) -> None:
+def walk(values, out: list) -> None:
+    """Append the tensors among `values` (an iterable), and in the lists, tuples and dicts among
+    them, to `out`."""
     kinds = _kinds
     for v in values:
         kind = kinds.get(type(v))
@@ -40,16 +42,16 @@ def _walk(values, out: list) -> None:
         if kind == _TENSOR:
             out.append(v)
         elif kind == _SEQUENCE:
-            _walk(v, out)
+            walk(v, out)
         elif kind == _MAPPING:
-            _walk(v.values(), out)
+            walk(v.values(), out)
 
 
 def tensors_in(values, out: list | None = None) -> list[torch.Tensor]:
     """The tensors in op arguments or results: nested lists, tuples and dicts, in order."""
     if out is None:
         out = []
-    _walk((values,), out)
+    walk((values,), out)
     return out
 
 
