@@ -8,7 +8,15 @@ import json
 import sys
 from pathlib import Path
 
-from ampscope.cli.common import _console, _on_device, _progress, _run_options, _show, _write_json
+from ampscope.cli.common import (
+    _console,
+    _on_device,
+    _progress,
+    _run_options,
+    _run_progress,
+    _show,
+    _write_json,
+)
 from ampscope.errors import AmpscopeError
 from ampscope.files import write_atomic
 
@@ -49,8 +57,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
-    status = _console(stderr=True)
-    with status.status(f"Tracing {args.model}: {args.workload} under {setting}…"):
+    with _run_progress(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
     return _show_trace(args, result)
 
@@ -196,7 +203,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     doing = "Tracing and measuring" if args.measure else "Tracing"
-    with _console(stderr=True).status(f"{doing} the memory of {args.model} under {setting}…"):
+    with _run_progress(f"{doing} the memory of {args.model} under {setting}…"):
         report = memory(args.model, setting=setting, measure=args.measure, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_memory(report), table=report.table)
@@ -209,7 +216,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
     doing = "Counting and timing" if args.measure else "Counting"
-    with _console(stderr=True).status(f"{doing} the FLOPs of {args.model} under {setting}…"):
+    with _run_progress(f"{doing} the FLOPs of {args.model} under {setting}…"):
         report = flops(args.model, setting=setting, step_time=args.step_time,
                        measure=args.measure, gpu=args.accelerator, **options.as_kwargs())
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),

@@ -4,9 +4,10 @@ run options every model-running command takes."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ampscope.errors import AmpscopeError
@@ -39,6 +40,38 @@ def _progress():
     console = _console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
+
+
+# A run shorter than this shows its spinner only; a longer one shows its ops and phase.
+PROGRESS_AFTER_S = 2.0
+
+
+@contextlib.contextmanager
+def _run_progress(description: str, *, after: float | None = None, console=None
+                  ) -> Iterator[None]:
+    """While the body runs a model: a spinner with `description` on stderr, and once the run
+    has gone on for `after` seconds, a bar with the ops recorded so far and the phase, as the
+    op recorder reports them. Only on a terminal: logs and pipes get nothing."""
+    import time
+
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    from ampscope.recorders.progress import reporting
+
+    after = PROGRESS_AFTER_S if after is None else after
+    console = console or _console(stderr=True)
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   TextColumn("{task.fields[done]}"), console=console, transient=True,
+                   disable=not console.is_terminal)
+    task = bar.add_task(description, total=None, done="")
+    start = time.monotonic()
+
+    def on_ops(ops: int, phase: str) -> None:
+        if time.monotonic() - start >= after:
+            bar.update(task, done=f"{ops:,} ops · {phase}")
+
+    with bar, reporting(on_ops):
+        yield
 
 
 def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object],

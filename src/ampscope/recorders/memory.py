@@ -52,8 +52,8 @@ class _Storage(weakref.ref):
 
 
 class StorageTracker:
-    def __init__(self, ops: list[OpCall]) -> None:
-        self._ops = ops  # the OpRecorder's list: its length dates a free
+    def __init__(self, ops: list) -> None:
+        self._ops = ops  # the OpRecorder's rows: their count dates a free
         self._live: dict[int, _Storage] = {}  # id(storage object) -> entry, while it lives
         self._seen: list[_Storage] = []
         # The autograd nodes walked in the backward pass now running (id -> node), and its id.

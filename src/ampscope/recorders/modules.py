@@ -23,7 +23,7 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from ampscope.recorders.tensors import metas, tensors_in
+from ampscope.recorders.tensors import metas, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
 
 
@@ -50,6 +50,18 @@ def _running_forward(module: nn.Module):
             found = frame
         frame = frame.f_back
     return found
+
+
+def _quiet(hook: Callable) -> Callable:
+    """`hook` run with torch functions off: the dtypes, shapes and flags it reads are no user
+    calls for a TorchFunctionMode to see (see `tensors.no_torch_function`)."""
+
+    @functools.wraps(hook)
+    def quiet(*args, **kwargs):
+        with no_torch_function():
+            return hook(*args, **kwargs)
+
+    return quiet
 
 
 class PhaseClock(Protocol):
@@ -103,6 +115,11 @@ class ModuleTracker:
     def current(self) -> str | None:
         """Qualified name of the innermost running module; None outside any module."""
         stack = self._backward_stack if in_backward() else self._forward_stack
+        return stack[-1].name if stack else None
+
+    def current_in(self, backward: bool) -> str | None:
+        """`current()`, told whether a backward pass runs."""
+        stack = self._backward_stack if backward else self._forward_stack
         return stack[-1].name if stack else None
 
     def records(self) -> list[ModuleCall]:
@@ -201,6 +218,7 @@ class ModuleTracker:
         name = self._names.get(module)
         return name if name is not None else type(module).__name__
 
+    @_quiet
     def _forward_pre(self, module: nn.Module, args) -> None:
         if in_backward():  # a module called inside a custom backward: not a model call
             return
@@ -218,6 +236,7 @@ class ModuleTracker:
         self._calls.append(call)
         self._forward_stack.append(call)
 
+    @_quiet
     def _forward_post(self, module: nn.Module, args, *rest) -> None:
         # Normally (module, args, kwargs, output); when the module raised, PyTorch calls
         # always_call hooks as (module, args, output) even when registered with_kwargs.
@@ -267,6 +286,7 @@ class ModuleTracker:
         name, type_ = self._name(module), type(module).__name__
         tracker = weakref.ref(self)
 
+        @_quiet
         def hook(grad: torch.Tensor) -> None:
             self = tracker()
             if self is None:
@@ -291,6 +311,7 @@ class ModuleTracker:
         name = self._name(module)
         tracker = weakref.ref(self)
 
+        @_quiet
         def hook(grads) -> None:
             self = tracker()
             if self is None:

@@ -11,20 +11,23 @@ a cast (`F.linear` under autocast casts its input, weight and bias) while autoca
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampscope.precision import AUTOCAST_DEVICES
+from ampscope.recorders import progress
+from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
-from ampscope.recorders.source import user_source
-from ampscope.recorders.tensors import meta_of, metas, tensors_in
+from ampscope.recorders.source import source_from
+from ampscope.recorders.tensors import meta_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -38,6 +41,7 @@ from ampscope.records import (
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 _CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
+_PENDING = object()  # a call's source line not looked up yet
 
 _name_cache: dict[Callable, str] = {}
 
@@ -69,13 +73,38 @@ _SKIPPED_NAMESPACES = ("profiler", "prim")  # profiler markers; prim.device quer
 _DETACH = torch.ops.aten.detach.default
 
 
-def _unmark_round_trips(ops: list[OpCall], start: int, result_dtype: str | None) -> None:
+class _OpFacts:
+    """What the recorder needs to know of one op overload, worked out on its first call."""
+
+    __slots__ = ("recorded", "cast", "flops")
+
+    def __init__(self, func) -> None:
+        # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
+        # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
+        # unpacking an op's output goes through Python dispatch only because a mode is active
+        # (DebugMode leaves those out too); with fake tensors (predict mode) every detach
+        # arrives that way, so AccumulateGrad's and the user's could not be told apart from
+        # autograd's own.
+        self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
+        self.cast = func in _CAST_OPS
+        self.flops = flop_formula(func)
+
+
+_op_facts: dict = {}
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+# An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
+# for its name (turned into a string once per overload, when the records are built).
+_AUTOCAST_CAST = 6  # position of `autocast_cast` in a row
+
+
+def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None) -> None:
     """Casts a function makes itself are not autocast's: autocast casts a call's inputs and
     never casts its result back, so a cast out of the dtype the call returns (bf16 → fp32) and
     the casts back (fp32 → bf16) after it, under one call, are the function's own (CPU
     `rms_norm` computes in fp32 this way). `analysis.causes` pairs them the same way."""
-    casts = [i for i in range(start, len(ops)) if ops[i].autocast_cast]
-    kinds = [(ops[i].inputs[0].dtype, ops[i].outputs[0].dtype) for i in casts]
+    casts = [i for i in range(start, len(rows)) if rows[i][_AUTOCAST_CAST]]
+    kinds = [(rows[i][4][0].dtype, rows[i][5][0].dtype) for i in casts]
     out_of_result: set[tuple[str, str]] = set()  # the function's casts out, seen so far
     for n, (i, (src, dst)) in enumerate(zip(casts, kinds, strict=True)):
         # Order tells them apart: autocast casts the inputs before the function runs, so a cast
@@ -87,41 +116,58 @@ def _unmark_round_trips(ops: list[OpCall], start: int, result_dtype: str | None)
         if cast_out:
             out_of_result.add((src, dst))
         if cast_out or cast_back:
-            ops[i] = replace(ops[i], autocast_cast=False)
+            row = rows[i]
+            rows[i] = row[:_AUTOCAST_CAST] + (False,) + row[_AUTOCAST_CAST + 1:]
 
 
 class FunctionRecorder(TorchFunctionMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock,
                  names: dict[int, tuple[weakref.ref, str]] | None = None):
         super().__init__()
-        self.calls: list[FunctionCall] = []
+        # One row per recorded call: FunctionCall's fields in order (built by `records`).
+        self.rows: list[tuple] = []
         # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
-        # model inputs (added by the session) and the outputs of recorded calls.
-        self.origins: dict[int, tuple[weakref.ref, str]] = dict(names or {})
+        # model inputs (added by the session) and the outputs of recorded calls (as the
+        # (function, module, source) that made them, put in words only when asked).
+        self.origins: dict[int, tuple[weakref.ref, str | tuple]] = dict(names or {})
         self.failure: FailedCall | None = None
-        self.op_log: list[OpCall] | None = None  # the OpRecorder's list, set by it
+        self.op_log: list[tuple] | None = None  # the OpRecorder's rows, set by it
         self.step = 0  # calls of the model so far, counted by the session
         # Set while a script's model is not known yet: shown each call's tensor inputs.
         self.on_inputs: Callable[[str, list[torch.Tensor]], None] | None = None
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
         self._tracker = tracker
         self._phase = phase
-        # What the dispatch mode needs to know about the call now running.
+        # What the dispatch mode needs to know about the call now running. Its source line is
+        # found only when asked (`source_now`): from `current_frame`, the frame that called.
         self.current: int | None = None
         self.current_is_cast = False
         self.current_autocast: str | None = None
-        self.current_source: str | None = None
+        self.current_source: str | None | object = None
+        self.current_frame: FrameType | None = None
         self.current_phase: str | None = None
+
+    def source_now(self) -> str | None:
+        """The source line of the user-level call now running."""
+        source = self.current_source
+        if source is _PENDING:
+            source = self.current_source = source_from(self.current_frame)
+        return source
+
+    def records(self) -> list[FunctionCall]:
+        return [FunctionCall(*row) for row in self.rows]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype, .grad: attribute reads
             return func(*args, **kwargs)
         name = func_name(func)
-        outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source)
-        inputs = tensors_in(args)
+        outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source,
+                 self.current_frame)
+        inputs: list[torch.Tensor] = []
+        walk(args, inputs)
         if kwargs:
-            tensors_in(kwargs, inputs)
+            walk(kwargs.values(), inputs)
         device = inputs[0].device.type if inputs else "cpu"
         autocast = (
             dtype_name(torch.get_autocast_dtype(device))
@@ -130,8 +176,8 @@ class FunctionRecorder(TorchFunctionMode):
         )
         if self.on_inputs is not None:
             self.on_inputs(name, inputs)
-        source = user_source(skip=2)
-        index = len(self.calls)
+        frame = sys._getframe(1)
+        index = len(self.rows)
         ops_before = self.ops_seen
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
@@ -139,41 +185,48 @@ class FunctionRecorder(TorchFunctionMode):
         module = self._tracker.current()
         outer_phase, self.current_phase = self.current_phase, phase
         self.current, self.current_is_cast = index, name in EXPLICIT_CASTS
-        self.current_autocast, self.current_source = autocast, source
+        self.current_autocast, self.current_source, self.current_frame = autocast, _PENDING, frame
         try:
             out = func(*args, **kwargs)
         except Exception as e:
             if self.failure is None:  # the innermost user-level call that raised
                 self.failure = FailedCall(
-                    name, module, source, tuple(ArgumentOrigin(m.dtype, m.shape, self.origin_of(t))
-                                                for t, m in zip(inputs, map(meta_of, inputs),
-                                                                strict=True)),
+                    name, module, self.source_now(),
+                    tuple(ArgumentOrigin(m.dtype, m.shape, self.origin_of(t))
+                          for t, m in zip(inputs, map(meta_of, inputs), strict=True)),
                     f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
                 )
             raise
         finally:
-            self.current, self.current_is_cast, self.current_autocast, self.current_source = outer
+            source = self.current_source
+            (self.current, self.current_is_cast, self.current_autocast, self.current_source,
+             self.current_frame) = outer
             self.current_phase = outer_phase
-        outputs = metas(out)
+        results: list[torch.Tensor] = []
+        walk((out,), results)
+        outputs = tuple(map(meta_of, results))
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
-            where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
-            for t in tensors_in(out):
-                self.origins[id(t)] = (weakref.ref(t), where)
-            self.calls.append(FunctionCall(
-                index=index, func=name, module=module,
-                phase=phase, inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
-                source=source, autocast=autocast, step=self.step,
-            ))
+            if source is _PENDING:
+                source = source_from(frame)
+            where = (name, module, source)
+            origins = self.origins
+            for t in results:
+                origins[id(t)] = (weakref.ref(t), where)
+            self.rows.append((index, name, module, phase, tuple(map(meta_of, inputs)), outputs,
+                              source, autocast, self.step))
         return out
-
 
     def origin_of(self, t: torch.Tensor) -> str:
         entry = self.origins.get(id(t))
         if entry is not None and entry[0]() is t:
-            return entry[1]
+            where = entry[1]
+            if isinstance(where, tuple):
+                name, module, source = where
+                where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
+            return where
         return "unknown (made outside any recorded call)"
 
 
@@ -181,17 +234,24 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: FunctionRecorder,
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
-        self.ops: list[OpCall] = []
+        # One row per recorded op (see _AUTOCAST_CAST); `records()` makes them OpCalls.
+        self.rows: list[tuple] = []
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
         self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
-        functions.op_log = self.ops
+        functions.op_log = self.rows
         self._tracker = tracker
         self._phase = phase
         self._functions = functions
         self._names = names  # id(tensor) -> (weakref, parameter/buffer name)
+        # Told of each op, when the run was started inside `progress.reporting`.
+        found = progress.listener()
+        self._progress = progress.Reporter(*found) if found is not None else None
+
+    def records(self) -> list[OpCall]:
+        return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
 
     def _name_of(self, t: torch.Tensor) -> str | None:
         entry = self._names.get(id(t))
@@ -204,47 +264,53 @@ class OpRecorder(TorchDispatchMode):
         if self.check is not None:
             self.check(func, args)
         out = func(*args, **kwargs)
-        if func.namespace in _SKIPPED_NAMESPACES:
+        facts = _op_facts.get(func)
+        if facts is None:
+            facts = _op_facts[func] = _OpFacts(func)
+        if not facts.recorded:
             return out
-        if func is _DETACH:
-            # Not recorded: a detach changes no dtype, and which detaches reach a mode depends
-            # on how it runs. Autograd saving or unpacking an op's output goes through Python
-            # dispatch only because a mode is active (DebugMode leaves those out too); with
-            # fake tensors (predict mode) every detach arrives that way, so AccumulateGrad's
-            # and the user's could not be told apart from autograd's own.
-            return out
-        self._functions.ops_seen += 1
-        inputs = tensors_in(args)
-        if kwargs:
-            tensors_in(kwargs, inputs)
-        functions = self._functions
-        phase = self._phase.now()
-        if phase != "backward" and functions.current_phase == "backward":
-            phase = "backward"  # the gradient seed of loss.backward(), before the engine runs
-        caller = functions.current if phase != "backward" else None
-        autocast_cast = (
-            func in _CAST_OPS
-            and caller is not None
-            and not functions.current_is_cast
-            and functions.current_autocast is not None
-        )
-        grad_fn = node = None
-        if phase == "backward":
-            node = torch._C._current_autograd_node()
-            grad_fn = node.name() if node is not None else None
-        flops, flops_causal = op_flops(func, args, kwargs, out)
-        results = tensors_in(out)
-        outputs = tuple(meta_of(t) for t in results)
-        if self.storages is not None:
-            self.storages.on_op(len(self.ops), results, outputs, node)
-        self.ops.append(OpCall(
-            index=len(self.ops), op=op_name(func), module=self._tracker.current(), phase=phase,
-            inputs=tuple(meta_of(t) for t in inputs), outputs=outputs,
-            autocast_cast=autocast_cast, caller=caller,
-            source=functions.current_source if caller is not None else None,
-            input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,
-            flops=flops, flops_causal=flops_causal,
-        ))
+        # The function mode above would see every `.dtype` and `.shape` read below as a call
+        # (a Python round trip each, most of the recording's cost): none is the user's.
+        with no_torch_function():
+            functions = self._functions
+            functions.ops_seen += 1
+            inputs: list[torch.Tensor] = []
+            walk(args, inputs)
+            if kwargs:
+                walk(kwargs.values(), inputs)
+            backward = _graph_task_id() != -1
+            if backward or functions.current_phase == "backward":
+                # (not yet in the engine: the gradient seed of loss.backward())
+                phase, caller, autocast_cast = "backward", None, False
+            else:
+                phase = self._phase.now()
+                caller = functions.current
+                autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
+                                 and functions.current_autocast is not None)
+            grad_fn = node = None
+            if phase == "backward":
+                node = torch._C._current_autograd_node()
+                grad_fn = node.name() if node is not None else None
+            if facts.flops is not None:
+                flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
+            else:
+                flops = flops_causal = 0
+            results: list[torch.Tensor] = []
+            walk((out,), results)
+            outputs = tuple(map(meta_of, results))
+            rows = self.rows
+            if self.storages is not None:
+                self.storages.on_op(len(rows), results, outputs, node)
+            names = self._names
+            rows.append((
+                len(rows), func, self._tracker.current_in(backward), phase,
+                tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
+                functions.source_now() if caller is not None else None,
+                tuple(self._name_of(t) if id(t) in names else None for t in inputs),
+                grad_fn, flops, flops_causal,
+            ))
+            if self._progress is not None:
+                self._progress.op(len(rows), phase)
         return out
 
 

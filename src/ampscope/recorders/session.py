@@ -107,7 +107,7 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
-        self._storages = self._ops.storages = StorageTracker(self._ops.ops)
+        self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),
             register_optimizer_step_post_hook(self._on_step_end),
@@ -285,7 +285,7 @@ class Capture:
         emulated = self.device is not None and self.device != device
         device = self.device or device
         main = max(counts, key=counts.__getitem__) if counts else None
-        autocast = next((c.autocast for c in self._functions.calls if c.autocast), None)
+        autocast = next((c.autocast for c in self._functions.records() if c.autocast), None)
         return SettingRecord(name="as-run", device=device, emulated=emulated,
                              param_dtype=dtype_name(main) if main else None,
                              autocast_dtype=autocast, matmul_precision=self._matmul_precision,
@@ -317,8 +317,8 @@ class Capture:
             trace.setting = self._observed_setting()
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
         trace.modules = self._tracker.records()
-        trace.calls = self._functions.calls
-        trace.ops = self._ops.ops
+        trace.calls = self._functions.records()
+        trace.ops = self._ops.records()
         trace.parameters = inventory.parameters(model)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from types import CodeType
+from types import CodeType, FrameType
 
 import torch
 
@@ -50,7 +50,12 @@ def user_source(skip: int = 2) -> str | None:
     When the innermost such frame is ampscope's own (a workload's `optimizer.step()`), there
     is no user line to name: None, rather than the line that called ampscope.
     """
-    frame = sys._getframe(skip)
+    return source_from(sys._getframe(skip))
+
+
+def source_from(frame: FrameType | None) -> str | None:
+    """`user_source` from `frame` outwards. A frame that waits for a call to return still
+    stands at the line that made it, so this can be asked after the call, and gives the same."""
     while frame is not None:
         kind = _kind(frame.f_code)
         if kind == USER:
