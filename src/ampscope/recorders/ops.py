@@ -24,7 +24,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import user_source
-from ampscope.recorders.tensors import meta_of, metas, tensors_in
+from ampscope.recorders.tensors import data_dtypes, meta_of, metas, tensors_in
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -235,7 +235,7 @@ class OpRecorder(TorchDispatchMode):
             autocast_cast=autocast_cast, caller=caller,
             source=functions.current_source if caller is not None else None,
             input_names=tuple(self._name_of(t) for t in inputs), grad_fn=grad_fn,
-            flops=flops, flops_causal=flops_causal,
+            flops=flops, flops_causal=flops_causal, input_data=data_dtypes(inputs),
         ))
         return out
 

@@ -18,9 +18,14 @@ class SettingRecord:
     param_dtype: str | None  # dtype holding most parameter elements; None: no float parameter
     autocast_dtype: str | None  # None: autocast off
     matmul_precision: str  # "highest" or "high" (TF32)
+    fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # `fp8` only when set: settings without it write the object they always wrote.
+        d = asdict(self)
+        if d["fp8"] is None:
+            del d["fp8"]
+        return d
 
     @classmethod
     def from_dict(cls, data: dict) -> SettingRecord:
@@ -31,6 +36,7 @@ class SettingRecord:
             param_dtype=data.get("param_dtype"),
             autocast_dtype=data.get("autocast_dtype"),
             matmul_precision=data.get("matmul_precision", "highest"),
+            fp8=data.get("fp8"),
         )
 
 

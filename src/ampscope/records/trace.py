@@ -131,7 +131,8 @@ class Trace:
                        _metas(o["out"], o.get("out_shapes")), o.get("autocast_cast", False),
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
-                       o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)))
+                       o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
+                       tuple(o.get("in_data", ())))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -190,6 +191,13 @@ def _module(m: ModuleCall) -> dict:
 
 
 def _op(o: OpCall) -> dict:
+    d = _op_fields(o)
+    if o.input_data:  # only on ops given a tensor subclass (fp8 matmuls)
+        d["in_data"] = list(o.input_data)
+    return d
+
+
+def _op_fields(o: OpCall) -> dict:
     return {"op": o.op, "module": o.module, "phase": o.phase, "in": _dtypes(o.inputs),
             "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
