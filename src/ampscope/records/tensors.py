@@ -172,7 +172,7 @@ class FailedCall:
 
 # What a storage is, in the precedence recorders/memory.py applies (first match wins).
 STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "output",
-                      "autocast_cast", "activation", "temporary")
+                      "autocast_cast", "fp8_cast", "fp8_scale", "activation", "temporary")
 
 
 @dataclass(frozen=True)
