@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from ampscope.errors import AmpscopeError
+from ampscope.records.fp8 import DIM_MULTIPLE
 
 INSTALL = "pip install 'ampscope[fp8]' (torchao==0.18.0, installed with --no-deps)"
-# The hardware requirement of fp8 matmuls (`torch._scaled_mm`): both dims a multiple of 16.
-DIM_MULTIPLE = 16
 
 
 def _quiet_import(name: str) -> ModuleType:

@@ -43,7 +43,8 @@ class Finding:
 
     text: str
     cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "output-dtype",
-    #             "autocast-policy", "type-promotion", "explicit-cast", "optimizer"
+    #             "autocast-policy", "type-promotion", "explicit-cast", "optimizer",
+    #             "fp8-training"
     source: str | None = None
 
 
