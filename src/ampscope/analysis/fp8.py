@@ -49,7 +49,8 @@ def fp8_step(trace: Trace) -> Fp8Step | None:
     linear = list(dict.fromkeys(m.name for m in trace.modules
                                 if m.phase == "forward" and m.type == "Linear"
                                 and m.name not in converted))
-    shapes = {p.name.removesuffix(".weight"): p.shape for p in trace.parameters}
+    shapes = {name.removesuffix(".weight"): p.shape for p in trace.parameters
+              for name in (p.name, *p.tied_to)}  # a tied lm_head is listed under its embedding
     odd = {name: shapes[name] for name in linear
            if name in shapes and any(d % DIM_MULTIPLE for d in shapes[name])}
     helper = sum(1 for o in trace.ops if o.op == "aten._to_copy.default"
