@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscope
+from ampscope.analysis.flow import op_flow
 from ampscope.errors import AmpscopeError
 from ampscope.precision import fp8, parse_setting
 from tests.test_state import assert_same, snapshot
@@ -129,6 +130,12 @@ def test_the_findings_say_what_ran_in_fp8_and_what_was_left_out():
                                "from the tensor's amax (12 tensorwise);")
     assert texts[2] == ("head stays in higher precision: left out by the module filter (dims "
                         "not multiples of 16: head 10×32).")
+    # the op table marks the casts and the fp8 operands (which show float32 outside)
+    notes = {(r.kind, r.note) for r in op_flow(t.ops, "forward")}
+    assert {("aten._to_copy.default", "fp8 cast"), ("aten.mm.default", "fp8 data e4m3 × e4m3")
+            } <= notes
+    assert ("aten.mm.default", "fp8 data e5m2 × e4m3") in {
+        (r.kind, r.note) for r in op_flow(t.ops, "backward")}
     # torchao's own casts (to float64 for the scales, and back) are no explicit-cast findings
     assert not any("float64" in f.text for f in t.findings if f.cause == "explicit-cast")
 
