@@ -230,3 +230,22 @@ def test_numerics_sees_the_fp8_rounding_of_the_converted_layers():
           for s in report.settings}
     assert up["fp32"] < 1e-5
     assert 2**-9 < up["fp32+fp8-tensorwise"] < 2**-2
+
+
+@needs_torchao
+def test_a_model_the_user_converted_is_traced_as_it_is():
+    """A script that calls convert_to_float8_training itself: capture only watches, and the
+    findings read the fp8 facts off the ops."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = MLP()
+    convert_to_float8_training(
+        model, config=dataclasses.replace(Float8LinearConfig(), emulate=True),
+        module_filter_fn=lambda m, _: all(d % 16 == 0 for d in m.weight.shape))
+    x, y = batch()
+    with ampscope.capture(model) as t:
+        model(x, y).backward()
+    texts = [f.text for f in t.findings if f.cause == "fp8-training"]
+    assert texts[0] == ("2 of 3 Linear layers run their matmuls in fp8: forward 2 float8_e4m3fn "
+                        "× float8_e4m3fn; backward 4 float8_e5m2 × float8_e4m3fn.")
+    assert type(model.up).__name__ == "Float8Linear"  # left as the user made it
