@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_fp8_settings_name_torchaos_recipes():
     for recipe in Float8LinearRecipeName:
         s = parse_setting("fp32+fp8-" + recipe.value.replace("_", "-"))
         assert s.fp8 == recipe.value and s.record().to_dict()["fp8"] == recipe.value
-    assert "fp8" not in parse_setting("fp32").record().to_dict()  # unchanged without fp8
+    assert parse_setting("fp32").record().to_dict()["fp8"] is None
     with pytest.raises(AmpscopeError, match="unknown fp8 recipe 'blockwise'.*torchao offers "
                                             "tensorwise, rowwise"):
         parse_setting("fp32+fp8-blockwise")
@@ -249,3 +250,18 @@ def test_a_model_the_user_converted_is_traced_as_it_is():
     assert texts[0] == ("2 of 3 Linear layers run their matmuls in fp8: forward 2 float8_e4m3fn "
                         "× float8_e4m3fn; backward 4 float8_e5m2 × float8_e4m3fn.")
     assert type(model.up).__name__ == "Float8Linear"  # left as the user made it
+
+
+@needs_torchao
+def test_the_fp8_trace_json_is_what_its_schema_declares(capsys):
+    from ampscope import schemas
+    from ampscope.cli import main
+    from tests.test_json_schema import _errors, _exact
+
+    assert main(["trace", "gpt2-tiny", "-s", "fp32+amp-bf16+fp8", "--seq", "8", "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert _errors(document, _exact(schemas.load("trace"))) == []
+    assert document["setting"]["fp8"] == "tensorwise"
+    matmuls = [o["in_data"] for o in document["ops"] if o["op"] == "aten.mm.default"]
+    assert ["float8_e4m3fn", "float8_e4m3fn"] in matmuls
+    assert {f["cause"] for f in document["findings"]} >= {"fp8-training"}

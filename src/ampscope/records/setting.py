@@ -21,11 +21,7 @@ class SettingRecord:
     fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
 
     def to_dict(self) -> dict:
-        # `fp8` only when set: settings without it write the object they always wrote.
-        d = asdict(self)
-        if d["fp8"] is None:
-            del d["fp8"]
-        return d
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> SettingRecord:

@@ -192,18 +192,11 @@ def _module(m: ModuleCall) -> dict:
 
 
 def _op(o: OpCall) -> dict:
-    d = _op_fields(o)
-    if o.input_data:  # only on ops given a tensor subclass (fp8 matmuls)
-        d["in_data"] = list(o.input_data)
-    return d
-
-
-def _op_fields(o: OpCall) -> dict:
     return {"op": o.op, "module": o.module, "phase": o.phase, "in": _dtypes(o.inputs),
             "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
-            "flops": o.flops, "flops_causal": o.flops_causal}
+            "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data)}
 
 
 def _call(c: FunctionCall) -> dict:
