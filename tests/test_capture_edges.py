@@ -49,7 +49,7 @@ def test_capture_names_the_users_lines_and_the_setting_it_saw():
     assert len(step_sources) == 1 and step_sources.pop().startswith("test_capture_edges.py:")
     assert t.setting.to_dict() == {"name": "as-run", "device": "cpu", "emulated": False,
                          "param_dtype": "float32", "autocast_dtype": "bfloat16",
-                         "matmul_precision": "highest"}
+                         "matmul_precision": "highest", "fp8": None}
 
 
 @pytest.fixture

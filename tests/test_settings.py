@@ -48,6 +48,7 @@ def test_to_dict_matches_the_json_contract():
     assert parse_setting("fp32+amp-bf16").to_dict() == {
         "name": "fp32+amp-bf16", "device": "cpu", "emulated": False,
         "param_dtype": "float32", "autocast_dtype": "bfloat16", "matmul_precision": "highest",
+        "fp8": None,
     }
 
 
