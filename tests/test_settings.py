@@ -49,6 +49,7 @@ def test_to_dict_matches_the_json_contract():
         "name": "fp32+amp-bf16", "device": "cpu", "emulated": False,
         "param_dtype": "float32", "autocast_dtype": "bfloat16", "matmul_precision": "highest",
         "torch": torch.__version__,  # the build whose autocast policy a run follows
+        "fp8": None,
     }
 
 

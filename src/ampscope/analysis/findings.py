@@ -10,6 +10,7 @@ from collections import Counter, defaultdict
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
 from ampscope.analysis.flow import FlowRow, collapse_blocks
+from ampscope.analysis.fp8 import fp8_findings, fp8_modules
 from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
 from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, Trace, module_label
@@ -70,8 +71,9 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
     # One finding per cast and source line; the modules it ran in are collapsed across
     # repeated blocks ("model.layers.0–79.input_layernorm"), so 80 layers make one line.
     seen: dict[tuple, list[str]] = {}
+    fp8 = fp8_modules(trace)  # the fp8 recipe's own casts: fp8_findings sums them up
     for call in trace.calls:
-        if call.phase != "forward" or not call.inputs or not call.outputs:
+        if call.phase != "forward" or not call.inputs or not call.outputs or call.module in fp8:
             continue
         if call.func not in EXPLICIT_CASTS:
             continue
@@ -358,6 +360,7 @@ def derive_findings(trace: Trace) -> list[Finding]:
         *autocast_cast_findings(trace, changes),
         *autocast_policy_findings(changes),
         *policy_version_findings(trace),
+        *fp8_findings(trace),
         *type_promotion_findings(changes),
         *output_findings(trace),
         *gradient_findings(trace),

@@ -28,7 +28,8 @@ SCHEMA = "ampscope.fit/1"
 CATEGORY_LABELS = {
     "parameter": "weights", "buffer": "buffers", "input": "inputs", "gradient": "gradients",
     "optimizer_state": "optimizer state", "output": "outputs",
-    "autocast_cast": "autocast copies", "activation": "activations",
+    "autocast_cast": "autocast copies", "fp8_cast": "fp8 copies", "fp8_scale": "fp8 scales",
+    "activation": "activations",
     "temporary": "temporaries",
 }
 

@@ -111,7 +111,12 @@ class FlopReport:
 
 
 def matmul_dtype(op: OpCall) -> str:
-    """The dtype an op with FLOPs ran in: that of its first floating input."""
+    """The dtype an op with FLOPs ran in: that of its first floating input, or the fp8 data of
+    one (an fp8 training matmul: its operands show bfloat16 and hold float8_e4m3fn, so MFU
+    holds it to the fp8 peak)."""
+    for data in op.input_data:
+        if data is not None:
+            return data
     for m in op.inputs:
         if m.dtype.startswith(("float", "bfloat")):
             return m.dtype

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
+from ampscope.records.fp8 import is_fp8_cast
 
 R = TypeVar("R")
 
@@ -167,7 +168,21 @@ def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
     """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
     rows = [
         FlowRow(module_label(o.module), o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
-                "autocast cast" if o.autocast_cast else (o.source or ""))
+                _op_note(o))
         for o in ops if phase is None or o.phase == phase
     ]
     return collapse_blocks(rows)
+
+
+def _op_note(o: OpCall) -> str:
+    """"autocast cast", "fp8 cast", the fp8 data of an fp8 training tensor's operands (which
+    show their outer dtype), else the user-code line."""
+    if o.autocast_cast:
+        return "autocast cast"
+    if is_fp8_cast(o):
+        return "fp8 cast"
+    if o.input_data:
+        return "fp8 data " + " × ".join(
+            d.removeprefix("float8_").removesuffix("fn") if d else m.dtype
+            for d, m in zip(o.input_data, o.inputs, strict=False))
+    return o.source or ""

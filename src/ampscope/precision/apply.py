@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ampscope.precision import matmul
+from ampscope.precision import fp8, matmul
 from ampscope.precision.emulation import Emulation
 from ampscope.precision.predict import fake_like
 from ampscope.precision.setting import Setting
@@ -99,6 +99,8 @@ class ModelState:
     slots: list[tuple[nn.Module, str, nn.Parameter]]  # which Parameter object each module holds
     buffers: list[tuple[nn.Module, str, torch.Tensor]]
     training: list[tuple[nn.Module, bool]]
+    # Which submodule each module holds: an fp8 setting swaps Linear layers for torchao's.
+    children: list[tuple[nn.Module, str, nn.Module | None]]
 
     @classmethod
     def save(cls, model: nn.Module) -> ModelState:
@@ -119,9 +121,12 @@ class ModelState:
             if b is not None
         ]
         training = [(m, m.training) for m in model.modules()]
-        return cls(params, slots, buffers, training)
+        children = [(m, name, c) for m in model.modules() for name, c in m._modules.items()]
+        return cls(params, slots, buffers, training, children)
 
     def restore(self) -> None:
+        for module, name, child in self.children:
+            module._modules[name] = child
         for p, data, requires_grad, grad in self.params:
             p.data = data
             p.requires_grad_(requires_grad)
@@ -183,6 +188,16 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
                 m._buffers[name] = copy(b)
 
 
+def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Setting) -> None:
+    """torchao's fp8 training conversion of the run's model: emulated (fp8 values, matmuls in
+    higher precision) on the CPU and on an emulated device, real on a GPU that has fp8 matmuls."""
+    emulate = setting.run_device == "cpu"
+    fp8.check_device(setting.device, emulated=setting.emulated)
+    names = stack.enter_context(fp8.converted(model, setting.fp8, emulate=emulate))
+    log.info("Converted %d Linear layers to torchao Float8Linear (recipe %s%s)", len(names),
+             setting.fp8, ", emulated" if emulate else "")
+
+
 @contextlib.contextmanager
 def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> Iterator[Emulation | None]:
     """Run the body under `setting`; afterwards the model and torch's global state are exactly
@@ -214,6 +229,8 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None:
                 _working_copies(model, setting, fake)
+                if setting.fp8 is not None:
+                    _convert_to_fp8(stack, model, setting)
             matmul.set_matmul_precision(setting.matmul_precision)
             yield emulation
     finally:

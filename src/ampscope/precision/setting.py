@@ -2,11 +2,12 @@
 
 Grammar (see docs/settings.md)::
 
-    [DEVICE:]PARAMS[+amp[-AMP]][+tf32]
+    [DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]]
     DEVICE  cpu | cuda | mps | xpu      (default cpu); emulated when this machine has none
     PARAMS  fp32 | bf16 | fp16 | fp64   parameter dtype
     AMP     bf16 | fp16                 torch.autocast dtype ("+amp": the device's default)
     tf32    torch.set_float32_matmul_precision("high")
+    fp8     torchao fp8 training; RECIPE one of torchao's (tensorwise, rowwise, ...; precision/fp8.py)
 
 Applying a setting (and undoing it exactly) is `precision/apply.py`.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.precision import fp8
 from ampscope.precision.autocast_policy import default_autocast_dtype as read_default
 from ampscope.precision.autocast_policy import registered_ops
 from ampscope.precision.emulation import autocast_region
@@ -34,9 +36,10 @@ DTYPES: dict[str, torch.dtype] = {
 AUTOCAST_DTYPES = ("bf16", "fp16")
 DEVICES = ("cpu", "cuda", "mps", "xpu")
 GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32] with DEVICE cpu|cuda|mps|xpu, PARAMS "
-    "fp32|bf16|fp16|fp64|native (native: every parameter as the model made it), AMP bf16|fp16; "
-    "e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, fp32+tf32, cuda:fp32+amp-fp16"
+    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]] with DEVICE cpu|cuda|mps|xpu, PARAMS "
+    "fp32|bf16|fp16|fp64|native (native: every parameter as the model made it), AMP bf16|fp16, "
+    "RECIPE a torchao float8 recipe; e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, "
+    "fp32+tf32, cuda:fp32+amp-fp16, fp32+amp-bf16+fp8"
 )
 # The PARAMS part that converts nothing: each parameter keeps the dtype the model gave it.
 NATIVE = "native"
@@ -55,6 +58,7 @@ class Setting:
     autocast_dtype: torch.dtype | None
     matmul_precision: str  # "highest" or "high" (TF32)
     emulated: bool = False  # the device is absent: tensors live on the CPU, autocast is the device's
+    fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
 
     @property
     def run_device(self) -> str:
@@ -71,6 +75,7 @@ class Setting:
             autocast_dtype=dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
             matmul_precision=self.matmul_precision,
             torch=torch.__version__,
+            fp8=self.fp8,
         )
 
     def to_dict(self) -> dict:
@@ -101,6 +106,7 @@ def parse_setting(text: str) -> Setting:
         )
     autocast_dtype = None
     matmul_precision = "highest"
+    fp8_recipe = None
     parts = [p for p in match["rest"].split("+") if p]
     if len(parts) != len(set(parts)):
         raise AmpscopeError(f"repeated part in setting {text!r}; the grammar is {GRAMMAR}")
@@ -113,6 +119,10 @@ def parse_setting(text: str) -> Setting:
             autocast_dtype = DTYPES[part[4:]]
         elif part == "amp":
             autocast_dtype = default_autocast_dtype(device)
+        elif part == "fp8" or part.startswith("fp8-"):
+            if fp8_recipe is not None:
+                raise AmpscopeError(f"repeated part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
+            fp8_recipe = _fp8_recipe(part, text)
         else:
             raise AmpscopeError(f"unknown part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
     canonical = params
@@ -120,9 +130,24 @@ def parse_setting(text: str) -> Setting:
         canonical += "+amp-" + ("bf16" if autocast_dtype == torch.bfloat16 else "fp16")
     if matmul_precision == "high":
         canonical += "+tf32"
+    if fp8_recipe is not None:
+        canonical += "+fp8-" + fp8.spelled(fp8_recipe)
     if device != "cpu":
         canonical = f"{device}:{canonical}"
-    return Setting(canonical, device, DTYPES.get(params), autocast_dtype, matmul_precision)
+    return Setting(canonical, device, DTYPES.get(params), autocast_dtype, matmul_precision,
+                   fp8=fp8_recipe)
+
+
+def _fp8_recipe(part: str, text: str) -> str:
+    """The torchao recipe a `fp8[-RECIPE]` part names ("fp8" alone: torchao's default config)."""
+    if part == "fp8":
+        return fp8.default_recipe()
+    known = {fp8.spelled(r): r for r in fp8.recipes()}
+    recipe = known.get(part[4:])
+    if recipe is None:
+        raise AmpscopeError(f"unknown fp8 recipe {part[4:]!r} in setting {text!r}; torchao offers "
+                            f"{', '.join(known)}")
+    return recipe
 
 
 def on_device(text: str, device: str) -> str:

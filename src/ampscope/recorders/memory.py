@@ -25,8 +25,10 @@ What the tracker sees:
   4. `output`: a named result of the workload (the loss, the logits, the sampled tokens);
   5. `autocast_cast`: made by a cast that autocast inserted — weights' casts and activations'
      casts alike, saved for backward or not (`saved` tells): the memory autocast adds;
-  6. `activation`: saved for backward;
-  7. `temporary`: everything else.
+  6. `fp8_cast`: made by a cast into a float8 dtype (fp8 training: inputs, weights, gradients);
+  7. `fp8_scale`: the scale such a cast was made with (records/fp8.py tells them);
+  8. `activation`: saved for backward;
+  9. `temporary`: everything else.
 
 Storages made outside any recorded op (inside a kernel, or by C++ without dispatching) are not
 seen; neither are the allocator's own reserves (see docs/memory.md).
@@ -39,6 +41,7 @@ import weakref
 import torch
 
 from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, dtype_name
+from ampscope.records.fp8 import fp8_casts
 
 # Identity before the step, identity at the end, origin, lifetime.
 _RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
@@ -153,6 +156,9 @@ class StorageTracker:
         """One record per storage seen, in the order first seen; then forget them all (the
         weak references go, so no callback runs after this)."""
         records = []
+        fp8 = fp8_casts(ops)
+        fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8
+                                                      if c.scale_op is not None}
         for i, entry in enumerate(self._seen):
             created = entry.created
             op = ops[created] if created is not None else None
@@ -160,6 +166,8 @@ class StorageTracker:
             if category is None:
                 if op is not None and op.autocast_cast:
                     category = "autocast_cast"
+                elif created in fp8_made:
+                    category = fp8_made[created]
                 elif entry.saved:
                     category = "activation"
                 else:

@@ -27,7 +27,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import meta_of, no_torch_function, walk
+from ampscope.recorders.tensors import data_dtypes, meta_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -307,7 +307,7 @@ class OpRecorder(TorchDispatchMode):
                 tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
                 functions.source_now() if caller is not None else None,
                 tuple(self._name_of(t) if id(t) in names else None for t in inputs),
-                grad_fn, flops, flops_causal,
+                grad_fn, flops, flops_causal, data_dtypes(inputs),
             ))
             if self._progress is not None:
                 self._progress.op(len(rows), phase)

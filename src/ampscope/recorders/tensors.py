@@ -8,6 +8,7 @@ walk, measured), look at each argument's type once per type and build each Tenso
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.records import TensorMeta, dtype_name
 
@@ -70,3 +71,23 @@ def meta_of(t: torch.Tensor) -> TensorMeta:
 
 def metas(values) -> tuple[TensorMeta, ...]:
     return tuple(meta_of(t) for t in tensors_in(values))
+
+
+def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
+    """For each tensor, the dtype a wrapper subclass stores its data in where that differs
+    from the dtype it shows (its first inner tensor, by PyTorch's `__tensor_flatten__`
+    protocol: a float8 training tensor's `_data`); () when there is none among them."""
+    found: list[str | None] | None = None
+    for i, t in enumerate(tensors):
+        if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
+            continue
+        names, _ = t.__tensor_flatten__()
+        inner = getattr(t, names[0], None) if names else None
+        if isinstance(inner, torch.Tensor) and inner.dtype != t.dtype:
+            if found is None:
+                found = [None] * len(tensors)
+            found[i] = dtype_name(inner.dtype)
+    return tuple(found) if found is not None else ()
+
+
+_PLAIN = {torch.Tensor, torch.nn.Parameter}

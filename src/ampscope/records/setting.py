@@ -21,6 +21,7 @@ class SettingRecord:
     # The PyTorch build whose autocast policy the run followed (emulated or not): the policy
     # changes between releases (precision/policy_history.json). None in traces written before.
     torch: str | None = None
+    fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -35,6 +36,7 @@ class SettingRecord:
             autocast_dtype=data.get("autocast_dtype"),
             matmul_precision=data.get("matmul_precision", "highest"),
             torch=data.get("torch"),
+            fp8=data.get("fp8"),
         )
 
 

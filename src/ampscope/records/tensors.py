@@ -109,6 +109,10 @@ class OpCall:
     # same with causal attention counted only on the score entries the mask keeps.
     flops: int = 0
     flops_causal: int = 0
+    # Aligned with `inputs` when one of them is a tensor subclass that stores its data in
+    # another dtype (torchao's float8 training tensor: bfloat16 outside, float8_e4m3fn inside):
+    # that dtype, else None. Empty when no input is such a tensor (nearly every op).
+    input_data: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,7 @@ class FailedCall:
 
 # What a storage is, in the precedence recorders/memory.py applies (first match wins).
 STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "output",
-                      "autocast_cast", "activation", "temporary")
+                      "autocast_cast", "fp8_cast", "fp8_scale", "activation", "temporary")
 
 
 @dataclass(frozen=True)

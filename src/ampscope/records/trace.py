@@ -44,7 +44,8 @@ class Finding:
 
     text: str
     cause: str  # "parameter-dtype", "buffer-dtype", "input-dtype", "output-dtype",
-    #             "autocast-policy", "type-promotion", "explicit-cast", "optimizer"
+    #             "autocast-policy", "type-promotion", "explicit-cast", "optimizer",
+    #             "fp8-training"
     source: str | None = None
 
 
@@ -134,7 +135,8 @@ class Trace:
                        _metas(o["out"], o.get("out_shapes")), o.get("autocast_cast", False),
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
-                       o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)))
+                       o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
+                       tuple(o.get("in_data", ())))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -199,7 +201,7 @@ def _op(o: OpCall) -> dict:
             "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
-            "flops": o.flops, "flops_causal": o.flops_causal}
+            "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data)}
 
 
 def _call(c: FunctionCall) -> dict:

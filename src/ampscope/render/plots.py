@@ -122,7 +122,7 @@ def divergence_by_depth_svg(report: NumericsReport) -> str | None:
 CATEGORY_COLORS = {
     "parameter": "#4e79a7", "buffer": "#9c755f", "input": "#bab0ac", "gradient": "#f28e2b",
     "optimizer_state": "#e15759", "output": "#76b7b2", "autocast_cast": "#00838f",
-    "activation": "#59a14f", "temporary": "#edc948",
+    "fp8_cast": "#b07aa1", "fp8_scale": "#ff9da7", "activation": "#59a14f", "temporary": "#edc948",
 }
 # Line hatches only: dotted and circled ones are drawn as thousands of curves in SVG.
 DTYPE_HATCHES = {"float32": "", "bfloat16": "///", "float16": "\\\\\\", "float64": "|||",

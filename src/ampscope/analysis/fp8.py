@@ -1,0 +1,118 @@
+"""What an fp8 training step did, from its records: which Linear layers ran their matmuls in
+fp8 and in which formats, which stayed in higher precision, and the casts and scales it made.
+
+Read from the ops, not from the setting, so a model that a script or a factory converted itself
+is described the same way: a matmul ran in fp8 when its operands held fp8 data
+(`OpCall.input_data`), a cast into fp8 is a `_to_copy` to a float8 dtype with the scale found
+by `records.fp8`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ampscope.analysis.flow import FlowRow, collapse_blocks
+from ampscope.records import Finding, Trace
+from ampscope.records.fp8 import DIM_MULTIPLE, fp8_casts
+
+FP8_CAUSE = "fp8-training"
+
+
+@dataclass(frozen=True)
+class Fp8Step:
+    converted: list[str]  # modules whose matmuls ran in fp8, in call order
+    linear: list[str]  # Linear modules whose matmuls did not (left out by the module filter)
+    matmuls: Counter  # (phase, "float8_e4m3fn × float8_e4m3fn") → count
+    casts: Counter  # (phase, fp8 dtype) → count
+    granularity: Counter  # "tensorwise" / "rowwise" → casts
+    scale_dtypes: Counter  # dtype of the scales → count
+    helper_casts: int  # other casts in the converted modules (computing scales, back to bf16)
+    cast_bytes: int = 0
+    odd_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # linear → weight shape
+
+
+def fp8_step(trace: Trace) -> Fp8Step | None:
+    """The fp8 facts of a trace, or None when nothing ran in fp8."""
+    matmuls: Counter = Counter()
+    converted: dict[str, None] = {}
+    for o in trace.ops:
+        if o.flops and any(d is not None for d in o.input_data):
+            pair = " × ".join(d or m.dtype for d, m in zip(o.input_data, o.inputs, strict=False))
+            matmuls[(o.phase, pair)] += 1
+            if o.module is not None:
+                converted.setdefault(o.module, None)
+    casts = fp8_casts(trace.ops)
+    if not matmuls and not casts:
+        return None
+    cast_ops = {c.op for c in casts}
+    linear = list(dict.fromkeys(m.name for m in trace.modules
+                                if m.phase == "forward" and m.type == "Linear"
+                                and m.name not in converted))
+    shapes = {name.removesuffix(".weight"): p.shape for p in trace.parameters
+              for name in (p.name, *p.tied_to)}  # a tied lm_head is listed under its embedding
+    odd = {name: shapes[name] for name in linear
+           if name in shapes and any(d % DIM_MULTIPLE for d in shapes[name])}
+    helper = sum(1 for o in trace.ops if o.op == "aten._to_copy.default"
+                 and o.module in converted and o.index not in cast_ops)
+    return Fp8Step(
+        converted=list(converted), linear=linear, matmuls=matmuls,
+        casts=Counter((trace.ops[c.op].phase, trace.ops[c.op].outputs[0].dtype) for c in casts),
+        granularity=Counter(c.granularity for c in casts),
+        scale_dtypes=Counter(c.scale.dtype for c in casts if c.scale is not None),
+        helper_casts=helper,
+        cast_bytes=sum(s.nbytes for s in trace.storages if s.category == "fp8_cast"),
+        odd_dims=odd,
+    )
+
+
+def fp8_modules(trace: Trace) -> set[str]:
+    """Modules whose matmuls ran in fp8: their casts are the fp8 recipe's, not the user's."""
+    return {o.module for o in trace.ops
+            if o.module is not None and o.flops and any(d is not None for d in o.input_data)}
+
+
+def _collapsed(names: list[str]) -> str:
+    """Repeated blocks on one name ("transformer.h.0–11.mlp.c_fc"), at most four names."""
+    rows = [r.name for r in collapse_blocks([FlowRow(n, "", (), ()) for n in names])]
+    return ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
+
+
+def _by_phase(counts: Counter, phase: str) -> str:
+    return ", ".join(f"{n} {what}" for (p, what), n in counts.items() if p == phase)
+
+
+def fp8_findings(trace: Trace) -> list[Finding]:
+    step = fp8_step(trace)
+    if step is None:
+        return []
+    n_linear = len(step.converted) + len(step.linear)
+    recipe = f", recipe {trace.setting.fp8}" if trace.setting.fp8 else ""
+    emulated = (" (emulated: the operands hold real fp8 values, the matmul runs on them in higher "
+                "precision)" if trace.setting.fp8 and (trace.setting.device == "cpu"
+                                                        or trace.setting.emulated) else "")
+    matmuls = "; ".join(f"{phase} {_by_phase(step.matmuls, phase)}"
+                        for phase in ("forward", "backward")
+                        if any(p == phase for p, _ in step.matmuls))
+    findings = [Finding(
+        f"{len(step.converted)} of {n_linear} Linear layers run their matmuls in fp8{recipe}: "
+        f"{matmuls}{emulated}.", FP8_CAUSE)]
+    if step.casts:
+        casts = "; ".join(f"{phase} {_by_phase(step.casts, phase)}"
+                          for phase in ("forward", "backward")
+                          if any(p == phase for p, _ in step.casts))
+        scales = ", ".join(f"{n} {g}" for g, n in step.granularity.items())
+        scale_dtype = "/".join(step.scale_dtypes) or "no"
+        findings.append(Finding(
+            f"Casts to fp8 ({step.cast_bytes / 1e6:.2f} MB): {casts}; each with a {scale_dtype} "
+            f"scale from the tensor's amax ({scales}); {step.helper_casts} more casts in these "
+            "layers compute the scales and return results to the activations' dtype. Weights "
+            "keep their dtype: they are cast again at every matmul.", FP8_CAUSE))
+    if step.linear:
+        why = (f" (dims not multiples of {DIM_MULTIPLE}: "
+               + ", ".join(f"{n} {'×'.join(map(str, s))}" for n, s in step.odd_dims.items()) + ")"
+               if step.odd_dims else "")
+        findings.append(Finding(
+            f"{_collapsed(step.linear)} stay{'s' if len(step.linear) == 1 else ''} in higher "
+            f"precision: left out by the module filter{why}.", FP8_CAUSE))
+    return findings

@@ -1,0 +1,66 @@
+"""The fp8 casts of a recorded step and the scales they used, read off the op records.
+
+A dynamically scaled fp8 cast (torchao's float8 training, docs/fp8.md) runs as: the tensor's
+amax, a scale computed from it (`scale = fp8_max / amax`, in float64 and back to float32,
+optionally rounded to a power of 2), then `x * scale`, a clamp to the format's range and the
+`_to_copy` into float8. So each `_to_copy` into a float8 dtype is a cast, and the `mul` just
+before it on the same tensor names the scale by its shape: one number (tensorwise) or one per
+row (rowwise). The op that made the scale is the last earlier op in the same module with the
+scale's dtype and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ampscope.records.tensors import OpCall, TensorMeta
+
+# The hardware requirement of fp8 matmuls (`torch._scaled_mm`): both dims a multiple of 16.
+DIM_MULTIPLE = 16
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_CAST = "aten._to_copy.default"
+_MUL = "aten.mul.Tensor"
+_LOOKBACK = 16  # ops between a scale's making and its cast: a dozen in torchao 0.18
+
+
+@dataclass(frozen=True)
+class Fp8Cast:
+    """One cast into fp8 and its scale."""
+
+    op: int  # index of the `_to_copy` op
+    scale: TensorMeta | None  # the scale's dtype and shape; None: no scaling mul was found
+    scale_op: int | None  # index of the op that made the scale
+
+    @property
+    def granularity(self) -> str:
+        """"tensorwise" (one scale), "rowwise" (one per row or column), "unscaled"."""
+        if self.scale is None:
+            return "unscaled"
+        n = 1
+        for d in self.scale.shape:
+            n *= d
+        return "tensorwise" if n == 1 else "rowwise"
+
+
+def is_fp8_cast(op: OpCall) -> bool:
+    return op.op == _CAST and bool(op.outputs) and op.outputs[0].dtype in FP8_DTYPES
+
+
+def fp8_casts(ops: list[OpCall]) -> list[Fp8Cast]:
+    """Every cast into a float8 dtype, in op order, with the scale it was made with."""
+    casts = []
+    for i, op in enumerate(ops):
+        if not is_fp8_cast(op):
+            continue
+        scale, made = None, None
+        shape = op.inputs[0].shape if op.inputs else None
+        for j in range(i - 1, max(i - _LOOKBACK, -1), -1):
+            mul = ops[j]
+            if (mul.op == _MUL and mul.module == op.module and len(mul.inputs) == 2
+                    and mul.inputs[0].shape == shape and mul.inputs[1].shape != shape):
+                scale = mul.inputs[1]
+                made = next((k for k in range(j - 1, max(j - _LOOKBACK, -1), -1)
+                             if ops[k].module == op.module and scale in ops[k].outputs), None)
+                break
+        casts.append(Fp8Cast(i, scale, made))
+    return casts
