@@ -115,6 +115,7 @@ ZOO: dict[str, ZooEntry] = {
 
 def transformers_module():
     try:
+        _torchao_quietly()
         import transformers
     except ImportError as e:
         raise AmpscopeError(
@@ -237,6 +238,30 @@ def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
     return module.train()
 
 
+_NOISY = ("transformers", "torchao", "torch.utils._pytree")
+
+
+def _torchao_quietly() -> None:
+    """transformers imports torchao when it is installed (the `fp8` extra): imported here first,
+    without the log lines a CPU build of it prints on import (its CUDA kernels cannot load)."""
+    import importlib.util
+    import sys
+
+    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+        return
+    loggers = [logging.getLogger(n) for n in _NOISY[1:]]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    except Exception:  # a broken install: transformers then reports it, or not, as it would
+        pass
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """Hold back transformers' log lines, Python warnings and progress bars while it builds or
@@ -244,17 +269,21 @@ def quiet_transformers() -> Iterator[None]:
     What ampscope needs from them (missing weights, unknown model types) it checks and says
     itself. The logger level and the progress-bar switch are put back as they were."""
     transformers = transformers_module()
-    logger = logging.getLogger("transformers")
-    level = logger.level
+    # transformers' own, and torchao's, which transformers imports while it builds (a CPU build
+    # of it says it cannot load its CUDA kernels; torch warns about one of its enums).
+    loggers = [logging.getLogger(n) for n in _NOISY]
+    levels = [lg.level for lg in loggers]
     progress_bar = transformers.utils.logging.is_progress_bar_enabled()
-    logger.setLevel(logging.ERROR)
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..."
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
         if progress_bar:
             transformers.utils.logging.enable_progress_bar()
 
