@@ -51,29 +51,16 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def measure_step(
-    model: str | nn.Module | LoadedModel,
-    *,
-    setting: str | Setting = "fp32",
-    workload: str = "train",
-    batch: int = 1,
-    seq: int = 64,
-    optimizer: str = "adamw",
-    new_tokens: int = 4,
-    seed: int = 0,
-    checkpoint: bool = False,
-    optimizer_impl: str | None = None,
-    repeats: int = 3,
-) -> float:
+def measure_step(model: str | nn.Module | LoadedModel, *, setting: str | Setting = "fp32",
+                 repeats: int = 3, **options) -> float:
     """Median wall seconds of the untraced step on this machine, after one warm-up run.
 
-    Only a real device can be timed: an emulated setting is refused (give the step time
-    instead)."""
+    `options` are `RunOptions` fields, as for `trace`. Only a real device can be timed: an
+    emulated setting is refused (give the step time instead)."""
     import statistics
     import time
 
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed,
-                         checkpoint=checkpoint, optimizer_impl=optimizer_impl)
+    options = RunOptions(**options)
     setting = resolved(setting)
     if setting.emulated:
         raise AmpscopeError(
@@ -96,24 +83,12 @@ def measure_step(
     return statistics.median(times)
 
 
-def measure_peak_memory(
-    model: str | nn.Module | LoadedModel,
-    *,
-    setting: str | Setting = "fp32",
-    workload: str = "train",
-    batch: int = 1,
-    seq: int = 64,
-    optimizer: str = "adamw",
-    new_tokens: int = 4,
-    seed: int = 0,
-    checkpoint: bool = False,
-    optimizer_impl: str | None = None,
-) -> MeasuredPeak:
+def measure_peak_memory(model: str | nn.Module | LoadedModel, *,
+                        setting: str | Setting = "fp32", **options) -> MeasuredPeak:
     """The step's peak on this machine's real device, counted as the prediction counts it: the
     step's own copies of the weights and the batch, plus the most bytes the step allocated on
     top of them (see precision.applied: the step works on its own copies of the weights)."""
-    options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed,
-                         checkpoint=checkpoint, optimizer_impl=optimizer_impl)
+    options = RunOptions(**options)  # its fields, as for `trace`
     setting = peak_to_measure(setting)
     lm, data = real_step(model, setting, options)
     if setting.device == "cpu":
@@ -141,9 +116,16 @@ def _cpu_peak(lm: LoadedModel, data: Batch, setting: Setting,
     once, relative to the start. Started inside `applied`, so that what applied keeps for
     itself (a copy of the RNG state) is not counted; the step's weights and batch, live at the
     start, are counted from their storages."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
-    with applied(setting, lm.module):
+    from ampscope.precision.predict import gc_paused
+
+    # Garbage from before the step, collected during it, would be a free the profiler never
+    # saw allocated: it lowers the replayed peak, and torch warns on stderr about it.
+    gc.collect()
+    with applied(setting, lm.module), gc_paused():
         module = lm.module
         start = _storage_bytes([*module.parameters(), *module.buffers(), *data.values()])
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
