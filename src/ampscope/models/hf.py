@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from torch import nn
 
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.quiet import loggers_quiet
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -238,6 +238,8 @@ def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
     return module.train()
 
 
+# transformers' own loggers, and torchao's, which transformers imports while it builds (a CPU
+# build of it says it cannot load its CUDA kernels; torch warns about one of its enums).
 _NOISY = ("transformers", "torchao", "torch.utils._pytree")
 
 
@@ -249,17 +251,9 @@ def _torchao_quietly() -> None:
 
     if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
         return
-    loggers = [logging.getLogger(n) for n in _NOISY[1:]]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
+    # A broken install is left for transformers to report, or not, as it would.
+    with loggers_quiet(*_NOISY[1:]), contextlib.suppress(Exception):
         import torchao  # noqa: F401
-    except Exception:  # a broken install: transformers then reports it, or not, as it would
-        pass
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -269,21 +263,13 @@ def quiet_transformers() -> Iterator[None]:
     What ampscope needs from them (missing weights, unknown model types) it checks and says
     itself. The logger level and the progress-bar switch are put back as they were."""
     transformers = transformers_module()
-    # transformers' own, and torchao's, which transformers imports while it builds (a CPU build
-    # of it says it cannot load its CUDA kernels; torch warns about one of its enums).
-    loggers = [logging.getLogger(n) for n in _NOISY]
-    levels = [lg.level for lg in loggers]
     progress_bar = transformers.utils.logging.is_progress_bar_enabled()
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()  # "Loading weights: 100%|..."
     try:
-        with warnings.catch_warnings():
+        with loggers_quiet(*_NOISY), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
         if progress_bar:
             transformers.utils.logging.enable_progress_bar()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from ampscope.errors import AmpscopeError
+from ampscope.quiet import loggers_quiet
 from ampscope.records.fp8 import DIM_MULTIPLE
 
 INSTALL = "pip install 'ampscope[fp8]' (torchao==0.18.0, installed with --no-deps)"
@@ -29,17 +29,10 @@ def _quiet_import(name: str) -> ModuleType:
     """Import a torchao module without its import-time log lines (the CPU build cannot load its
     CUDA kernels and says so on every import; torch warns about one of its enums): they would
     reach the user's terminal as noise."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        import importlib
+    import importlib
 
+    with loggers_quiet("torchao", "torch.utils._pytree"):
         return importlib.import_module(name)
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def float8() -> ModuleType:

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.errors import AmpscopeError
+from ampscope.quiet import loggers_quiet
 
 
 def fake_mode() -> FakeTensorMode:
@@ -73,13 +74,8 @@ def check_matmul_dtypes(func: torch._ops.OpOverload, args: tuple) -> None:
 def quiet_fake_tensor_log() -> Iterator[None]:
     """FakeTensor logs a traceback at ERROR before re-raising a failing meta kernel; ampscope
     reports the error itself, in one line."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
+    with loggers_quiet("torch._subclasses.fake_tensor", level=logging.CRITICAL):
         yield
-    finally:
-        logger.setLevel(level)
 
 
 @contextlib.contextmanager
