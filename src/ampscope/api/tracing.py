@@ -37,6 +37,7 @@ from ampscope.precision.predict import (
     value_needed_error,
 )
 from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.recorders.repeats import ReplayDoubt
 from ampscope.recorders.session import Capture
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
@@ -89,6 +90,10 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     with torch.inference_mode(False):
         try:
             return _trace_run(model, inputs, setting, options)
+        except ReplayDoubt as doubt:
+            # A replayed block was not like its recorded twins after all: dispatch them all.
+            log.info("replaying repeated blocks was unsound (%s): tracing every block", doubt)
+            return _trace_run(model, inputs, setting, replace(options, every_block=True))
         except _ValuesNeeded as needed:
             # Predicted by default, but the model reads a value: run it for real, and say why.
             result = _trace_run(model, inputs, setting, replace(options, predict=False))
@@ -133,13 +138,17 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
                 log.info("%s", notes[-1])
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
-                          op_check=check_matmul_dtypes if fake is not None else None)
+                          op_check=check_matmul_dtypes if fake is not None else None,
+                          replay_blocks=(fake is not None and not options.checkpoint
+                                         and not options.every_block))
         try:
             with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
                 with capture.recording(), (virtual.active(memory=capture.memory_now)
                                              if virtual else contextlib.nullcontext()):
                     outputs = workloads.run(lm, run_data, setting, options, predict=predict)
+        except ReplayDoubt:
+            raise
         except Exception as e:
             if predict and data_dependent(e):
                 if options.predict is None:
@@ -163,7 +172,8 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
         log.info("%s", notes[-1])
-    result.notes = (notes + (emulation.notes(workload_name) if emulation is not None else [])
+    result.notes = (notes + (emulation.notes(workload_name, [o.op for o in result.ops if o.phase == "forward"])
+                                      if emulation is not None else [])
                     + result.notes)  # what the capture itself noted comes last
     if virtual is not None:
         result.notes += virtual.notes()

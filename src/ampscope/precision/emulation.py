@@ -21,7 +21,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence, Callable, Iterator
 
 import torch
 
@@ -240,8 +240,10 @@ class Emulation:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def notes(self, workload: str) -> list[str]:
-        """What the run assumed, in plain words, for the trace's notes."""
+    def notes(self, workload: str, ops: Sequence[str] = ()) -> list[str]:
+        """What the run assumed, in plain words, for the trace's notes. `ops`, the names of the
+        forward ops the trace recorded, count the attention calls (a replayed block's among
+        them, which chose no kernel of its own: recorders/repeats.py)."""
         from ampscope.precision.attention_choice import H100
 
         notes = [
@@ -256,6 +258,10 @@ class Emulation:
         for choice in self.attention:
             key = f"{choice.backend} ({choice.forward_op.removesuffix('.default')})"
             kernels[key] = kernels.get(key, 0) + 1
+        if ops:
+            by_op = {f"{c.backend} ({c.forward_op.removesuffix('.default')})": c.forward_op
+                     for c in self.attention}
+            kernels = {key: sum(1 for op in ops if op == by_op[key]) for key in kernels}
         if kernels:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(

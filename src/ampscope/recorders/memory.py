@@ -37,6 +37,7 @@ seen; neither are the allocator's own reserves (see docs/memory.md).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -49,9 +50,24 @@ _RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
 
 class _Storage(weakref.ref):
     """A weak reference to one storage that carries what is known of it (the reference is the
-    record: one object per storage, and its callback receives it)."""
+    record: one object per storage, and its callback receives it). `dated`: the op index its
+    free is dated at, when a replayed block (recorders/repeats.py) knows it better than the
+    moment the storage goes; `followers`: replayed storages freed when this one is."""
 
-    __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names")
+    __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names",
+                 "dated", "followers", "leader")
+
+
+class _Replayed:
+    """A storage a replayed block would have made: never allocated, dated from its twin, the
+    storage `leader` that a recorded block made (whose `saved` it shares)."""
+
+    __slots__ = ("nbytes", "meta", "created", "freed", "saved", "category", "names", "leader")
+
+    def __init__(self, leader: _Storage, created: int, freed: int | None) -> None:
+        self.nbytes, self.meta, self.leader = leader.nbytes, leader.meta, leader
+        self.created, self.freed = created, freed
+        self.saved, self.category, self.names = False, None, []
 
 
 class StorageTracker:
@@ -66,6 +82,9 @@ class StorageTracker:
         # torch.cuda.memory_allocated() reads on a virtual device.
         self.live_bytes = 0
         self.peak_bytes = 0
+        # Frees while a replayed block's twin is recorded (see `start_log`).
+        self.log: list[_Storage] = []
+        self._logging = 0
 
     # -- collecting
     def _entry(self, storage: torch.UntypedStorage, meta: TensorMeta,
@@ -73,6 +92,7 @@ class StorageTracker:
         entry = _Storage(storage, self._on_free)
         entry.key, entry.nbytes, entry.meta, entry.created = id(storage), storage.nbytes(), meta, created
         entry.freed, entry.saved, entry.category, entry.names = None, False, None, []
+        entry.dated = entry.followers = entry.leader = None
         self._live[id(storage)] = entry
         self._seen.append(entry)
         self.live_bytes += _blocks(entry.nbytes)
@@ -80,16 +100,75 @@ class StorageTracker:
         return entry
 
     def _on_free(self, entry: _Storage) -> None:
-        entry.freed = len(self._ops) - 1
+        entry.freed = len(self._ops) - 1 if entry.dated is None else entry.dated
         if self._live.get(entry.key) is entry:
             del self._live[entry.key]
             self.live_bytes -= _blocks(entry.nbytes)
+        if self._logging:
+            self.log.append(entry)
+        if entry.followers:
+            for follower in entry.followers:
+                if follower.freed is None:
+                    follower.freed = entry.freed
+                    self.live_bytes -= _blocks(follower.nbytes)
+            entry.followers = None
+
+    # -- for replayed blocks (recorders/repeats.py)
+    def start_log(self) -> int:
+        """Start noting frees (nested starts are counted); returns where the log is now."""
+        self._logging += 1
+        return len(self.log)
+
+    def stop_log(self) -> int:
+        self._logging -= 1
+        return len(self.log)
+
+    def entry_of(self, tensor: torch.Tensor):
+        """The entry of a live tensor's storage, None when it has not been seen."""
+        storage = storage_of(tensor)
+        return self._live.get(id(storage)) if storage is not None else None
+
+    def made_by_replay(self, tensor: torch.Tensor, created: int, twin: _Storage):
+        """A tensor a replayed block returns (made without an op): its storage, dated as made
+        by op `created`, described as its twin's (the first tensor seen on it may have been a
+        view with another shape: a bias gradient summed with keepdim)."""
+        storage = storage_of(tensor)
+        if storage is None:
+            return None
+        return self._live.get(id(storage)) or self._entry(storage, twin.meta, created)
+
+    def replayed(self, leader: _Storage, created: int, freed: int | None) -> _Replayed:
+        """A storage a replayed block made at op `created`, the twin of `leader`: freed at op
+        `freed`, or when `leader` is (or as `date_free` dates it), when `freed` is None."""
+        entry = _Replayed(leader, created, None)
+        self._seen.append(entry)
+        self.live_bytes += _blocks(entry.nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if freed is not None:
+            self.date_free(entry, freed)
+        elif leader.freed is not None and self._live.get(leader.key) is not leader:
+            raise LookupError("a replayed storage's twin is already gone")
+        else:
+            leader.followers = [*(leader.followers or ()), entry]
+        return entry
+
+    def date_free(self, entry, index: int) -> None:
+        """Date `entry`'s free at op `index`: now for a replayed storage, when it goes (or
+        now, when it is gone already) for a real one."""
+        if isinstance(entry, _Replayed):
+            if entry.freed is None:
+                entry.freed = index
+                self.live_bytes -= _blocks(entry.nbytes)
+            return
+        entry.dated = index
+        if self._live.get(entry.key) is not entry:
+            entry.freed = index
 
     def register(self, tensor: torch.Tensor, category: str, name: str) -> None:
         """Name a storage that exists before the step (or, for `input`, as the model is first
         called), or give a name and category to one seen at the end. A storage keeps the
         category of highest precedence it is given, and every name."""
-        storage = _storage(tensor)
+        storage = storage_of(tensor)
         if storage is None:
             return
         entry = self._live.get(id(storage))
@@ -138,17 +217,11 @@ class StorageTracker:
             if id(node) in walked:
                 continue
             walked[id(node)] = node  # held, so that its Python object (and id) stays the same
-            for name in _saved_attributes(type(node)):
-                try:
-                    value = getattr(node, name)
-                except RuntimeError:  # already released
-                    continue
-                for saved in value if isinstance(value, (tuple, list)) else (value,):
-                    t = getattr(saved, "data", None)
-                    storage = _storage(t) if isinstance(t, torch.Tensor) else None
-                    entry = live.get(id(storage)) if storage is not None else None
-                    if entry is not None:
-                        entry.saved = True
+            for t in saved_tensors(node):
+                storage = storage_of(t)
+                entry = live.get(id(storage)) if storage is not None else None
+                if entry is not None:
+                    entry.saved = True
             stack.extend(n for n, _ in node.next_functions if n is not None)
 
     # -- the result
@@ -163,12 +236,13 @@ class StorageTracker:
             created = entry.created
             op = ops[created] if created is not None else None
             category = entry.category
+            saved = entry.saved or (entry.leader is not None and entry.leader.saved)
             if category is None:
                 if op is not None and op.autocast_cast:
                     category = "autocast_cast"
                 elif created in fp8_made:
                     category = fp8_made[created]
-                elif entry.saved:
+                elif saved:
                     category = "activation"
                 else:
                     category = "temporary"
@@ -179,9 +253,9 @@ class StorageTracker:
                 module=op.module if op is not None else None,
                 phase=op.phase if op is not None else None,
                 op=op.op if op is not None else None,
-                saved=entry.saved,
+                saved=saved,
             ))
-        self._seen, self._live, self._walked = [], {}, {}
+        self._seen, self._live, self._walked, self.log = [], {}, {}, []
         return records
 
 
@@ -198,7 +272,20 @@ def _saved_attributes(node_type: type) -> tuple[str, ...]:
     return names
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+def saved_tensors(node) -> Iterator[torch.Tensor]:
+    """The tensors an autograd node holds for its backward, as it holds them (not unpacked)."""
+    for name in _saved_attributes(type(node)):
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # already released
+            continue
+        for saved in value if isinstance(value, (tuple, list)) else (value,):
+            t = getattr(saved, "data", None)
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage

@@ -68,7 +68,7 @@ class PhaseClock(Protocol):
     def now(self) -> str: ...
 
 
-class _OpenCall:
+class OpenCall:
     """A module call whose record is not complete yet."""
 
     __slots__ = ("index", "name", "type", "phase", "depth", "inputs", "outputs", "module_id")
@@ -94,9 +94,9 @@ class ModuleTracker:
 
     def __init__(self, names: dict[nn.Module, str]):
         self._names = names
-        self._forward_stack: list[_OpenCall] = []
-        self._backward_stack: list[_OpenCall] = []
-        self._calls: list[_OpenCall] = []
+        self._forward_stack: list[OpenCall] = []
+        self._backward_stack: list[OpenCall] = []
+        self._calls: list[OpenCall] = []
         self._handles: list = []
         self._engine_callback_queued = False
         # Set by the capture session: the phase clock, and what to do when the root module is
@@ -228,7 +228,7 @@ class ModuleTracker:
         if name == "" and not self._forward_stack and self.on_root_forward is not None:
             self.on_root_forward()
         phase = self.phase.now() if self.phase is not None else "forward"
-        call = _OpenCall(
+        call = OpenCall(
             len(self._calls), name, type(module).__name__, phase,
             len(self._forward_stack), metas(args),
         )
@@ -292,7 +292,7 @@ class ModuleTracker:
             if self is None:
                 return
             self._queue_end_of_backward()
-            call = _OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
+            call = OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
             self._calls.append(call)
             if not enter:
                 call.outputs = call.inputs

@@ -20,6 +20,7 @@ from ampscope.recorders import inventory
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.recorders.ops import FunctionRecorder, InferenceAsNoGrad, OpRecorder
+from ampscope.recorders.repeats import BlockReplay
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
@@ -66,13 +67,16 @@ class Capture:
                  setting: SettingRecord | None = None, workload: str = "custom",
                  op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
-                 explain_failure: Callable[[FailedCall | None], str | None] | None = None) -> None:
+                 explain_failure: Callable[[FailedCall | None], str | None] | None = None,
+                 replay_blocks: bool = False) -> None:
         """`findings` and `explain_failure` are given by the API (they are analysis, which
         capture does not import): the first fills `trace.findings` when a `with` block ends,
         the second turns the call that raised into a note under the user's traceback.
 
         With `model=None` (a script run by `ampscope run`), the first module called outside
-        any other becomes the model, with everything it holds."""
+        any other becomes the model, with everything it holds. `replay_blocks` (for a run on
+        fake tensors) records repeated identical blocks once and replays the others
+        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
@@ -94,6 +98,8 @@ class Capture:
         self._arguments: dict[str, object] = {}
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
+        self._replay_blocks = replay_blocks
+        self._replay: BlockReplay | None = None
 
     # -- recorders
     def _start(self) -> None:
@@ -153,6 +159,9 @@ class Capture:
         self._handles.append(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         self._undo.append(self._tracker.watch_direct_calls(model, self._on_model_call))
+        if self._replay_blocks:
+            self._replay = BlockReplay(self._tracker, self._functions, self._ops, self._storages)
+            self._undo.append(self._replay.install(model))
 
     def _adopt(self, module: nn.Module, args: tuple) -> None:
         """The first module a script calls outside any other becomes the model: or the module
@@ -313,6 +322,8 @@ class Capture:
                outputs: dict[str, torch.Tensor] | None = None) -> Trace:
         """Fill the trace from the recorders and the model's current tensors."""
         model, trace = self.model, self.trace
+        if self._replay is not None:
+            self._replay.check()
         if self._setting is None:
             trace.setting = self._observed_setting()
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
@@ -331,6 +342,12 @@ class Capture:
         self._inputs = None  # the trace keeps records, not the user's tensors
         if outputs:
             trace.outputs = inventory.named_tensors(outputs, role="output")
+        if self._replay is not None and self._replay.replayed:
+            trace.notes.append(
+                f"{self._replay.replayed} calls of identical blocks were not dispatched: their "
+                "records are those of a recorded twin, replayed (the blocks and their inputs "
+                "matched; see docs/how-it-works.md).")
+            log.info("%s", trace.notes[-1])
         if self._inference.used:
             trace.notes.append(
                 "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "
