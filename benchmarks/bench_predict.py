@@ -1,43 +1,50 @@
-"""Predict mode at scale: tracing a model far larger than the machine, against a bare fake step.
+"""Predict mode at scale: a 70B training step traced on fake tensors, against a bare fake step
+of the same model, in one process.
 
-Two commands, each in its own fresh process (so wall time includes Python start-up and imports,
-and peak RSS is the process's own), on the same model, setting and sequence length:
-
-  bare fake step  plain PyTorch: the HF model built on the meta device, its parameters as fake
-                  bf16 tensors on the CPU, one forward with labels, backward and AdamW
-                  (foreach, as on CUDA) step under FakeTensorMode; nothing recorded
-  ampscope        `ampscope trace MODEL --device cuda --setting bf16 --workload train
-                  --seq T --predict`, printing the whole report (to /dev/null)
-
-    python benchmarks/bench_predict.py                       # llama-3-70b, seq 4096, 3 repeats
+    python benchmarks/bench_predict.py                       # llama-3-70b, seq 4096, 3 rounds
     python benchmarks/bench_predict.py --model llama-3.2-1b --seq 1024
 
-The medians of `--repeats` rounds are reported with the ratio over the bare step. Goal (issue
-"Other devices"): the 70B command under 10 s wall and 1 GB peak RSS on a 2-core machine.
+Each round runs, in this order (after one warm-up of each at seq 64: imports, PyTorch's
+fake-tensor caches):
+
+  bare fake step  plain PyTorch: the HF model built on the meta device, its parameters made
+                  fake bf16 tensors, one forward with labels, backward and AdamW (foreach, as
+                  on CUDA) step under FakeTensorMode; nothing recorded
+  ampscope        `ampscope.trace(MODEL, setting="cuda:bf16", workload="train", seq=T,
+                  predict=True)`: the model built from its name, the setting applied, the step
+                  recorded, the findings derived; repeated blocks recorded twice and replayed
+  every block     the same with `every_block=True`: every block dispatched (ampscope before
+                  replaying)
+
+The table gives each variant's median wall time and its ratio over the bare step's. Then the
+last round's two traces are compared: every record (modules, calls, ops with their FLOPs,
+storages with their lifetimes, tensors, findings), the memory peak and where it falls, and the
+FLOPs; the replay note is the one difference expected.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
+import warnings
 
-BIN = Path(sys.executable).parent
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-BARE = textwrap.dedent("""
-    import sys, torch, transformers
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from ampscope.models import hf
-    name, seq = sys.argv[1], int(sys.argv[2])
+import ampscope
+from ampscope.analysis.flops import flop_report
+from ampscope.analysis.memory import memory_report
+from ampscope.models import hf
+from ampscope.precision.predict import gc_paused
+
+
+def bare_step(name: str, seq: int) -> None:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf.zoo_config(name))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with mode, gc_paused():
         for module in model.modules():
             for key, p in list(module._parameters.items()):
                 if p is not None:
@@ -50,20 +57,30 @@ BARE = textwrap.dedent("""
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.optim.AdamW(model.parameters(), foreach=True).step()
-""")
 
 
-def run(argv: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GB) of one fresh process (wait4 gives that child's own)."""
+def traced(name: str, seq: int, every_block: bool):
+    return ampscope.trace(name, setting="cuda:bf16", workload="train", seq=seq, predict=True,
+                          every_block=every_block)
+
+
+def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stderr = child.stderr.read() if child.stderr else ""
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        sys.exit(f"{' '.join(argv[:3])}… failed:\n{stderr}")
-    return wall, usage.ru_maxrss / 1e6  # Linux reports kB
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def compare(replayed, full) -> list[str]:
+    """What differs between the two traces, beyond the note that says blocks were replayed."""
+    a, b = replayed.to_dict(), full.to_dict()
+    a["notes"] = [n for n in a["notes"] if "identical blocks" not in n]
+    diffs = [f"{key} differ" for key in a if a[key] != b[key]]
+    ma, mb = memory_report(replayed), memory_report(full)
+    if ma.peak != mb.peak:
+        diffs.append(f"peak: {ma.peak} against {mb.peak}")
+    if flop_report(replayed, tokens=1).total != flop_report(full, tokens=1).total:
+        diffs.append("FLOPs differ")
+    return diffs
 
 
 def main() -> None:
@@ -72,28 +89,39 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    warnings.filterwarnings("ignore")
 
-    commands = {
-        "bare fake step": [sys.executable, "-c", BARE, args.model, str(args.seq)],
-        "ampscope": [str(BIN / "ampscope"), "trace", args.model, "--device", "cuda", "--setting",
-                     "bf16", "--workload", "train", "--seq", str(args.seq), "--predict"],
+    variants = {
+        "bare fake step": lambda seq: bare_step(args.model, seq),
+        "ampscope": lambda seq: traced(args.model, seq, every_block=False),
+        "every block": lambda seq: traced(args.model, seq, every_block=True),
     }
-    walls: dict[str, list[float]] = {name: [] for name in commands}
-    peaks: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(args.repeats):  # alternate, so that a disturbed minute hits both
-        for name, argv in commands.items():
-            wall, peak = run(argv)
-            walls[name].append(wall)
-            peaks[name].append(peak)
+    for run in variants.values():
+        run(64)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    results: dict[str, object] = {}
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            seconds, results[name] = timed(lambda run=run: run(args.seq))
+            times[name].append(seconds)
 
-    print(f"{args.model}, train step, seq {args.seq}, cuda:bf16 predicted; "
-          f"median of {args.repeats} fresh processes")
-    print(f"{'variant':<16} {'wall s':>7} {'min':>6} {'max':>6} {'× bare':>7} {'peak RSS GB':>12}")
-    bare = statistics.median(walls["bare fake step"])
-    for name, times in walls.items():
-        median = statistics.median(times)
-        print(f"{name:<16} {median:7.2f} {min(times):6.2f} {max(times):6.2f} "
-              f"{median / bare:6.2f}× {max(peaks[name]):12.2f}")
+    replayed, full = results["ampscope"], results["every block"]
+    print(f"{args.model}, train step, seq {args.seq}, cuda:bf16 predicted; {len(full.ops):,} ops, "
+          f"{len(full.modules):,} module calls; median of {args.repeats} rounds in one process")
+    print(f"{'variant':<16} {'wall s':>7} {'min':>6} {'max':>6} {'× bare':>7}")
+    bare = statistics.median(times["bare fake step"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"{name:<16} {median:7.2f} {min(values):6.2f} {max(values):6.2f} {median / bare:6.2f}×")
+    note = next((n for n in replayed.notes if "identical blocks" in n), "no block replayed")
+    print(f"\n{note}")
+    diffs = compare(replayed, full)
+    peak = memory_report(replayed).peak
+    print(f"replayed trace equals the every-block trace: {'yes' if not diffs else 'NO'} "
+          f"(peak {peak.bytes:,} bytes at op {peak.op} {peak.op_name} in {peak.module}, "
+          f"{peak.phase}; {flop_report(replayed, tokens=1).total:,} FLOPs)")
+    for d in diffs:
+        print("  ", d)
 
 
 if __name__ == "__main__":

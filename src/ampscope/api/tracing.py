@@ -61,6 +61,7 @@ def trace(
     predict: bool | None = None,
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
+    every_block: bool = False,
 ) -> Trace:
 
     """Run `workload` once under `setting` and return what every tensor's dtype was.
@@ -71,14 +72,16 @@ def trace(
     reads a tensor's value (then it runs for real, with a note); `False` always runs for real.
     `checkpoint=True` recomputes each repeated block's activations in backward
     (`torch.utils.checkpoint`); `optimizer_impl` is "for-loop", "foreach" or "fused" (default:
-    PyTorch's choice on the setting's device).
+    PyTorch's choice on the setting's device). A predicted run records two blocks of each run
+    of identical blocks and replays their records for the others (the same trace, in a
+    fraction of the time); `every_block=True` dispatches every block.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl)
+                         optimizer_impl, every_block)
     return trace_run(model, inputs, setting=setting, options=options)
 
 
@@ -220,6 +223,7 @@ def matrix(
     predict: bool | None = None,
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
+    every_block: bool = False,
     on_setting: Callable[[int, str], None] | None = None,
 ) -> tuple[Matrix, list[Trace]]:
     """Trace one workload under each setting (same weights, same batch) and line them up.
@@ -227,7 +231,7 @@ def matrix(
     `on_setting(i, name)` is called before setting i runs (for a progress display).
     """
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl)
+                         optimizer_impl, every_block)
     parsed = [resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")

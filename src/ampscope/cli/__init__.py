@@ -306,6 +306,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "unless the model reads a tensor's value)")
     parser.add_argument("--real", dest="predict", action="store_false",
                         help="run the step on real tensors (as --no-predict)")
+    parser.add_argument("--every-block", action="store_true",
+                        help="predicted: dispatch every repeated block, instead of recording "
+                             "two of each run of identical blocks and replaying the others")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug

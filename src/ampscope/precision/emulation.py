@@ -21,7 +21,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Sequence, Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 

@@ -74,6 +74,12 @@ def _value_key(value: Any) -> Any:
         return (type(value), tuple(value))
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(value.shape), tuple(value.stride()))
+    if type(value).__eq__ is not object.__eq__:  # a config made per layer (a frozen dataclass)
+        try:
+            hash(value)
+            return ("equal", type(value), value)
+        except TypeError:
+            pass
     return ("object", id(value))  # a shared config object, a function: the same object
 
 
@@ -229,7 +235,7 @@ class _Pass:
         self.off = False  # something did not check out: the rest of the pass runs for real
         self.last = 0
         self.replayed = 0
-        self.first_inputs: list[int] = []  # ids of block 0's tensor arguments
+        self.first_inputs: list[weakref.ref] = []  # block 0's tensor arguments
         self.forward: _Forward | None = None  # block 1's forward window, usable for replay
         self.forward_twin: _Forward | None = None  # the second-to-last block's forward window
         self.backward: _Backward | None = None  # the second-to-last block's backward window
@@ -318,7 +324,7 @@ class _Run:
         n = len(self.blocks)
         if k == 0:
             with no_torch_function():
-                p.first_inputs = [id(t) for t in _leaves((args, kwargs))[0]
+                p.first_inputs = [weakref.ref(t) for t in _leaves((args, kwargs))[0]
                                   if isinstance(t, torch.Tensor)]
             return original(*args, **kwargs)
         if k == 1 or k == n - 2:
@@ -397,13 +403,15 @@ class _Run:
             input_frees.append((input_of[id(e)], e.freed - window.r0))
         if not self._window_closed(window):
             return None
-        shared = [id(t) in p.first_inputs for t in tensors]
+        shared = _shared(tensors, p.first_inputs)
         keys = [_tensor_key(t) if isinstance(t, torch.Tensor) else t for t in leaves]
         if any(not isinstance(t, (torch.Tensor, *_PLAIN)) for t in leaves):
             return None  # an object argument (a cache) the block may change
         # What its autograd graph saved from outside it: a replayed twin saves the same (for
         # the storages' `saved` flags and lifetimes), or the window is not used.
-        saved = _saved_storages(out, tensors) - {e.key for e in made}
+        # (Only storages the tracker knows: a Python scalar autograd saves as a tensor made
+        # without an op is no memory the trace counts.)
+        saved = (_saved_storages(out, tensors) & replay.storages._live.keys()) - {e.key for e in made}
         held = [*tensors, *self.blocks[k].parameters(), *self.blocks[k].buffers()]
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
@@ -538,7 +546,7 @@ class _Run:
                     tensors.append(leaf)
                 elif not isinstance(leaf, _PLAIN) or leaf != key or type(leaf) is not type(key):
                     return _NOT_REPLAYED
-            shared = [id(t) in p.first_inputs for t in tensors]
+            shared = _shared(tensors, p.first_inputs)
             if shared != template.shared or _state() != template.state:
                 return _NOT_REPLAYED
             block = self.blocks[k]
@@ -655,6 +663,12 @@ def _plain_spec(spec) -> bool:
     pytree knows how to flatten, a cache, may be changed by the block)."""
     return spec.type in (None, tuple, list, dict) and all(
         _plain_spec(c) for c in spec.children())
+
+
+def _shared(tensors: list, first: list[weakref.ref]) -> list[bool]:
+    """Per tensor: whether block 0 was given the very same tensor (a rotary table, a mask)."""
+    given = [r() for r in first]
+    return [any(t is g for g in given) for t in tensors]
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -1,0 +1,86 @@
+"""`ampscope memory` against accelerate's memory estimate, on the same local config, in one
+process.
+
+    python benchmarks/bench_memory.py                    # llama-3-8b, cuda:bf16, 5 rounds
+
+accelerate's `estimate-memory` command reads a model from the Hugging Face hub; nothing here
+may, so its own steps run on the zoo's local config instead: the model built under
+`accelerate.init_empty_weights()` with `AutoModelForCausalLM.from_config`, then
+`calculate_maximum_sizes` (the weights' total and the largest layer) and
+`estimate_training_usage` for bf16, whose largest component `estimate-memory` prints as the
+training peak. ampscope's side is
+`ampscope.memory(MODEL, setting="cuda:bf16", predict=True)`, as `ampscope memory MODEL -d cuda
+-s bf16` runs it: the model built, the train step predicted on fake tensors, every storage's
+lifetime followed to the peak. One warm-up of each comes first; then the two alternate for
+`--repeats` rounds. The table gives the median wall time and each one's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from accelerate.commands.estimate import estimate_training_usage
+from accelerate.utils import calculate_maximum_sizes
+
+import ampscope
+from ampscope.models import hf
+from ampscope.render.style import format_bytes
+
+
+def accelerate_estimate(name: str) -> tuple[int, int, int]:
+    """(weights' total bytes, largest layer's bytes, training estimate) for bf16."""
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(hf.zoo_config(name),
+                                                              torch_dtype=torch.float32)
+    total, largest = calculate_maximum_sizes(model)
+    # The command prints the largest of its training components as the peak.
+    training = max(estimate_training_usage(total, "bfloat16").values())
+    return total // 2, largest[0] // 2, training
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    variants = {
+        "accelerate": lambda: accelerate_estimate(args.model),
+        "ampscope": lambda: ampscope.memory(args.model, setting="cuda:bf16", predict=True),
+    }
+    for run in variants.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    answers: dict[str, object] = {}
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            answers[name] = run()
+            times[name].append(time.perf_counter() - start)
+
+    total, largest, training = answers["accelerate"]
+    report = answers["ampscope"]
+    print(f"{args.model}, bf16; median of {args.repeats} rounds in one process")
+    print(f"{'variant':<11} {'wall s':>7} {'min':>6} {'max':>6}  answer")
+    rows = {
+        "accelerate": f"weights {format_bytes(total)} (largest layer {format_bytes(largest)}); "
+                      f"training estimate {format_bytes(training)}",
+        "ampscope": f"train step peak {format_bytes(report.peak.bytes)} "
+                    f"({report.peak.phase}, {report.peak.op_name})",
+    }
+    for name, values in times.items():
+        print(f"{name:<11} {statistics.median(values):7.2f} {min(values):6.2f} "
+              f"{max(values):6.2f}  {rows[name]}")
+    ratio = statistics.median(times["ampscope"]) / statistics.median(times["accelerate"])
+    print(f"ampscope / accelerate: {ratio:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

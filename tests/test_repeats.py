@@ -1,0 +1,201 @@
+"""Repeated blocks traced once (recorders/repeats.py): a predicted trace that replays identical
+blocks equals, record for record, the trace that dispatches every block — the ground truth here
+is the full run, which the replay never consults; and where blocks are not alike, or turn out
+not to be, nothing is replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampscope
+from ampscope.analysis.memory import memory_report
+from ampscope.recorders.repeats import alike, repeated_runs
+
+REPLAY_NOTE = "calls of identical blocks were not dispatched"
+
+
+def _replayed(trace) -> int:
+    note = next((n for n in trace.notes if REPLAY_NOTE in n), None)
+    return int(note.split()[0]) if note else 0
+
+
+def _assert_same(replayed, full) -> None:
+    a, b = replayed.to_dict(), full.to_dict()
+    a["notes"] = [n for n in a["notes"] if REPLAY_NOTE not in n]
+    for key in a:  # one key at a time: a failure names what differs
+        assert a[key] == b[key], key
+    assert memory_report(replayed).peak == memory_report(full).peak
+
+
+# Every zoo model with at least five identical blocks, each in a setting and workload of its
+# own (dtypes, autocast casts, attention kernels, GradScaler, fp8 casts all differ), at seq 16.
+CASES = [
+    ("gpt2", "cuda:bf16", "train"),
+    ("gpt2", "fp32+amp-bf16", "generate"),
+    ("gpt2-medium", "mps:fp32+amp-bf16", "train"),
+    ("opt-125m", "cuda:fp32+amp-fp16", "train"),
+    ("gpt2-hf", "fp32+amp-bf16", "train"),
+    ("llama-3.2-1b", "cuda:bf16", "forward"),
+    ("llama-3.2-1b", "fp32+amp-bf16+fp8", "train"),
+    ("nanochat-d20", "cuda:fp32+amp-bf16", "train"),
+    ("qwen2.5-0.5b", "cuda:bf16", "train"),
+    ("smollm2-135m", "fp32", "train"),
+]
+
+
+@pytest.mark.parametrize(("model", "setting", "workload"), CASES)
+def test_replayed_trace_equals_the_full_trace(model, setting, workload):
+    if "+fp8" in setting:
+        pytest.importorskip("torchao")
+    options = {"setting": setting, "workload": workload, "seq": 16, "predict": True}
+    replayed = ampscope.trace(model, **options)
+    full = ampscope.trace(model, **options, every_block=True)
+    assert _replayed(replayed) > 0
+    assert _replayed(full) == 0
+    _assert_same(replayed, full)
+
+
+# -- tiny models built here: what is replayed and what is not
+
+
+def _tagged(y: torch.Tensor, layer: int) -> torch.Tensor:
+    return y  # as a KV cache's update(k, v, layer_idx) would be given the index
+
+
+class Block(nn.Module):
+    def __init__(self, layer_idx: int, width: int = 16):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x, extra=None):
+        y = _tagged(self.fc(self.norm(x)), self.layer_idx)  # the index passed on: alike
+        if extra is not None:
+            y = y + extra
+        return x + torch.relu(y)
+
+
+class Branching(Block):
+    def forward(self, x, extra=None):
+        if self.layer_idx % 2:  # reads its index: blocks are not alike
+            x = x * 2
+        return super().forward(x, extra)
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 7, width: int = 16, *, block: type[Block] = Block,
+                 extra_every: int = 0):
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(block(i, width) for i in range(n))
+        self.extra = nn.Parameter(torch.zeros(width))
+        self.extra_every = extra_every
+
+    def forward(self, x):
+        x = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            # Value embeddings on some layers only: those calls differ from block 1's.
+            extra = self.extra if self.extra_every and i % self.extra_every == 0 else None
+            x = block(x, extra)
+        return x.sum()
+
+
+def _train(model: nn.Module):
+    def step(module, batch):
+        loss = module(batch["x"])
+        loss.backward()
+        return {"loss": loss}
+    return step
+
+
+def _both(model: nn.Module, setting: str = "fp32+amp-bf16"):
+    x = torch.randn(2, 4, 16)
+    kwargs = {"setting": setting, "workload": _train(model), "predict": True}
+    return (ampscope.trace(model, {"x": x}, **kwargs),
+            ampscope.trace(model, {"x": x}, **kwargs, every_block=True))
+
+
+def test_blocks_that_pass_their_index_on_are_alike():
+    blocks = [Block(i) for i in range(6)]
+    assert alike(blocks)
+    model = Stack()
+    assert [len(b) for _, b in repeated_runs(model)] == [7]
+
+
+def test_blocks_that_branch_on_their_index_are_not_alike():
+    assert not alike([Branching(i) for i in range(6)])
+    replayed, full = _both(Stack(block=Branching))
+    assert _replayed(replayed) == 0
+    _assert_same(replayed, full)
+
+
+def test_blocks_with_different_shapes_or_attributes_are_not_alike():
+    assert not alike([Block(i, 16 if i != 3 else 8) for i in range(6)])
+    blocks = [Block(i) for i in range(6)]
+    for i, b in enumerate(blocks):
+        b.window = 128 if i == 4 else 4096  # a sliding window on one layer
+    assert not alike(blocks)
+
+
+def test_a_block_with_a_hook_is_not_replayed():
+    blocks = [Block(i) for i in range(6)]
+    blocks[2].fc.register_forward_hook(lambda *a: None)
+    assert not alike(blocks)
+
+
+def test_calls_with_other_inputs_run_and_the_rest_replay():
+    # Every second block also gets a tensor (nanochat's value embeddings on alternate layers):
+    # those calls do not match block 1's and run; the trace is still the full one.
+    replayed, full = _both(Stack(n=9, extra_every=2))
+    assert _replayed(replayed) > 0
+    _assert_same(replayed, full)
+
+
+class Counting(Block):
+    calls = 0  # a class attribute: the same for every block, so no structural difference
+
+    def forward(self, x, extra=None):
+        Counting.calls += 1
+        if Counting.calls == 3:  # the third block that runs does one more op
+            x = x * 1.5
+        return super().forward(x, extra)
+
+
+class CountingStack(Stack):
+    def __init__(self):
+        super().__init__(n=7, block=Counting)
+
+    def forward(self, x):
+        Counting.calls = 0
+        return super().forward(x)
+
+
+def test_a_block_unlike_its_recorded_twin_makes_the_whole_step_run_again():
+    # Block 1 is recorded, blocks 2-4 replayed (they run no code), then block 5 runs as the
+    # third block and differs from block 1: the replay is thrown away and every block runs —
+    # where block 2 is the one that differs.
+    model = CountingStack()
+    replayed, full = _both(model)
+    assert _replayed(replayed) == 0
+    _assert_same(replayed, full)
+    scaled = {o.module for o in full.ops if o.op == "aten.mul.Tensor" and o.phase == "forward"}
+    assert scaled == {"blocks.2"}
+
+
+def test_blocks_get_their_own_forward_back(gpt2_tiny):
+    model = Stack()
+    ampscope.trace(model, {"x": torch.randn(2, 4, 16)}, workload=_train(model), predict=True)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    with pytest.raises(RuntimeError):
+        ampscope.trace(model, {"x": torch.randn(2, 4, 8)}, workload=_train(model), predict=True)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_a_real_run_replays_nothing():
+    model = Stack()
+    trace = ampscope.trace(model, {"x": torch.randn(2, 4, 16)}, workload=_train(model),
+                           predict=False)
+    assert _replayed(trace) == 0
