@@ -112,3 +112,24 @@ def test_the_findings_say_which_operands_were_cast_to_which_format(recipe, words
     assert roles_in_words(fp8_step(t).roles) == words
     cast = next(f.text for f in t.findings if f.text.startswith("Casts to fp8"))
     assert cast.split(": ", 1)[1].startswith(words + " (forward 4 float8_e4m3fn; backward ")
+
+
+@needs_torchao
+def test_the_modules_table_and_the_diagram_say_the_matmul_ran_in_fp8():
+    """A Float8Linear shows float32 in and out (fp32 setting): the modules table and the diagram
+    add the fp8 formats its operands held (e4m3 × e4m3 in forward, in every recipe), and the
+    diagram draws it as one linear step, without the recipe's casts for its scales."""
+    from ampscope.analysis.diagram import build_diagram
+    from ampscope.analysis.summary import trace_summary
+
+    t = ampscope.trace(TwoLayers(), batch(), setting="fp32+fp8-rowwise", workload="train")
+    rows = {r.name: r for r in trace_summary(t).modules}
+    assert {n: (r.inputs, r.outputs, r.note) for n, r in rows.items() if r.kind == "Float8Linear"
+            } == {"a": (("float32",), ("float32",), "matmul in fp8 e4m3 × e4m3"),
+                  "b": (("float32",), ("float32",), "matmul in fp8 e4m3 × e4m3")}
+    steps = [s for section in build_diagram(t).sections for s in section.steps]
+    assert [(s.func, s.module, s.note) for s in steps if s.module in ("a", "b")] == [
+        ("linear", "a", "matmul in fp8 e4m3 × e4m3"), ("linear", "b", "matmul in fp8 e4m3 × e4m3")]
+    # without +fp8 the same layers are plain linears with no note
+    plain = ampscope.trace(TwoLayers(), batch(), setting="fp32", workload="train")
+    assert {r.note for r in trace_summary(plain).modules if r.name in ("a", "b")} == {""}

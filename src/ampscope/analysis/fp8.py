@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ampscope.analysis.flow import FlowRow, collapse_blocks
 from ampscope.records import Finding, Trace
-from ampscope.records.fp8 import DIM_MULTIPLE, GemmRoles, fp8_casts
+from ampscope.records.fp8 import DIM_MULTIPLE, GemmRoles, fp8_casts, short_fp8
 
 FP8_CAUSE = "fp8-training"
 
@@ -76,6 +76,27 @@ def fp8_step(trace: Trace) -> Fp8Step | None:
         cast_bytes=sum(s.nbytes for s in trace.storages if s.category == "fp8_cast"),
         odd_dims=odd, roles=roles,
     )
+
+
+def fp8_matmul_note(ops) -> str:
+    """"matmul in fp8 e4m3 × e4m3" for the first of `ops` that ran on fp8 data (a module's or a
+    call's ops); "" when none did. Its operands show a higher dtype outside (their wrapper's),
+    which is all the modules table and the diagram would otherwise say."""
+    for o in ops:
+        if o.flops and any(d is not None for d in o.input_data):
+            return "matmul in fp8 " + " × ".join(
+                short_fp8(d) if d else m.dtype
+                for d, m in zip(o.input_data, o.inputs, strict=False))
+    return ""
+
+
+def fp8_module_notes(trace: Trace, phase: str = "forward") -> dict[str, str]:
+    """Module → the fp8 formats its matmuls ran in, for the modules that ran one in `phase`."""
+    by_module: dict[str, list] = {}
+    for o in trace.ops:
+        if o.phase == phase and o.module is not None and o.input_data:
+            by_module.setdefault(o.module, []).append(o)
+    return {m: note for m, ops in by_module.items() if (note := fp8_matmul_note(ops))}
 
 
 def fp8_modules(trace: Trace) -> set[str]:

@@ -42,6 +42,12 @@ class Fp8Cast:
         return "tensorwise" if n == 1 else "rowwise"
 
 
+def short_fp8(dtype: str) -> str:
+    """"float8_e4m3fn" → "e4m3", as the notes of the op table, modules table and diagram write
+    it."""
+    return dtype.removeprefix("float8_").removesuffix("fn")
+
+
 def is_fp8_cast(op: OpCall) -> bool:
     return op.op == _CAST and bool(op.outputs) and op.outputs[0].dtype in FP8_DTYPES
 
