@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.numerics import Divergence, NumericsReport
+from ampscope.records.fp8 import short_fp8
 
 
 def _err(d: Divergence | None) -> str:
@@ -76,6 +77,17 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
 _SHOWN_CASTS = 12
 
 
+def _distinct(names: list[str]) -> list[str]:
+    """The settings' names without the parts they share ("fp32+amp-bf16+fp8-tensorwise",
+    "fp32+amp-bf16+fp8-rowwise" → "fp8-tensorwise", "fp8-rowwise"): narrow columns."""
+    parts = [n.split("+") for n in names]
+    shared = 0
+    while len(names) > 1 and all(len(p) > shared + 1 and p[shared] == parts[0][shared]
+                                 for p in parts):
+        shared += 1
+    return ["+".join(p[shared:]) for p in parts]
+
+
 def _fp8_casts(report: NumericsReport) -> RenderableType:
     """Each fp8 setting's casts side by side: what saturated and what underflowed at the scale
     its recipe used, the layers that lost most first."""
@@ -107,11 +119,11 @@ def _fp8_casts(report: NumericsReport) -> RenderableType:
     table.add_column("layer", overflow="fold")
     table.add_column("phase")
     table.add_column("operand")
-    for s in settings:
-        table.add_column(s.setting, justify="right", overflow="fold")
+    for name in _distinct([s.setting for s in settings]):
+        table.add_column(name, justify="right", overflow="fold")
     for k in (k for k in lossy if k in keep):
         cells = ["—" if (c := rows.get(k)) is None else
-                 f"{c.dtype.removeprefix('float8_')} {100 * c.saturated_share:.2f}%/"
+                 f"{short_fp8(c.dtype)} {100 * c.saturated_share:.2f}%/"
                  f"{100 * c.underflow_share:.2f}%" for rows in by_setting]
         table.add_row(k[0] or "(model)", k[1], k[2], *cells)
     return Group(text, table)
