@@ -126,8 +126,9 @@ class _Fp8Casts(TorchDispatchMode):
         super().__init__()
         self._out, self._tracker, self._weights = out, tracker, weights
         self._scaled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._bits: dict[int, int] = {}  # storage of fp8 values → index in `out`
-        self._kept: list[torch.Tensor] = []  # keeps those storages from being reused
+        # storage of fp8 values not yet seen in a matmul → (index in `out`, the values: kept
+        # alive, so that no other tensor takes the storage meanwhile)
+        self._bits: dict[int, tuple[int, torch.Tensor]] = {}
         self._roles = GemmRoles()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -151,8 +152,7 @@ class _Fp8Casts(TorchDispatchMode):
         fmax = torch.finfo(bits.dtype).max
         nonzero = x != 0
         backward = in_backward()
-        self._bits[bits.untyped_storage().data_ptr()] = len(self._out)
-        self._kept.append(bits)
+        self._bits[bits.untyped_storage().data_ptr()] = (len(self._out), bits)
         self._out.append(CastValues(
             module=self._tracker.current_in(backward),
             phase="backward" if backward else "forward",
@@ -183,4 +183,5 @@ class _Fp8Casts(TorchDispatchMode):
         inner = getattr(t, names[0], None) if names else None
         if not isinstance(inner, torch.Tensor) or dtype_name(inner.dtype) not in FP8_DTYPES:
             return None
-        return self._bits.get(inner.untyped_storage().data_ptr())
+        found = self._bits.pop(inner.untyped_storage().data_ptr(), None)  # each feeds one matmul
+        return found[0] if found is not None else None
