@@ -126,9 +126,11 @@ def test_the_findings_say_what_ran_in_fp8_and_what_was_left_out():
         "2 of 3 Linear layers run their matmuls in fp8, recipe tensorwise: forward 2 "
         "float8_e4m3fn × float8_e4m3fn; backward 4 float8_e5m2 × float8_e4m3fn (emulated: the "
         "operands hold real fp8 values, the matmul runs on them in higher precision).")
-    assert texts[1].startswith("Casts to fp8 (0.01 MB): forward 4 float8_e4m3fn; backward "
-                               "4 float8_e5m2, 4 float8_e4m3fn; each with a float32 scale "
-                               "from the tensor's amax (12 tensorwise);")
+    assert texts[1].startswith("Casts to fp8 (0.01 MB): inputs and weights to float8_e4m3fn "
+                               "in forward; output gradients to float8_e5m2, weights and inputs "
+                               "again to float8_e4m3fn in backward (forward 4 float8_e4m3fn; "
+                               "backward 4 float8_e5m2, 4 float8_e4m3fn); each with a float32 "
+                               "scale from the tensor's amax (12 tensorwise);")
     assert texts[2] == ("head stays in higher precision: left out by the module filter (dims "
                         "not multiples of 16: head 10×32).")
     # the op table marks the casts and the fp8 operands (which show float32 outside)

@@ -6,6 +6,11 @@ autocast inserted under it. Drawn from the user-level calls of the trace's first
 model: a step is kept when it is one of the calls people draw (norms, linears, attention,
 activations, the loss), a residual add, or any call that changes a floating dtype. Identical
 consecutive blocks (`transformer.h.0` … `h.11`) are drawn once.
+
+A layer whose matmul ran in fp8 (torchao's Float8Linear) is drawn as one `linear` step, noted
+with the fp8 formats its operands held: they show a higher dtype outside, and autocast's cast of
+them to bf16 keeps their fp8 data. The recipe's own calls around it (scales from the amax, in
+float64; the casts into fp8; the bias's cast) are left out, as the findings sum them up.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ampscope.analysis.flow import split_block
-from ampscope.records import EXPLICIT_CASTS, FunctionCall, Trace
+from ampscope.analysis.fp8 import fp8_matmul_note, fp8_modules
+from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, Trace
 
 # Calls that are the nodes of a hand-drawn transformer diagram, by their last name.
 DRAWN = frozenset({
@@ -97,9 +103,26 @@ def _first_step_calls(trace: Trace) -> list[FunctionCall]:
     return [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
 
 
+def _fp8_step(call: FunctionCall, ops: list[OpCall]) -> DiagramStep | None:
+    """The fp8 matmul of a converted layer as its `linear` step; None for the recipe's other
+    calls in it."""
+    note = fp8_matmul_note(ops)
+    if not note or not call.inputs or not call.outputs:
+        return None
+    return DiagramStep("linear", call.module or "", (call.inputs[0].dtype,),
+                       call.outputs[0].dtype, (), note)
+
+
 def build_diagram(trace: Trace) -> Diagram:
     casts = _casts_by_call(trace)
-    steps = [_step(call, casts.get(call.index, ())) for call in _first_step_calls(trace)]
+    fp8 = fp8_modules(trace)
+    ops_by_call: dict[int, list[OpCall]] = defaultdict(list)
+    if fp8:
+        for op in trace.ops:
+            if op.caller is not None and op.module in fp8:
+                ops_by_call[op.caller].append(op)
+    steps = [_fp8_step(call, ops_by_call[call.index]) if call.module in fp8
+             else _step(call, casts.get(call.index, ())) for call in _first_step_calls(trace)]
     sections: list[DiagramSection] = []
     current: tuple[str | None, list[DiagramStep]] = (None, [])
     for step in filter(None, steps):

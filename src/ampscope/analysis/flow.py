@@ -10,12 +10,12 @@ collapse the same way.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
-from ampscope.records.fp8 import is_fp8_cast
+from ampscope.records.fp8 import is_fp8_cast, short_fp8
 
 R = TypeVar("R")
 
@@ -139,8 +139,11 @@ def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tupl
     return out
 
 
-def module_flow(calls: Sequence[ModuleCall], phase: str = "forward") -> list[FlowRow]:
-    """Rows of module input → output dtypes for one phase, blocks and steps collapsed."""
+def module_flow(calls: Sequence[ModuleCall], phase: str = "forward",
+                notes: Mapping[str, str] | None = None) -> list[FlowRow]:
+    """Rows of module input → output dtypes for one phase, blocks and steps collapsed; `notes`
+    (module name → note) for modules whose dtypes outside do not say it all (an fp8 matmul)."""
+    notes = notes or {}
     selected = [c for c in calls if c.phase == phase]
     if phase == "forward":
         steps = _steps(selected)
@@ -150,7 +153,8 @@ def module_flow(calls: Sequence[ModuleCall], phase: str = "forward") -> list[Flo
     for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
         note = f"× {count} steps" if count > 1 else ""
         step_rows = [FlowRow(module_label(c.name), c.type, dtypes(c.inputs), dtypes(c.outputs),
-                             c.depth, 1, note if c.depth == 0 else "") for c in step]
+                             c.depth, 1, note if c.depth == 0 else notes.get(c.name, ""))
+                     for c in step]
         rows.extend(collapse_blocks(step_rows))
     return rows
 
@@ -183,6 +187,6 @@ def _op_note(o: OpCall) -> str:
         return "fp8 cast"
     if o.input_data:
         return "fp8 data " + " × ".join(
-            d.removeprefix("float8_").removesuffix("fn") if d else m.dtype
+            short_fp8(d) if d else m.dtype
             for d, m in zip(o.input_data, o.inputs, strict=False))
     return o.source or ""

@@ -10,6 +10,11 @@ Divergence of a tensor `a` from its reference `r` (both float64 copies):
 Range of a tensor against a format (fp16, bf16, fp8): the share of its non-zero values that
 would overflow (|x| > max), flush to zero (|x| below half the smallest subnormal, where
 round-to-nearest gives 0) or land among the subnormals (below the smallest normal), and amax.
+
+Under an fp8 recipe, each cast into fp8 at the scale the recipe used (one per tensor, or one per
+row): the share of its non-zero values that saturate (|x · scale| above the format's max,
+clamped to it) and that underflow (non-zero, 0 in fp8), counted on the run's real tensors by
+`recorders.values` and summed here over a layer's calls.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ampscope.analysis.flow import split_block
-from ampscope.recorders.values import Values
+from ampscope.recorders.values import CastValues, Values
 
 SCHEMA = "ampscope.numerics/1"
 
@@ -79,6 +84,44 @@ class SettingNumerics:
     blocks: list[BlockDivergence]  # error growth with depth
     loss: Divergence | None
     grads: list[tuple[str, Divergence]]  # parameter → gradient divergence
+    fp8_casts: list[CastRange] = field(default_factory=list)  # empty without an fp8 recipe
+
+
+@dataclass(frozen=True)
+class CastRange:
+    """The casts into fp8 of one operand of one layer's matmuls, over all its calls."""
+
+    module: str
+    phase: str
+    role: str  # "input", "weight", "output gradient"
+    dtype: str  # the fp8 format
+    granularity: str  # "tensorwise" or "rowwise": one scale per tensor, or per row or column
+    casts: int
+    numel: int
+    nonzero: int
+    saturated: int
+    underflow: int
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def underflow_share(self) -> float:
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+
+def cast_ranges(casts: list[CastValues]) -> list[CastRange]:
+    """The casts summed by layer, phase, role and format, in the order they first ran."""
+    rows: dict[tuple, list[CastValues]] = {}
+    for c in casts:
+        granularity = "tensorwise" if c.scales == 1 else "rowwise"
+        key = (c.module or "", c.phase, c.role or "other", c.dtype, granularity)
+        rows.setdefault(key, []).append(c)
+    return [CastRange(*key, casts=len(cs), numel=sum(c.numel for c in cs),
+                      nonzero=sum(c.nonzero for c in cs), saturated=sum(c.saturated for c in cs),
+                      underflow=sum(c.underflow for c in cs))
+            for key, cs in rows.items()]
 
 
 def compare_runs(setting: str, test: Values, ref: Values) -> SettingNumerics:
@@ -96,7 +139,7 @@ def compare_runs(setting: str, test: Values, ref: Values) -> SettingNumerics:
             blocks.append(BlockDivergence(parts[0], parts[1], m.divergence))
     loss = divergence(test.loss, ref.loss) if test.loss is not None and ref.loss is not None else None
     grads = [(n, divergence(test.grads[n], g)) for n, g in ref.grads.items() if n in test.grads]
-    return SettingNumerics(setting, modules, blocks, loss, grads)
+    return SettingNumerics(setting, modules, blocks, loss, grads, cast_ranges(test.fp8_casts))
 
 
 # --- range -----------------------------------------------------------------------------------
@@ -200,4 +243,6 @@ def _setting_dict(s: SettingNumerics) -> dict:
         "blocks": [{"container": b.container, "index": b.index, **_div(b.divergence)}
                    for b in s.blocks],
         "grads": [{"param": n, **_div(d)} for n, d in s.grads],
+        "fp8_casts": [{**asdict(c), "saturated_share": c.saturated_share,
+                       "underflow_share": c.underflow_share} for c in s.fp8_casts],
     }

@@ -10,6 +10,7 @@ import torch
 
 from ampscope.analysis.diagram import Diagram, build_diagram
 from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
+from ampscope.analysis.fp8 import fp8_module_notes
 from ampscope.records import Finding, ModelInfo, SettingRecord, Trace
 
 
@@ -106,7 +107,7 @@ class TraceSummary:
 def trace_summary(trace: Trace, *, ops: bool = False, diagram: bool = False) -> TraceSummary:
     """The summary of `trace`; `ops` adds the op listing per phase, `diagram` the dtype flow
     of one forward pass."""
-    flow = module_flow(trace.modules)
+    flow = module_flow(trace.modules, notes=fp8_module_notes(trace))
     by_phase = {}
     if ops:
         by_phase = {phase: rows for phase in ("forward", "backward", "optimizer")

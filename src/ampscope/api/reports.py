@@ -186,7 +186,7 @@ def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptio
     with applied(setting, lm.module):
         run_data = {k: v.to(setting.run_device, copy=v.is_inference()) for k, v in data.items()}
         torch.manual_seed(options.seed)  # the same dropout masks in every run (restored after)
-        with recording_values(lm.module) as values:
+        with recording_values(lm.module, fp8=setting.fp8 is not None) as values:
             read_weights(lm.module, values)
             out = workloads.run(lm, run_data, setting, options)
         if "loss" in out:

@@ -42,6 +42,12 @@ class Fp8Cast:
         return "tensorwise" if n == 1 else "rowwise"
 
 
+def short_fp8(dtype: str) -> str:
+    """"float8_e4m3fn" → "e4m3", as the notes of the op table, modules table and diagram write
+    it."""
+    return dtype.removeprefix("float8_").removesuffix("fn")
+
+
 def is_fp8_cast(op: OpCall) -> bool:
     return op.op == _CAST and bool(op.outputs) and op.outputs[0].dtype in FP8_DTYPES
 
@@ -64,3 +70,37 @@ def fp8_casts(ops: list[OpCall]) -> list[Fp8Cast]:
                 break
         casts.append(Fp8Cast(i, scale, made))
     return casts
+
+
+# What each operand of a Linear layer's matmuls is: forward `input × weightᵀ`; backward
+# `output gradient × weight` (the input's gradient) and `output gradientᵀ × input` (the
+# weight's gradient). torchao's Float8Linear casts each operand of each of these to fp8.
+INPUT, WEIGHT, GRAD_OUTPUT = "input", "weight", "output gradient"
+ROLES = (INPUT, WEIGHT, GRAD_OUTPUT)
+
+
+class GemmRoles:
+    """The roles of the two operands of each fp8 matmul of a Linear layer, told the matmuls in
+    the order they ran.
+
+    Forward: (input, weight). Backward: the first operand is the output gradient; the second
+    is the weight when the matmul makes the input's gradient, shaped (tokens, in_features),
+    and the input when it makes the weight's, shaped like the weight (out, in). When tokens ==
+    out_features both look alike: the layer's backward makes the input's gradient first, so
+    such matmuls of one layer alternate weight, input.
+    """
+
+    def __init__(self) -> None:
+        self._square_seen: dict[str | None, int] = {}
+
+    def of(self, phase: str, module: str | None, first: tuple[int, ...], out: tuple[int, ...],
+           weight: tuple[int, ...] | None) -> tuple[str, str]:
+        if phase != "backward":
+            return INPUT, WEIGHT
+        if len(first) == 2 and first[0] == first[1]:  # tokens == out_features
+            n = self._square_seen.get(module, 0)
+            self._square_seen[module] = n + 1
+            return GRAD_OUTPUT, WEIGHT if n % 2 == 0 else INPUT
+        makes_weight_grad = weight is not None and tuple(out) in (tuple(weight),
+                                                                   tuple(reversed(weight)))
+        return GRAD_OUTPUT, INPUT if makes_weight_grad else WEIGHT

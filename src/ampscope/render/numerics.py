@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.numerics import Divergence, NumericsReport
+from ampscope.records.fp8 import short_fp8
 
 
 def _err(d: Divergence | None) -> str:
@@ -67,8 +68,65 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
                               f"{worst.rel_l2:.2e}", name)
         parts += [Text(), grads]
 
+    if any(s.fp8_casts for s in report.settings):
+        parts += [Text(), _fp8_casts(report)]
     parts += [Text(), _ranges(report)]
     return Group(*parts)
+
+
+_SHOWN_CASTS = 12
+
+
+def _distinct(names: list[str]) -> list[str]:
+    """The settings' names without the parts they share ("fp32+amp-bf16+fp8-tensorwise",
+    "fp32+amp-bf16+fp8-rowwise" → "fp8-tensorwise", "fp8-rowwise"): narrow columns."""
+    parts = [n.split("+") for n in names]
+    shared = 0
+    while len(names) > 1 and all(len(p) > shared + 1 and p[shared] == parts[0][shared]
+                                 for p in parts):
+        shared += 1
+    return ["+".join(p[shared:]) for p in parts]
+
+
+def _fp8_casts(report: NumericsReport) -> RenderableType:
+    """Each fp8 setting's casts side by side: what saturated and what underflowed at the scale
+    its recipe used, the layers that lost most first."""
+    settings = [s for s in report.settings if s.fp8_casts]
+    text = Text("fp8 casts at the scales each recipe used: share of non-zero values that "
+                "saturate (clamped to the format's max) and that underflow (to 0)\n",
+                style="italic")
+    for s in settings:
+        nonzero = sum(c.nonzero for c in s.fp8_casts)
+        sat = sum(c.saturated for c in s.fp8_casts)
+        under = sum(c.underflow for c in s.fp8_casts)
+        scales = "/".join(dict.fromkeys(c.granularity for c in s.fp8_casts))
+        text.append(f"  {s.setting}: {sum(c.casts for c in s.fp8_casts):,} casts ({scales} "
+                    f"scales), {sat:,} of {nonzero:,} values saturate "
+                    f"({100 * sat / max(nonzero, 1):.3f}%), {under:,} underflow "
+                    f"({100 * under / max(nonzero, 1):.3f}%)\n")
+    by_setting = [{(c.module, c.phase, c.role): c for c in s.fp8_casts} for s in settings]
+    lossy = {k: max(rows[k].underflow_share + rows[k].saturated_share
+                    for rows in by_setting if k in rows)
+             for rows in by_setting for k in rows}
+    worst = sorted((k for k, v in lossy.items() if v > 0), key=lambda k: -lossy[k])
+    if not worst:
+        text.append("  No cast saturated or underflowed a value.\n")
+        return text
+    keep = set(worst[:_SHOWN_CASTS])
+    table = Table(show_edge=False, title_justify="left",
+                  title=f"Casts that lost values ({len(keep)} of {len(lossy)} by layer and "
+                        "operand; format saturated/underflow)")
+    table.add_column("layer", overflow="fold")
+    table.add_column("phase")
+    table.add_column("operand")
+    for name in _distinct([s.setting for s in settings]):
+        table.add_column(name, justify="right", overflow="fold")
+    for k in (k for k in lossy if k in keep):
+        cells = ["—" if (c := rows.get(k)) is None else
+                 f"{short_fp8(c.dtype)} {100 * c.saturated_share:.2f}%/"
+                 f"{100 * c.underflow_share:.2f}%" for rows in by_setting]
+        table.add_row(k[0] or "(model)", k[1], k[2], *cells)
+    return Group(text, table)
 
 
 def _ranges(report: NumericsReport) -> RenderableType:
