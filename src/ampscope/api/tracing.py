@@ -142,8 +142,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None,
-                          replay_blocks=(fake is not None and not options.checkpoint
-                                         and not options.every_block))
+                          replay_blocks=fake is not None and not options.every_block)
         try:
             with predicting(fake) if fake is not None else contextlib.nullcontext():
                 run_data = fake_batch(data, fake) if fake is not None else data
