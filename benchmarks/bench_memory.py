@@ -13,14 +13,21 @@ training peak. ampscope's side is
 -s bf16` runs it: the model built, the train step predicted on fake tensors, every storage's
 lifetime followed to the peak. One warm-up of each comes first; then the two alternate for
 `--repeats` rounds. The table gives the median wall time and each one's answer.
+
+A second table times the same two as whole fresh processes (Python start-up and imports
+included, as a user meets them): this file's `accelerate_estimate` run by `python -c`, against
+the command `ampscope memory MODEL -d cuda -s bf16` with its report sent to /dev/null.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import transformers
@@ -37,7 +44,7 @@ def accelerate_estimate(name: str) -> tuple[int, int, int]:
     """(weights' total bytes, largest layer's bytes, training estimate) for bf16."""
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(hf.zoo_config(name),
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     total, largest = calculate_maximum_sizes(model)
     # The command prints the largest of its training components as the peak.
     training = max(estimate_training_usage(total, "bfloat16").values())
@@ -79,6 +86,27 @@ def main() -> None:
         print(f"{name:<11} {statistics.median(values):7.2f} {min(values):6.2f} "
               f"{max(values):6.2f}  {rows[name]}")
     ratio = statistics.median(times["ampscope"]) / statistics.median(times["accelerate"])
+    print(f"ampscope / accelerate: {ratio:.2f}×")
+
+    here = Path(__file__).resolve().parent
+    commands = {
+        "accelerate": [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                       "import bench_memory; bench_memory.accelerate_estimate(sys.argv[2])",
+                       str(here), args.model],
+        "ampscope": [str(Path(sys.executable).parent / "ampscope"), "memory", args.model,
+                     "-d", "cuda", "-s", "bf16"],
+    }
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.repeats):
+        for name, argv in commands.items():
+            start = time.perf_counter()
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            walls[name].append(time.perf_counter() - start)
+    print(f"\nas fresh processes, median of {args.repeats}")
+    print(f"{'variant':<11} {'wall s':>7} {'min':>6} {'max':>6}")
+    for name, values in walls.items():
+        print(f"{name:<11} {statistics.median(values):7.2f} {min(values):6.2f} {max(values):6.2f}")
+    ratio = statistics.median(walls["ampscope"]) / statistics.median(walls["accelerate"])
     print(f"ampscope / accelerate: {ratio:.2f}×")
 
 
