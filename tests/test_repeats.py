@@ -205,3 +205,17 @@ def test_a_real_run_replays_nothing():
     trace = ampscope.trace(model, {"x": torch.randn(2, 4, 16)}, workload=_train(model),
                            predict=False)
     assert _replayed(trace) == 0
+
+
+def test_a_failure_of_the_replay_itself_falls_back_to_every_block(monkeypatch):
+    # Not the model's error: ampscope's own bookkeeping around a block fails (here, made to).
+    from ampscope.recorders import repeats
+
+    def broken(*args, **kwargs):
+        raise KeyError("made to fail")
+
+    replayed_before, full = _both(Stack())
+    monkeypatch.setattr(repeats._Replayed, "_backward", staticmethod(broken))
+    replayed, _ = _both(Stack())
+    assert _replayed(replayed_before) > 0 and _replayed(replayed) == 0
+    _assert_same(replayed, full)

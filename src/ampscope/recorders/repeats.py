@@ -31,10 +31,11 @@ and the caller runs the step again without replaying. docs/how-it-works.md tells
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,18 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 class ReplayDoubt(Exception):
     """A replayed block's recorded twins turned out to differ: trace the step again in full."""
+
+
+@contextlib.contextmanager
+def _bookkeeping(what: str) -> Iterator[None]:
+    """ampscope's own work around a block (never the block's code): should it fail, that is a
+    doubt — the step runs again with every block dispatched — and never the user's error."""
+    try:
+        yield
+    except ReplayDoubt:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the bookkeeping is a doubt
+        raise ReplayDoubt(f"{what}: {type(e).__name__}: {e}") from e
 
 
 # -- which blocks are alike
@@ -339,17 +352,18 @@ class _Run:
     def record_forward(self, p: _Pass, k: int, original: Callable, args: tuple, kwargs: dict):
         replay = self.replay
         block = self.blocks[k]
-        with no_torch_function():
+        with _bookkeeping(self.names[k]), no_torch_function():
             leaves, spec = _leaves((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             fake = all(_is_fake(t) for t in tensors) and tensors
             inputs = [replay.storages.entry_of(t) for t in tensors]
             state = _state()
             attributes = _attribute_ids(block)
-        window = _Window(replay, self.names[k])
+        with _bookkeeping(self.names[k]):
+            window = _Window(replay, self.names[k])
         out = original(*args, **kwargs)
-        window.close(replay)
-        with no_torch_function():
+        with _bookkeeping(self.names[k]), no_torch_function():
+            window.close(replay)
             usable = fake and _attribute_ids(block) == attributes
             recorded = self._forward_of(window, p, k, spec, leaves, tensors, inputs, out, state) \
                 if usable else None
@@ -361,7 +375,8 @@ class _Run:
                                recorded.normalized != p.forward.normalized):
                 raise ReplayDoubt(f"{self.names[k]}'s forward differs from {self.names[1]}'s")
         if recorded is not None and torch.is_grad_enabled():
-            self._watch_backward(p, k, window.prefix, tensors, out, recorded)
+            with _bookkeeping(self.names[k]):
+                self._watch_backward(p, k, window.prefix, tensors, out, recorded)
         return out
 
     def _forward_of(self, window: _Window, p: _Pass, k: int, spec, leaves: list,
@@ -465,7 +480,7 @@ class _Run:
                 if len(state["grad_in"]) == wanted:
                     window = state["window"]
                     window.close(self_.replay)
-                    with no_torch_function():
+                    with _bookkeeping(prefix), no_torch_function():
                         self_._backward_of(p, k, window, state, wanted, params, recorded)
             return hook
 
@@ -532,6 +547,10 @@ class _Run:
 
     # -- replaying
     def replay_forward(self, p: _Pass, k: int, args: tuple, kwargs: dict):
+        with _bookkeeping(self.names[k]):
+            return self._replay_forward(p, k, args, kwargs)
+
+    def _replay_forward(self, p: _Pass, k: int, args: tuple, kwargs: dict):
         template = p.forward
         assert template is not None
         with no_torch_function():
@@ -588,6 +607,11 @@ class _Context:
 class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, context: _Context, *tensors):
+        with _bookkeeping(context.run.names[context.k]):
+            return _Replayed._forward(ctx, context, tensors)
+
+    @staticmethod
+    def _forward(ctx, context: _Context, tensors: tuple):
         run, p, k = context.run, context.p, context.k
         template = p.forward
         replay = run.replay
@@ -615,6 +639,11 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        with _bookkeeping(ctx.context.run.names[ctx.context.k]):
+            return _Replayed._backward(ctx, grad_outputs)
+
+    @staticmethod
+    def _backward(ctx, grad_outputs: tuple):
         context: _Context = ctx.context
         run, p, k = context.run, context.p, context.k
         replay = run.replay
