@@ -30,11 +30,11 @@ def test_the_four_classic_settings_as_pytorch_runs_them(classic):
     assert m.names == ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
     rows = {r.name: r for r in m.rows}
     c_attn = rows["transformer.h.0–1.attn.c_attn"]
-    assert c_attn.cells == ((F32, F32), (BF16, BF16), (F32, BF16), (BF16, BF16))
+    assert c_attn.cells == ((F32, F32, ""), (BF16, BF16, ""), (F32, BF16, ""), (BF16, BF16, ""))
     assert c_attn.differs == (False, True, True, True)
     # LayerNorm on CPU follows its input: fp32 in the fp32-parameter settings, bf16 otherwise
-    assert rows["transformer.h.0–1.ln_1"].cells == ((F32, F32), (BF16, BF16), (F32, F32),
-                                                    (BF16, BF16))
+    assert rows["transformer.h.0–1.ln_1"].cells == ((F32, F32, ""), (BF16, BF16, ""),
+                                                    (F32, F32, ""), (BF16, BF16, ""))
     summary = {s.what: s.values for s in m.summary}
     assert summary["outputs"] == ("loss float32", "loss bfloat16", "loss float32", "loss float32")
     assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
@@ -74,8 +74,8 @@ def test_cli_matrix_json(capsys):
     assert code == 0 and data["schema"] == "ampscope.matrix/1"
     assert [s["name"] for s in data["settings"]] == ["fp32", "fp32+amp-bf16"]
     lm_head = next(r for r in data["modules"] if r["name"] == "lm_head")
-    assert lm_head["cells"] == [{"in": ["float32"], "out": ["float32"]},
-                                {"in": ["float32"], "out": ["bfloat16"]}]
+    assert lm_head["cells"] == [{"in": ["float32"], "out": ["float32"], "matmul": None},
+                                {"in": ["float32"], "out": ["bfloat16"], "matmul": None}]
     assert lm_head["differs"] == [False, True]
 
 
@@ -91,8 +91,8 @@ def test_opt_125m_per_layer_dtypes_in_the_four_classic_settings():
     m, _ = ampscope.matrix("opt-125m", seq=8)
     rows = {r.name: r.cells for r in m.rows}
     layer = "model.decoder.layers.0–11"  # all twelve decoder layers run alike in every setting
-    lin = ((F32, F32), (BF16, BF16), (F32, BF16), (BF16, BF16))
-    follows_input = ((F32, F32), (BF16, BF16), (F32, F32), (BF16, BF16))
+    lin = ((F32, F32, ""), (BF16, BF16, ""), (F32, BF16, ""), (BF16, BF16, ""))
+    follows_input = ((F32, F32, ""), (BF16, BF16, ""), (F32, F32, ""), (BF16, BF16, ""))
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert rows[f"{layer}.self_attn.{proj}"] == lin
     assert rows[f"{layer}.fc1"] == lin
@@ -100,7 +100,8 @@ def test_opt_125m_per_layer_dtypes_in_the_four_classic_settings():
     assert rows[f"{layer}.self_attn_layer_norm"] == follows_input
     assert rows[f"{layer}.final_layer_norm"] == follows_input
     # out_proj and fc2 take what the previous Linear produced: bf16 under autocast
-    assert rows[f"{layer}.fc2"] == ((F32, F32), (BF16, BF16), (BF16, BF16), (BF16, BF16))
+    assert rows[f"{layer}.fc2"] == ((F32, F32, ""), (BF16, BF16, ""), (BF16, BF16, ""),
+                                   (BF16, BF16, ""))
     assert rows["lm_head"] == lin
     summary = {s.what: s.values for s in m.summary}
     # HF's causal-LM loss upcasts the logits: the loss is fp32 in every setting
@@ -136,3 +137,19 @@ def test_a_failing_setting_becomes_a_column_that_says_why():
     out = io.StringIO()
     Console(file=out, width=120, color_system=None).print(render_matrix(matrix))
     assert "fp32 fails: dtype mismatch in head" in out.getvalue()
+
+
+def test_a_float8_linear_cell_says_its_matmul_ran_in_fp8():
+    """torchao's Float8Linear shows bf16 outside (its wrapper's dtype): the cell also says the
+    matmul ran on float8 data, which the fp8 setting's dtypes alone would hide."""
+    pytest.importorskip("torchao")
+    m, _ = ampscope.matrix("gpt2-tiny", settings=["fp32+amp-bf16", "fp32+amp-bf16+fp8"], seq=16,
+                           predict=True)
+    rows = {r.name: r for r in m.rows}
+    c_fc = rows["transformer.h.0–1.mlp.c_fc"]
+    assert c_fc.cells[0][2] == "" and c_fc.cells[1][2] == "matmul in fp8 e4m3 × e4m3"
+    assert c_fc.cells[0][:2] == c_fc.cells[1][:2] and c_fc.differs == (False, True)
+    # gpt2-tiny's head (vocab 512 × 64) is converted too; its embeddings are not Linear layers
+    assert rows["transformer.wte"].cells[1][2] == ""
+    cell = next(r for r in m.to_dict()["modules"] if r["name"] == "transformer.h.0–1.mlp.c_fc")
+    assert [c["matmul"] for c in cell["cells"]] == [None, "matmul in fp8 e4m3 × e4m3"]

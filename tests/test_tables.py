@@ -83,14 +83,15 @@ def test_flop_frame_totals_the_report_without_the_optimizer(step):
     assert (df["total"] == df["repeats"] * (df["forward"] + df["backward"])).all()
 
 
-def test_matrix_frame_has_an_in_and_out_column_per_setting(step):
+def test_matrix_frame_has_an_in_out_and_matmul_column_per_setting(step):
     fp32 = ampscope.trace("gpt2-tiny", setting="fp32", workload="train", seq=8)
     result = build_matrix([fp32, step])
     df = result.to_dataframe()
-    assert list(df.columns[4:]) == ["fp32 in", "fp32 out", "fp32+amp-bf16 in",
-                                    "fp32+amp-bf16 out"]
+    assert list(df.columns[4:]) == ["fp32 in", "fp32 out", "fp32 matmul", "fp32+amp-bf16 in",
+                                    "fp32+amp-bf16 out", "fp32+amp-bf16 matmul"]
     row = df[df.module == "lm_head"].iloc[0]
     assert (row["fp32 out"], row["fp32+amp-bf16 out"]) == ("float32", "bfloat16")
+    assert row["fp32 matmul"] is None  # no fp8 setting: the matmul is in the dtypes shown
 
 
 def test_csv_and_dataframe_have_the_same_columns_and_values(step):

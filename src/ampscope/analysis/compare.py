@@ -12,10 +12,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ampscope.analysis.flow import collapse_blocks, dtypes
+from ampscope.analysis.fp8 import fp8_module_notes
 from ampscope.records import SettingRecord, Trace, module_label
 from ampscope.records.table import Table, table
 
-Cell = tuple[tuple[str, ...], tuple[str, ...]] | None  # (in dtypes, out dtypes); None: not run
+# (in dtypes, out dtypes, matmul): what a module did under one setting; None: not run. `matmul`
+# says where its matmul ran on float8 data that its higher-precision tensors wrap (torchao's
+# float8 training: "matmul in fp8 e4m3 × e4m3"), which its dtypes alone do not show; else "".
+Cell = tuple[tuple[str, ...], tuple[str, ...], str] | None
 
 SCHEMA = "ampscope.matrix/1"
 
@@ -59,7 +63,8 @@ class Matrix:
 
     def to_dict(self) -> dict:
         def cell(c: Cell) -> dict | None:
-            return None if c is None else {"in": list(c[0]), "out": list(c[1])}
+            return None if c is None else {"in": list(c[0]), "out": list(c[1]),
+                                           "matmul": c[2] or None}
 
         return {
             "schema": SCHEMA,
@@ -76,15 +81,17 @@ class Matrix:
 
     def table(self) -> Table:
         """The module rows as `ampscope matrix` prints them: per setting, the dtypes into and
-        out of each module (space-separated; empty where the setting did not run it)."""
+        out of each module (space-separated; empty where the setting did not run it), and the
+        dtypes its matmul ran in where they are not those (fp8 training)."""
         columns = ["module", "type", "depth", "repeats"]
         for name in self.names:
-            columns += [f"{name} in", f"{name} out"]
+            columns += [f"{name} in", f"{name} out", f"{name} matmul"]
         rows = []
         for r in self.rows:
             cells: list = [r.name, r.kind, r.depth, r.repeats]
             for c in r.cells:
-                cells += [None, None] if c is None else [" ".join(c[0]), " ".join(c[1])]
+                cells += [None, None, None] if c is None else [" ".join(c[0]), " ".join(c[1]),
+                                                               c[2] or None]
             rows.append(cells)
         return table(columns, rows)
 
@@ -113,10 +120,11 @@ def _module_rows(traces: list[Trace]) -> list[MatrixRow]:
     for trace in traces:
         cells: dict[tuple[str, int], Cell] = {}
         occurrences: Counter = Counter()
+        fp8 = fp8_module_notes(trace)
         for c in _first_step(trace):
             key = (c.name, occurrences[c.name])  # a module called twice has two rows
             occurrences[c.name] += 1
-            cells[key] = (dtypes(c.inputs), dtypes(c.outputs))
+            cells[key] = (dtypes(c.inputs), dtypes(c.outputs), fp8.get(c.name, ""))
             if key not in seen:
                 seen.add(key)
                 order.append((key, c.type, c.depth))

@@ -16,11 +16,13 @@ MARK = " *"  # the same, readable without colour (a pipe, a log file)
 def _cell(cell: Cell, differs: bool) -> Text:
     if cell is None:
         return Text("not run", style="dim")
-    ins, outs = cell
+    ins, outs, matmul = cell
     text = Text()
     text.append_text(dtype_text(ins))
     text.append(" → ")
     text.append_text(dtype_text(outs))
+    if matmul:
+        text.append(f" [{matmul}]")
     if differs:
         text.stylize(DIFFERS)
         text.append(MARK)
