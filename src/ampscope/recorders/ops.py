@@ -27,7 +27,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import data_dtypes, meta_of, no_torch_function, walk
+from ampscope.recorders.tensors import data_dtypes, from_rows, meta_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -58,14 +58,15 @@ def func_name(func: Callable) -> str:
     return name
 
 
-_op_names: dict = {}
+# By id, as `_op_facts` below: id -> (the op, held so that its id stays its own; its name).
+_op_names: dict[int, tuple[object, str]] = {}
 
 
 def op_name(func) -> str:
-    name = _op_names.get(func)
-    if name is None:
-        name = _op_names[func] = str(func)
-    return name
+    known = _op_names.get(id(func))
+    if known is None:
+        known = _op_names[id(func)] = (func, str(func))
+    return known[1]
 
 
 # Ops that are no computation: the profiler range `Optimizer.step` opens.
@@ -76,9 +77,10 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("recorded", "cast", "flops")
+    __slots__ = ("op", "recorded", "cast", "flops")
 
     def __init__(self, func) -> None:
+        self.op = func  # held: the facts are looked up by the op's id
         # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
         # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
         # unpacking an op's output goes through Python dispatch only because a mode is active
@@ -90,7 +92,8 @@ class _OpFacts:
         self.flops = flop_formula(func)
 
 
-_op_facts: dict = {}
+_op_facts: dict[int, _OpFacts] = {}
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 # An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
@@ -155,13 +158,14 @@ class FunctionRecorder(TorchFunctionMode):
         return source
 
     def records(self) -> list[FunctionCall]:
-        return [FunctionCall(*row) for row in self.rows]
+        return from_rows(FunctionCall, self.rows)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype, .grad: attribute reads
             return func(*args, **kwargs)
-        name = func_name(func)
+        name = _name_cache.get(func) or func_name(func)
         outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source,
                  self.current_frame)
         inputs: list[torch.Tensor] = []
@@ -181,8 +185,9 @@ class FunctionRecorder(TorchFunctionMode):
         ops_before = self.ops_seen
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
-        phase = "backward" if name in BACKWARD_CALLS else self._phase.now()
-        module = self._tracker.current()
+        backward = _graph_task_id() != -1
+        phase = "backward" if backward or name in BACKWARD_CALLS else self._phase.now()
+        module = self._tracker.current_in(backward)
         outer_phase, self.current_phase = self.current_phase, phase
         self.current, self.current_is_cast = index, name in EXPLICIT_CASTS
         self.current_autocast, self.current_source, self.current_frame = autocast, _PENDING, frame
@@ -202,8 +207,11 @@ class FunctionRecorder(TorchFunctionMode):
             (self.current, self.current_is_cast, self.current_autocast, self.current_source,
              self.current_frame) = outer
             self.current_phase = outer_phase
-        results: list[torch.Tensor] = []
-        walk((out,), results)
+        if type(out) in _PLAIN_TENSORS:  # most calls: one tensor, no walk
+            results = [out]
+        else:
+            results = []
+            walk((out,), results)
         outputs = tuple(map(meta_of, results))
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
@@ -251,22 +259,18 @@ class OpRecorder(TorchDispatchMode):
         self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
-        return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
-
-    def _name_of(self, t: torch.Tensor) -> str | None:
-        entry = self._names.get(id(t))
-        if entry is not None and entry[0]() is t:
-            return entry[1]
-        return None
+        return from_rows(OpCall, ((row[0], op_name(row[1])) + row[2:] for row in self.rows))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self.check is not None:
             self.check(func, args)
         out = func(*args, **kwargs)
-        facts = _op_facts.get(func)
+        # By id: an OpOverload hashes in Python; the facts hold the op, so its id stays its own.
+        facts = _op_facts.get(id(func))
         if facts is None:
-            facts = _op_facts[func] = _OpFacts(func)
+            facts = _op_facts[id(func)] = _OpFacts(func)
         if not facts.recorded:
             return out
         # The function mode above would see every `.dtype` and `.shape` read below as a call
@@ -279,39 +283,50 @@ class OpRecorder(TorchDispatchMode):
             if kwargs:
                 walk(kwargs.values(), inputs)
             backward = _graph_task_id() != -1
+            grad_fn = node = None
             if backward or functions.current_phase == "backward":
                 # (not yet in the engine: the gradient seed of loss.backward())
                 phase, caller, autocast_cast = "backward", None, False
+                node = torch._C._current_autograd_node()
+                if node is not None:
+                    grad_fn = node.name()
             else:
                 phase = self._phase.now()
                 caller = functions.current
                 autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
                                  and functions.current_autocast is not None)
-            grad_fn = node = None
-            if phase == "backward":
-                node = torch._C._current_autograd_node()
-                grad_fn = node.name() if node is not None else None
             if facts.flops is not None:
                 flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
             else:
                 flops = flops_causal = 0
-            results: list[torch.Tensor] = []
-            walk((out,), results)
-            outputs = tuple(map(meta_of, results))
+            if type(out) in _PLAIN_TENSORS:  # most ops: one tensor, no walk
+                results = [out]
+                outputs = (meta_of(out),)
+            else:
+                results = []
+                walk((out,), results)
+                outputs = tuple(map(meta_of, results))
             rows = self.rows
+            index = len(rows)
             if self.storages is not None:
-                self.storages.on_op(len(rows), results, outputs, node)
-            names = self._names
+                self.storages.on_op(index, results, outputs, node)
             rows.append((
-                len(rows), func, self._tracker.current_in(backward), phase,
+                index, func, self._tracker.current_in(backward), phase,
                 tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
                 functions.source_now() if caller is not None else None,
-                tuple(self._name_of(t) if id(t) in names else None for t in inputs),
-                grad_fn, flops, flops_causal, data_dtypes(inputs),
+                self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
             ))
             if self._progress is not None:
-                self._progress.op(len(rows), phase)
+                self._progress.op(index + 1, phase)
         return out
+
+    def _names_of(self, inputs: list[torch.Tensor]) -> tuple[str | None, ...]:
+        """The parameter or buffer name of each input, None for the others."""
+        found = tuple(map(self._names.get, map(id, inputs)))
+        if not any(found):  # no parameter or buffer among them (most ops)
+            return found
+        return tuple(entry[1] if entry is not None and entry[0]() is t else None
+                     for entry, t in zip(found, inputs, strict=True))
 
 
 class InferenceAsNoGrad:
