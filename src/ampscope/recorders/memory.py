@@ -40,7 +40,6 @@ import weakref
 
 import torch
 
-from ampscope.recorders.tensors import from_rows
 from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, dtype_name
 from ampscope.records.fp8 import fp8_casts
 
@@ -156,7 +155,7 @@ class StorageTracker:
     def records(self, ops: list[OpCall]) -> list[StorageRecord]:
         """One record per storage seen, in the order first seen; then forget them all (the
         weak references go, so no callback runs after this)."""
-        rows = []
+        records = []
         fp8 = fp8_casts(ops)
         fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8
                                                       if c.scale_op is not None}
@@ -173,14 +172,15 @@ class StorageTracker:
                     category = "activation"
                 else:
                     category = "temporary"
-            meta = entry.meta
-            rows.append((
-                i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
-                tuple(dict.fromkeys(entry.names)) if entry.names else (),
-                *((op.module, op.phase, op.op) if op is not None else (None, None, None)),
-                entry.saved,
-            ))  # StorageRecord's fields in order
-        records = from_rows(StorageRecord, rows)
+            records.append(StorageRecord(
+                id=i, nbytes=entry.nbytes, dtype=entry.meta.dtype, shape=entry.meta.shape,
+                created=created, freed=entry.freed, category=category,
+                names=tuple(dict.fromkeys(entry.names)),
+                module=op.module if op is not None else None,
+                phase=op.phase if op is not None else None,
+                op=op.op if op is not None else None,
+                saved=entry.saved,
+            ))
         self._seen, self._live, self._walked = [], {}, {}
         return records
 

@@ -27,7 +27,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import data_dtypes, from_rows, meta_of, no_torch_function, walk
+from ampscope.recorders.tensors import data_dtypes, meta_of, metas_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -94,6 +94,7 @@ class _OpFacts:
 
 _op_facts: dict[int, _OpFacts] = {}
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 # An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
@@ -130,9 +131,9 @@ class FunctionRecorder(TorchFunctionMode):
         # One row per recorded call: FunctionCall's fields in order (built by `records`).
         self.rows: list[tuple] = []
         # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
-        # model inputs (added by the session) and the outputs of recorded calls (as the
-        # (function, module, source) that made them, put in words only when asked).
-        self.origins: dict[int, tuple[weakref.ref, str | tuple]] = dict(names or {})
+        # model inputs (added by the session) and the outputs of recorded calls (as the index
+        # of the row of the call that made them, put in words only when asked).
+        self.origins: dict[int, tuple[weakref.ref, str | int]] = dict(names or {})
         self.failure: FailedCall | None = None
         self.op_log: list[tuple] | None = None  # the OpRecorder's rows, set by it
         self.step = 0  # calls of the model so far, counted by the session
@@ -158,7 +159,7 @@ class FunctionRecorder(TorchFunctionMode):
         return source
 
     def records(self) -> list[FunctionCall]:
-        return from_rows(FunctionCall, self.rows)
+        return [FunctionCall(*row) for row in self.rows]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -212,18 +213,17 @@ class FunctionRecorder(TorchFunctionMode):
         else:
             results = []
             walk((out,), results)
-        outputs = tuple(map(meta_of, results))
+        outputs = metas_of(results)
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
             if source is _PENDING:
                 source = source_from(frame)
-            where = (name, module, source)
             origins = self.origins
-            for t in results:
-                origins[id(t)] = (weakref.ref(t), where)
-            self.rows.append((index, name, module, phase, tuple(map(meta_of, inputs)), outputs,
+            for t in results:  # the call that made it: its row, read only when asked
+                origins[id(t)] = (weakref.ref(t), index)
+            self.rows.append((index, name, module, phase, metas_of(inputs), outputs,
                               source, autocast, self.step))
         return out
 
@@ -231,8 +231,8 @@ class FunctionRecorder(TorchFunctionMode):
         entry = self.origins.get(id(t))
         if entry is not None and entry[0]() is t:
             where = entry[1]
-            if isinstance(where, tuple):
-                name, module, source = where
+            if isinstance(where, int):  # the row of the recorded call that made it
+                _, name, module, _, _, _, source, *_ = self.rows[where]
                 where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
             return where
         return "unknown (made outside any recorded call)"
@@ -259,7 +259,7 @@ class OpRecorder(TorchDispatchMode):
         self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
-        return from_rows(OpCall, ((row[0], op_name(row[1])) + row[2:] for row in self.rows))
+        return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -301,18 +301,17 @@ class OpRecorder(TorchDispatchMode):
                 flops = flops_causal = 0
             if type(out) in _PLAIN_TENSORS:  # most ops: one tensor, no walk
                 results = [out]
-                outputs = (meta_of(out),)
             else:
                 results = []
                 walk((out,), results)
-                outputs = tuple(map(meta_of, results))
+            outputs = metas_of(results)
             rows = self.rows
             index = len(rows)
             if self.storages is not None:
                 self.storages.on_op(index, results, outputs, node)
             rows.append((
                 index, func, self._tracker.current_in(backward), phase,
-                tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
+                metas_of(inputs), outputs, autocast_cast, caller,
                 functions.source_now() if caller is not None else None,
                 self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
             ))
@@ -323,8 +322,8 @@ class OpRecorder(TorchDispatchMode):
     def _names_of(self, inputs: list[torch.Tensor]) -> tuple[str | None, ...]:
         """The parameter or buffer name of each input, None for the others."""
         found = tuple(map(self._names.get, map(id, inputs)))
-        if not any(found):  # no parameter or buffer among them (most ops)
-            return found
+        if not any(found):  # no parameter or buffer among them (most ops): a shared tuple
+            return _NONES[len(found)] if len(found) < len(_NONES) else found
         return tuple(entry[1] if entry is not None and entry[0]() is t else None
                      for entry, t in zip(found, inputs, strict=True))
 

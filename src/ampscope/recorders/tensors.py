@@ -7,10 +7,6 @@ walk, measured), look at each argument's type once per type and build each Tenso
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
-from typing import TypeVar
-
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -73,6 +69,23 @@ def meta_of(t: torch.Tensor) -> TensorMeta:
     return meta
 
 
+_metas_cache: dict[tuple, tuple[TensorMeta, ...]] = {}
+
+
+def metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+    """`tuple(map(meta_of, tensors))`, one tuple shared by every op or call whose tensors have
+    the same dtypes and shapes: a step repeats a few such lists thousands of times, and each
+    tuple kept would be one more object for the garbage collector to count and scan (the
+    key hashes in C; a TensorMeta hashes in Python)."""
+    key = tuple([(t.dtype, t.shape) for t in tensors])
+    found = _metas_cache.get(key)
+    if found is None:
+        found = tuple(map(meta_of, tensors))
+        if len(_metas_cache) < 100_000:
+            _metas_cache[key] = found
+    return found
+
+
 def metas(values) -> tuple[TensorMeta, ...]:
     return tuple(meta_of(t) for t in tensors_in(values))
 
@@ -95,24 +108,3 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
 
 
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
-
-R = TypeVar("R")
-_fields: dict[type, tuple[str, ...]] = {}
-
-
-def from_rows(cls: type[R], rows: Iterable[tuple]) -> list[R]:
-    """Records of the frozen dataclass `cls`, one per row of its fields' values in order: the
-    same objects as `cls(*row)`, made without the generated `__init__`, which sets each field
-    through `object.__setattr__` (a run builds a record per op, call and storage, and that
-    costs half again as much). Only for record classes without `__post_init__`."""
-    names = _fields.get(cls)
-    if names is None:
-        assert not hasattr(cls, "__post_init__"), cls
-        names = _fields[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    new = object.__new__
-    records = []
-    for row in rows:
-        record = new(cls)
-        record.__dict__.update(zip(names, row, strict=True))
-        records.append(record)
-    return records
