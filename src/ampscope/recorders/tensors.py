@@ -87,13 +87,15 @@ def metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
 
 
 def metas(values) -> tuple[TensorMeta, ...]:
-    return tuple(meta_of(t) for t in tensors_in(values))
+    return metas_of(tensors_in(values))
 
 
 def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     """For each tensor, the dtype a wrapper subclass stores its data in where that differs
     from the dtype it shows (its first inner tensor, by PyTorch's `__tensor_flatten__`
     protocol: a float8 training tensor's `_data`); () when there is none among them."""
+    if _PLAIN.issuperset(map(type, tensors)):  # plain tensors and parameters (nearly always)
+        return ()
     found: list[str | None] | None = None
     for i, t in enumerate(tensors):
         if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
