@@ -312,7 +312,9 @@ class OpRecorder(TorchDispatchMode):
             rows.append((
                 index, func, self._tracker.current_in(backward), phase,
                 metas_of(inputs), outputs, autocast_cast, caller,
-                functions.source_now() if caller is not None else None,
+                None if caller is None else (
+                    functions.current_source if functions.current_source is not _PENDING
+                    else functions.source_now()),
                 self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
             ))
             if self._progress is not None:
