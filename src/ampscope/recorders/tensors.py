@@ -7,6 +7,8 @@ walk, measured), look at each argument's type once per type and build each Tenso
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -70,6 +72,7 @@ def meta_of(t: torch.Tensor) -> TensorMeta:
 
 
 _metas_cache: dict[tuple, tuple[TensorMeta, ...]] = {}
+_dtype_and_shape = operator.attrgetter("dtype", "shape")  # (t.dtype, t.shape), read in C
 
 
 def metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
@@ -77,7 +80,7 @@ def metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
     the same dtypes and shapes: a step repeats a few such lists thousands of times, and each
     tuple kept would be one more object for the garbage collector to count and scan (the
     key hashes in C; a TensorMeta hashes in Python)."""
-    key = tuple([(t.dtype, t.shape) for t in tensors])
+    key = tuple(map(_dtype_and_shape, tensors))
     found = _metas_cache.get(key)
     if found is None:
         found = tuple(map(meta_of, tensors))
