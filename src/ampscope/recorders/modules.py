@@ -52,6 +52,19 @@ def _running_forward(module: nn.Module):
     return found
 
 
+def _on_gradients(tensors: list[torch.Tensor], hook: Callable, mode: str) -> None:
+    """`register_multi_grad_hook(tensors, hook, mode=mode)`. For one tensor (most module calls)
+    the tensor's own hook does the same for less than half the cost: autograd runs it once per
+    backward pass, as either mode would (their lock and per-pass counts serve several tensors;
+    "all" hands the gradients over as a list)."""
+    if len(tensors) != 1:
+        register_multi_grad_hook(tensors, hook, mode=mode)
+    elif mode == "any":
+        tensors[0].register_hook(hook)
+    else:
+        tensors[0].register_hook(lambda grad: hook([grad]))
+
+
 def _quiet(hook: Callable) -> Callable:
     """`hook` run with torch functions off: the dtypes, shapes and flags it reads are no user
     calls for a TorchFunctionMode to see (see `tensors.no_torch_function`)."""
@@ -256,9 +269,9 @@ class ModuleTracker:
                 # and the gradient it would wait for is the one the module before it produces.
                 needing_grad = [t for t in outputs if t.requires_grad]
                 if needing_grad:
-                    register_multi_grad_hook(
-                        needing_grad, self._backward_start_hook(module, call.depth, enter=False),
-                        mode="any")
+                    _on_gradients(needing_grad,
+                                  self._backward_start_hook(module, call.depth, enter=False),
+                                  "any")
                 return
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
@@ -266,13 +279,10 @@ class ModuleTracker:
             inputs_needing_grad = [t for t in input_tensors
                                    if t.requires_grad and t.grad_fn is not None]
             if inputs_needing_grad:
-                register_multi_grad_hook(inputs_needing_grad, self._backward_end_hook(module),
-                                         mode="all")
+                _on_gradients(inputs_needing_grad, self._backward_end_hook(module), "all")
             needing_grad = [t for t in outputs if t.requires_grad]
             if needing_grad:
-                register_multi_grad_hook(
-                    needing_grad, self._backward_start_hook(module, call.depth), mode="any"
-                )
+                _on_gradients(needing_grad, self._backward_start_hook(module, call.depth), "any")
 
     # -- backward
     # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
