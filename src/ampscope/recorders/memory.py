@@ -41,7 +41,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, dtype_name
+from ampscope.recorders.tensors import meta_of
+from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta
 from ampscope.records.fp8 import fp8_casts
 
 # Identity before the step, identity at the end, origin, lifetime.
@@ -173,8 +174,7 @@ class StorageTracker:
             return
         entry = self._live.get(id(storage))
         if entry is None:
-            entry = self._entry(storage, TensorMeta(dtype_name(tensor.dtype), tuple(tensor.shape)),
-                                None)
+            entry = self._entry(storage, meta_of(tensor), None)
         if entry.category is None or _RANK[category] < _RANK[entry.category]:
             entry.category = category
         entry.names.append(name)

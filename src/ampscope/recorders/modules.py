@@ -23,7 +23,7 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from ampscope.recorders.tensors import metas, no_torch_function, tensors_in
+from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
 
 
@@ -50,6 +50,19 @@ def _running_forward(module: nn.Module):
             found = frame
         frame = frame.f_back
     return found
+
+
+def _on_gradients(tensors: list[torch.Tensor], hook: Callable, mode: str) -> None:
+    """`register_multi_grad_hook(tensors, hook, mode=mode)`. For one tensor (most module calls)
+    the tensor's own hook does the same for less than half the cost: autograd runs it once per
+    backward pass, as either mode would (their lock and per-pass counts serve several tensors;
+    "all" hands the gradients over as a list)."""
+    if len(tensors) != 1:
+        register_multi_grad_hook(tensors, hook, mode=mode)
+    elif mode == "any":
+        tensors[0].register_hook(hook)
+    else:
+        tensors[0].register_hook(lambda grad: hook([grad]))
 
 
 def _quiet(hook: Callable) -> Callable:
@@ -246,35 +259,30 @@ class ModuleTracker:
         call = self._forward_stack.pop()
         # Global pre-hooks see positional arguments only; the post-hook sees keyword tensors
         # too (Hugging Face modules take `hidden_states=`), and dtypes cannot change in place.
-        call.inputs = metas((args, kwargs))
-        call.outputs = metas(output)
+        input_tensors = tensors_in((args, kwargs))
+        outputs = tensors_in(output)
+        call.inputs, call.outputs = metas_of(input_tensors), metas_of(outputs)
         if torch.is_grad_enabled():
-            inputs = {id(t) for t in tensors_in((args, kwargs))}
-            outputs = tensors_in(output)
+            inputs = {id(t) for t in input_tensors}
             if outputs and all(id(t) in inputs for t in outputs):
                 # It returned its input (nn.Identity, Dropout(p=0)): its backward runs no op,
                 # and the gradient it would wait for is the one the module before it produces.
                 needing_grad = [t for t in outputs if t.requires_grad]
                 if needing_grad:
-                    register_multi_grad_hook(
-                        needing_grad, self._backward_start_hook(module, call.depth, enter=False),
-                        mode="any")
+                    _on_gradients(needing_grad,
+                                  self._backward_start_hook(module, call.depth, enter=False),
+                                  "any")
                 return
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
-            inputs_needing_grad = [t for t in tensors_in((args, kwargs))
+            inputs_needing_grad = [t for t in input_tensors
                                    if t.requires_grad and t.grad_fn is not None]
             if inputs_needing_grad:
-                register_multi_grad_hook(inputs_needing_grad, self._backward_end_hook(module),
-                                         mode="all")
-            needing_grad = [
-                t for t in tensors_in(output) if t.requires_grad
-            ]
+                _on_gradients(inputs_needing_grad, self._backward_end_hook(module), "all")
+            needing_grad = [t for t in outputs if t.requires_grad]
             if needing_grad:
-                register_multi_grad_hook(
-                    needing_grad, self._backward_start_hook(module, call.depth), mode="any"
-                )
+                _on_gradients(needing_grad, self._backward_start_hook(module, call.depth), "any")
 
     # -- backward
     # Backward hooks reach the tracker through a weak reference: autograd may keep a hook

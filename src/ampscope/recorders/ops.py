@@ -27,7 +27,7 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import data_dtypes, meta_of, no_torch_function, walk
+from ampscope.recorders.tensors import data_dtypes, meta_of, metas_of, no_torch_function, walk
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -58,14 +58,15 @@ def func_name(func: Callable) -> str:
     return name
 
 
-_op_names: dict = {}
+# By id, as `_op_facts` below: id -> (the op, held so that its id stays its own; its name).
+_op_names: dict[int, tuple[object, str]] = {}
 
 
 def op_name(func) -> str:
-    name = _op_names.get(func)
-    if name is None:
-        name = _op_names[func] = str(func)
-    return name
+    known = _op_names.get(id(func))
+    if known is None:
+        known = _op_names[id(func)] = (func, str(func))
+    return known[1]
 
 
 # Ops that are no computation: the profiler range `Optimizer.step` opens.
@@ -76,9 +77,10 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("recorded", "cast", "flops")
+    __slots__ = ("op", "recorded", "cast", "flops")
 
     def __init__(self, func) -> None:
+        self.op = func  # held: the facts are looked up by the op's id
         # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
         # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
         # unpacking an op's output goes through Python dispatch only because a mode is active
@@ -90,7 +92,9 @@ class _OpFacts:
         self.flops = flop_formula(func)
 
 
-_op_facts: dict = {}
+_op_facts: dict[int, _OpFacts] = {}
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 # An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
@@ -127,9 +131,9 @@ class FunctionRecorder(TorchFunctionMode):
         # One row per recorded call: FunctionCall's fields in order (built by `records`).
         self.rows: list[tuple] = []
         # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
-        # model inputs (added by the session) and the outputs of recorded calls (as the
-        # (function, module, source) that made them, put in words only when asked).
-        self.origins: dict[int, tuple[weakref.ref, str | tuple]] = dict(names or {})
+        # model inputs (added by the session) and the outputs of recorded calls (as the index
+        # of the row of the call that made them, put in words only when asked).
+        self.origins: dict[int, tuple[weakref.ref, str | int]] = dict(names or {})
         self.failure: FailedCall | None = None
         self.op_log: list[tuple] | None = None  # the OpRecorder's rows, set by it
         self.step = 0  # calls of the model so far, counted by the session
@@ -158,10 +162,11 @@ class FunctionRecorder(TorchFunctionMode):
         return [FunctionCall(*row) for row in self.rows]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype, .grad: attribute reads
             return func(*args, **kwargs)
-        name = func_name(func)
+        name = _name_cache.get(func) or func_name(func)
         outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source,
                  self.current_frame)
         inputs: list[torch.Tensor] = []
@@ -181,8 +186,9 @@ class FunctionRecorder(TorchFunctionMode):
         ops_before = self.ops_seen
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
-        phase = "backward" if name in BACKWARD_CALLS else self._phase.now()
-        module = self._tracker.current()
+        backward = _graph_task_id() != -1
+        phase = "backward" if backward or name in BACKWARD_CALLS else self._phase.now()
+        module = self._tracker.current_in(backward)
         outer_phase, self.current_phase = self.current_phase, phase
         self.current, self.current_is_cast = index, name in EXPLICIT_CASTS
         self.current_autocast, self.current_source, self.current_frame = autocast, _PENDING, frame
@@ -202,20 +208,22 @@ class FunctionRecorder(TorchFunctionMode):
             (self.current, self.current_is_cast, self.current_autocast, self.current_source,
              self.current_frame) = outer
             self.current_phase = outer_phase
-        results: list[torch.Tensor] = []
-        walk((out,), results)
-        outputs = tuple(map(meta_of, results))
+        if type(out) in _PLAIN_TENSORS:  # most calls: one tensor, no walk
+            results = [out]
+        else:
+            results = []
+            walk((out,), results)
+        outputs = metas_of(results)
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
         # A call that neither returns a tensor nor runs an op (size(), dim()) is no dtype fact.
         if outputs or self.ops_seen != ops_before:
             if source is _PENDING:
                 source = source_from(frame)
-            where = (name, module, source)
             origins = self.origins
-            for t in results:
-                origins[id(t)] = (weakref.ref(t), where)
-            self.rows.append((index, name, module, phase, tuple(map(meta_of, inputs)), outputs,
+            for t in results:  # the call that made it: its row, read only when asked
+                origins[id(t)] = (weakref.ref(t), index)
+            self.rows.append((index, name, module, phase, metas_of(inputs), outputs,
                               source, autocast, self.step))
         return out
 
@@ -223,8 +231,8 @@ class FunctionRecorder(TorchFunctionMode):
         entry = self.origins.get(id(t))
         if entry is not None and entry[0]() is t:
             where = entry[1]
-            if isinstance(where, tuple):
-                name, module, source = where
+            if isinstance(where, int):  # the row of the recorded call that made it
+                _, name, module, _, _, _, source, *_ = self.rows[where]
                 where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
             return where
         return "unknown (made outside any recorded call)"
@@ -253,20 +261,16 @@ class OpRecorder(TorchDispatchMode):
     def records(self) -> list[OpCall]:
         return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
 
-    def _name_of(self, t: torch.Tensor) -> str | None:
-        entry = self._names.get(id(t))
-        if entry is not None and entry[0]() is t:
-            return entry[1]
-        return None
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self.check is not None:
             self.check(func, args)
         out = func(*args, **kwargs)
-        facts = _op_facts.get(func)
+        # By id: an OpOverload hashes in Python; the facts hold the op, so its id stays its own.
+        facts = _op_facts.get(id(func))
         if facts is None:
-            facts = _op_facts[func] = _OpFacts(func)
+            facts = _op_facts[id(func)] = _OpFacts(func)
         if not facts.recorded:
             return out
         # The function mode above would see every `.dtype` and `.shape` read below as a call
@@ -279,39 +283,51 @@ class OpRecorder(TorchDispatchMode):
             if kwargs:
                 walk(kwargs.values(), inputs)
             backward = _graph_task_id() != -1
+            grad_fn = node = None
             if backward or functions.current_phase == "backward":
                 # (not yet in the engine: the gradient seed of loss.backward())
                 phase, caller, autocast_cast = "backward", None, False
+                node = torch._C._current_autograd_node()
+                if node is not None:
+                    grad_fn = node.name()
             else:
                 phase = self._phase.now()
                 caller = functions.current
                 autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
                                  and functions.current_autocast is not None)
-            grad_fn = node = None
-            if phase == "backward":
-                node = torch._C._current_autograd_node()
-                grad_fn = node.name() if node is not None else None
             if facts.flops is not None:
                 flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
             else:
                 flops = flops_causal = 0
-            results: list[torch.Tensor] = []
-            walk((out,), results)
-            outputs = tuple(map(meta_of, results))
+            if type(out) in _PLAIN_TENSORS:  # most ops: one tensor, no walk
+                results = [out]
+            else:
+                results = []
+                walk((out,), results)
+            outputs = metas_of(results)
             rows = self.rows
+            index = len(rows)
             if self.storages is not None:
-                self.storages.on_op(len(rows), results, outputs, node)
-            names = self._names
+                self.storages.on_op(index, results, outputs, node)
             rows.append((
-                len(rows), func, self._tracker.current_in(backward), phase,
-                tuple(map(meta_of, inputs)), outputs, autocast_cast, caller,
-                functions.source_now() if caller is not None else None,
-                tuple(self._name_of(t) if id(t) in names else None for t in inputs),
-                grad_fn, flops, flops_causal, data_dtypes(inputs),
+                index, func, self._tracker.current_in(backward), phase,
+                metas_of(inputs), outputs, autocast_cast, caller,
+                None if caller is None else (
+                    functions.current_source if functions.current_source is not _PENDING
+                    else functions.source_now()),
+                self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
             ))
             if self._progress is not None:
-                self._progress.op(len(rows), phase)
+                self._progress.op(index + 1, phase)
         return out
+
+    def _names_of(self, inputs: list[torch.Tensor]) -> tuple[str | None, ...]:
+        """The parameter or buffer name of each input, None for the others."""
+        found = tuple(map(self._names.get, map(id, inputs)))
+        if not any(found):  # no parameter or buffer among them (most ops): a shared tuple
+            return _NONES[len(found)] if len(found) < len(_NONES) else found
+        return tuple(entry[1] if entry is not None and entry[0]() is t else None
+                     for entry, t in zip(found, inputs, strict=True))
 
 
 class InferenceAsNoGrad:

@@ -7,6 +7,8 @@ walk, measured), look at each argument's type once per type and build each Tenso
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -69,14 +71,34 @@ def meta_of(t: torch.Tensor) -> TensorMeta:
     return meta
 
 
+_metas_cache: dict[tuple, tuple[TensorMeta, ...]] = {}
+_dtype_and_shape = operator.attrgetter("dtype", "shape")  # (t.dtype, t.shape), read in C
+
+
+def metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+    """`tuple(map(meta_of, tensors))`, one tuple shared by every op or call whose tensors have
+    the same dtypes and shapes: a step repeats a few such lists thousands of times, and each
+    tuple kept would be one more object for the garbage collector to count and scan (the
+    key hashes in C; a TensorMeta hashes in Python)."""
+    key = tuple(map(_dtype_and_shape, tensors))
+    found = _metas_cache.get(key)
+    if found is None:
+        found = tuple(map(meta_of, tensors))
+        if len(_metas_cache) < 100_000:
+            _metas_cache[key] = found
+    return found
+
+
 def metas(values) -> tuple[TensorMeta, ...]:
-    return tuple(meta_of(t) for t in tensors_in(values))
+    return metas_of(tensors_in(values))
 
 
 def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     """For each tensor, the dtype a wrapper subclass stores its data in where that differs
     from the dtype it shows (its first inner tensor, by PyTorch's `__tensor_flatten__`
     protocol: a float8 training tensor's `_data`); () when there is none among them."""
+    if _PLAIN.issuperset(map(type, tensors)):  # plain tensors and parameters (nearly always)
+        return ()
     found: list[str | None] | None = None
     for i, t in enumerate(tensors):
         if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
