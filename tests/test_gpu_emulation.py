@@ -72,3 +72,33 @@ def test_ampscope_run_on_the_virtual_device_matches_the_real_gpu(tmp_path, dtype
     real, emulated = traces
     assert real.setting.emulated is False and emulated.setting.emulated is True
     assert _ops(emulated) == _ops(real), _first_difference(_ops(real), _ops(emulated))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_casts_match_real_scaled_mm(recipe):
+    """torchao's float8 training on the GPU (real `_scaled_mm`) against its emulation on the CPU
+    (`emulate=True`: the matmul in higher precision on the same fp8 values): the same casts
+    into the same fp8 formats, and an fp8 matmul in the same modules and phases."""
+    import torch
+
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability 8.9 or newer (an H100, an L4)")
+    real_setting = parse_setting(f"cuda:bf16+fp8-{recipe}")
+    emulated_setting = dataclasses.replace(real_setting, emulated=True)
+    real = ampscope.trace("gpt2-tiny", setting=real_setting, workload="train", seq=16)
+    emulated = ampscope.trace("gpt2-tiny", setting=emulated_setting, workload="train", seq=16)
+
+    def casts(trace):
+        return [(o.phase, o.module, o.inputs[0].dtype, o.outputs[0].dtype, o.outputs[0].shape)
+                for o in trace.ops
+                if o.op == "aten._to_copy.default" and o.outputs[0].dtype.startswith("float8")]
+
+    def fp8_matmuls(trace):
+        return sorted({(o.phase, o.module) for o in trace.ops if o.flops and (
+            o.op == "aten._scaled_mm.default" or any(d and d.startswith("float8")
+                                                     for d in o.input_data))})
+
+    assert casts(real) and casts(emulated) == casts(real)
+    assert any(o.op == "aten._scaled_mm.default" for o in real.ops)
+    assert fp8_matmuls(emulated) == fp8_matmuls(real)
