@@ -243,8 +243,7 @@ class _Pass:
     """One forward pass through a run of blocks (a new one starts at block 0), and what its
     recorded blocks left for the replayed ones."""
 
-    def __init__(self, run: _Run) -> None:
-        self.run = run
+    def __init__(self) -> None:
         self.off = False  # something did not check out: the rest of the pass runs for real
         self.last = 0
         self.replayed = 0
@@ -252,28 +251,27 @@ class _Pass:
         self.forward: _Forward | None = None  # block 1's forward window, usable for replay
         self.forward_twin: _Forward | None = None  # the second-to-last block's forward window
         self.backward: _Backward | None = None  # the second-to-last block's backward window
-        self.backward_twin: _Backward | None = None  # block 1's backward window
 
 
 class _Forward:
     """A recorded block forward, ready to replay."""
 
     def __init__(self, window: _Window, spec, leaves: list, shared: list[bool],
-                 inputs: list, outputs: list, out_spec, out_leaves: list, saved_inputs: list[int],
+                 inputs: list, out_spec, out_leaves: list, saved_inputs: list[int],
                  fates: list, input_frees: list[tuple[int, int]], state: tuple) -> None:
         self.window = window
         self.spec = spec  # the arguments' structure
         self.leaves = leaves  # per argument leaf: a tensor's key, or the plain value
         self.shared = shared  # per tensor argument: the same tensor block 0 got
         self.inputs = inputs  # the tensor arguments' storage entries (to tell which it freed)
-        self.outputs = outputs  # the outputs' storage entries
         self.out_spec = out_spec
         self.out_leaves = out_leaves  # per output leaf: (shape, stride, dtype, device, grad) or value
         # Positions its graph saved in [*tensor arguments, *parameters, *buffers].
         self.saved_inputs = saved_inputs
-        self.fates = fates  # per storage made: "out k", "freed", "kept"
+        self.fates = fates  # per storage made: ("out", k), ("freed", offset) or "kept"
+        self.state = state  # grad mode and autocast as it ran
+        self.normalized: tuple = ()  # its records made relative, to compare with its twin
         self.input_frees = input_frees  # (tensor argument position, offset freed at)
-        self.state = state
 
 
 class _Backward:
@@ -286,6 +284,7 @@ class _Backward:
         self.frees = frees  # (("made", j) | ("input", k) | ("grad_out", k), offset)
         self.grad_inputs = grad_inputs  # per input needing grad: its gradient's meta (or None)
         self.grad_params = grad_params  # per parameter: its gradient's meta (or None)
+        self.normalized: tuple = ()
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -307,7 +306,6 @@ class _Run:
         self.names = names
         self.blocks = blocks
         self.current: _Pass | None = None
-        self.passes: list[_Pass] = []
 
     def wrap(self, k: int) -> Callable[[], None]:
         block = self.blocks[k]
@@ -326,8 +324,7 @@ class _Run:
         if not stack or stack[-1].module_id != id(self.blocks[k]) or torch._C._current_graph_task_id() != -1:
             return original(*args, **kwargs)  # called as .forward(...), or inside a backward
         if k == 0:
-            self.current = _Pass(self)
-            self.passes.append(self.current)
+            self.current = _Pass()
         p = self.current
         if p is None or p.off or p.last != k - 1 and k != 0:
             if p is not None:
@@ -431,7 +428,7 @@ class _Run:
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
             return None
-        recorded = _Forward(window, spec, keys, shared, inputs, outputs, out_spec, described,
+        recorded = _Forward(window, spec, keys, shared, inputs, out_spec, described,
                             saved_inputs, fates, input_frees, state)
         recorded.normalized = window.normalized(replay, [*fates, *input_frees, *saved_inputs])
         return recorded
@@ -533,12 +530,9 @@ class _Run:
             backward.normalized = window.normalized(replay, [*fates, *frees])
         if k == len(self.blocks) - 2:
             p.backward = backward
-        else:
-            p.backward_twin = backward
-            if p.replayed and (backward is None or p.backward is None
-                               or backward.normalized != p.backward.normalized):
-                replay.doubts.append(f"{self.names[k]}'s backward differs from "
-                                     f"{self.names[-2]}'s")
+        elif p.replayed and (backward is None or p.backward is None
+                             or backward.normalized != p.backward.normalized):
+            replay.doubts.append(f"{self.names[k]}'s backward differs from {self.names[-2]}'s")
 
     def _window_closed_backward(self, window: _Window) -> bool:
         rename = _renamer(window.prefix, "@")
