@@ -212,6 +212,22 @@ def test_a_model_without_a_convertible_linear_is_refused():
         ampscope.trace(model, torch.randn(4, 10), setting="fp32+fp8", workload="forward")
 
 
+@needs_torchao
+def test_a_high_precision_grad_weight_recipe_under_cpu_autocast_is_refused_with_what_runs():
+    # torchao casts a Float8Linear's input to the autocast dtype only under CUDA's autocast:
+    # under the CPU's its high-precision weight-gradient matmul would mix fp32 and bf16.
+    with pytest.raises(AmpscopeError) as e:
+        ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16+fp8-rowwise-with-gw-hp", seq=16)
+    assert str(e.value) == (
+        "fp8 recipe rowwise-with-gw-hp fails under CPU autocast (torchao casts inputs only "
+        "under CUDA's); use cuda:fp32+amp-bf16+fp8-rowwise-with-gw-hp (emulated) or "
+        "fp32+fp8-rowwise-with-gw-hp")
+    for setting in ("cuda:fp32+amp-bf16+fp8-rowwise-with-gw-hp", "fp32+fp8-rowwise-with-gw-hp"):
+        trace = ampscope.trace("gpt2-tiny", setting=setting, seq=16)  # what it offers runs
+        assert any(o.op == "aten._to_copy.default" and o.outputs[0].dtype == "float8_e4m3fn"
+                   for o in trace.ops)
+
+
 def test_fp8_without_torchao_says_how_to_install_it(monkeypatch):
     def missing(name):
         raise ImportError(f"No module named {name!r}")

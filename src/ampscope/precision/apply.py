@@ -193,6 +193,8 @@ def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Sett
     higher precision) on the CPU and on an emulated device, real on a GPU that has fp8 matmuls."""
     emulate = setting.run_device == "cpu"
     fp8.check_device(setting.device, emulated=setting.emulated)
+    fp8.check_cpu_autocast(setting.name, setting.fp8,
+                           cpu_autocast=setting.device == "cpu" and setting.autocast_dtype is not None)
     names = stack.enter_context(fp8.converted(model, setting.fp8, emulate=emulate))
     log.info("Converted %d Linear layers to torchao Float8Linear (recipe %s%s)", len(names),
              setting.fp8, ", emulated" if emulate else "")

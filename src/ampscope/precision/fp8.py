@@ -101,6 +101,23 @@ def check_device(device: str, *, emulated: bool) -> None:
             "no fp8 matmuls (they need 8.9: Ada, Hopper or newer); drop the +fp8 part")
 
 
+def check_cpu_autocast(name: str, recipe: str, *, cpu_autocast: bool) -> None:
+    """Refuse a recipe that cannot run under CPU autocast. A recipe that keeps the weight
+    gradient's matmul in high precision (`rowwise_with_gw_hp`) multiplies the saved input by
+    the gradient there; `Float8Linear` casts its input to the autocast dtype only under CUDA's
+    autocast (`torch.is_autocast_enabled()`), so under the CPU's that matmul gets a float32
+    input and a bfloat16 gradient and fails, as it would in any CPU run."""
+    if not cpu_autocast:
+        return
+    disabled = float8().ScalingType.DISABLED
+    if config(recipe, emulate=True).cast_config_input_for_grad_weight.scaling_type is disabled:
+        gpu = f"cuda:{name}"
+        no_amp = name.split("+amp")[0] + "+fp8-" + spelled(recipe)
+        raise AmpscopeError(
+            f"fp8 recipe {spelled(recipe)} fails under CPU autocast (torchao casts inputs only "
+            f"under CUDA's); use {gpu} (emulated) or {no_amp}")
+
+
 def _inductor_patch_state() -> tuple | None:
     """What `convert_to_float8_training` patches once per process: inductor's Triton min/max
     codegen (a workaround of torchao's for GPU kernels). Saved so that a run leaves torch as
