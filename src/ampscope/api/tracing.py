@@ -33,6 +33,7 @@ from ampscope.precision.predict import (
     data_dependent,
     fake_batch,
     fake_mode,
+    gc_paused,
     predicting,
     value_needed_error,
 )
@@ -163,7 +164,10 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
             if diagnosis is not None:
                 raise DtypeMismatchError(diagnosis) from e
             raise
-        result = capture.finish(inputs=run_data, outputs=outputs)
+        # Tens of thousands of records, none of them garbage: the collector would only walk
+        # them over and over (as during the run itself, see predict.gc_paused).
+        with gc_paused():
+            result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
     if predict and _fake_mask(lm, result):
         notes.append("transformers treats fake tensors as tracing and built its attention mask "
