@@ -19,11 +19,13 @@ from ampscope.analysis.flops import flop_report
 from ampscope.analysis.memory import memory_report
 from ampscope.analysis.numerics import (
     BlockDivergence,
+    CastRange,
     ModuleDivergence,
     NumericsReport,
     SettingNumerics,
     tensor_range,
 )
+from ampscope.precision import fp8
 from ampscope.records import (
     Finding,
     FunctionCall,
@@ -275,12 +277,13 @@ def test_every_text_from_records_is_escaped():
     flops = flop_report(trace, tokens=2)
     numerics = NumericsReport(IMG, SCRIPT, "fp64", [SettingNumerics(
         IMG, [ModuleDivergence(name, SCRIPT, 1, divergence(1e-3))],
-        [BlockDivergence(SCRIPT, 0, divergence(1e-3))], None, [])],
+        [BlockDivergence(SCRIPT, 0, divergence(1e-3))], None, [],
+        [CastRange(name, "forward", "input", "float8_e4m3fn", "tensorwise", 1, 8, 8, 0, 1)])],
         [tensor_range("activation", SCRIPT, torch.tensor([1e6]))])
     html = report_html([trace], build_matrix([trace]), memory=[memory_report(trace)],
                        flops=[flops], numerics=numerics, title=SCRIPT)
     assert_inert(html)
-    assert html.count("&lt;script&gt;") >= 8
+    assert html.count("&lt;script&gt;") >= 9
     for fragment in (trace._repr_html_(), flops._repr_html_(), numerics._repr_html_()):
         assert_inert(fragment)
 
@@ -346,3 +349,129 @@ def test_the_templates_ship_with_the_package():
     shipped = {p for g in globs for p in package.glob(g)}
     templates = set((package / "render" / "templates").iterdir())
     assert templates and templates <= shipped
+
+
+# --- fp8 casts in the numerics section ---------------------------------------------------------
+
+needs_torchao = pytest.mark.skipif(not fp8.available(), reason="torchao is not installed")
+FP8_SETTINGS = ["fp32+amp-bf16+fp8-tensorwise", "fp32+amp-bf16+fp8-rowwise"]
+
+
+class _Tables(HTMLParser):
+    """The rows of each table with a class attribute, by class: each cell as (text, title)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tables: dict[str, list[list[tuple[str, str | None]]]] = {}
+        self._rows: list | None = None
+        self._cell: list | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "table" and a.get("class"):
+            self._rows = self.tables.setdefault(a["class"], [])
+        elif tag == "tbody" and self._rows is not None:
+            self._rows.clear()  # the header rows are not data
+        elif tag == "tr" and self._rows is not None:
+            self._rows.append([])
+        elif tag == "td" and self._rows is not None:
+            self._cell = ["", a.get("title")]
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._cell is not None:
+            self._rows[-1].append((self._cell[0], self._cell[1]))
+            self._cell = None
+        elif tag == "table":
+            self._rows = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell[0] += data
+
+
+def tables(html: str) -> dict[str, list[list[tuple[str, str | None]]]]:
+    parser = _Tables()
+    parser.feed(html)
+    parser.close()
+    return parser.tables
+
+
+@pytest.fixture(scope="module")
+def fp8_numerics() -> NumericsReport:
+    return ampscope.numerics("gpt2-tiny", settings=FP8_SETTINGS, seq=16, workload="train")
+
+
+@needs_torchao
+def test_the_numerics_section_shows_each_fp8_cast_as_the_numerics_record_holds_it(fp8_numerics):
+    """The page (`ampscope report --numerics`) and the notebook view of the report show the
+    same figures, each one that of `SettingNumerics.fp8_casts` in the same run."""
+    report = fp8_numerics
+    assert [s.setting for s in report.settings] == FP8_SETTINGS
+    matrix, traces = ampscope.matrix("gpt2-tiny", settings=FP8_SETTINGS, seq=16)
+    page = report_html(traces, matrix, numerics=report)
+    section = re.search(r'<section id="numerics">.*?</section>', page, re.S)[0]
+    fragment = report._repr_html_()
+    assert section in fragment  # the notebook shows the same section
+    found = tables(section)
+
+    # per setting: casts, scales, non-zero values, saturated and underflowed (count, share)
+    expected = []
+    for s in report.settings:
+        casts = s.fp8_casts
+        nonzero = sum(c.nonzero for c in casts)
+        sat, under = sum(c.saturated for c in casts), sum(c.underflow for c in casts)
+        expected.append([s.setting, f"{sum(c.casts for c in casts):,}",
+                         "/".join(sorted({c.granularity for c in casts})), f"{nonzero:,}",
+                         f"{sat:,} ({100 * sat / nonzero:.3f}%)",
+                         f"{under:,} ({100 * under / nonzero:.3f}%)"])
+    assert [[text for text, _ in row] for row in found["fp8-totals"]] == expected
+    assert [row[2] for row in expected] == ["tensorwise", "rowwise"]
+
+    # per cast that lost a value in some setting: layer, phase, operand, then per setting its
+    # format, scales and shares (the counts in the tooltip)
+    records = [{(c.module, c.phase, c.role): c for c in s.fp8_casts} for s in report.settings]
+    lossy = {k for rows in records for k, c in rows.items() if c.saturated or c.underflow}
+    assert 0 < len(lossy) <= 12  # all of them are shown
+    assert f"{len(lossy)} of {len(set().union(*records))} by layer" in section
+    rows = found["fp8-lossy"]
+    assert {(r[0][0], r[1][0], r[2][0]) for r in rows} == lossy
+    for row in rows:
+        key = (row[0][0], row[1][0], row[2][0])
+        for rows_of, cells in zip(records, (row[3:7], row[7:11]), strict=True):
+            c = rows_of[key]
+            short = {"float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}[c.dtype]
+            assert cells == [
+                (short, None), (c.granularity, None),
+                (f"{100 * c.saturated / c.nonzero:.2f}%",
+                 f"{c.saturated:,} of {c.nonzero:,} non-zero values"),
+                (f"{100 * c.underflow / c.nonzero:.2f}%",
+                 f"{c.underflow:,} of {c.nonzero:,} non-zero values")]
+
+
+@needs_torchao
+def test_the_fp8_section_only_for_settings_with_fp8_casts(run):
+    """Absent without fp8; with one fp8 setting beside one without, only the fp8 one has a row;
+    a run whose casts lost nothing says so and has no table of casts."""
+    for html in (run["html"], run["numerics"]._repr_html_()):
+        assert "fp8 casts" not in html and "fp8-totals" not in html
+    plain = ampscope.numerics("gpt2-tiny", settings=["fp32+amp-bf16"], seq=16, workload="train")
+    assert plain.settings[0].fp8_casts == []
+    assert "fp8-totals" not in plain._repr_html_()
+    if not fp8.available():
+        return
+    mixed = ampscope.numerics("gpt2-tiny", settings=["fp32+amp-bf16", FP8_SETTINGS[1]], seq=16,
+                              workload="train")
+    totals = tables(mixed._repr_html_())["fp8-totals"]
+    assert [row[0][0] for row in totals] == [FP8_SETTINGS[1]]
+    # tests/test_fp8_numerics.py's hand-computed case: rowwise scales lose nothing here
+    from tests.test_fp8_numerics import N, outliers
+
+    model = nn.Sequential(nn.Linear(N, N, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(N))
+    clean = ampscope.numerics(model, outliers(), settings=["fp32+fp8-rowwise"], reference="fp32")
+    assert clean.settings[0].fp8_casts
+    assert not any(c.saturated or c.underflow for c in clean.settings[0].fp8_casts)
+    html = clean._repr_html_()
+    assert "fp8-totals" in html and "fp8-lossy" not in html
+    assert "No cast saturated or underflowed a value." in html

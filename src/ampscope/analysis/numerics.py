@@ -124,6 +124,73 @@ def cast_ranges(casts: list[CastValues]) -> list[CastRange]:
             for key, cs in rows.items()]
 
 
+@dataclass(frozen=True)
+class CastTotals:
+    """One setting's fp8 casts summed over every layer, phase and operand."""
+
+    setting: str
+    casts: int
+    nonzero: int
+    saturated: int
+    underflow: int
+    granularities: list[str]  # in the order they first ran: "tensorwise", "rowwise"
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def underflow_share(self) -> float:
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+
+def cast_totals(s: SettingNumerics) -> CastTotals:
+    return CastTotals(s.setting, sum(c.casts for c in s.fp8_casts),
+                      sum(c.nonzero for c in s.fp8_casts), sum(c.saturated for c in s.fp8_casts),
+                      sum(c.underflow for c in s.fp8_casts),
+                      list(dict.fromkeys(c.granularity for c in s.fp8_casts)))
+
+
+@dataclass(frozen=True)
+class LossyCast:
+    """One layer's operand in one phase, across the fp8 settings: each setting's casts of it
+    (None where that setting has none)."""
+
+    module: str
+    phase: str
+    role: str
+    casts: list[CastRange | None]
+
+
+@dataclass(frozen=True)
+class Fp8Comparison:
+    """The fp8 settings' casts side by side, as the terminal and HTML views show them: each
+    setting's totals, then the operands that lost values (saturated or underflowed) in any
+    setting, the worst `shown` of them, in the order they first ran."""
+
+    totals: list[CastTotals]
+    lossy: list[LossyCast]
+    operands: int  # distinct (layer, phase, operand) cast in any setting
+    lossy_operands: int  # how many of them lost a value in some setting
+
+
+def compare_fp8_casts(report: NumericsReport, shown: int = 12) -> Fp8Comparison | None:
+    """None when no setting cast into fp8."""
+    settings = [s for s in report.settings if s.fp8_casts]
+    if not settings:
+        return None
+    by_setting = [{(c.module, c.phase, c.role): c for c in s.fp8_casts} for s in settings]
+    lost = {k: max(rows[k].underflow_share + rows[k].saturated_share
+                   for rows in by_setting if k in rows)
+            for rows in by_setting for k in rows}
+    worst = sorted((k for k, v in lost.items() if v > 0), key=lambda k: -lost[k])
+    keep = set(worst[:shown])
+    return Fp8Comparison(
+        [cast_totals(s) for s in settings],
+        [LossyCast(*k, [rows.get(k) for rows in by_setting]) for k in lost if k in keep],
+        len(lost), len(worst))
+
+
 def compare_runs(setting: str, test: Values, ref: Values) -> SettingNumerics:
     modules = []
     for name, outs in ref.outputs.items():

@@ -23,12 +23,13 @@ from ampscope.analysis.compare import Matrix
 from ampscope.analysis.diagram import build_diagram
 from ampscope.analysis.flops import FlopReport
 from ampscope.analysis.memory import MemoryReport
-from ampscope.analysis.numerics import NumericsReport
+from ampscope.analysis.numerics import NumericsReport, compare_fp8_casts
 from ampscope.analysis.summary import dtype_inventory
 from ampscope.records import Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
 from ampscope.render.numerics import _err as divergence_text
+from ampscope.render.numerics import distinct_names
 from ampscope.render.plots import (
     divergence_by_depth_svg,
     flops_by_module_svg,
@@ -154,8 +155,11 @@ def numerics_body(report: NumericsReport) -> Markup:
         rows.append(["model output", *map(divergence_text, roots)])
         rows.append(["loss", *(divergence_text(s.loss) for s in report.settings)])
     columns = ("where", *(s.setting for s in report.settings))
+    fp8 = compare_fp8_casts(report)
+    fp8_names = distinct_names([t.setting for t in fp8.totals]) if fp8 else []
     return _sections().numerics(report, _svg(divergence_by_depth_svg(report)), columns, rows,
-                                report.fp16_overflows()[:8], report.fp16_gradient_underflow())
+                                report.fp16_overflows()[:8], report.fp16_gradient_underflow(),
+                                fp8, fp8_names)
 
 
 # --- fragments and the page ------------------------------------------------------------------

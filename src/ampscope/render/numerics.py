@@ -9,7 +9,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.analysis.numerics import Divergence, NumericsReport
+from ampscope.analysis.numerics import (
+    Divergence,
+    Fp8Comparison,
+    NumericsReport,
+    compare_fp8_casts,
+)
 from ampscope.records.fp8 import short_fp8
 
 
@@ -68,16 +73,13 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
                               f"{worst.rel_l2:.2e}", name)
         parts += [Text(), grads]
 
-    if any(s.fp8_casts for s in report.settings):
-        parts += [Text(), _fp8_casts(report)]
+    if (fp8 := compare_fp8_casts(report)) is not None:
+        parts += [Text(), _fp8_casts(fp8)]
     parts += [Text(), _ranges(report)]
     return Group(*parts)
 
 
-_SHOWN_CASTS = 12
-
-
-def _distinct(names: list[str]) -> list[str]:
+def distinct_names(names: list[str]) -> list[str]:
     """The settings' names without the parts they share ("fp32+amp-bf16+fp8-tensorwise",
     "fp32+amp-bf16+fp8-rowwise" → "fp8-tensorwise", "fp8-rowwise"): narrow columns."""
     parts = [n.split("+") for n in names]
@@ -88,44 +90,33 @@ def _distinct(names: list[str]) -> list[str]:
     return ["+".join(p[shared:]) for p in parts]
 
 
-def _fp8_casts(report: NumericsReport) -> RenderableType:
+def _fp8_casts(fp8: Fp8Comparison) -> RenderableType:
     """Each fp8 setting's casts side by side: what saturated and what underflowed at the scale
     its recipe used, the layers that lost most first."""
-    settings = [s for s in report.settings if s.fp8_casts]
     text = Text("fp8 casts at the scales each recipe used: share of non-zero values that "
                 "saturate (clamped to the format's max) and that underflow (to 0)\n",
                 style="italic")
-    for s in settings:
-        nonzero = sum(c.nonzero for c in s.fp8_casts)
-        sat = sum(c.saturated for c in s.fp8_casts)
-        under = sum(c.underflow for c in s.fp8_casts)
-        scales = "/".join(dict.fromkeys(c.granularity for c in s.fp8_casts))
-        text.append(f"  {s.setting}: {sum(c.casts for c in s.fp8_casts):,} casts ({scales} "
-                    f"scales), {sat:,} of {nonzero:,} values saturate "
-                    f"({100 * sat / max(nonzero, 1):.3f}%), {under:,} underflow "
-                    f"({100 * under / max(nonzero, 1):.3f}%)\n")
-    by_setting = [{(c.module, c.phase, c.role): c for c in s.fp8_casts} for s in settings]
-    lossy = {k: max(rows[k].underflow_share + rows[k].saturated_share
-                    for rows in by_setting if k in rows)
-             for rows in by_setting for k in rows}
-    worst = sorted((k for k, v in lossy.items() if v > 0), key=lambda k: -lossy[k])
-    if not worst:
+    for t in fp8.totals:
+        text.append(f"  {t.setting}: {t.casts:,} casts ({'/'.join(t.granularities)} "
+                    f"scales), {t.saturated:,} of {t.nonzero:,} values saturate "
+                    f"({100 * t.saturated_share:.3f}%), {t.underflow:,} underflow "
+                    f"({100 * t.underflow_share:.3f}%)\n")
+    if not fp8.lossy:
         text.append("  No cast saturated or underflowed a value.\n")
         return text
-    keep = set(worst[:_SHOWN_CASTS])
     table = Table(show_edge=False, title_justify="left",
-                  title=f"Casts that lost values ({len(keep)} of {len(lossy)} by layer and "
-                        "operand; format saturated/underflow)")
+                  title=f"Casts that lost values ({len(fp8.lossy)} of {fp8.operands} by layer "
+                        "and operand; format saturated/underflow)")
     table.add_column("layer", overflow="fold")
     table.add_column("phase")
     table.add_column("operand")
-    for name in _distinct([s.setting for s in settings]):
+    for name in distinct_names([t.setting for t in fp8.totals]):
         table.add_column(name, justify="right", overflow="fold")
-    for k in (k for k in lossy if k in keep):
-        cells = ["—" if (c := rows.get(k)) is None else
+    for row in fp8.lossy:
+        cells = ["—" if c is None else
                  f"{short_fp8(c.dtype)} {100 * c.saturated_share:.2f}%/"
-                 f"{100 * c.underflow_share:.2f}%" for rows in by_setting]
-        table.add_row(k[0] or "(model)", k[1], k[2], *cells)
+                 f"{100 * c.underflow_share:.2f}%" for c in row.casts]
+        table.add_row(row.module or "(model)", row.phase, row.role, *cells)
     return Group(text, table)
 
 
