@@ -138,6 +138,16 @@ def test_blocks_that_branch_on_their_index_are_not_alike():
     _assert_same(replayed, full)
 
 
+def test_a_block_class_made_in_a_function_that_branches_on_its_index_is_not_alike():
+    class Local(Block):  # indented source, and the forward of a subclass
+        def forward(self, x, extra=None):
+            if self.layer_idx == 3:
+                x = -x
+            return super().forward(x, extra)
+
+    assert not alike([Local(i) for i in range(6)])
+
+
 def test_blocks_with_different_shapes_or_attributes_are_not_alike():
     assert not alike([Block(i, 16 if i != 3 else 8) for i in range(6)])
     blocks = [Block(i) for i in range(6)]

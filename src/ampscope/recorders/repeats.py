@@ -114,16 +114,25 @@ def _structure(block: nn.Module) -> list[tuple] | None:
 
 
 def _reads_index(cls: type, attribute: str) -> bool:
-    """Whether a class's methods (other than __init__) use `self.<attribute>` other than as a
-    call's argument or a subscript: branching on a block's index makes blocks differ."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return True
-    source = re.sub(r"def __init__\(.*?(?=\n    def |\Z)", "", source, flags=re.S)
+    """Whether a class's methods (other than __init__, its own or inherited) use
+    `self.<attribute>` other than as a call's argument or a subscript: code that branches on a
+    block's index makes the blocks differ. A method whose source cannot be read counts as one
+    that does."""
     passed = re.compile(r"[(,\[]\s*(?:\w+\s*=\s*)?self\." + attribute + r"\s*[,)\]]")
-    uses = len(re.findall(r"self\." + attribute + r"\b", source))
-    return uses != len(passed.findall(source))
+    used = re.compile(r"self\." + attribute + r"\b")
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for name, member in vars(klass).items():
+            if name == "__init__" or not inspect.isfunction(member):
+                continue
+            try:
+                source = inspect.getsource(member)
+            except (OSError, TypeError):
+                return True
+            if len(used.findall(source)) != len(passed.findall(source)):
+                return True
+    return False
 
 
 def alike(blocks: list[nn.Module]) -> bool:
