@@ -109,17 +109,18 @@ class Stack(nn.Module):
         return x.sum()
 
 
-def _train(model: nn.Module):
+def _train(model: nn.Module, backward: bool = True):
     def step(module, batch):
         loss = module(batch["x"])
-        loss.backward()
+        if backward:
+            loss.backward()
         return {"loss": loss}
     return step
 
 
-def _both(model: nn.Module, setting: str = "fp32+amp-bf16"):
+def _both(model: nn.Module, setting: str = "fp32+amp-bf16", *, backward: bool = True):
     x = torch.randn(2, 4, 16)
-    kwargs = {"setting": setting, "workload": _train(model), "predict": True}
+    kwargs = {"setting": setting, "workload": _train(model, backward), "predict": True}
     return (ampscope.trace(model, {"x": x}, **kwargs),
             ampscope.trace(model, {"x": x}, **kwargs, every_block=True))
 
@@ -228,4 +229,25 @@ def test_a_failure_of_the_replay_itself_falls_back_to_every_block(monkeypatch):
     monkeypatch.setattr(repeats._Replayed, "_backward", staticmethod(broken))
     replayed, _ = _both(Stack())
     assert _replayed(replayed_before) > 0 and _replayed(replayed) == 0
+    _assert_same(replayed, full)
+
+
+class EarlyExit(Stack):
+    """Stops after six of its nine blocks: the replayed ones are never confirmed by the
+    second-to-last block, so nothing stays replayed."""
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in list(self.blocks)[:6]:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_replayed_blocks_never_confirmed_by_their_twin_are_traced_again(backward):
+    # With a backward pass the replayed blocks' backward finds no recorded twin; without one,
+    # the capture's end finds the pass unconfirmed: either way every block runs again.
+    model = EarlyExit(n=9)
+    replayed, full = _both(model, backward=backward)
+    assert _replayed(replayed) == 0
     _assert_same(replayed, full)

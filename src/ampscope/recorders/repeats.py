@@ -380,6 +380,7 @@ class _Run:
             if p.replayed and (recorded is None or p.forward is None or
                                recorded.normalized != p.forward.normalized):
                 raise ReplayDoubt(f"{self.names[k]}'s forward differs from {self.names[1]}'s")
+            self.replay.unchecked.discard(p)
         if recorded is not None and torch.is_grad_enabled():
             with _bookkeeping(self.names[k]):
                 self._watch_backward(p, k, window.prefix, tensors, out, recorded)
@@ -579,6 +580,7 @@ class _Run:
                 return _NOT_REPLAYED  # a leaf argument that wants a gradient
         p.replayed += 1
         self.replay.replayed += 1
+        self.replay.unchecked.add(p)  # until its forward twin is compared
         needing = [t for t in tensors if t.requires_grad]
         trainable = [q for q in params if q.requires_grad]
         context = _Context(self, p, k, tensors, len(needing), trainable)
@@ -755,6 +757,9 @@ class BlockReplay:
         self.replayed = 0
         self.blocks = 0
         self.doubts: list[str] = []
+        # Passes that replayed blocks and never reached their second-to-last block, whose
+        # forward confirms the replayed ones (a model that stops early, calls blocks out of order).
+        self.unchecked: set[_Pass] = set()
 
     def install(self, model: nn.Module) -> Callable[[], None]:
         undo: list[Callable[[], None]] = []
@@ -770,8 +775,11 @@ class BlockReplay:
         return restore
 
     def check(self) -> None:
+        """Raise `ReplayDoubt` when something replayed was not confirmed by its twins."""
         if self.doubts:
             raise ReplayDoubt(self.doubts[0])
+        if self.unchecked:
+            raise ReplayDoubt("a pass replayed blocks but never ran the block that confirms them")
 
     def append_window(self, window: _Window, prefix: str, fates: list, *, real: dict,
                       pins: list) -> list:
