@@ -251,3 +251,18 @@ def test_replayed_blocks_never_confirmed_by_their_twin_are_traced_again(backward
     replayed, full = _both(model, backward=backward)
     assert _replayed(replayed) == 0
     _assert_same(replayed, full)
+
+
+def test_the_cli_says_how_many_calls_it_replayed_and_every_block_turns_it_off(capsys):
+    import json
+
+    from ampscope.cli import main
+
+    runs = {}
+    for flag in ([], ["--every-block"]):
+        assert main(["trace", "gpt2", "--seq", "8", "--json", "-", *flag]) == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)
+    # gpt2's 12 blocks: 0, 1, 10 and 11 run, 2-9 replay
+    assert [n for n in runs[False]["notes"] if REPLAY_NOTE in n][0].startswith("8 calls")
+    assert not [n for n in runs[True]["notes"] if REPLAY_NOTE in n]
+    assert runs[False]["ops"] == runs[True]["ops"]
