@@ -266,3 +266,31 @@ def test_the_cli_says_how_many_calls_it_replayed_and_every_block_turns_it_off(ca
     assert [n for n in runs[False]["notes"] if REPLAY_NOTE in n][0].startswith("8 calls")
     assert not [n for n in runs[True]["notes"] if REPLAY_NOTE in n]
     assert runs[False]["ops"] == runs[True]["ops"]
+
+
+# Architectures outside the zoo, from their transformers configs at tiny sizes (6 layers).
+_TINY_HF = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+OTHERS = {
+    # an activation module made per layer (functools.partial(gelu, approximate="tanh"))
+    "gemma": ("GemmaConfig", dict(_TINY_HF, num_key_value_heads=1, head_dim=16), True),
+    "gpt-bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=6, n_head=4, multi_query=True,
+                                             vocab_size=128, n_positions=64), True),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                                    multi_query=True, new_decoder_architecture=False,
+                                    vocab_size=128), True),
+    # sliding-window attention on every other layer: the layers are not alike
+    "gemma2": ("Gemma2Config", dict(_TINY_HF, num_key_value_heads=1, head_dim=16), False),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_other_architectures_replay_exactly_or_not_at_all(name):
+    transformers = pytest.importorskip("transformers")
+    config_class, fields, replays = OTHERS[name]
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**fields))
+    options = {"setting": "cuda:fp32+amp-bf16", "seq": 32, "predict": True}
+    replayed = ampscope.trace(model, **options)
+    full = ampscope.trace(model, **options, every_block=True)
+    assert (_replayed(replayed) > 0) == replays
+    _assert_same(replayed, full)

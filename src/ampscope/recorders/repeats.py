@@ -32,8 +32,10 @@ and the caller runs the step again without replaying. docs/how-it-works.md tells
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -87,6 +89,11 @@ def _value_key(value: Any) -> Any:
         return (type(value), tuple(value))
     if isinstance(value, torch.Tensor):
         return ("tensor", value.dtype, tuple(value.shape), tuple(value.stride()))
+    if isinstance(value, functools.partial):  # an activation made per layer: gelu(tanh)
+        return ("partial", _value_key(value.func), tuple(map(_value_key, value.args)),
+                tuple(sorted((k, _value_key(v)) for k, v in value.keywords.items())))
+    if isinstance(value, types.MethodType):  # bound to its own module: the same method
+        return ("method", value.__func__, type(value.__self__))
     if type(value).__eq__ is not object.__eq__:  # a config made per layer (a frozen dataclass)
         try:
             hash(value)
