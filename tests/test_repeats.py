@@ -294,3 +294,29 @@ def test_other_architectures_replay_exactly_or_not_at_all(name):
     full = ampscope.trace(model, **options, every_block=True)
     assert (_replayed(replayed) > 0) == replays
     _assert_same(replayed, full)
+
+
+class Wider(Block):
+    """A first layer unlike the rest (as dense layers before mixture-of-experts ones)."""
+
+    def __init__(self, layer_idx: int, width: int = 16):
+        super().__init__(layer_idx, width)
+        self.gate = nn.Parameter(torch.ones(width))
+
+    def forward(self, x, extra=None):
+        return super().forward(x * self.gate, extra)
+
+
+class FirstUnlike(Stack):
+    def __init__(self):
+        super().__init__(n=8)
+        self.blocks[0] = Wider(0)
+
+
+def test_a_stretch_of_alike_blocks_after_an_unlike_one_replays():
+    model = FirstUnlike()
+    [(names, blocks)] = repeated_runs(model)
+    assert names == [f"blocks.{i}" for i in range(1, 8)]  # block 0 is not one of them
+    replayed, full = _both(model)
+    assert _replayed(replayed) == 3  # blocks 3, 4, 5: 1-2 and 6-7 are recorded
+    _assert_same(replayed, full)

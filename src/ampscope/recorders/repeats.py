@@ -142,8 +142,9 @@ def _reads_index(cls: type, attribute: str) -> bool:
     return False
 
 
-def alike(blocks: list[nn.Module]) -> bool:
-    """Whether the blocks are structurally identical up to an index attribute."""
+def alike(blocks: list[nn.Module], first_index: int = 0) -> bool:
+    """Whether the blocks are structurally identical up to an index attribute (each block's
+    position in its list: `first_index` for the first of them)."""
     structures = [_structure(b) for b in blocks]
     if any(s is None for s in structures):
         return False
@@ -155,8 +156,8 @@ def alike(blocks: list[nn.Module]) -> bool:
             continue
         where, kind, key = entries[0][0], entries[0][1], entries[0][2]
         # Only an integer attribute that is each block's index may differ (layer_idx).
-        if kind != "attribute" or any(e[:3] != (where, kind, key) or e[3] != i or type(e[3]) is not int
-                                      for i, e in enumerate(entries)):
+        if kind != "attribute" or any(e[:3] != (where, kind, key) or type(e[3]) is not int
+                                      or e[3] != first_index + i for i, e in enumerate(entries)):
             return False
         module = blocks[0].get_submodule(where) if where else blocks[0]
         if _reads_index(type(module), key):
@@ -165,18 +166,47 @@ def alike(blocks: list[nn.Module]) -> bool:
     return len(ids) == len(set(ids))  # no parameter shared between blocks
 
 
+def _stretches(blocks: list[nn.Module]) -> list[tuple[int, int]]:
+    """The longest stretches [start, end) of at least MIN_BLOCKS consecutive blocks that look
+    alike — the same structure, an integer attribute equal to each one's position aside — as
+    candidates for `alike` (a model whose first layers are dense and the rest mixtures of
+    experts has one stretch of each)."""
+    structures = [_structure(b) for b in blocks]
+    # Integer attributes whose value varies along the list may be an index; one that is the
+    # same in every block (8 key-value groups) is no index where it equals a position (block 8).
+    values: dict[tuple, set] = {}
+    for structure in structures:
+        for e in structure or ():
+            if e[1] == "attribute" and type(e[3]) is int:
+                values.setdefault(e[:3], set()).add(e[3])
+    varying = {where for where, seen in values.items() if len(seen) > 1}
+    keys = [None if structure is None else tuple(
+        (*e[:3], "index") if e[:3] in varying and e[3] == i else e for e in structure)
+        for i, structure in enumerate(structures)]
+    stretches, start = [], 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or keys[i] != keys[start]:
+            if keys[start] is not None and i - start >= MIN_BLOCKS:
+                stretches.append((start, i))
+            start = i
+    return stretches
+
+
 def repeated_runs(model: nn.Module) -> list[tuple[list[str], list[nn.Module]]]:
-    """The outermost runs of identical blocks: (qualified names, blocks) of each."""
+    """The outermost runs of identical blocks: (qualified names, blocks) of each. A run is a
+    whole ModuleList or Sequential, or a stretch of consecutive children of one."""
     names = {m: n for n, m in model.named_modules()}
     runs: list[tuple[list[str], list[nn.Module]]] = []
     inside: set[int] = set()
     for m in model.modules():
         if id(m) in inside or not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
-        blocks = list(m.children())
-        if len(blocks) >= MIN_BLOCKS and alike(blocks):
-            runs.append(([names[b] for b in blocks], blocks))
-            inside.update(id(x) for b in blocks for x in b.modules())
+        children = list(m.children())
+        for start, end in _stretches(children) if len(children) >= MIN_BLOCKS else ():
+            blocks = children[start:end]
+            if alike(blocks, start):
+                runs.append(([names[b] for b in blocks], blocks))
+                inside.update(id(x) for b in blocks for x in b.modules())
     return runs
 
 
