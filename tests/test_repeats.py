@@ -11,7 +11,7 @@ from torch import nn
 
 import ampscope
 from ampscope.analysis.memory import memory_report
-from ampscope.recorders.repeats import alike, repeated_runs
+from ampscope.recorders.alike import alike, repeated_runs
 
 REPLAY_NOTE = "calls of identical blocks were not dispatched"
 

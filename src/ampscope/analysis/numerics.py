@@ -87,8 +87,24 @@ class SettingNumerics:
     fp8_casts: list[CastRange] = field(default_factory=list)  # empty without an fp8 recipe
 
 
+class _Shares:
+    """Saturated and underflowed values as shares of the non-zero values cast."""
+
+    nonzero: int
+    saturated: int
+    underflow: int
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def underflow_share(self) -> float:
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+
 @dataclass(frozen=True)
-class CastRange:
+class CastRange(_Shares):
     """The casts into fp8 of one operand of one layer's matmuls, over all its calls."""
 
     module: str
@@ -101,14 +117,6 @@ class CastRange:
     nonzero: int
     saturated: int
     underflow: int
-
-    @property
-    def saturated_share(self) -> float:
-        return self.saturated / self.nonzero if self.nonzero else 0.0
-
-    @property
-    def underflow_share(self) -> float:
-        return self.underflow / self.nonzero if self.nonzero else 0.0
 
 
 def cast_ranges(casts: list[CastValues]) -> list[CastRange]:
@@ -125,7 +133,7 @@ def cast_ranges(casts: list[CastValues]) -> list[CastRange]:
 
 
 @dataclass(frozen=True)
-class CastTotals:
+class CastTotals(_Shares):
     """One setting's fp8 casts summed over every layer, phase and operand."""
 
     setting: str
@@ -134,14 +142,6 @@ class CastTotals:
     saturated: int
     underflow: int
     granularities: list[str]  # in the order they first ran: "tensorwise", "rowwise"
-
-    @property
-    def saturated_share(self) -> float:
-        return self.saturated / self.nonzero if self.nonzero else 0.0
-
-    @property
-    def underflow_share(self) -> float:
-        return self.underflow / self.nonzero if self.nonzero else 0.0
 
 
 def cast_totals(s: SettingNumerics) -> CastTotals:

@@ -56,19 +56,23 @@ class _Storage(weakref.ref):
     moment the storage goes; `followers`: replayed storages freed when this one is."""
 
     __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names",
-                 "dated", "followers", "leader")
+                 "dated", "followers")
 
 
 class _Replayed:
     """A storage a replayed block would have made: never allocated, dated from its twin, the
     storage `leader` that a recorded block made (whose `saved` it shares)."""
 
-    __slots__ = ("nbytes", "meta", "created", "freed", "saved", "category", "names", "leader")
+    __slots__ = ("nbytes", "meta", "created", "freed", "category", "names", "leader")
 
     def __init__(self, leader: _Storage, created: int, freed: int | None) -> None:
         self.nbytes, self.meta, self.leader = leader.nbytes, leader.meta, leader
         self.created, self.freed = created, freed
-        self.saved, self.category, self.names = False, None, []
+        self.category, self.names = None, []
+
+    @property
+    def saved(self) -> bool:
+        return self.leader.saved
 
 
 class StorageTracker:
@@ -93,7 +97,7 @@ class StorageTracker:
         entry = _Storage(storage, self._on_free)
         entry.key, entry.nbytes, entry.meta, entry.created = id(storage), storage.nbytes(), meta, created
         entry.freed, entry.saved, entry.category, entry.names = None, False, None, []
-        entry.dated = entry.followers = entry.leader = None
+        entry.dated = entry.followers = None
         self._live[id(storage)] = entry
         self._seen.append(entry)
         self.live_bytes += _blocks(entry.nbytes)
@@ -236,13 +240,12 @@ class StorageTracker:
             created = entry.created
             op = ops[created] if created is not None else None
             category = entry.category
-            saved = entry.saved or (entry.leader is not None and entry.leader.saved)
             if category is None:
                 if op is not None and op.autocast_cast:
                     category = "autocast_cast"
                 elif created in fp8_made:
                     category = fp8_made[created]
-                elif saved:
+                elif entry.saved:
                     category = "activation"
                 else:
                     category = "temporary"
@@ -253,7 +256,7 @@ class StorageTracker:
                 module=op.module if op is not None else None,
                 phase=op.phase if op is not None else None,
                 op=op.op if op is not None else None,
-                saved=saved,
+                saved=entry.saved,
             ))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
         return records

@@ -27,7 +27,14 @@ from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import data_dtypes, meta_of, metas_of, no_torch_function, walk
+from ampscope.recorders.tensors import (
+    data_dtypes,
+    meta_of,
+    metas_of,
+    no_torch_function,
+    results_of,
+    walk,
+)
 from ampscope.records import (
     EXPLICIT_CASTS,
     ArgumentOrigin,
@@ -97,7 +104,6 @@ class _OpFacts:
 
 
 _op_facts: dict[int, _OpFacts] = {}
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
@@ -212,11 +218,7 @@ class FunctionRecorder(TorchFunctionMode):
             (self.current, self.current_is_cast, self.current_autocast, self.current_source,
              self.current_frame) = outer
             self.current_phase = outer_phase
-        if type(out) in _PLAIN_TENSORS:  # most calls: one tensor, no walk
-            results = [out]
-        else:
-            results = []
-            walk((out,), results)
+        results = results_of(out)
         outputs = metas_of(results)
         if autocast is not None and self.ops_seen - ops_before >= 2 and self.op_log is not None:
             _unmark_round_trips(self.op_log, ops_before, outputs[0].dtype if outputs else None)
@@ -303,11 +305,7 @@ class OpRecorder(TorchDispatchMode):
                 flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
             else:
                 flops = flops_causal = 0
-            if type(out) in _PLAIN_TENSORS:  # most ops: one tensor, no walk
-                results = [out]
-            else:
-                results = []
-                walk((out,), results)
+            results = results_of(out)
             outputs = metas_of(results)
             rows = self.rows
             index = len(rows)

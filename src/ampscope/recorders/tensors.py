@@ -58,6 +58,16 @@ def tensors_in(values, out: list | None = None) -> list[torch.Tensor]:
     return out
 
 
+def results_of(out) -> list[torch.Tensor]:
+    """The tensors an op or a call returned: most return one plain tensor, taken without a
+    walk."""
+    if type(out) in _PLAIN:
+        return [out]
+    found: list[torch.Tensor] = []
+    walk((out,), found)
+    return found
+
+
 _meta_cache: dict[tuple, TensorMeta] = {}
 
 

@@ -1,0 +1,158 @@
+"""A window: the records one recorded block call appended, and the storages it made and freed
+— what recorders/repeats.py replays for that block's identical twins, renamed to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ampscope.recorders.memory import StorageTracker
+from ampscope.recorders.modules import ModuleTracker, OpenCall
+
+
+class Recorders(Protocol):
+    """The capture's recorders a window reads and appends to."""
+
+    tracker: ModuleTracker
+    functions: object  # recorders.ops.FunctionRecorder
+    ops: object  # recorders.ops.OpRecorder
+    storages: StorageTracker
+
+
+def renamer(old: str, new: str) -> Callable[[str | None], str | None]:
+    dotted = old + "."
+
+    def rename(name: str | None) -> str | None:
+        if name is None:
+            return None
+        if name == old:
+            return new
+        if name.startswith(dotted):
+            return new + name[len(old):]
+        return name
+
+    return rename
+
+
+class Window:
+    """One recorded block call in one phase: where its records start and end, the storages it
+    made (their fates) and the storages from outside it that it freed."""
+
+    def __init__(self, replay: Recorders, prefix: str) -> None:
+        self.prefix = prefix
+        self.r0 = len(replay.ops.rows)
+        self.f0 = len(replay.functions.rows)
+        self.c0 = len(replay.tracker._calls)
+        self.s0 = len(replay.storages._seen)
+        self.log0 = replay.storages.start_log()
+        self.r1 = self.f1 = self.c1 = self.s1 = self.log1 = 0
+
+    def close(self, replay: Recorders) -> None:
+        self.r1 = len(replay.ops.rows)
+        self.f1 = len(replay.functions.rows)
+        self.c1 = len(replay.tracker._calls)
+        self.s1 = len(replay.storages._seen)
+        self.log1 = replay.storages.stop_log()
+        # The calls of its modules; not its own (opened by the module tracker's hooks, which
+        # may run before or after the window's) nor the next block's backward, opened by the
+        # same gradient that closes this one.
+        children = self.prefix + "."
+        self.calls = [c for c in replay.tracker._calls[self.c0:self.c1]
+                      if c.name.startswith(children)]
+
+    def created(self, replay: Recorders) -> list:
+        return replay.storages._seen[self.s0:self.s1]
+
+    def external_frees(self, replay: Recorders) -> list:
+        """Storages made before the window and freed in it, with the op index they were
+        freed at."""
+        mine = {id(e) for e in self.created(replay)}
+        return [e for e in replay.storages.log[self.log0:self.log1] if id(e) not in mine]
+
+    def in_window(self, index: int | None) -> bool:
+        return index is not None and self.r0 - 1 <= index < self.r1
+
+    def fates(self, replay: Recorders, named: dict[int, tuple]) -> list:
+        """Per storage the window made: what `named` (by its entry's id) calls it — ("out", k),
+        ("grad_in", k) — else ("freed", offset) where the window freed it, else "kept"."""
+        fates: list = []
+        for e in self.created(replay):
+            if id(e) in named:
+                fates.append(named[id(e)])
+            elif self.in_window(e.freed):
+                fates.append(("freed", e.freed - self.r0))
+            else:
+                fates.append("kept")
+        return fates
+
+    def is_own(self, replay: Recorders, *, forward: bool) -> bool:
+        """Whether every op record in the window is its block's (or its modules'); in forward
+        also every module call, and every op's user-level caller in the window."""
+        rows = replay.ops.rows[self.r0:self.r1]
+        rename = renamer(self.prefix, "@")
+        if any(not (rename(r[2]) or "").startswith("@") for r in rows):
+            return False
+        if not forward:
+            return True
+        return all(r[7] is None or self.f0 <= r[7] < self.f1 for r in rows) and \
+            len(self.calls) == self.c1 - self.c0
+
+    def normalized(self, replay: Recorders, fates: list) -> tuple:
+        """The window's records with its block's names and its indices made relative: two
+        windows of identical blocks that did the same thing compare equal."""
+        rel = renamer(self.prefix, "")
+        rows = tuple(
+            (r[1], rel(r[2]), r[3], r[4], r[5], r[6], None if r[7] is None else r[7] - self.f0,
+             r[8], tuple(map(rel, r[9])), r[10], r[11], r[12], r[13])
+            for r in replay.ops.rows[self.r0:self.r1])
+        functions = tuple((r[1], rel(r[2]), r[3], r[4], r[5], r[6], r[7])
+                          for r in replay.functions.rows[self.f0:self.f1])
+        calls = tuple((rel(c.name), c.type, c.phase, c.depth, c.inputs, c.outputs)
+                      for c in self.calls)
+        storages = tuple((e.nbytes, e.meta, e.created - self.r0) for e in self.created(replay))
+        return rows, functions, calls, storages, tuple(fates)
+
+    def append_renamed(self, replay: Recorders, prefix: str, fates: list, *, real: dict,
+                       pins: list) -> list:
+        """Append a window's records renamed to `prefix`, its storages made again (as entries
+        that follow their twins, or as the `real` tensors given for its outputs and
+        gradients), and date the frees in `pins` ((entry, offset) pairs). Returns the entries
+        made, one per storage the window made."""
+        window = self
+        ops, functions = replay.ops, replay.functions
+        tracker, storages = replay.tracker, replay.storages
+        rename = renamer(window.prefix, prefix)
+        r_start, f_start = len(ops.rows), len(functions.rows)
+        shift_f = f_start - window.f0
+        step = functions.step
+        for r in functions.rows[window.f0:window.f1]:
+            functions.rows.append((r[0] + shift_f, r[1], rename(r[2]), r[3], r[4], r[5], r[6],
+                                   r[7], step))
+        for c in window.calls:
+            call = OpenCall(len(tracker._calls), rename(c.name), c.type, c.phase, c.depth, c.inputs)
+            call.outputs = c.outputs
+            tracker._calls.append(call)
+        rows = ops.rows
+        shift = r_start - window.r0
+        for r in rows[window.r0:window.r1]:
+            rows.append((r[0] + shift, r[1], rename(r[2]), r[3], r[4], r[5], r[6],
+                         None if r[7] is None else r[7] + shift_f, r[8], tuple(map(rename, r[9])),
+                         r[10], r[11], r[12], r[13]))
+        functions.ops_seen += window.r1 - window.r0
+        made = []
+        for e, fate in zip(window.created(replay), fates, strict=True):
+            created = e.created + shift
+            if isinstance(fate, tuple) and fate[0] != "freed":
+                tensor = real.get(fate)
+                made.append(storages.made_by_replay(tensor, created, e)
+                            if tensor is not None else None)
+            else:
+                freed = fate[1] + r_start if isinstance(fate, tuple) else None
+                made.append(storages.replayed(e, created, freed))
+        for entry, offset in pins:
+            if entry is not None:
+                storages.date_free(entry, r_start + offset)
+        if ops._progress is not None:
+            ops._progress.op(len(rows), rows[-1][3] if rows else "forward")
+        return made
