@@ -178,9 +178,9 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
         log.info("%s", notes[-1])
-    result.notes = (notes + (emulation.notes(workload_name, [o.op for o in result.ops if o.phase == "forward"])
-                                      if emulation is not None else [])
-                    + result.notes)  # what the capture itself noted comes last
+    if emulation is not None:
+        notes += emulation.notes(workload_name, [o.op for o in result.ops if o.phase == "forward"])
+    result.notes = notes + result.notes  # what the capture itself noted comes last
     if virtual is not None:
         result.notes += virtual.notes()
     result.findings = derive_findings(result)

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -240,10 +241,10 @@ class Emulation:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def notes(self, workload: str, ops: Sequence[str] = ()) -> list[str]:
-        """What the run assumed, in plain words, for the trace's notes. `ops`, the names of the
-        forward ops the trace recorded, count the attention calls (a replayed block's among
-        them, which chose no kernel of its own: recorders/repeats.py)."""
+    def notes(self, workload: str, forward_ops: Sequence[str]) -> list[str]:
+        """What the run assumed, in plain words, for the trace's notes. `forward_ops`, the names
+        of the forward ops the trace recorded, count the attention calls: a replayed block's
+        among them, which chose no kernel of its own (recorders/repeats.py)."""
         from ampscope.precision.attention_choice import H100
 
         notes = [
@@ -254,14 +255,9 @@ class Emulation:
             notes.append(
                 f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {self.device}."
             )
-        kernels: dict[str, int] = {}
-        for choice in self.attention:
-            key = f"{choice.backend} ({choice.forward_op.removesuffix('.default')})"
-            kernels[key] = kernels.get(key, 0) + 1
-        if ops:
-            by_op = {f"{c.backend} ({c.forward_op.removesuffix('.default')})": c.forward_op
-                     for c in self.attention}
-            kernels = {key: sum(1 for op in ops if op == by_op[key]) for key in kernels}
+        ran_ops = Counter(forward_ops)
+        kernels = {f"{c.backend} ({c.forward_op.removesuffix('.default')})": ran_ops[c.forward_op]
+                   for c in self.attention}
         if kernels:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(
