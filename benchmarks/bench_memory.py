@@ -15,13 +15,15 @@ lifetime followed to the peak. One warm-up of each comes first; then the two alt
 `--repeats` rounds. The table gives the median wall time and each one's answer.
 
 A second table times the same two as whole fresh processes (Python start-up and imports
-included, as a user meets them): this file's `accelerate_estimate` run by `python -c`, against
-the command `ampscope memory MODEL -d cuda -s bf16` with its report sent to /dev/null.
+included, as a user meets them): `accelerate_estimate.py`, which imports torch, transformers and
+accelerate and nothing of ampscope, given the zoo entry's config as JSON, against the command
+`ampscope memory MODEL -d cuda -s bf16` with its report sent to /dev/null.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -29,26 +31,18 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import transformers
-from accelerate import init_empty_weights
-from accelerate.commands.estimate import estimate_training_usage
-from accelerate.utils import calculate_maximum_sizes
-
 import ampscope
 from ampscope.models import hf
 from ampscope.render.style import format_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accelerate_estimate  # noqa: E402 - a sibling script, found by the path above
 
-def accelerate_estimate(name: str) -> tuple[int, int, int]:
-    """(weights' total bytes, largest layer's bytes, training estimate) for bf16."""
-    with init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(hf.zoo_config(name),
-                                                              dtype=torch.float32)
-    total, largest = calculate_maximum_sizes(model)
-    # The command prints the largest of its training components as the peak.
-    training = max(estimate_training_usage(total, "bfloat16").values())
-    return total // 2, largest[0] // 2, training
+
+def zoo_config(name: str) -> tuple[str, dict]:
+    """The zoo entry's transformers config class and arguments, as ampscope builds it."""
+    entry = hf.ZOO[name]
+    return entry.config_class, {**entry.kwargs, "attn_implementation": hf.ATTN_IMPLEMENTATION}
 
 
 def main() -> None:
@@ -59,7 +53,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     variants = {
-        "accelerate": lambda: accelerate_estimate(args.model),
+        "accelerate": lambda: accelerate_estimate.estimate(*zoo_config(args.model)),
         "ampscope": lambda: ampscope.memory(args.model, setting="cuda:bf16", predict=True),
     }
     for run in variants.values():
@@ -90,9 +84,8 @@ def main() -> None:
 
     here = Path(__file__).resolve().parent
     commands = {
-        "accelerate": [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                       "import bench_memory; bench_memory.accelerate_estimate(sys.argv[2])",
-                       str(here), args.model],
+        "accelerate": [sys.executable, str(here / "accelerate_estimate.py"),
+                       json.dumps(zoo_config(args.model))],
         "ampscope": [str(Path(sys.executable).parent / "ampscope"), "memory", args.model,
                      "-d", "cuda", "-s", "bf16"],
     }

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampscope.precision import AUTOCAST_DEVICES
-from ampscope.recorders import progress
+from ampscope.recorders import foreach, progress
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
@@ -88,7 +88,7 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "recorded", "cast", "flops")
+    __slots__ = ("op", "recorded", "cast", "flops", "foreach")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -101,6 +101,7 @@ class _OpFacts:
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
         self.cast = func in _CAST_OPS
         self.flops = flop_formula(func)
+        self.foreach = foreach.is_foreach(func)
 
 
 _op_facts: dict[int, _OpFacts] = {}
@@ -255,6 +256,8 @@ class OpRecorder(TorchDispatchMode):
         self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
+        # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py).
+        self.thin_foreach = False
         functions.op_log = self.rows
         self._tracker = tracker
         self._phase = phase
@@ -272,11 +275,15 @@ class OpRecorder(TorchDispatchMode):
             kwargs = {}
         if self.check is not None:
             self.check(func, args)
-        out = func(*args, **kwargs)
         # By id: an OpOverload hashes in Python; the facts hold the op, so its id stays its own.
         facts = _op_facts.get(id(func))
         if facts is None:
             facts = _op_facts[id(func)] = _OpFacts(func)
+        out = foreach.NOT_THINNED
+        if facts.foreach and self.thin_foreach:
+            out = foreach.thinned_call(func, args, kwargs)
+        if out is foreach.NOT_THINNED:
+            out = func(*args, **kwargs)
         if not facts.recorded:
             return out
         # The function mode above would see every `.dtype` and `.shape` read below as a call

@@ -76,7 +76,9 @@ class Capture:
         With `model=None` (a script run by `ampscope run`), the first module called outside
         any other becomes the model, with everything it holds. `replay_blocks` (for a run on
         fake tensors) records repeated identical blocks once and replays the others
-        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound."""
+        (recorders/repeats.py), and runs foreach ops over one list entry of each kind
+        (recorders/foreach.py); `finish` raises `ReplayDoubt` when replaying turned out
+        unsound."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
@@ -113,6 +115,7 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
+        self._ops.thin_foreach = self._replay_blocks
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),

@@ -1,0 +1,150 @@
+"""Fake `_foreach_` ops dispatched over one list entry of each kind.
+
+An optimizer's foreach ops (and `clip_grad_norm_`'s) take one list entry per parameter: 723 for
+a 70B Llama, whose AdamW step is about ten such ops. On fake tensors (a predicted run) the op
+costs nothing but its meta kernel, which works out each entry's result from that entry alone,
+at tens of microseconds an entry: most of a predicted step's optimizer time. Entries whose
+tensors have the same metadata (the query weights of every layer, their gradients, their Adam
+moments) get results with the same metadata, so the op runs on the first entry of each kind and
+the other entries' results are made like it, without a kernel. The recorders above see the op
+with every entry, as it would run: its record, FLOPs and the storages its results make (each
+result is its own fake tensor, freed when the caller lets it go) are the same.
+
+An op is thinned only when that holds by construction: its per-entry arguments are lists of
+tensors or numbers, the rest are shared by every entry (a number, a 0-dim tensor), it returns a
+list of tensors or nothing, no entry holds a fake constant (a CPU scalar whose value fake mode
+follows, like Adam's `step` counters, which the optimizer reads back), and the results of the
+entries it ran are new tensors of their own. Otherwise it runs as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+NOT_THINNED = object()
+
+# Below this many entries the bookkeeping costs about what it saves.
+_MIN_ENTRIES = 8
+_LISTS = ("List[Tensor]", "List[number]", "List[float]", "List[int]", "List[Optional[Tensor]]")
+
+
+class _Shape:
+    """Which arguments of one foreach overload are per entry, and whether it can be thinned."""
+
+    __slots__ = ("op", "names", "per_entry", "tensor_args", "thinnable")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        self.op = func  # held: shapes are looked up by the op's id
+        schema = func._schema
+        self.names = [a.name for a in schema.arguments]
+        names = [a.name for a in schema.arguments]
+        types = [str(a.type) for a in schema.arguments]
+        returns = [str(r.type) for r in schema.returns]
+        self.per_entry = {n for n, t in zip(names, types, strict=True) if t in _LISTS}
+        self.tensor_args = {n for n, t in zip(names, types, strict=True)
+                            if t in ("Tensor", "Optional[Tensor]")}
+        self.thinnable = bool(self.per_entry) and returns in ([], ["List[Tensor]"])
+
+
+_shapes: dict[int, _Shape] = {}
+
+
+def is_foreach(func: torch._ops.OpOverload) -> bool:
+    return func.__name__.startswith("_foreach_")
+
+
+def thinned_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """`func(*args, **kwargs)` for a foreach op on fake tensors, run over the first entry of each
+    kind; `NOT_THINNED` (before anything ran) when it cannot be."""
+    shape = _shapes.get(id(func))
+    if shape is None:
+        shape = _shapes[id(func)] = _Shape(func)
+    if not shape.thinnable:
+        return NOT_THINNED
+    names = shape.names
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    lists = {n: v for n, v in bound.items() if n in shape.per_entry and v is not None}
+    if not lists:
+        return NOT_THINNED
+    n = len(next(iter(lists.values())))
+    if n < _MIN_ENTRIES or any(len(v) != n for v in lists.values()):
+        return NOT_THINNED
+    for name in shape.tensor_args:
+        t = bound.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() != 0:
+            return NOT_THINNED  # per-entry values in one tensor (addcdiv's `scalars`)
+    kept, twin = _kinds(list(lists.values()), n)
+    if kept is None or len(kept) * 2 > n:
+        return NOT_THINNED
+    reduced = {name: type(v)(v[i] for i in kept) for name, v in lists.items()}
+    positional = tuple(reduced.get(name, a) for name, a in zip(names, args, strict=False))
+    out = func(*positional, **{k: reduced.get(k, v) for k, v in kwargs.items()})
+    if out is None or (isinstance(out, (list, tuple)) and not out):
+        return out  # in place: the entries it skipped would have changed no metadata
+    results = list(out)
+    if len(results) != len(kept) or not all(_own(t) for t in results):
+        return func(*args, **kwargs)  # no side effect to repeat: it returned new tensors
+    position = {i: j for j, i in enumerate(kept)}
+    full = [results[position[i]] if i in position else _like(results[position[twin[i]]])
+            for i in range(n)]
+    return type(out)(full) if isinstance(out, tuple) else full
+
+
+def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
+    """The first entry of each kind, and for every other entry the kept entry it is like."""
+    kept: list[int] = []
+    first: dict[tuple, int] = {}
+    twin: dict[int, int] = {}
+    with torch._C.DisableTorchFunction():
+        for i in range(n):
+            entry = [values[i] for values in lists]
+            key: list | None = []
+            for v in entry:
+                if isinstance(v, torch.Tensor):
+                    if not isinstance(v, FakeTensor):
+                        return None, {}
+                    if v.constant is not None:
+                        key = None  # fake mode follows its value: always run it
+                        break
+                    key.append((type(v), v.dtype, v.shape, v.stride(), v.storage_offset(),
+                                v.device, v.requires_grad,
+                                # which of the entry's tensors are this one (x, grad, grad)
+                                tuple(e is v for e in entry)))
+                else:
+                    key.append((type(v), v))
+            if key is None:
+                kept.append(i)
+                continue
+            k = tuple(key)
+            j = first.get(k)
+            if j is None:
+                first[k] = i
+                kept.append(i)
+            else:
+                twin[i] = j
+    return kept, twin
+
+
+def _own(t) -> bool:
+    """A new fake tensor with a storage of its own, as `_like` makes them."""
+    if not isinstance(t, FakeTensor) or t.constant is not None:
+        return False
+    with torch._C.DisableTorchFunction():
+        return t.storage_offset() == 0 and t.untyped_storage().nbytes() == _nbytes(t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return extent * t.element_size()
+
+
+def _like(t: FakeTensor) -> FakeTensor:
+    """A new fake tensor with `t`'s metadata, in its fake mode, made without any mode seeing it."""
+    with torch._C.DisableTorchFunction():
+        shape, stride, dtype, device = t.shape, t.stride(), t.dtype, t.device
+    with _disable_current_modes(), t.fake_mode:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
