@@ -7,7 +7,8 @@ three ways:
   DebugMode  the same inside `torch.utils._debug_mode.DebugMode()` with default options
   ampscope   the same inside a `Capture` (recorders/session.py: the module tracker, the function
              and op recorders, the storage tracker), then `capture.finish(...)`: the records as
-             `ampscope.trace` builds them, without planning the run or deriving findings
+             `ampscope.trace` builds them (the garbage collector paused meanwhile, as there),
+             without planning the run or deriving findings
 
 Each variant runs once to warm up, then `--repeats` rounds run the three, the order rotating
 from round to round. The overhead per op is (median − untraced median) / aten ops of the step
@@ -35,6 +36,7 @@ from ampscope import workloads
 from ampscope.api import load
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, applied, parse_setting
+from ampscope.precision.predict import gc_paused
 from ampscope.recorders.session import Capture
 
 OPTIONS = workloads.RunOptions("train", optimizer="adamw")
@@ -58,7 +60,8 @@ def ampscope_capture(lm: LoadedModel, batch: Batch, setting: Setting) -> int:
                           workload="train")
         with capture.recording():
             outputs = workloads.run(lm, batch, setting, OPTIONS)
-        return len(capture.finish(inputs=batch, outputs=outputs).ops)
+        with gc_paused():  # as `ampscope.trace` builds the records (api/tracing.py)
+            return len(capture.finish(inputs=batch, outputs=outputs).ops)
 
 
 VARIANTS: dict[str, Callable[[LoadedModel, Batch, Setting], int]] = {

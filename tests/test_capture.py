@@ -229,3 +229,28 @@ def test_explicit_casts_repeated_in_every_block_make_one_finding():
     norm = [f for f in casts if "model.layers.0–29.input_layernorm" in f.text]
     assert len(norm) == 2  # to float32, and back to bfloat16
     assert all("(61×)" in f.text for f in norm)  # 30 layers × 2 norms + the final norm
+
+
+def test_records_built_from_rows_are_the_records_their_init_builds():
+    """`records.from_row` (the recorders' fast path) makes the same frozen record as the
+    dataclass's own constructor: equal, hashing alike, every field set, still frozen."""
+    import dataclasses
+
+    from ampscope.records import FunctionCall, OpCall, StorageRecord, TensorMeta, from_row
+
+    meta = (TensorMeta("float32", (2, 3)),)
+    rows = {
+        OpCall: (4, "aten.mm.default", "h.0.mlp", "forward", meta * 2, meta, False, 3,
+                 "model.py:9", ("h.0.mlp.weight", None), None, 48, 48, ()),
+        FunctionCall: (3, "torch.nn.functional.linear", "h.0.mlp", "forward", meta, meta,
+                       "model.py:9", "bfloat16", 1),
+        StorageRecord: (0, 24, "float32", (2, 3), 4, 7, "activation", ("x",), "h.0", "forward",
+                        "aten.mm.default", True),
+    }
+    for cls, row in rows.items():
+        fast, slow = from_row(cls, row), cls(*row)
+        assert fast == slow and hash(fast) == hash(slow)
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert tuple(getattr(fast, name) for name in names) == row
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(fast, names[0], 9)

@@ -31,8 +31,10 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def parameters(model: nn.Module) -> list[ParameterRecord]:
-    names = parameter_names(model)
+def parameters(model: nn.Module, names: dict[int, list[str]] | None = None
+               ) -> list[ParameterRecord]:
+    """One record per parameter; `names` is `parameter_names(model)`, when the caller has it."""
+    names = parameter_names(model) if names is None else names
     return [
         ParameterRecord(
             name=names[id(p)][0],
@@ -59,9 +61,10 @@ def buffers(model: nn.Module) -> list[BufferRecord]:
 
 
 def optimizer_state(
-    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module
+    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module,
+    names: dict[int, list[str]] | None = None,
 ) -> list[OptimizerStateRecord]:
-    names = parameter_names(model)
+    names = parameter_names(model) if names is None else names
     records = []
     for optimizer in optimizers:
         for group in optimizer.param_groups:

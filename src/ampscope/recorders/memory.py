@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 
 from ampscope.recorders.tensors import meta_of
-from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta
+from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_row
 from ampscope.records.fp8 import fp8_casts
 
 # Identity before the step, identity at the end, origin, lifetime.
@@ -249,15 +249,13 @@ class StorageTracker:
                     category = "activation"
                 else:
                     category = "temporary"
-            records.append(StorageRecord(
-                id=i, nbytes=entry.nbytes, dtype=entry.meta.dtype, shape=entry.meta.shape,
-                created=created, freed=entry.freed, category=category,
-                names=tuple(dict.fromkeys(entry.names)),
-                module=op.module if op is not None else None,
-                phase=op.phase if op is not None else None,
-                op=op.op if op is not None else None,
-                saved=entry.saved,
-            ))
+            meta = entry.meta
+            records.append(from_row(StorageRecord, (
+                i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
+                tuple(dict.fromkeys(entry.names)) if entry.names else (),
+                *((op.module, op.phase, op.op) if op is not None else (None, None, None)),
+                entry.saved,
+            )))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
         return records
 

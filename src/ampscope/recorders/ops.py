@@ -42,6 +42,7 @@ from ampscope.records import (
     FunctionCall,
     OpCall,
     dtype_name,
+    from_row,
     module_label,
 )
 
@@ -170,7 +171,7 @@ class FunctionRecorder(TorchFunctionMode):
         return source
 
     def records(self) -> list[FunctionCall]:
-        return [FunctionCall(*row) for row in self.rows]
+        return [from_row(FunctionCall, row) for row in self.rows]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -268,7 +269,7 @@ class OpRecorder(TorchDispatchMode):
         self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
-        return [OpCall(row[0], op_name(row[1]), *row[2:]) for row in self.rows]
+        return [from_row(OpCall, (row[0], op_name(row[1]), *row[2:])) for row in self.rows]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:

@@ -303,10 +303,11 @@ class Capture:
                              autocast_dtype=autocast, matmul_precision=self._matmul_precision,
                              torch=torch.__version__)
 
-    def _storage_records(self, outputs: dict[str, object]) -> list[StorageRecord]:
-        """Name what the step's storages are at its end, then take their records."""
+    def _storage_records(self, outputs: dict[str, object],
+                         names: dict[int, list[str]]) -> list[StorageRecord]:
+        """Name what the step's storages are at its end, then take their records. `names`:
+        the parameters' (`inventory.parameter_names`)."""
         storages = self._storages
-        names = inventory.parameter_names(self.model)
         for p in self.model.parameters():
             if p.grad is not None:
                 storages.register(p.grad, "gradient", names[id(p)][0] + ".grad")
@@ -333,10 +334,11 @@ class Capture:
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
-        trace.parameters = inventory.parameters(model)
+        names = inventory.parameter_names(model)
+        trace.parameters = inventory.parameters(model, names)
         trace.buffers = inventory.buffers(model)
-        trace.optimizer_state = inventory.optimizer_state(self._optimizers, model)
-        trace.storages = self._storage_records(outputs or {})
+        trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
+        trace.storages = self._storage_records(outputs or {}, names)
         trace.held = inventory.held_state(model, self._arguments)
         self._arguments = {}
         self._optimizers = []
