@@ -40,10 +40,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ampscope import hardware
+from ampscope.nested import tensors_in
 from ampscope.precision import emulation
 from ampscope.precision.setting import default_autocast_dtype
 
@@ -62,11 +62,6 @@ _DATA_SET = _TensorBase.data.__set__
 _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
           if hasattr(_TensorBase, name)}
 _NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in nested lists, tuples and dicts (PyTorch's own pytree walk)."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 class DeviceMode(TorchFunctionMode):
@@ -131,13 +126,13 @@ class DeviceMode(TorchFunctionMode):
     def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
         """Results are on the CPU when the call put them there: an explicit CPU device, a
         factory on the default (CPU) device, or inputs that are all on the CPU."""
-        results = _tensors(out)
+        results = tensors_in(out)
         if not results:
             return
         if device is not None:
             on_cpu = torch.device(device).type == "cpu"
         else:
-            inputs = _tensors((args, kwargs))
+            inputs = tensors_in((args, kwargs))
             if inputs:
                 on_cpu = all(t in self.on_cpu for t in inputs)
             else:

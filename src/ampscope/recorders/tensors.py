@@ -1,8 +1,7 @@
-"""Walking op and module arguments for their tensors, and describing them, cheaply.
+"""Describing op and module arguments' tensors, cheaply.
 
-Every op of a step passes through here, so these helpers avoid pytree (a generic flattener
-that costs more than the records themselves: `tree_leaves` of an op's arguments takes 4-7× this
-walk, measured), look at each argument's type once per type and build each TensorMeta once.
+Every op of a step passes through here, so these helpers find tensors with the walk of
+`ampscope.nested` (not pytree) and build each TensorMeta once.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import operator
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ampscope.nested import tensors_in, walk
 from ampscope.records import TensorMeta, dtype_name
 
 # Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
@@ -19,43 +19,8 @@ from ampscope.records import TensorMeta, dtype_name
 # read as a call of its own (about 1.5 µs a read): they read them with torch functions off.
 no_torch_function = torch._C.DisableTorchFunction
 
-# What each argument type is to the walk (a tensor, a sequence, a dict, or nothing to look
-# into), decided once per type: an `isinstance` chain per argument, most of them ints of a
-# shape, cost more than the rest of the recording.
-_TENSOR, _SEQUENCE, _MAPPING, _OTHER = 1, 2, 3, 0
-_kinds: dict[type, int] = {}
-
-
-def _kind(cls: type) -> int:
-    kind = (_TENSOR if issubclass(cls, torch.Tensor) else
-            _SEQUENCE if issubclass(cls, (list, tuple)) else
-            _MAPPING if issubclass(cls, dict) else _OTHER)
-    _kinds[cls] = kind
-    return kind
-
-
-def walk(values, out: list) -> None:
-    """Append the tensors among `values` (an iterable), and in the lists, tuples and dicts among
-    them, to `out`."""
-    kinds = _kinds
-    for v in values:
-        kind = kinds.get(type(v))
-        if kind is None:
-            kind = _kind(type(v))
-        if kind == _TENSOR:
-            out.append(v)
-        elif kind == _SEQUENCE:
-            walk(v, out)
-        elif kind == _MAPPING:
-            walk(v.values(), out)
-
-
-def tensors_in(values, out: list | None = None) -> list[torch.Tensor]:
-    """The tensors in op arguments or results: nested lists, tuples and dicts, in order."""
-    if out is None:
-        out = []
-    walk((values,), out)
-    return out
+__all__ = ["data_dtypes", "meta_of", "metas", "metas_of", "no_torch_function", "results_of",
+           "tensors_in", "walk"]
 
 
 def results_of(out) -> list[torch.Tensor]:
