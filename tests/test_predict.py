@@ -173,3 +173,28 @@ def test_a_predicted_transformers_model_says_its_attention_got_a_mask(tmp_path):
     assert masked(fake) == [True] and masked(real) == [False]
     assert any(n.startswith("transformers treats fake tensors as tracing") for n in fake.notes)
     assert not any("transformers treats" in n for n in real.notes)
+
+
+def test_foreach_defaults_count_a_fake_tensor_as_the_tensor_it_stands_for():
+    """PyTorch's own choice (torch.optim's `_default_to_fused_or_foreach`, and
+    `_has_foreach_support` behind `clip_grad_norm_`) is foreach for a CUDA parameter; for a fake
+    one it is the for-loop, unless the predicted run says otherwise; the lists come back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.optim import optimizer as optimizers
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from torch.utils import _foreach_utils
+
+    from ampscope.precision.predict import foreach_defaults_as_real
+
+    with FakeTensorMode():
+        p = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
+        cpu = torch.nn.Parameter(torch.empty(4, 4))
+    before = (list(optimizers._foreach_supported_types),
+              list(_foreach_utils._foreach_supported_types))
+    assert _default_to_fused_or_foreach([p], False) == (False, False)
+    with foreach_defaults_as_real():
+        assert _default_to_fused_or_foreach([p], False) == (False, True)
+        assert _foreach_utils._has_foreach_support([p], p.device)
+        assert _default_to_fused_or_foreach([cpu], False) == (False, False)  # as on the CPU
+    assert (list(optimizers._foreach_supported_types),
+            list(_foreach_utils._foreach_supported_types)) == before

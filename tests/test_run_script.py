@@ -100,6 +100,54 @@ def test_predict_runs_a_full_size_config_without_memory(data):
     assert grown < 1_500_000  # well under 2 GB (the largest single weight is 0.5 GB)
 
 
+def test_predicted_script_takes_the_optimizer_path_of_the_real_run(data):
+    """PyTorch picks AdamW's implementation by the parameters' class and device: foreach on
+    CUDA for real tensors, the for-loop for any other class. Predicted, the parameters are fake
+    tensors; the run must still take the real run's path. Ground truth: the same script run on
+    real tensors on the virtual device (its AdamW and clip_grad_norm_ pick foreach)."""
+    from ampscope.analysis.memory import memory_report
+
+    args = [data, "--n_layer=4", "--block_size=16"]
+    real = run_script(str(EXAMPLE), args, device="cuda")
+    fake = run_script(str(EXAMPLE), args, device="cuda", predict=True)
+    real_ops = [o.op for o in real.ops if o.phase == "optimizer"]
+    assert "aten._foreach_sqrt.default" in real_ops
+    assert [o.op for o in fake.ops if o.phase == "optimizer"] == real_ops
+    # The same peak, in the same op of the step (not at the same index: the real run's
+    # `model.to(device)` copies every weight, where a predicted run's weights are made fake as
+    # the model registers them, and the move then has nothing to copy).
+    fake_peak, real_peak = memory_report(fake).peak, memory_report(real).peak
+    assert (fake_peak.bytes, fake_peak.op_name, fake_peak.phase) == \
+        (real_peak.bytes, real_peak.op_name, real_peak.phase)
+
+
+def test_predicted_script_thins_its_optimizers_foreach_ops_to_the_same_trace(data, monkeypatch):
+    """On the virtual CUDA device the script's AdamW runs foreach; predicted, its ops run over
+    one entry of each kind (recorders/foreach.py). The ground truth is the same run with every
+    entry dispatched: the trace and the memory peak are the same."""
+    from ampscope.analysis.memory import memory_report
+    from ampscope.recorders import foreach
+
+    args = [data, "--n_layer=4", "--block_size=16"]
+    original = foreach.thinned_call
+    thinned = []
+
+    def spy(func, args_, kwargs):
+        out = original(func, args_, kwargs)
+        thinned.append(out is not foreach.NOT_THINNED)
+        return out
+
+    monkeypatch.setattr(foreach, "thinned_call", spy)
+    quick = run_script(str(EXAMPLE), args, device="cuda", predict=True)
+    assert any(thinned)
+    monkeypatch.setattr(foreach, "thinned_call", lambda *a: foreach.NOT_THINNED)
+    whole = run_script(str(EXAMPLE), args, device="cuda", predict=True)
+    a, b = quick.to_dict(), whole.to_dict()
+    for key in a:
+        assert a[key] == b[key], key
+    assert memory_report(quick).peak == memory_report(whole).peak
+
+
 def test_cli_run_json_is_not_mixed_with_the_scripts_prints(capsys, data):
     code = main(["run", "--device", "cuda", "--steps", "2", "--json", "-", str(EXAMPLE), data,
                  "--block_size=16"])

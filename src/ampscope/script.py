@@ -38,6 +38,7 @@ from ampscope.precision.predict import (
     check_matmul_dtypes,
     data_dependent,
     fake_mode,
+    foreach_defaults_as_real,
     gc_paused,
     quiet_fake_tensor_log,
 )
@@ -74,7 +75,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     label, run = _runner(target, argv, module)
     emulated = device is not None and (not device_available(device) if virtual is None
                                        else virtual)
-    capture = Capture(None, model_name=None, workload="script", findings=derive_findings)
+    capture = Capture(None, model_name=None, workload="script", findings=derive_findings,
+                      thin_foreach=predict)
     capture.device = device
     virtual = VirtualDevice(device) if emulated and device is not None else None
     fake = fake_mode() if predict else None
@@ -234,6 +236,7 @@ def _fake_model(fake: FakeTensorMode) -> Iterator[None]:
         stack.callback(register_module_buffer_registration_hook(fake_buffer).remove)
         stack.enter_context(quiet_fake_tensor_log())
         stack.enter_context(gc_paused())
+        stack.enter_context(foreach_defaults_as_real())
         yield
 
 

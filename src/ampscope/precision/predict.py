@@ -80,10 +80,34 @@ def quiet_fake_tensor_log() -> Iterator[None]:
 
 @contextlib.contextmanager
 def predicting(mode: FakeTensorMode) -> Iterator[None]:
-    """Everything a fake run needs around it: the fake mode, a quiet log and a paused garbage
-    collector (the dtype checks its meta kernels lack go to the Capture: check_matmul_dtypes)."""
-    with mode, quiet_fake_tensor_log(), gc_paused():
+    """Everything a fake run needs around it: the fake mode, a quiet log, a paused garbage
+    collector (the dtype checks its meta kernels lack go to the Capture: check_matmul_dtypes)
+    and PyTorch's foreach defaults as for real tensors."""
+    with mode, quiet_fake_tensor_log(), gc_paused(), foreach_defaults_as_real():
         yield
+
+
+@contextlib.contextmanager
+def foreach_defaults_as_real() -> Iterator[None]:
+    """PyTorch picks an optimizer's implementation (`foreach=None`), and `clip_grad_norm_`'s,
+    by the parameters' class and device: on CUDA, foreach for `torch.Tensor` and `Parameter`
+    and the for-loop for any other class, a fake tensor included. A fake run would then take
+    the for-loop where the real run takes foreach: other ops, and a peak without foreach's
+    temporaries. While entered, a fake tensor counts as the tensor it stands for; the two
+    lists PyTorch reads are put back as they were."""
+    import torch.optim.optimizer as optimizers
+    import torch.utils._foreach_utils as foreach_utils
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    lists = [optimizers._foreach_supported_types, foreach_utils._foreach_supported_types]
+    added = [types for types in lists if FakeTensor not in types]
+    for types in added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in added:
+            types.remove(FakeTensor)
 
 
 def fake_like(t: torch.Tensor, mode: FakeTensorMode, *, dtype: torch.dtype,

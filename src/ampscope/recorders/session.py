@@ -68,7 +68,7 @@ class Capture:
                  op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
                  explain_failure: Callable[[FailedCall | None], str | None] | None = None,
-                 replay_blocks: bool = False) -> None:
+                 replay_blocks: bool = False, thin_foreach: bool | None = None) -> None:
         """`findings` and `explain_failure` are given by the API (they are analysis, which
         capture does not import): the first fills `trace.findings` when a `with` block ends,
         the second turns the call that raised into a note under the user's traceback.
@@ -76,9 +76,9 @@ class Capture:
         With `model=None` (a script run by `ampscope run`), the first module called outside
         any other becomes the model, with everything it holds. `replay_blocks` (for a run on
         fake tensors) records repeated identical blocks once and replays the others
-        (recorders/repeats.py), and runs foreach ops over one list entry of each kind
-        (recorders/foreach.py); `finish` raises `ReplayDoubt` when replaying turned out
-        unsound."""
+        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound.
+        `thin_foreach` (by default as `replay_blocks`) runs foreach ops on fake tensors over one
+        list entry of each kind (recorders/foreach.py)."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
@@ -101,6 +101,7 @@ class Capture:
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
         self._replay_blocks = replay_blocks
+        self._thin_foreach = replay_blocks if thin_foreach is None else thin_foreach
         self._replay: BlockReplay | None = None
 
     # -- recorders
@@ -115,7 +116,7 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
-        self._ops.thin_foreach = self._replay_blocks
+        self._ops.thin_foreach = self._thin_foreach
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),
