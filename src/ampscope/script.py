@@ -42,7 +42,7 @@ from ampscope.precision.predict import (
     gc_paused,
     quiet_fake_tensor_log,
 )
-from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.precision.virtual_device import VirtualDevice, patched
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
 from ampscope.records import Trace
@@ -99,7 +99,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                 assert device is not None
                 stack.enter_context(Emulation(device, default_autocast_dtype(device)))
             if fake is not None:
-                stack.enter_context(_fake_model(fake))
+                stack.enter_context(_fake_model(fake, virtual))
             capture.candidates = weakref.WeakSet()
             stack.enter_context(_made_modules(capture.candidates))
             stack.enter_context(capture.recording())
@@ -208,10 +208,12 @@ def _made_modules(made: weakref.WeakSet) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fake_model(fake: FakeTensorMode) -> Iterator[None]:
+def _fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[None]:
     """Predict mode for a script: every parameter and buffer a module registers becomes a fake
     tensor at once (each real one lives only until it is converted), while the script's data
-    stays real; an op on a fake tensor and a real one runs on the fake mode."""
+    stays real; an op on a fake tensor and a real one runs on the fake mode. On a virtual
+    device each fake one is where its real one was (on the CPU, until `model.to(device)`
+    copies it, as on the device)."""
     import torch
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -222,18 +224,35 @@ def _fake_model(fake: FakeTensorMode) -> Iterator[None]:
         if param is None or isinstance(param, FakeTensor):
             return None
         with torch._C.DisableTorchFunction():  # the conversion is ampscope's, not the script's
-            return torch.nn.Parameter(fake.from_tensor(param.detach()),
-                                      requires_grad=param.requires_grad)
+            data = placed(fake.from_tensor(param.detach()), param)
+            return torch.nn.Parameter(data, requires_grad=param.requires_grad)
 
     def fake_buffer(module, name, buffer):
         if buffer is None or isinstance(buffer, FakeTensor):
             return None
         with torch._C.DisableTorchFunction():
-            return fake.from_tensor(buffer)
+            return placed(fake.from_tensor(buffer), buffer)
+
+    def placed(stand_in, real):
+        if virtual is not None:
+            virtual.place_like(stand_in, real)
+        return stand_in
+
+    # `nn.Parameter(data)` makes a plain tensor a parameter in C++, unseen by function modes,
+    # but a tensor subclass (a fake tensor) through `data.detach().requires_grad_()`: calls a
+    # real run never makes (module.to() re-wraps every weight), kept out of the trace.
+    make_parameter = torch.nn.Parameter.__new__
+
+    def parameter(cls, data=None, requires_grad=True):
+        if isinstance(data, FakeTensor):
+            with torch._C.DisableTorchFunction():
+                return make_parameter(cls, data, requires_grad)
+        return make_parameter(cls, data, requires_grad)
 
     with contextlib.ExitStack() as stack:
         stack.callback(register_module_parameter_registration_hook(fake_parameter).remove)
         stack.callback(register_module_buffer_registration_hook(fake_buffer).remove)
+        stack.enter_context(patched(torch.nn.Parameter, "__new__", parameter))
         stack.enter_context(quiet_fake_tensor_log())
         stack.enter_context(gc_paused())
         stack.enter_context(foreach_defaults_as_real())

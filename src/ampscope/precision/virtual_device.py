@@ -354,9 +354,14 @@ class VirtualDevice:
             self.memory = memory
         with contextlib.ExitStack() as stack:
             for owner, name, value in self._patches():
-                stack.enter_context(_patched(owner, name, value))
+                stack.enter_context(patched(owner, name, value))
             stack.enter_context(self.mode)
             yield self
+
+    def place_like(self, t: torch.Tensor, like: torch.Tensor) -> None:
+        """`t` is where `like` is, as user code sees it: a stand-in ampscope made for `like`
+        without a torch function call (a predicted script's fake weight for a real one)."""
+        self.mode._tagged_like_value(t, like)
 
     # -- what is patched
     def _patches(self) -> list[tuple[object, str, object]]:
@@ -513,7 +518,9 @@ def _translating(fn: Callable, target: str) -> Callable:
 
 
 @contextlib.contextmanager
-def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+def patched(owner: object, name: str, value: object) -> Iterator[None]:
+    """`owner.name` set to `value` for the body, and put back as it was (a class's own entry,
+    a staticmethod `__new__` included, or removed when the class had none of its own)."""
     missing = object()
     old = owner.__dict__.get(name, missing) if isinstance(owner, (type, types.ModuleType)) \
         else getattr(owner, name, missing)

@@ -61,6 +61,11 @@ def source_from(frame: FrameType | None) -> str | None:
     kinds = _kind_cache
     while frame is not None:
         code = frame.f_code
+        if code.co_name == "__torch_function__":
+            # A function mode's handler passing the call on (a predicted script's, which reads
+            # `.item()`): not where the call was made, whoever wrote the mode.
+            frame = frame.f_back
+            continue
         kind = kinds.get(code.co_filename)
         if kind is None:
             kind = _kind(code)
