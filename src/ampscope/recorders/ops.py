@@ -50,6 +50,7 @@ from ampscope.records import (
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 _CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
 _PENDING = object()  # a call's source line not looked up yet
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 _name_cache: dict[Callable, str] = {}
 
@@ -177,6 +178,8 @@ class FunctionRecorder(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if getattr(func, "__name__", "") == "__get__":  # .shape, .dtype, .grad: attribute reads
+            return func(*args, **kwargs)
+        if func is _PRIM_DEVICE:  # a fake tensor's device, asked by PyTorch (thousands a step)
             return func(*args, **kwargs)
         name = _name_cache.get(func) or func_name(func)
         outer = (self.current, self.current_is_cast, self.current_autocast, self.current_source,
