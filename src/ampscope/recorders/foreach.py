@@ -39,11 +39,10 @@ class _Shape:
         self.op = func  # held: shapes are looked up by the op's id
         schema = func._schema
         self.names = [a.name for a in schema.arguments]
-        names = [a.name for a in schema.arguments]
         types = [str(a.type) for a in schema.arguments]
         returns = [str(r.type) for r in schema.returns]
-        self.per_entry = {n for n, t in zip(names, types, strict=True) if t in _LISTS}
-        self.tensor_args = {n for n, t in zip(names, types, strict=True)
+        self.per_entry = {n for n, t in zip(self.names, types, strict=True) if t in _LISTS}
+        self.tensor_args = {n for n, t in zip(self.names, types, strict=True)
                             if t in ("Tensor", "Optional[Tensor]")}
         self.thinnable = bool(self.per_entry) and returns in ([], ["List[Tensor]"])
 
