@@ -6,6 +6,7 @@ Fixtures that build models live in conftest.py; this module holds plain helpers,
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -140,6 +141,16 @@ def _hook_dicts(module) -> dict[str, object]:
     return found
 
 
+def _foreach_types() -> tuple[list, list]:
+    if torch.distributed.is_available():
+        importlib.import_module("torch.distributed.tensor")  # registers DTensor, once
+    from torch.optim import optimizer as optim_module
+    from torch.utils import _foreach_utils
+
+    return (list(optim_module._foreach_supported_types),
+            list(_foreach_utils._foreach_supported_types))
+
+
 def torch_state() -> dict[str, object]:
     """All of torch's process-global state a run could touch, as plain comparable values.
 
@@ -188,6 +199,10 @@ def torch_state() -> dict[str, object]:
                      if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
         "module_hooks": _hook_dicts(nn_module),
         "optimizer_hooks": _hook_dicts(optim_module),
+        # The tensor classes PyTorch's foreach defaults accept (a predicted run adds fake ones
+        # for its duration; importing torch.distributed.tensor adds DTensor for good).
+        "foreach_types": _foreach_types(),
+        "parameter_new": torch.nn.Parameter.__dict__.get("__new__"),
         "backends": {
             "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
                       torch.backends.cudnn.deterministic,
