@@ -166,14 +166,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("predict", [False, True])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_state_is_unchanged_when_a_script_fails(tmp_path, fault):
+def test_state_is_unchanged_when_a_script_fails(tmp_path, fault, predict):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     before = torch_state()
     with pytest.raises(KeyboardInterrupt if fault == "interrupt" else AmpscopeError,
                        match=None if fault == "interrupt" else fault):
-        ampscope.run_script(str(script), [fault])
+        ampscope.run_script(str(script), [fault], device="cuda" if predict else None,
+                            predict=predict)
     assert state_differences(before, torch_state()) == []
 
 
