@@ -236,3 +236,18 @@ def state_differences(before: dict[str, object], after: dict[str, object]) -> li
     """What changed between two `torch_state()`s, one line per entry (empty: nothing)."""
     return [f"{key}: {before[key]!r} -> {after.get(key)!r}"
             for key in before if before[key] != after.get(key)]
+
+
+REPLAY_NOTE = "calls of identical blocks were not dispatched"
+
+
+def assert_same_trace(quick, full) -> None:
+    """A trace made with a shortcut (replayed blocks, thinned foreach ops) equals the trace made
+    without it: every field of its JSON document but the replay note, and the memory peak."""
+    from ampscope.analysis.memory import memory_report
+
+    a, b = quick.to_dict(), full.to_dict()
+    a["notes"] = [n for n in a["notes"] if REPLAY_NOTE not in n]
+    for key in a:  # one key at a time: a failure names what differs
+        assert a[key] == b[key], key
+    assert memory_report(quick).peak == memory_report(full).peak

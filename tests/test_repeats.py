@@ -10,23 +10,13 @@ import torch
 from torch import nn
 
 import ampscope
-from ampscope.analysis.memory import memory_report
 from ampscope.recorders.alike import alike, repeated_runs
-
-REPLAY_NOTE = "calls of identical blocks were not dispatched"
+from tests.helpers import REPLAY_NOTE, assert_same_trace
 
 
 def _replayed(trace) -> int:
     note = next((n for n in trace.notes if REPLAY_NOTE in n), None)
     return int(note.split()[0]) if note else 0
-
-
-def _assert_same(replayed, full) -> None:
-    a, b = replayed.to_dict(), full.to_dict()
-    a["notes"] = [n for n in a["notes"] if REPLAY_NOTE not in n]
-    for key in a:  # one key at a time: a failure names what differs
-        assert a[key] == b[key], key
-    assert memory_report(replayed).peak == memory_report(full).peak
 
 
 # Every zoo model with at least five identical blocks, each in a setting and workload of its
@@ -60,7 +50,7 @@ def test_replayed_trace_equals_the_full_trace(model, setting, workload):
     full = ampscope.trace(model, **options, every_block=True)
     assert _replayed(replayed) > 0
     assert _replayed(full) == 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 # -- tiny models built here: what is replayed and what is not
@@ -136,7 +126,7 @@ def test_blocks_that_branch_on_their_index_are_not_alike():
     assert not alike([Branching(i) for i in range(6)])
     replayed, full = _both(Stack(block=Branching))
     assert _replayed(replayed) == 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 def test_a_block_class_made_in_a_function_that_branches_on_its_index_is_not_alike():
@@ -168,7 +158,7 @@ def test_calls_with_other_inputs_run_and_the_rest_replay():
     # those calls do not match block 1's and run; the trace is still the full one.
     replayed, full = _both(Stack(n=9, extra_every=2))
     assert _replayed(replayed) > 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 class Counting(Block):
@@ -197,7 +187,7 @@ def test_a_block_unlike_its_recorded_twin_makes_the_whole_step_run_again():
     model = CountingStack()
     replayed, full = _both(model)
     assert _replayed(replayed) == 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
     scaled = {o.module for o in full.ops if o.op == "aten.mul.Tensor" and o.phase == "forward"}
     assert scaled == {"blocks.2"}
 
@@ -229,7 +219,7 @@ def test_a_failure_of_the_replay_itself_falls_back_to_every_block(monkeypatch):
     monkeypatch.setattr(repeats._Replayed, "_backward", staticmethod(broken))
     replayed, _ = _both(Stack())
     assert _replayed(replayed_before) > 0 and _replayed(replayed) == 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 class EarlyExit(Stack):
@@ -250,7 +240,7 @@ def test_replayed_blocks_never_confirmed_by_their_twin_are_traced_again(backward
     model = EarlyExit(n=9)
     replayed, full = _both(model, backward=backward)
     assert _replayed(replayed) == 0
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 def test_the_cli_says_how_many_calls_it_replayed_and_every_block_turns_it_off(capsys):
@@ -293,7 +283,7 @@ def test_other_architectures_replay_exactly_or_not_at_all(name):
     replayed = ampscope.trace(model, **options)
     full = ampscope.trace(model, **options, every_block=True)
     assert (_replayed(replayed) > 0) == replays
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)
 
 
 class Wider(Block):
@@ -319,4 +309,4 @@ def test_a_stretch_of_alike_blocks_after_an_unlike_one_replays():
     assert names == [f"blocks.{i}" for i in range(1, 8)]  # block 0 is not one of them
     replayed, full = _both(model)
     assert _replayed(replayed) == 3  # blocks 3, 4, 5: 1-2 and 6-7 are recorded
-    _assert_same(replayed, full)
+    assert_same_trace(replayed, full)

@@ -21,6 +21,7 @@ import ampscope
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
 from ampscope.script import run_script
+from tests.helpers import assert_same_trace
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "train.py"
 
@@ -134,7 +135,6 @@ def test_predicted_script_thins_its_optimizers_foreach_ops_to_the_same_trace(dat
     """On the virtual CUDA device the script's AdamW runs foreach; predicted, its ops run over
     one entry of each kind (recorders/foreach.py). The ground truth is the same run with every
     entry dispatched: the trace and the memory peak are the same."""
-    from ampscope.analysis.memory import memory_report
     from ampscope.recorders import foreach
 
     args = [data, "--n_layer=4", "--block_size=16"]
@@ -151,10 +151,7 @@ def test_predicted_script_thins_its_optimizers_foreach_ops_to_the_same_trace(dat
     assert any(thinned)
     monkeypatch.setattr(foreach, "thinned_call", lambda *a: foreach.NOT_THINNED)
     whole = run_script(str(EXAMPLE), args, device="cuda", predict=True)
-    a, b = quick.to_dict(), whole.to_dict()
-    for key in a:
-        assert a[key] == b[key], key
-    assert memory_report(quick).peak == memory_report(whole).peak
+    assert_same_trace(quick, whole)
 
 
 def test_cli_run_json_is_not_mixed_with_the_scripts_prints(capsys, data):

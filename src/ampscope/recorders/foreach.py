@@ -20,8 +20,10 @@ entries it ran are new tensors of their own. Otherwise it runs as usual.
 from __future__ import annotations
 
 import torch
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
+
+from ampscope.recorders.tensors import described, fake_from
 
 NOT_THINNED = object()
 
@@ -127,23 +129,14 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
 
 
 def _own(t) -> bool:
-    """A new fake tensor with a storage of its own, as `_like` makes them."""
+    """A new fake tensor with a storage of its own, as `fake_from` makes them."""
     if not isinstance(t, FakeTensor) or t.constant is not None:
         return False
     with torch._C.DisableTorchFunction():
-        return t.storage_offset() == 0 and t.untyped_storage().nbytes() == _nbytes(t)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    if t.numel() == 0:
-        return 0
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return extent * t.element_size()
+        needed = compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
+        return t.storage_offset() == 0 and t.untyped_storage().nbytes() == needed
 
 
 def _like(t: FakeTensor) -> FakeTensor:
-    """A new fake tensor with `t`'s metadata, in its fake mode, made without any mode seeing it."""
     with torch._C.DisableTorchFunction():
-        shape, stride, dtype, device = t.shape, t.stride(), t.dtype, t.device
-    with _disable_current_modes(), t.fake_mode:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return fake_from(t, described(t))

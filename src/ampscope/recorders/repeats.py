@@ -38,12 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ampscope.recorders.alike import PLAIN_VALUES, attribute_ids, repeated_runs
 from ampscope.recorders.memory import StorageTracker, saved_tensors, storage_of
 from ampscope.recorders.modules import ModuleTracker
-from ampscope.recorders.tensors import no_torch_function
+from ampscope.recorders.tensors import described, fake_from, no_torch_function
 from ampscope.recorders.windows import Window
 
 
@@ -92,7 +91,7 @@ class _Forward:
         self.shared = shared  # per tensor argument: the same tensor block 0 got
         self.inputs = inputs  # the tensor arguments' storage entries (to tell which it freed)
         self.out_spec = out_spec
-        self.out_leaves = out_leaves  # per output leaf: a tensor `_described`, or the value
+        self.out_leaves = out_leaves  # per output leaf: a tensor `described`, or the value
         # Positions its graph saved in [*tensor arguments, *parameters, *buffers].
         self.saved_inputs = saved_inputs
         self.fates = fates  # per storage made: ("out", k), ("freed", offset) or "kept"
@@ -109,8 +108,8 @@ class _Backward:
         self.window = window
         self.fates = fates  # per storage made: ("grad_in", k), ("grad_param", k), "freed", "kept"
         self.frees = frees  # (("made", j) | ("input", k) | ("grad_out", k), offset)
-        self.grad_inputs = grad_inputs  # per input needing grad: its gradient, `_described`
-        self.grad_params = grad_params  # per parameter: its gradient, `_described` (or None)
+        self.grad_inputs = grad_inputs  # per input needing grad: its gradient, `described`
+        self.grad_params = grad_params  # per parameter: its gradient, `described` (or None)
         self.normalized: tuple = ()
 
 
@@ -211,13 +210,13 @@ class _Run:
         if not _plain_spec(spec) or not _plain_spec(out_spec):
             return None
         outputs = []
-        described: list = []
+        descriptions: list = []
         for leaf in out_leaves:
             if isinstance(leaf, torch.Tensor):
                 outputs.append(replay.storages.entry_of(leaf))
-                described.append(_described(leaf))
+                descriptions.append(described(leaf))
             elif isinstance(leaf, PLAIN_VALUES):
-                described.append(leaf)
+                descriptions.append(leaf)
             else:
                 return None  # an object made by the block (a cache): cannot be made up
         made = window.created(replay)
@@ -247,7 +246,7 @@ class _Run:
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
             return None
-        recorded = _Forward(window, spec, keys, shared, inputs, out_spec, described,
+        recorded = _Forward(window, spec, keys, shared, inputs, out_spec, descriptions,
                             saved_inputs, fates, input_frees, state)
         recorded.normalized = window.normalized(replay, [*fates, *input_frees, *saved_inputs])
         return recorded
@@ -280,7 +279,7 @@ class _Run:
                 self_ = run()
                 if self_ is None or state["window"] is None:
                     return
-                state["grad_in"][i] = (self_.replay.storages.entry_of(grad), _described(grad))
+                state["grad_in"][i] = (self_.replay.storages.entry_of(grad), described(grad))
                 if len(state["grad_in"]) == wanted:
                     window = state["window"]
                     window.close(self_.replay)
@@ -322,7 +321,7 @@ class _Run:
         if usable:
             backward = _Backward(window, fates, frees,
                                  [state["grad_in"][i][1] for i in range(wanted)],
-                                 [None if g is None else _described(g) for g in grads])
+                                 [None if g is None else described(g) for g in grads])
             backward.normalized = window.normalized(replay, [*fates, *frees])
         if k == len(self.blocks) - 2:
             p.backward = backward
@@ -403,7 +402,7 @@ class _Replayed(torch.autograd.Function):
         replay = run.replay
         prefix = run.names[k]
         with no_torch_function():
-            outputs = [_fake_like(context.tensors[0] if context.tensors else tensors[0], d)
+            outputs = [fake_from(context.tensors[0] if context.tensors else tensors[0], d)
                        for d in template.out_leaves if isinstance(d, tuple)]
             inputs = context.inputs = [replay.storages.entry_of(t) for t in context.tensors]
             made = template.window.append_renamed(
@@ -439,8 +438,8 @@ class _Replayed(torch.autograd.Function):
             raise ReplayDoubt(f"{run.names[k]}'s backward has no recorded twin to replay")
         with no_torch_function():
             like = grad_outputs[0] if grad_outputs else None
-            grad_inputs = [None if d is None else _fake_like(like, d) for d in template.grad_inputs]
-            grad_params = [None if d is None else _fake_like(like, d) for d in template.grad_params]
+            grad_inputs = [None if d is None else fake_from(like, d) for d in template.grad_inputs]
+            grad_params = [None if d is None else fake_from(like, d) for d in template.grad_params]
             real = {("grad_in", i): g for i, g in enumerate(grad_inputs) if g is not None}
             real |= {("grad_param", i): g for i, g in enumerate(grad_params) if g is not None}
             inputs = context.inputs
@@ -482,19 +481,6 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
-
-
-def _described(t: torch.Tensor) -> tuple:
-    """What a fake tensor standing for `t` needs: (shape, stride, dtype, device, requires_grad)."""
-    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad
-
-
-def _fake_like(like: torch.Tensor, described: tuple) -> torch.Tensor:
-    """A fake tensor as described ((shape, stride, dtype, device, requires_grad)), made in
-    `like`'s fake mode with no recorder or other mode seeing it."""
-    shape, stride, dtype, device, _ = described
-    with _disable_current_modes(), like.fake_mode:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def _saved_storages(out, inputs: list) -> set[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from ampscope.nested import tensors_in, walk
 from ampscope.records import TensorMeta, dtype_name
@@ -19,8 +19,8 @@ from ampscope.records import TensorMeta, dtype_name
 # read as a call of its own (about 1.5 µs a read): they read them with torch functions off.
 no_torch_function = torch._C.DisableTorchFunction
 
-__all__ = ["data_dtypes", "meta_of", "metas", "metas_of", "no_torch_function", "results_of",
-           "tensors_in", "walk"]
+__all__ = ["data_dtypes", "described", "fake_from", "meta_of", "metas", "metas_of",
+           "no_torch_function", "results_of", "tensors_in", "walk"]
 
 
 def results_of(out) -> list[torch.Tensor]:
@@ -88,3 +88,16 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
 
 
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
+
+
+def described(t: torch.Tensor) -> tuple:
+    """What a fake tensor standing for `t` needs: (shape, stride, dtype, device, requires_grad)."""
+    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad
+
+
+def fake_from(like: torch.Tensor, description: tuple) -> torch.Tensor:
+    """A new fake tensor as `described`, made in `like`'s fake mode with no recorder or other
+    mode seeing it (a replayed block's output, a thinned foreach op's result)."""
+    shape, stride, dtype, device, _ = description
+    with _disable_current_modes(), like.fake_mode:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
