@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ampscope.cli import commands, common
+from ampscope.cli import commands, common, startup
 from ampscope.cli.common import _write_json, one_line
 from ampscope.cli.examples import add_examples
 from ampscope.cli.hardware import add_hardware_arguments, resolve_hardware
@@ -423,13 +423,15 @@ def run() -> None:
     After a large trace, freeing its hundreds of thousands of records one by one takes about a
     second and serves nothing: output is flushed here and files were closed where written.
     """
-    code = main()
+    code = main(freeze_imports=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> int:
+    """Run one command; its exit code. `freeze_imports` (the console script, which owns its
+    process) keeps the collector from walking the command's imports again (cli/startup.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not [a for a in argv if a not in _GLOBAL_FLAGS]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
@@ -448,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_flags(argv, args)
         _check_outputs(args)
         resolve_hardware(args)
+        startup.preload(args, freeze=freeze_imports)
         command = getattr(commands, f"cmd_{args.command}")
         with _verbose(args.verbose):
             if "-" not in (getattr(args, "json", None), getattr(args, "csv", None)):

@@ -1,0 +1,54 @@
+"""A command's heavy imports, made first with the garbage collector paused.
+
+A command that runs a model imports torch and ampscope's API and, for a Hugging Face model,
+transformers (which imports torchao, and with it torch._dynamo and sympy, when torchao is
+installed): some 350,000 objects that live as long as the process. While they are imported,
+the cyclic collector keeps running full collections over everything imported so far; six of
+them cost about half a second of `ampscope memory llama-3-8b` on a 2-core machine, as much as
+the predicted train step itself. Importing makes next to no garbage, so `preload` imports what
+the command will need with the collector paused. The console script, which owns its process,
+then also freezes what was imported (`gc.freeze`): the collections that run later, while the
+model is built and the report written, skip it instead of walking it again. `main()` called
+from Python (tests, a notebook) pauses but never freezes: the caller's objects are not ours
+to make permanent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+
+# Commands that answer without torch and must stay fast (`diff` mostly reads two trace files).
+# Every other command imports torch and ampscope's API.
+_LIGHT_COMMANDS = frozenset({"models", "formats", "diff"})
+
+
+def _needs_transformers(spec: str) -> bool:
+    from ampscope.models.catalog import REQUIRES
+
+    return spec.startswith("hf:") or "transformers" in REQUIRES.get(spec.strip(), ())
+
+
+def preload(args: argparse.Namespace, *, freeze: bool) -> None:
+    """Import what `args.command` will, with the collector paused; then, with `freeze`, move
+    everything alive into the collector's permanent generation. An import that fails here is
+    left for the command to meet and report as it would."""
+    if args.command is None or args.command in _LIGHT_COMMANDS:
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with contextlib.suppress(Exception):
+            import ampscope.api  # noqa: F401 - torch and everything a run uses
+
+            model = getattr(args, "model", None)
+            if isinstance(model, str) and _needs_transformers(model):
+                from ampscope.models.hf import transformers_module
+
+                transformers_module()
+        if freeze:
+            gc.freeze()
+    finally:
+        if was_enabled:
+            gc.enable()
