@@ -232,11 +232,11 @@ def test_explicit_casts_repeated_in_every_block_make_one_finding():
 
 
 def test_records_built_from_rows_are_the_records_their_init_builds():
-    """`records.from_row` (the recorders' fast path) makes the same frozen record as the
+    """`records.from_rows` (the recorders' fast path) makes the same frozen record as the
     dataclass's own constructor: equal, hashing alike, every field set, still frozen."""
     import dataclasses
 
-    from ampscope.records import FunctionCall, OpCall, StorageRecord, TensorMeta, from_row
+    from ampscope.records import FunctionCall, OpCall, StorageRecord, TensorMeta, from_rows
 
     meta = (TensorMeta("float32", (2, 3)),)
     rows = {
@@ -248,7 +248,7 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
                         "aten.mm.default", True),
     }
     for cls, row in rows.items():
-        fast, slow = from_row(cls, row), cls(*row)
+        [fast], slow = from_rows(cls, [row]), cls(*row)
         assert fast == slow and hash(fast) == hash(slow)
         names = [f.name for f in dataclasses.fields(cls)]
         assert tuple(getattr(fast, name) for name in names) == row

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampscope.modes import UncompiledDispatchMode
 
 aten = torch.ops.aten
 
@@ -114,7 +115,7 @@ def _converted(out, dtypes: tuple[torch.dtype, ...]):
     return type(out)(converted)
 
 
-class TargetNormStats(TorchDispatchMode):
+class TargetNormStats(UncompiledDispatchMode):
     """While active, norm statistics come out in the dtypes `device` keeps them in."""
 
     def __init__(self, device: str) -> None:

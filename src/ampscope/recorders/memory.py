@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 
 from ampscope.recorders.tensors import meta_of
-from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_row
+from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_rows
 from ampscope.records.fp8 import fp8_casts
 
 # Identity before the step, identity at the end, origin, lifetime.
@@ -232,7 +232,7 @@ class StorageTracker:
     def records(self, ops: list[OpCall]) -> list[StorageRecord]:
         """One record per storage seen, in the order first seen; then forget them all (the
         weak references go, so no callback runs after this)."""
-        records = []
+        rows = []
         fp8 = fp8_casts(ops)
         fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8
                                                       if c.scale_op is not None}
@@ -250,14 +250,14 @@ class StorageTracker:
                 else:
                     category = "temporary"
             meta = entry.meta
-            records.append(from_row(StorageRecord, (
+            rows.append((
                 i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
                 tuple(dict.fromkeys(entry.names)) if entry.names else (),
                 *((op.module, op.phase, op.op) if op is not None else (None, None, None)),
                 entry.saved,
-            )))
+            ))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
-        return records
+        return from_rows(StorageRecord, rows)
 
 
 _graph_task_id = torch._C._current_graph_task_id

@@ -98,6 +98,45 @@ class OpenCall:
         )
 
 
+# The backward hooks of one module call (two per call: a step makes thousands). Objects with
+# slots rather than closures wrapped by `_quiet`: `functools.wraps` alone cost more than the
+# hook's whole work.
+class _BackwardStart:
+    """Opens the module's backward call when its output's gradient arrives. With
+    `enter=False` (a module that returned its input) the call is recorded, never entered: its
+    backward runs no op."""
+
+    __slots__ = ("tracker", "name", "type", "depth", "enter")
+
+    def __init__(self, tracker: weakref.ref, name: str, type_: str, depth: int,
+                 enter: bool) -> None:
+        self.tracker, self.name, self.type, self.depth, self.enter = (tracker, name, type_,
+                                                                      depth, enter)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        with no_torch_function():  # as `_quiet`
+            tracker = self.tracker()
+            if tracker is not None:
+                call = OpenCall(len(tracker._calls), self.name, self.type, "backward",
+                                self.depth, metas(grad))
+                tracker._open_backward(call, self.enter)
+
+
+class _BackwardEnd:
+    """Closes the module's backward call when its inputs' gradients are all computed."""
+
+    __slots__ = ("tracker", "name")
+
+    def __init__(self, tracker: weakref.ref, name: str) -> None:
+        self.tracker, self.name = tracker, name
+
+    def __call__(self, grads) -> None:
+        with no_torch_function():  # as `_quiet`
+            tracker = self.tracker()
+            if tracker is not None:
+                tracker._close_backward(self.name, grads)
+
+
 class ModuleTracker:
     """Records module calls and knows the innermost running module.
 
@@ -287,51 +326,35 @@ class ModuleTracker:
     # -- backward
     # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
     # after the step, and it must not keep the tracker (and all its records) alive.
-    def _backward_start_hook(self, module: nn.Module, depth: int, *, enter: bool = True):
-        """Opens the module's backward call when its output's gradient arrives. With
-        `enter=False` (a module that returned its input) the call is recorded, never entered:
-        its backward runs no op."""
-        name, type_ = self._name(module), type(module).__name__
-        tracker = weakref.ref(self)
+    def _backward_start_hook(self, module: nn.Module, depth: int, *,
+                             enter: bool = True) -> _BackwardStart:
+        return _BackwardStart(weakref.ref(self), self._name(module), type(module).__name__, depth,
+                              enter)
 
-        @_quiet
-        def hook(grad: torch.Tensor) -> None:
-            self = tracker()
-            if self is None:
+    def _backward_end_hook(self, module: nn.Module) -> _BackwardEnd:
+        return _BackwardEnd(weakref.ref(self), self._name(module))
+
+    def _open_backward(self, call: OpenCall, enter: bool) -> None:
+        self._queue_end_of_backward()
+        self._calls.append(call)
+        if not enter:
+            call.outputs = call.inputs
+            return
+        # Keep the deepest module innermost: a parent that returns its child's output as is
+        # starts its backward on the same gradient, after the child.
+        stack = self._backward_stack
+        position = len(stack)
+        while position and stack[position - 1].depth > call.depth:
+            position -= 1
+        stack.insert(position, call)
+
+    def _close_backward(self, name: str, grads) -> None:
+        for i in range(len(self._backward_stack) - 1, -1, -1):
+            call = self._backward_stack[i]
+            if call.name == name:
+                call.outputs = metas([g for g in grads if g is not None])
+                del self._backward_stack[i]
                 return
-            self._queue_end_of_backward()
-            call = OpenCall(len(self._calls), name, type_, "backward", depth, metas(grad))
-            self._calls.append(call)
-            if not enter:
-                call.outputs = call.inputs
-                return
-            # Keep the deepest module innermost: a parent that returns its child's output as is
-            # starts its backward on the same gradient, after the child.
-            stack = self._backward_stack
-            position = len(stack)
-            while position and stack[position - 1].depth > depth:
-                position -= 1
-            stack.insert(position, call)
-
-        return hook
-
-    def _backward_end_hook(self, module: nn.Module):
-        name = self._name(module)
-        tracker = weakref.ref(self)
-
-        @_quiet
-        def hook(grads) -> None:
-            self = tracker()
-            if self is None:
-                return
-            for i in range(len(self._backward_stack) - 1, -1, -1):
-                call = self._backward_stack[i]
-                if call.name == name:
-                    call.outputs = metas([g for g in grads if g is not None])
-                    del self._backward_stack[i]
-                    return
-
-        return hook
 
     def _queue_end_of_backward(self) -> None:
         # Modules whose inputs need no gradient (an embedding fed token ids) never see their

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from types import FrameType
 
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._C import _len_torch_function_stack
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode, resolve_name
 
+from ampscope.modes import UncompiledDispatchMode
 from ampscope.precision import AUTOCAST_DEVICES
 from ampscope.recorders import foreach, progress
 from ampscope.recorders.flops import formula as flop_formula
@@ -42,7 +43,7 @@ from ampscope.records import (
     FunctionCall,
     OpCall,
     dtype_name,
-    from_row,
+    from_rows,
     module_label,
 )
 
@@ -71,17 +72,6 @@ def func_name(func: Callable) -> str:
     return name
 
 
-# By id, as `_op_facts` below: id -> (the op, held so that its id stays its own; its name).
-_op_names: dict[int, tuple[object, str]] = {}
-
-
-def op_name(func) -> str:
-    known = _op_names.get(id(func))
-    if known is None:
-        known = _op_names[id(func)] = (func, str(func))
-    return known[1]
-
-
 # Ops that are no computation: the profiler range `Optimizer.step` opens.
 _SKIPPED_NAMESPACES = ("profiler", "prim")  # profiler markers; prim.device queries of fake tensors
 _DETACH = torch.ops.aten.detach.default
@@ -90,10 +80,11 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "recorded", "cast", "flops", "foreach")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "foreach")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
+        self.name = str(func)  # "aten.addmm.default", what the records hold
         # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
         # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
         # unpacking an op's output goes through Python dispatch only because a mode is active
@@ -110,8 +101,7 @@ _op_facts: dict[int, _OpFacts] = {}
 _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
-# An op record while the run goes on: OpCall's fields in order, with the OpOverload itself
-# for its name (turned into a string once per overload, when the records are built).
+# An op record while the run goes on: OpCall's fields in order.
 _AUTOCAST_CAST = 6  # position of `autocast_cast` in a row
 
 
@@ -135,6 +125,40 @@ def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None)
         if cast_out or cast_back:
             row = rows[i]
             rows[i] = row[:_AUTOCAST_CAST] + (False,) + row[_AUTOCAST_CAST + 1:]
+
+
+def _autocast_dtype(device: str) -> str | None:
+    """Autocast's dtype for `device` now, None while it is off there."""
+    if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
+        return dtype_name(torch.get_autocast_dtype(device))
+    return None
+
+
+def _take_off_stack(mode: TorchFunctionMode) -> int | None:
+    """Take `mode` off the torch function mode stack, wherever it stands, leaving the others as
+    they were: how many modes were below it (None, and nothing changed, if it is not there)."""
+    above = []
+    found = False
+    while _len_torch_function_stack():
+        top = _pop_mode()
+        if top is mode:
+            found = True
+            break
+        above.append(top)
+    depth = _len_torch_function_stack() if found else None
+    for m in reversed(above):
+        _push_mode(m)
+    return depth
+
+
+def _put_back_on_stack(mode: TorchFunctionMode, depth: int) -> None:
+    """Put `mode` back at `depth` (or on top, if fewer modes stand there now)."""
+    above = []
+    while _len_torch_function_stack() > depth:
+        above.append(_pop_mode())
+    _push_mode(mode)
+    for m in reversed(above):
+        _push_mode(m)
 
 
 class FunctionRecorder(TorchFunctionMode):
@@ -163,6 +187,12 @@ class FunctionRecorder(TorchFunctionMode):
         self.current_source: str | None | object = None
         self.current_frame: FrameType | None = None
         self.current_phase: str | None = None
+        # While a PyTorch optimizer steps (`step_begin`): the recorder's place on the mode stack,
+        # and what `current_*` were before.
+        self._step_depth: int | None = None
+        self._step_outer: tuple = ()
+        self._step_ops_before = 0
+        self._step_name = ""
 
     def source_now(self) -> str | None:
         """The source line of the user-level call now running."""
@@ -172,7 +202,47 @@ class FunctionRecorder(TorchFunctionMode):
         return source
 
     def records(self) -> list[FunctionCall]:
-        return [from_row(FunctionCall, row) for row in self.rows]
+        return from_rows(FunctionCall, self.rows)
+
+    def step_begin(self, name: str, device: str, frame: FrameType | None) -> None:
+        """A PyTorch optimizer's `step()` begins: it is recorded as one call, `name`, made at
+        the user's line that `frame` stands under, and its ops are that call's. The torch calls
+        its implementation makes (in AdamW's for-loop, a dozen per parameter, each `p.grad` read
+        among them) are PyTorch's own code, not the user's: the recorder leaves the mode stack
+        until `step_end`, so that none of them makes a round trip through it."""
+        if self._step_depth is not None:
+            return
+        depth = _take_off_stack(self)
+        if depth is None:  # not recording calls now
+            return
+        self._step_depth = depth
+        self._step_outer = (self.current, self.current_is_cast, self.current_autocast,
+                            self.current_source, self.current_frame, self.current_phase)
+        self._step_ops_before = self.ops_seen
+        index = len(self.rows)
+        self.current, self.current_is_cast = index, False
+        self.current_autocast, self.current_source = _autocast_dtype(device), source_from(frame)
+        self.current_frame, self.current_phase = frame, "optimizer"
+        self._step_name = name
+
+    def step_end(self) -> None:
+        """The step returned: its call recorded (when it ran ops), the recorder back in place."""
+        if self._step_depth is None:
+            return
+        index, autocast, source = self.current, self.current_autocast, self.current_source
+        self.step_abandoned()
+        if self.ops_seen != self._step_ops_before:
+            self.rows.append((index, self._step_name, self._tracker.current_in(False),
+                              "optimizer", (), (), source, autocast, self.step))
+
+    def step_abandoned(self) -> None:
+        """Back on the mode stack after a step that raised (or at the end of the run)."""
+        if self._step_depth is None:
+            return
+        _put_back_on_stack(self, self._step_depth)
+        self._step_depth = None
+        (self.current, self.current_is_cast, self.current_autocast, self.current_source,
+         self.current_frame, self.current_phase) = self._step_outer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -188,12 +258,7 @@ class FunctionRecorder(TorchFunctionMode):
         walk(args, inputs)
         if kwargs:
             walk(kwargs.values(), inputs)
-        device = inputs[0].device.type if inputs else "cpu"
-        autocast = (
-            dtype_name(torch.get_autocast_dtype(device))
-            if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
-            else None
-        )
+        autocast = _autocast_dtype(inputs[0].device.type if inputs else "cpu")
         if self.on_inputs is not None:
             self.on_inputs(name, inputs)
         frame = sys._getframe(1)
@@ -249,7 +314,7 @@ class FunctionRecorder(TorchFunctionMode):
         return "unknown (made outside any recorded call)"
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(UncompiledDispatchMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: FunctionRecorder,
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
@@ -272,7 +337,7 @@ class OpRecorder(TorchDispatchMode):
         self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
-        return [from_row(OpCall, (row[0], op_name(row[1]), *row[2:])) for row in self.rows]
+        return from_rows(OpCall, self.rows)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -323,7 +388,7 @@ class OpRecorder(TorchDispatchMode):
             if self.storages is not None:
                 self.storages.on_op(index, results, outputs, node)
             rows.append((
-                index, func, self._tracker.current_in(backward), phase,
+                index, facts.name, self._tracker.current_in(backward), phase,
                 metas_of(inputs), outputs, autocast_cast, caller,
                 None if caller is None else (
                     functions.current_source if functions.current_source is not _PENDING

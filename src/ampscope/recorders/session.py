@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -21,6 +22,7 @@ from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.recorders.ops import FunctionRecorder, InferenceAsNoGrad, OpRecorder
 from ampscope.recorders.repeats import BlockReplay
+from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
@@ -54,6 +56,36 @@ class _PhaseClock:
         if self.in_optimizer_step or self.after_backward:
             return "optimizer"
         return "forward"
+
+
+_signatures: dict[Callable, inspect.Signature] = {}
+
+
+def _forward_signature(module: nn.Module) -> inspect.Signature:
+    """`inspect.signature(module.forward)`, worked out once per forward function (each step
+    calls the model again, and the signature is tens of µs to work out)."""
+    forward = module.forward
+    function = getattr(forward, "__func__", None)
+    if function is None:  # not a method: a forward set on the instance
+        return inspect.signature(forward)
+    signature = _signatures.get(function)
+    if signature is None:
+        signature = _signatures[function] = inspect.signature(forward)
+    return signature
+
+
+def _pytorch_step(optimizer) -> bool:
+    """Whether `optimizer.step` is PyTorch's own code (`torch.optim.AdamW`, or a subclass that
+    keeps its step), rather than the user's (Muon, a subclass that overrides it)."""
+    return getattr(type(optimizer).step, "__module__", "").startswith("torch.")
+
+
+def _step_name(optimizer) -> str:
+    """"torch.optim.AdamW.step", as the optimizer's class is spelled publicly."""
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}.step"
+    return f"{cls.__module__}.{cls.__qualname__}.step"
 
 
 class Capture:
@@ -138,6 +170,7 @@ class Capture:
             self._ops.__exit__(None, None, None)
         finally:
             try:
+                self._functions.step_abandoned()  # the run failed inside a step
                 self._functions.__exit__(None, None, None)
             finally:
                 self._tracker.__exit__()
@@ -227,11 +260,12 @@ class Capture:
         # a closure (LBFGS; Lightning runs every step this way) runs forward and backward.
         self._clock.after_backward = False
         self._clock.in_optimizer_step = False
+        self._functions.step_abandoned()  # a step that raised, caught by the user's code
         self._functions.step += 1
 
     def _on_model_call(self, module, args, kwargs) -> None:
         try:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            bound = _forward_signature(module).bind_partial(*args, **kwargs).arguments
         except TypeError:
             bound = {f"arg{i}": a for i, a in enumerate(args)} | kwargs
         # Objects passed to the model (a KV cache) hold tensors of the model's: kept until
@@ -249,9 +283,20 @@ class Capture:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
         self._clock.in_optimizer_step = True
+        # PyTorch's own optimizers step as one call (FunctionRecorder.step_begin). Not a step
+        # given a closure (LBFGS; Lightning steps this way): the user's forward and backward
+        # run inside it, and their calls are recorded as always.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
+        if closure is None and _pytorch_step(optimizer):
+            with no_torch_function():
+                device = next((p.device.type for group in optimizer.param_groups
+                               for p in group["params"]), "cpu")
+            # this hook's caller: the optimizer's step wrapper, under the user's call
+            self._functions.step_begin(_step_name(optimizer), device, sys._getframe(1))
 
     def _on_step_end(self, optimizer, args, kwargs) -> None:
         self._clock.in_optimizer_step = False
+        self._functions.step_end()
 
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True

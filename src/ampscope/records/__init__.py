@@ -31,7 +31,7 @@ from ampscope.records.tensors import (
     StorageRecord,
     TensorMeta,
     dtype_name,
-    from_row,
+    from_rows,
     module_label,
 )
 from ampscope.records.trace import SCHEMA, Finding, ModelInfo, Trace
@@ -40,5 +40,5 @@ __all__ = [
     "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
     "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
     "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
-    "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_row", "module_label",
+    "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
 ]

@@ -1,0 +1,47 @@
+"""A TorchDispatchMode base whose handler TorchDynamo never compiles, at no cost per op.
+
+PyTorch wraps every dispatch mode's `__torch_dispatch__` in `torch._dynamo.disable` (recursive),
+so that a `torch.compile`d function running while the mode is active does not try to compile
+the handler or anything it calls. The wrapper does that on every op: two Python frames that
+switch the eval-frame callback off and back on, about 1 µs, a sixth of what ampscope's op
+recorder itself spends on an op. `UncompiledDispatchMode` asks the same of TorchDynamo once per
+handler instead: the handler's code object is marked to run, with every frame it calls,
+without the callback (TorchDynamo's per-code execution strategy, SKIP for the frame and for
+its callees), and PyTorch is told not to wrap it (`_should_skip_dynamo`, the opt-out it gives
+dispatch modes). Where this build of PyTorch lacks that strategy, PyTorch's wrapper stays.
+tests/test_modes.py traces a compiled model both ways: the same ops, and nothing compiled.
+"""
+
+from __future__ import annotations
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from torch._C._dynamo.eval_frame import (
+        _FrameAction,
+        _FrameExecStrategy,
+        set_code_exec_strategy,
+    )
+except ImportError:  # a build without TorchDynamo's eval-frame hooks
+    set_code_exec_strategy = None
+
+
+def _never_compiled(handler) -> None:
+    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)  # this frame, callees
+    set_code_exec_strategy(handler.__code__, strategy)
+
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode whose subclasses' handlers TorchDynamo skips (see the module)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # True makes PyTorch wrap the handler in torch._dynamo.disable; not needed when the
+        # handler's code is marked below.
+        return set_code_exec_strategy is None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if handler is not None and set_code_exec_strategy is not None:
+            _never_compiled(handler)
