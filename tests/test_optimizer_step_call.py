@@ -132,3 +132,24 @@ def test_a_failing_step_leaves_no_mode_behind():
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
     assert _get_current_function_mode_stack() == before
+
+
+def test_a_step_inside_an_autocast_region_records_autocast_but_no_autocast_casts():
+    """Casts inside a step are the optimizer's own (here its step pre-hook's, which runs inside
+    the step), not autocast's, although the user steps inside an autocast region."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def round_grads_to_bf16(optimizer, args, kwargs):
+        for p in model.parameters():
+            p.grad = p.grad.to(torch.bfloat16).to(torch.float32)
+
+    opt.register_step_pre_hook(round_grads_to_bf16)
+    with ampscope.capture(model) as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 8)).float().sum().backward()
+        opt.step()
+    step = next(c for c in t.calls if c.func == "torch.optim.AdamW.step")
+    assert step.autocast == "bfloat16"
+    casts = [o for o in t.ops if o.caller == step.index and o.op == "aten._to_copy.default"]
+    assert len(casts) == 8  # two per parameter
+    assert not any(o.autocast_cast for o in casts)

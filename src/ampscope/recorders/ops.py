@@ -220,7 +220,10 @@ class FunctionRecorder(TorchFunctionMode):
                             self.current_source, self.current_frame, self.current_phase)
         self._step_ops_before = self.ops_seen
         index = len(self.rows)
-        self.current, self.current_is_cast = index, False
+        # A cast inside the step is the optimizer's own, never autocast's (autocast casts the
+        # inputs of matmul-like ops, which no PyTorch optimizer runs), even when the user steps
+        # inside an autocast region: the step counts as an explicit cast for its ops.
+        self.current, self.current_is_cast = index, True
         self.current_autocast, self.current_source = _autocast_dtype(device), source_from(frame)
         self.current_frame, self.current_phase = frame, "optimizer"
         self._step_name = name
