@@ -119,6 +119,10 @@ def test_the_mode_stack_is_as_it_was_after_a_step_and_after_one_that_raised():
         seen.append(_get_current_function_mode_stack())
     assert _get_current_function_mode_stack() == before
     assert seen == [inside, inside]
+    # Both steps are calls, the one that raised too: every op points at its own call.
+    steps = [c for c in t.calls if c.func == "torch.optim.AdamW.step"]
+    assert len(steps) == 2 and len({c.index for c in t.calls}) == len(t.calls)
+    assert {o.caller for o in t.ops if o.phase == "optimizer"} == {c.index for c in steps}
     assert len(inside) == len(before) + 2  # the recorder, then the user's mode
     assert sum(c.func == "torch.nn.functional.linear" for c in t.calls) == 4
 

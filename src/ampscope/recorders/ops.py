@@ -229,23 +229,18 @@ class FunctionRecorder(TorchFunctionMode):
         self._step_name = name
 
     def step_end(self) -> None:
-        """The step returned: its call recorded (when it ran ops), the recorder back in place."""
+        """The step returned, or raised (then this is called at the next model call or at the
+        end of the run): its call recorded when it ran ops, the recorder back in place."""
         if self._step_depth is None:
             return
         index, autocast, source = self.current, self.current_autocast, self.current_source
-        self.step_abandoned()
-        if self.ops_seen != self._step_ops_before:
-            self.rows.append((index, self._step_name, self._tracker.current_in(False),
-                              "optimizer", (), (), source, autocast, self.step))
-
-    def step_abandoned(self) -> None:
-        """Back on the mode stack after a step that raised (or at the end of the run)."""
-        if self._step_depth is None:
-            return
         _put_back_on_stack(self, self._step_depth)
         self._step_depth = None
         (self.current, self.current_is_cast, self.current_autocast, self.current_source,
          self.current_frame, self.current_phase) = self._step_outer
+        if self.ops_seen != self._step_ops_before:
+            self.rows.append((index, self._step_name, self._tracker.current_in(False),
+                              "optimizer", (), (), source, autocast, self.step))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:

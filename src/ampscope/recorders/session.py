@@ -170,7 +170,7 @@ class Capture:
             self._ops.__exit__(None, None, None)
         finally:
             try:
-                self._functions.step_abandoned()  # the run failed inside a step
+                self._functions.step_end()  # the run failed inside a step
                 self._functions.__exit__(None, None, None)
             finally:
                 self._tracker.__exit__()
@@ -260,7 +260,7 @@ class Capture:
         # a closure (LBFGS; Lightning runs every step this way) runs forward and backward.
         self._clock.after_backward = False
         self._clock.in_optimizer_step = False
-        self._functions.step_abandoned()  # a step that raised, caught by the user's code
+        self._functions.step_end()  # a step that raised, caught by the user's code
         self._functions.step += 1
 
     def _on_model_call(self, module, args, kwargs) -> None:
