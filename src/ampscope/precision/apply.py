@@ -227,12 +227,14 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
                      str(autocast).removeprefix("torch.") if autocast else "off",
                      setting.matmul_precision,
                      f"; {setting.device} emulated on the CPU" if setting.emulated else "")
+            if model is not None:
+                # Before the emulation's modes: a copy is no norm and no autocast region, and
+                # each mode would see every copy made (1,446 for a 70B model's parameters).
+                _working_copies(model, setting, fake)
             if setting.emulated:
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
-            if model is not None:
-                _working_copies(model, setting, fake)
-                if setting.fp8 is not None:
-                    _convert_to_fp8(stack, model, setting)
+            if model is not None and setting.fp8 is not None:
+                _convert_to_fp8(stack, model, setting)
             matmul.set_matmul_precision(setting.matmul_precision)
             yield emulation
     finally:
