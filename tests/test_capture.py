@@ -254,3 +254,12 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
         assert tuple(getattr(fast, name) for name in names) == row
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(fast, names[0], 9)
+
+
+def test_torch_level_calls_are_named_as_user_code_spells_them():
+    from ampscope.recorders.ops import func_name
+
+    assert func_name(torch._foreach_norm) == "torch._foreach_norm"  # not _VariableFunctionsClass
+    assert func_name(torch.mm) == "torch.mm"  # not torch.spmm
+    assert func_name(torch.nn.functional.linear) == "torch.nn.functional.linear"
+    assert func_name(torch.Tensor.float) == "Tensor.float"

@@ -62,8 +62,10 @@ def func_name(func: Callable) -> str:
     if name is None:
         name = resolve_name(func) or getattr(func, "__qualname__", None) or repr(func)
         own = getattr(func, "__name__", None)
-        if own and name.rsplit(".", 1)[-1] != own and getattr(torch, own, None) is func:
-            # PyTorch's own lookup names some functions by another (torch.mm as torch.spmm)
+        if own and getattr(torch, own, None) is func and (
+                name.rsplit(".", 1)[-1] != own or name.startswith("_VariableFunctionsClass.")):
+            # PyTorch's own lookup names some functions by another (torch.mm as torch.spmm),
+            # and knows others (torch._foreach_norm) only by the class that holds them
             name = f"torch.{own}"
         name = name.replace("torch.Tensor.", "Tensor.").replace("torch._C.TensorBase.", "Tensor.")
         if name.startswith("TensorBase."):
