@@ -157,3 +157,25 @@ def test_a_step_inside_an_autocast_region_records_autocast_but_no_autocast_casts
     casts = [o for o in t.ops if o.caller == step.index and o.op == "aten._to_copy.default"]
     assert len(casts) == 8  # two per parameter
     assert not any(o.autocast_cast for o in casts)
+
+
+def test_steps_inside_backward_leave_the_recording_as_it_was():
+    """The optimizer-in-backward pattern: each parameter steps from its gradient hook, inside
+    `loss.backward()`, a call the recorder is handling (so it is off the mode stack already)."""
+    model = _model()
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
+
+    def step(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    before = _get_current_function_mode_stack()
+    with ampscope.capture(model) as t:
+        model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 8))
+    assert _get_current_function_mode_stack() == before
+    assert sum(c.func == "torch.nn.functional.linear" for c in t.calls) == 4
+    updates = [o for o in t.ops if o.op == "aten.addcdiv_.default"]
+    assert len(updates) == 4 and all(o.phase == "backward" for o in updates)
