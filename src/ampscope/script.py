@@ -76,7 +76,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     emulated = device is not None and (not device_available(device) if virtual is None
                                        else virtual)
     capture = Capture(None, model_name=None, workload="script", findings=derive_findings,
-                      thin_foreach=predict)
+                      thin=predict)
     capture.device = device
     virtual = VirtualDevice(device) if emulated and device is not None else None
     fake = fake_mode() if predict else None

@@ -4,6 +4,7 @@ side, and the user's own code, recorded into Traces."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -33,6 +34,7 @@ from ampscope.precision.predict import (
     data_dependent,
     fake_batch,
     fake_mode,
+    gc_enabled,
     gc_paused,
     predicting,
     value_needed_error,
@@ -123,7 +125,17 @@ class _ValuesNeeded(Exception):
 
 def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
                setting: str | Setting, options: RunOptions) -> Trace:
-    setting = resolved(setting)
+    # Building the model, its working copies, the records and the findings make hundreds of
+    # thousands of objects and no garbage: the collector would only walk them, again and again
+    # (a tenth to a quarter of a large predicted run). It runs, as it did, only during a real
+    # run's step, whose tensors a collection may free.
+    collecting = gc.isenabled()
+    with gc_paused():
+        return _traced(model, inputs, resolved(setting), options, collecting)
+
+
+def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
+            setting: Setting, options: RunOptions, collecting: bool) -> Trace:
     workload_name = options.workload_name
     lm, predict, notes = plan(model, setting, workload_name, options.optimizer, options.predict,
                               have_inputs=inputs is not None)
@@ -145,7 +157,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
                           op_check=check_matmul_dtypes if fake is not None else None,
                           replay_blocks=fake is not None and not options.every_block)
         try:
-            with predicting(fake) if fake is not None else contextlib.nullcontext():
+            with predicting(fake) if fake is not None else gc_enabled(collecting):
                 run_data = fake_batch(data, fake) if fake is not None else data
                 with capture.recording(), (virtual.active(memory=capture.memory_now)
                                              if virtual else contextlib.nullcontext()):
@@ -164,10 +176,7 @@ def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batc
             if diagnosis is not None:
                 raise DtypeMismatchError(diagnosis) from e
             raise
-        # Tens of thousands of records, none of them garbage: the collector would only walk
-        # them over and over (as during the run itself, see predict.gc_paused).
-        with gc_paused():
-            result = capture.finish(inputs=run_data, outputs=outputs)
+        result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
     if predict and _fake_mask(lm, result):
         notes.append("transformers treats fake tensors as tracing and built its attention mask "

@@ -18,11 +18,12 @@ from types import FrameType
 
 import torch
 from torch._C import _len_torch_function_stack
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode, resolve_name
 
 from ampscope.modes import UncompiledDispatchMode
 from ampscope.precision import AUTOCAST_DEVICES
-from ampscope.recorders import foreach, progress
+from ampscope.recorders import foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
@@ -52,6 +53,7 @@ BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch
 _CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
 _PENDING = object()  # a call's source line not looked up yet
 _PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 
 _name_cache: dict[Callable, str] = {}
 
@@ -82,7 +84,7 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "name", "recorded", "cast", "flops", "foreach")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "foreach", "shortcut")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -97,6 +99,7 @@ class _OpFacts:
         self.cast = func in _CAST_OPS
         self.flops = flop_formula(func)
         self.foreach = foreach.is_foreach(func)
+        self.shortcut = func in shortcuts.OPS
 
 
 _op_facts: dict[int, _OpFacts] = {}
@@ -325,8 +328,10 @@ class OpRecorder(UncompiledDispatchMode):
         self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
-        # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py).
-        self.thin_foreach = False
+        # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py)
+        # and answer per-parameter ops whose fake result is known (recorders/shortcuts.py).
+        self.thin = False
+        self._shortcuts = shortcuts.Shortcuts()
         functions.op_log = self.rows
         self._tracker = tracker
         self._phase = phase
@@ -340,6 +345,13 @@ class OpRecorder(UncompiledDispatchMode):
         return from_rows(OpCall, self.rows)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+            # C++ code reading a fake tensor's device (the autograd engine for every gradient,
+            # a foreach op's checks for every list entry) lands here: tens of thousands of
+            # reads on a large model's step. The answer is the fake tensor's own, the one
+            # FakeTensorMode gives, without the round trip through the modes below.
+            fake = args[0]
+            return _META if fake.fake_mode.in_kernel_invocation else fake.fake_device
         if kwargs is None:
             kwargs = {}
         if self.check is not None:
@@ -349,8 +361,11 @@ class OpRecorder(UncompiledDispatchMode):
         if facts is None:
             facts = _op_facts[id(func)] = _OpFacts(func)
         out = foreach.NOT_THINNED
-        if facts.foreach and self.thin_foreach:
-            out = foreach.thinned_call(func, args, kwargs)
+        if self.thin:
+            if facts.foreach:
+                out = foreach.thinned_call(func, args, kwargs)
+            elif facts.shortcut:
+                out = self._shortcuts.call(func, args, kwargs)
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if not facts.recorded:

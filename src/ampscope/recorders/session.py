@@ -100,7 +100,7 @@ class Capture:
                  op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
                  explain_failure: Callable[[FailedCall | None], str | None] | None = None,
-                 replay_blocks: bool = False, thin_foreach: bool | None = None) -> None:
+                 replay_blocks: bool = False, thin: bool | None = None) -> None:
         """`findings` and `explain_failure` are given by the API (they are analysis, which
         capture does not import): the first fills `trace.findings` when a `with` block ends,
         the second turns the call that raised into a note under the user's traceback.
@@ -109,8 +109,9 @@ class Capture:
         any other becomes the model, with everything it holds. `replay_blocks` (for a run on
         fake tensors) records repeated identical blocks once and replays the others
         (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound.
-        `thin_foreach` (by default as `replay_blocks`) runs foreach ops on fake tensors over one
-        list entry of each kind (recorders/foreach.py)."""
+        `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors over one list
+        entry of each kind (recorders/foreach.py) and answers per-parameter ops whose fake result
+        is known without FakeTensorMode (recorders/shortcuts.py)."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
@@ -133,7 +134,7 @@ class Capture:
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
         self._replay_blocks = replay_blocks
-        self._thin_foreach = replay_blocks if thin_foreach is None else thin_foreach
+        self._thin = replay_blocks if thin is None else thin
         self._replay: BlockReplay | None = None
 
     # -- recorders
@@ -148,7 +149,7 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
-        self._ops.thin_foreach = self._thin_foreach
+        self._ops.thin = self._thin
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),

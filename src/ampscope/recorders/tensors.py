@@ -9,9 +9,10 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.nested import tensors_in, walk
+from ampscope.precision.predict import new_fake
 from ampscope.records import TensorMeta, dtype_name
 
 # Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
@@ -99,5 +100,4 @@ def fake_from(like: torch.Tensor, description: tuple) -> torch.Tensor:
     """A new fake tensor as `described`, made in `like`'s fake mode with no recorder or other
     mode seeing it (a replayed block's output, a thinned foreach op's result)."""
     shape, stride, dtype, device, _ = description
-    with _disable_current_modes(), like.fake_mode:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return new_fake(like.fake_mode, shape, stride, dtype, device)

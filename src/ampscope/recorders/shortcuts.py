@@ -1,0 +1,97 @@
+"""Fake results of per-parameter ops, made without FakeTensorMode's dispatch where its answer
+is already known.
+
+An optimizer's Python loop runs some ops once per parameter: AdamW makes each parameter's two
+moments with `zeros_like` when its state is created, and reads each step counter back with
+`.item()` twice a step. With autograd's `detach` as it stores each gradient, on a 70B Llama that is about 4,400 ops, at 30 to 50 µs each through
+FakeTensorMode (its cache key, its cached answer, the wrapping), where the recorders above take
+a few microseconds. In a predicted run (as foreach ops are thinned, and by the same switch) the
+op recorder answers them itself:
+
+- A new tensor like another (`zeros_like`, `empty_like`, `ones_like`, `full_like`): its
+  metadata follows from its input's and the op's arguments alone. The first call of each kind
+  (op, input shape, strides, offset, dtype, device, arguments) runs through FakeTensorMode;
+  later ones get a new fake tensor with the metadata it gave, made as the mode's own cache makes
+  its answers (`precision.predict.new_fake`). An input that holds a fake constant, or an answer
+  that is not a new tensor of its own, leaves the kind to FakeTensorMode every time.
+- `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
+  counters): the constant's value, read as FakeTensorMode's constant propagation reads it.
+- `detach` of a fake tensor that holds no constant (autograd's, storing each parameter's
+  gradient; `nn.Parameter` around a fake working copy): the meta kernel's alias of the input,
+  wrapped with the input's device, as FakeTensorMode runs and wraps it.
+
+The recorders see these ops as any other: the op, its inputs and its result are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import compute_required_storage_length
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch.utils._mode_utils import no_dispatch
+
+from ampscope.precision.predict import new_fake
+from ampscope.recorders.foreach import NOT_THINNED
+from ampscope.recorders.tensors import no_torch_function
+
+aten = torch.ops.aten
+_LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default,
+                   aten.full_like.default})
+_ITEM = aten._local_scalar_dense.default
+_DETACH = aten.detach.default
+OPS = _LIKE | {_ITEM, _DETACH}
+_UNLIKE = object()  # a kind whose answer was not a new tensor of its own: always dispatched
+
+
+class Shortcuts:
+    """The answers learned in one run (one fake mode), by kind of call."""
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple, object] = {}
+
+    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+        """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""
+        t = args[0] if args else None
+        if type(t) is not FakeTensor or t.fake_mode.in_kernel_invocation:
+            return NOT_THINNED
+        if func is _ITEM:
+            if t.constant is None:
+                return NOT_THINNED
+            with no_dispatch():
+                return func(t.constant)
+        if t.constant is not None:
+            return NOT_THINNED
+        if func is _DETACH:
+            with in_kernel_invocation_manager(t.fake_mode):
+                alias = func(t)
+            return FakeTensor(t.fake_mode, alias, t.fake_device)
+        with no_torch_function():  # metadata reads are no user's calls
+            key = (func, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.fake_device,
+                   args[1:], tuple(sorted(kwargs.items())))
+        try:
+            answer = self._answers.get(key)
+        except TypeError:  # an argument that does not hash
+            return NOT_THINNED
+        if answer is None:
+            out = func(*args, **kwargs)
+            with no_torch_function():
+                self._answers[key] = _learned(out)
+            return out
+        if answer is _UNLIKE:
+            return NOT_THINNED
+        shape, stride, dtype, device = answer
+        return new_fake(t.fake_mode, shape, stride, dtype, device)
+
+
+def _learned(out) -> object:
+    """What to make for later calls of the kind: the answer's metadata, where it is a new fake
+    tensor with a storage of its own."""
+    if type(out) is not FakeTensor or out.constant is not None or out.storage_offset() != 0:
+        return _UNLIKE
+    if out.untyped_storage().nbytes() != _dense_bytes(out):
+        return _UNLIKE
+    return tuple(out.shape), out.stride(), out.dtype, out.fake_device
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    return compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()

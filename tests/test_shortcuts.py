@@ -1,0 +1,129 @@
+"""Per-parameter fake ops answered without FakeTensorMode's dispatch (recorders/shortcuts.py):
+each answer equals FakeTensorMode's own for the same call — the ground truth, which the
+shortcut does not consult after the first call of a kind — and a predicted step that takes the
+shortcuts records exactly what the step without them records, with far fewer calls reaching
+FakeTensorMode."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import ampscope
+from ampscope.recorders import foreach
+from ampscope.recorders.shortcuts import Shortcuts
+from tests.helpers import assert_same_trace
+
+aten = torch.ops.aten
+
+
+def _described(t: torch.Tensor) -> tuple:
+    return (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.fake_device,
+            t.untyped_storage().nbytes(), t.constant is None, t.fake_mode)
+
+
+@pytest.fixture
+def fake():
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def _inputs() -> list[torch.Tensor]:
+    """Dense, transposed, offset and expanded inputs, in two dtypes."""
+    base = torch.empty(6, 8)
+    return [torch.empty(8, 4), torch.empty(4, 8).t(), base[1:], torch.empty(1, 4).expand(3, 4),
+            torch.empty(5, dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("op", "extra", "kwargs"), [
+    (aten.zeros_like.default, (), {}),
+    (aten.zeros_like.default, (), {"memory_format": torch.preserve_format}),
+    (aten.empty_like.default, (), {"dtype": torch.float16}),
+    (aten.ones_like.default, (), {"memory_format": torch.contiguous_format}),
+    (aten.full_like.default, (0.5,), {}),
+])
+def test_new_tensors_like_another_are_as_fake_mode_makes_them(fake, op, extra, kwargs):
+    shortcuts = Shortcuts()
+    for x in _inputs():
+        first = shortcuts.call(op, (x, *extra), dict(kwargs))  # learned from FakeTensorMode
+        again = shortcuts.call(op, (x, *extra), dict(kwargs))  # made by the shortcut
+        truth = op(x, *extra, **kwargs)
+        assert _described(first) == _described(again) == _described(truth)
+        # A new tensor each time, with a storage of its own, as a kernel's result.
+        assert again.untyped_storage()._cdata not in (first.untyped_storage()._cdata,
+                                                      x.untyped_storage()._cdata)
+
+
+def test_item_of_a_fake_constant_reads_its_value(fake):
+    step = torch.tensor(0.0)
+    step.add_(3)  # fake mode follows the constant's value
+    assert Shortcuts().call(aten._local_scalar_dense.default, (step,), {}) == 3.0 == step.item()
+
+
+def test_detach_aliases_its_input_as_fake_mode_does(fake):
+    x = torch.empty(6, 8, requires_grad=True)[1:, 2:]
+    mine = Shortcuts().call(aten.detach.default, (x,), {})
+    truth = aten.detach.default(x)
+    assert _described(mine) == _described(truth)
+    assert mine.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert not mine.requires_grad
+
+
+def test_constants_and_real_tensors_go_to_fake_mode(fake):
+    step = torch.tensor(1.0)
+    shortcuts = Shortcuts()
+    for op in (aten.zeros_like.default, aten.detach.default):
+        assert shortcuts.call(op, (step,), {}) is foreach.NOT_THINNED  # fake mode follows it
+    plain = torch.empty(3)
+    assert shortcuts.call(aten._local_scalar_dense.default, (plain,), {}) is foreach.NOT_THINNED
+    with torch.utils._python_dispatch._disable_current_modes():
+        real = torch.zeros(3)
+    assert shortcuts.call(aten.zeros_like.default, (real,), {}) is foreach.NOT_THINNED
+
+
+def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
+    """gpt2's AdamW step, predicted for CUDA: the optimizer state's zeros_like, the step
+    counters' item() and autograd's detaches take the shortcut; the trace equals the one made
+    with every call dispatched (every_block=True takes no shortcut), and far fewer calls reach
+    FakeTensorMode."""
+    reached: Counter[str] = Counter()
+    original = FakeTensorMode.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if func is aten.zeros_like.default and "memory_format" not in kwargs:
+            return original(self, func, types, args, kwargs)  # not the optimizer's (a loss's)
+        reached[func.__name__] += 1
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "__torch_dispatch__", counted)
+    options = {"setting": "cuda:bf16", "workload": "train", "seq": 16, "predict": True}
+    quick = ampscope.trace("gpt2", **options)
+    short = reached.copy()
+    reached.clear()
+    whole = ampscope.trace("gpt2", **options, every_block=True)
+    assert_same_trace(quick, whole)
+    n_params = len(whole.parameters)  # counted once per tensor: the optimizer's list
+    # Without the shortcuts: two zeros_like per parameter, item() twice per step counter.
+    assert reached["zeros_like.default"] == 2 * n_params
+    assert reached["_local_scalar_dense.default"] == 2 * n_params
+    kinds = len({(p.shape, p.dtype) for p in whole.parameters})
+    assert kinds < n_params / 10
+    assert short["zeros_like.default"] == kinds  # the first of each kind only
+    assert short["_local_scalar_dense.default"] == 0
+    assert short["detach.default"] < reached["detach.default"] - n_params // 2
+    # The fake tensors' device reads (thousands, from the autograd engine and foreach ops'
+    # checks) are answered by the op recorder in both runs: what reaches FakeTensorMode are
+    # the few its own decompositions make.
+    assert short["device.default"] < 20 and reached["device.default"] < 20
+
+
+def test_shortcut_results_are_fake_tensors_of_the_run(fake):
+    x = torch.empty(4, 4)
+    shortcuts = Shortcuts()
+    shortcuts.call(aten.zeros_like.default, (x,), {})
+    made = shortcuts.call(aten.zeros_like.default, (x,), {})
+    assert type(made) is FakeTensor and made.fake_mode is fake
+    assert (made + x).shape == (4, 4)  # usable in the run's later ops
