@@ -85,8 +85,8 @@ def test_constants_and_real_tensors_go_to_fake_mode(fake):
 
 
 def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
-    """gpt2's AdamW step, predicted for CUDA: the optimizer state's zeros_like, the step
-    counters' item() and autograd's detaches take the shortcut; the trace equals the one made
+    """gpt2's AdamW step, predicted for CUDA: the optimizer state's zeros_like and step
+    counters, the counters' item() and autograd's detaches take the shortcut; the trace equals the one made
     with every call dispatched (every_block=True takes no shortcut), and far fewer calls reach
     FakeTensorMode."""
     reached: Counter[str] = Counter()
@@ -113,6 +113,7 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
     assert kinds < n_params / 10
     assert short["zeros_like.default"] == kinds  # the first of each kind only
     assert short["_local_scalar_dense.default"] == 0
+    assert reached["lift_fresh.default"] >= n_params and short["lift_fresh.default"] == 0
     assert short["detach.default"] < reached["detach.default"] - n_params // 2
     # The fake tensors' device reads (thousands, from the autograd engine and foreach ops'
     # checks) are answered by the op recorder in both runs: what reaches FakeTensorMode are
@@ -127,3 +128,22 @@ def test_shortcut_results_are_fake_tensors_of_the_run(fake):
     made = shortcuts.call(aten.zeros_like.default, (x,), {})
     assert type(made) is FakeTensor and made.fake_mode is fake
     assert (made + x).shape == (4, 4)  # usable in the run's later ops
+
+
+def test_a_lifted_scalar_is_the_fake_constant_fake_mode_makes(fake):
+    """`torch.tensor(0.0)` under fake mode (Adam's step counters): a fake constant whose value
+    fake mode follows through in-place ops and reads back."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        real = torch.tensor(2.0)
+    mine = Shortcuts().call(aten.lift_fresh.default, (real,), {})
+    truth = aten.lift_fresh.default(real)
+    assert _described(mine) == _described(truth)
+    mine.add_(1)
+    assert mine.item() == 3.0
+    assert mine.constant is not real
+    with torch.utils._python_dispatch._disable_current_modes():
+        assert truth.constant.item() == 2.0
+        assert real.item() == 2.0  # a copy: the real tensor is untouched
+    with torch.utils._python_dispatch._disable_current_modes():
+        big = torch.zeros(10_000)  # too large to follow: fake mode makes it a plain fake tensor
+    assert Shortcuts().call(aten.lift_fresh.default, (big,), {}) is foreach.NOT_THINNED

@@ -17,7 +17,7 @@ from torch import nn
 
 from ampscope.precision import fp8, matmul
 from ampscope.precision.emulation import Emulation
-from ampscope.precision.predict import fake_like
+from ampscope.precision.predict import fake_like, fake_parameter
 from ampscope.precision.setting import Setting
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -179,8 +179,7 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
             for name, p in m._parameters.items():
                 if p is not None:
                     if id(p) not in replacements:
-                        with fake:
-                            replacements[id(p)] = nn.Parameter(copy(p), requires_grad=p.requires_grad)
+                        replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
                     m._parameters[name] = replacements[id(p)]
     for m in model.modules():
         for name, b in m._buffers.items():

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.errors import AmpscopeError
 from ampscope.quiet import loggers_quiet
@@ -132,7 +132,7 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
     tensor wrapped with its device), without the dispatch through every mode on the stack: a
     fifth of the cost, and a large model's predicted step makes thousands (working copies of
     its weights, a replayed block's outputs and gradients)."""
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         return FakeTensor(mode, meta, torch.device(device))
 
@@ -141,6 +141,18 @@ def fake_like(t: torch.Tensor, mode: FakeTensorMode, *, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
     """A fake tensor with `t`'s shape and strides, in `dtype` on `device` (no storage)."""
     return new_fake(mode, tuple(t.shape), tuple(t.stride()), dtype, device)
+
+
+def fake_parameter(t: FakeTensor, requires_grad: bool) -> torch.nn.Parameter:
+    """`nn.Parameter(t)` for a new fake tensor that nothing else holds.
+
+    For a tensor subclass, `Parameter` detaches its argument, so that the parameter is not the
+    caller's tensor, and marks the detached tensor as a parameter. A working copy is nobody's
+    tensor: it is marked itself, which skips a detach through FakeTensorMode per parameter
+    (723 on a 70B Llama)."""
+    t.requires_grad_(requires_grad)
+    t._is_param = True  # what makes isinstance(t, nn.Parameter) hold for a subclass
+    return t  # type: ignore[return-value]
 
 
 def fake_batch(batch: dict[str, torch.Tensor], mode: FakeTensorMode) -> dict[str, torch.Tensor]:

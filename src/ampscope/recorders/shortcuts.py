@@ -1,11 +1,12 @@
 """Fake results of per-parameter ops, made without FakeTensorMode's dispatch where its answer
 is already known.
 
-An optimizer's Python loop runs some ops once per parameter: AdamW makes each parameter's two
-moments with `zeros_like` when its state is created, and reads each step counter back with
-`.item()` twice a step. With autograd's `detach` as it stores each gradient, on a 70B Llama that is about 4,400 ops, at 30 to 50 µs each through
-FakeTensorMode (its cache key, its cached answer, the wrapping), where the recorders above take
-a few microseconds. In a predicted run (as foreach ops are thinned, and by the same switch) the
+An optimizer's Python loop runs some ops once per parameter: AdamW makes each parameter's step
+counter (`torch.tensor(0.0)`) and two moments (`zeros_like`) when its state is created, and
+reads each counter back with `.item()` twice a step; the autograd engine detaches each gradient
+as it stores it. On a 70B Llama that is about 5,100 ops, at 30 to 120 µs each through
+FakeTensorMode (its cache key, its answer, the wrapping), where the recorders above take a few
+microseconds. In a predicted run (as foreach ops are thinned, and by the same switch) the
 op recorder answers them itself:
 
 - A new tensor like another (`zeros_like`, `empty_like`, `ones_like`, `full_like`): its
@@ -16,6 +17,9 @@ op recorder answers them itself:
   that is not a new tensor of its own, leaves the kind to FakeTensorMode every time.
 - `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
   counters): the constant's value, read as FakeTensorMode's constant propagation reads it.
+- `torch.tensor(0.0)` under fake mode (`lift_fresh` of a real scalar: each Adam step counter):
+  the fake constant FakeTensorMode's constant propagation makes, a copy of the value converted
+  by its own converter, without the cache lookup it tries and gives up on first.
 - `detach` of a fake tensor that holds no constant (autograd's, storing each parameter's
   gradient; `nn.Parameter` around a fake working copy): the meta kernel's alias of the input,
   wrapped with the input's device, as FakeTensorMode runs and wraps it.
@@ -39,7 +43,8 @@ _LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_l
                    aten.full_like.default})
 _ITEM = aten._local_scalar_dense.default
 _DETACH = aten.detach.default
-OPS = _LIKE | {_ITEM, _DETACH}
+_LIFT = aten.lift_fresh.default
+OPS = _LIKE | {_ITEM, _DETACH, _LIFT}
 _UNLIKE = object()  # a kind whose answer was not a new tensor of its own: always dispatched
 
 
@@ -52,6 +57,8 @@ class Shortcuts:
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
         """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""
         t = args[0] if args else None
+        if func is _LIFT:
+            return _constant(t) if len(args) == 1 and not kwargs else NOT_THINNED
         if type(t) is not FakeTensor or t.fake_mode.in_kernel_invocation:
             return NOT_THINNED
         if func is _ITEM:
@@ -81,6 +88,20 @@ class Shortcuts:
             return NOT_THINNED
         shape, stride, dtype, device = answer
         return new_fake(t.fake_mode, shape, stride, dtype, device)
+
+
+def _constant(t) -> object:
+    """A small real tensor made fake, as FakeTensorMode makes the result of a lift: a fake
+    constant holding a copy of it."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or type(t) is not torch.Tensor:
+        return NOT_THINNED
+    with no_torch_function():
+        if not mode.may_turn_const(t):
+            return NOT_THINNED
+        with no_dispatch():
+            copy = t.clone()
+    return mode.fake_tensor_converter.from_real_tensor(mode, copy, make_constant=True)
 
 
 def _learned(out) -> object:
