@@ -62,6 +62,9 @@ _DATA_SET = _TensorBase.data.__set__
 _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
           if hasattr(_TensorBase, name)}
 _NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
+# Every call DeviceMode answers itself rather than handing on as is.
+_SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_MOVES,
+                      torch.device})
 
 
 class DeviceMode(TorchFunctionMode):
@@ -90,7 +93,28 @@ class DeviceMode(TorchFunctionMode):
         return torch.device("cpu") if t in self.on_cpu else torch.device(self.target, 0)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if func in _SPECIAL:  # one lookup for the rare calls about devices (most are not)
+            return self._special(func, args, kwargs or {})
+        device = kwargs.get("device") if kwargs else None
+        if device is None and func in _device_constructors():
+            # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
+            # one: the target default device is made explicit (and real) here.
+            default = torch.get_default_device()
+            if default.type == self.target:
+                device = default
+        if device is not None:
+            kwargs = dict(kwargs or {}, device=self._real(device))
+        elif kwargs is None:
+            kwargs = {}
+        for a in args:
+            if type(a) is torch.device:
+                args = tuple(self._real(a) if isinstance(a, torch.device) else a for a in args)
+                break
+        out = func(*args, **kwargs)
+        self._tag(out, args, kwargs, device)
+        return out
+
+    def _special(self, func, args: tuple, kwargs: dict) -> Any:
         getter = _GETTERS.get(func)
         if getter is not None:
             device = self._virtual(args[0])
@@ -107,21 +131,7 @@ class DeviceMode(TorchFunctionMode):
             return args[0] if func is _TensorBase.pin_memory else True
         if func in _MOVES:
             return self._move(func, args, kwargs)
-        if func is torch.device:  # naming a device is not using it
-            return func(*args, **kwargs)
-        device = kwargs.get("device")
-        if device is None and func in _device_constructors():
-            # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
-            # one: the target default device is made explicit (and real) here.
-            default = torch.get_default_device()
-            if default.type == self.target:
-                device = default
-        if device is not None:
-            kwargs["device"] = self._real(device)
-        args = tuple(self._real(a) if isinstance(a, torch.device) else a for a in args)
-        out = func(*args, **kwargs)
-        self._tag(out, args, kwargs, device)
-        return out
+        return func(*args, **kwargs)  # torch.device: naming a device is not using it
 
     def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
         """Results are on the CPU when the call put them there: an explicit CPU device, a
