@@ -193,6 +193,29 @@ def test_state_held_outside_parameters_and_buffers_is_in_the_inventory():
     assert back.held == t.held
 
 
+def test_held_state_behind_a_shared_object_is_found_from_any_module():
+    """An object several modules hold (a config, a shared cache) is looked into once for the
+    whole model, yet a tensor it holds deeper than one module's path reaches is still found
+    from another module whose path reaches it: the walk remembers the depth it had left."""
+    from ampscope.recorders.inventory import _DEPTH, held_state
+
+    class Box:
+        def __init__(self, inner):
+            self.inner = inner
+
+    deep = torch.zeros(2, dtype=torch.float16)
+    shared = Box(Box(deep))  # the tensor is two levels inside
+    nested = shared
+    for _ in range(_DEPTH - 1):  # reached from here with one level left: the tensor is too deep
+        nested = Box(nested)
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    first.far = nested  # reaches `shared` with too little depth left to see the tensor
+    second.near = shared  # reaches it with enough
+    model = torch.nn.Sequential(first, second)
+    assert [(h.name, h.dtype) for h in held_state(model, {})] == [("1.near.inner.inner",
+                                                                    "float16")]
+
+
 def test_a_transformers_kv_cache_has_the_dtype_and_length_of_the_run():
     """Ground truth: the cache transformers itself returns from the same model's forward."""
     transformers = pytest.importorskip("transformers")

@@ -109,25 +109,30 @@ def held_state(model: nn.Module, arguments: dict[str, object]) -> list[HeldRecor
             seen.add(id(t))
             records.append(HeldRecord(name, where, dtype_name(t.dtype), tuple(t.shape)))
 
+    # One walk for the whole model: an object many modules share (a transformers config held
+    # by every layer) is looked into once, unless a later path reaches it with more depth left.
+    walked: dict[int, int] = {}
     for prefix, module in model.named_modules():
         for key, value in vars(module).items():
             if key not in _MODULE_OWN and key != "forward":
                 name = f"{prefix}.{key}" if prefix else key
-                add(_tensors_in(value, name, _DEPTH, set()), "attribute")
+                add(_tensors_in(value, name, _DEPTH, walked), "attribute")
     for name, value in arguments.items():
-        add(_tensors_in(value, name, _DEPTH, set()), "argument")
+        add(_tensors_in(value, name, _DEPTH, walked), "argument")
     return records
 
 
-def _tensors_in(value: object, path: str, depth: int, visited: set[int]):
+def _tensors_in(value: object, path: str, depth: int, walked: dict[int, int]):
     """(path, tensor) for every tensor in `value`, through lists, tuples, dicts and plain
-    objects' attributes, `depth` levels down (modules are left to the parameter inventory)."""
+    objects' attributes, `depth` levels down (modules are left to the parameter inventory).
+    `walked` holds the objects already looked into, with the depth left then."""
     if isinstance(value, torch.Tensor):
         yield path, value
         return
-    if depth == 0 or id(value) in visited or isinstance(value, (nn.Module, str, bytes, type)):
+    if depth == 0 or walked.get(id(value), -1) >= depth or isinstance(
+            value, (nn.Module, str, bytes, type)):
         return
-    visited.add(id(value))
+    walked[id(value)] = depth
     if isinstance(value, dict):
         items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
     elif isinstance(value, (list, tuple)):
@@ -137,4 +142,4 @@ def _tensors_in(value: object, path: str, depth: int, visited: set[int]):
     else:
         return
     for item_path, item in items:
-        yield from _tensors_in(item, item_path, depth - 1, visited)
+        yield from _tensors_in(item, item_path, depth - 1, walked)
