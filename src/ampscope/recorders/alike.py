@@ -94,10 +94,13 @@ def _reads_index(cls: type, attribute: str) -> bool:
     return False
 
 
-def alike(blocks: list[nn.Module], first_index: int = 0) -> bool:
+def alike(blocks: list[nn.Module], first_index: int = 0,
+          structures: list[list[tuple] | None] | None = None) -> bool:
     """Whether the blocks are structurally identical up to an index attribute (each block's
-    position in its list: `first_index` for the first of them)."""
-    structures = [_structure(b) for b in blocks]
+    position in its list: `first_index` for the first of them). `structures`: the blocks'
+    `_structure`s, where the caller has them already."""
+    if structures is None:
+        structures = [_structure(b) for b in blocks]
     if any(s is None for s in structures):
         return False
     first = structures[0]
@@ -118,12 +121,11 @@ def alike(blocks: list[nn.Module], first_index: int = 0) -> bool:
     return len(ids) == len(set(ids))  # no parameter shared between blocks
 
 
-def _stretches(blocks: list[nn.Module]) -> list[tuple[int, int]]:
+def _stretches(structures: list[list[tuple] | None]) -> list[tuple[int, int]]:
     """The longest stretches [start, end) of at least MIN_BLOCKS consecutive blocks that look
     alike — the same structure, an integer attribute equal to each one's position aside — as
     candidates for `alike` (a model whose first layers are dense and the rest mixtures of
-    experts has one stretch of each)."""
-    structures = [_structure(b) for b in blocks]
+    experts has one stretch of each). `structures`: each block's `_structure`."""
     # Integer attributes whose value varies along the list may be an index; one that is the
     # same in every block (8 key-value groups) is no index where it equals a position (block 8).
     values: dict[tuple, set] = {}
@@ -136,8 +138,8 @@ def _stretches(blocks: list[nn.Module]) -> list[tuple[int, int]]:
         (*e[:3], "index") if e[:3] in varying and e[3] == i else e for e in structure)
         for i, structure in enumerate(structures)]
     stretches, start = [], 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or keys[i] != keys[start]:
+    for i in range(1, len(structures) + 1):
+        if i == len(structures) or keys[i] != keys[start]:
             if keys[start] is not None and i - start >= MIN_BLOCKS:
                 stretches.append((start, i))
             start = i
@@ -154,9 +156,12 @@ def repeated_runs(model: nn.Module) -> list[tuple[list[str], list[nn.Module]]]:
         if id(m) in inside or not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(m.children())
-        for start, end in _stretches(children) if len(children) >= MIN_BLOCKS else ():
+        if len(children) < MIN_BLOCKS:
+            continue
+        structures = [_structure(c) for c in children]
+        for start, end in _stretches(structures):
             blocks = children[start:end]
-            if alike(blocks, start):
+            if alike(blocks, start, structures[start:end]):
                 runs.append(([names[b] for b in blocks], blocks))
                 inside.update(id(x) for b in blocks for x in b.modules())
     return runs
