@@ -278,3 +278,32 @@ def test_a_dropped_trace_is_freed_without_the_garbage_collector(how):
     finally:
         if was_enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize(("enabled", "predict"), [(True, True), (True, False), (False, False)])
+def test_the_collector_runs_only_in_a_real_step_and_comes_back_as_it_was(enabled, predict):
+    """Python's garbage collector, read with `gc.isenabled()` from the model's forward: paused
+    in a predicted step (as while ampscope builds, records and derives: tens of thousands of
+    objects, no garbage), running in a real step if it was running before (its tensors may be
+    in cycles a collection frees), and afterwards exactly as the caller had it."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append(gc.isenabled())
+            return self.proj(x)
+
+    was_enabled = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        ampscope.trace(Probe(), {"x": torch.randn(2, 4)}, workload="forward", predict=predict)
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert seen == [enabled and not predict]
