@@ -33,9 +33,10 @@ def fake_mode() -> FakeTensorMode:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a fake run: tens of thousands of small records
-    and fake tensors would otherwise trigger full collections that cost a fifth of the run,
-    and a fake run holds no memory worth reclaiming early. The collector's state comes back."""
+    """Pause the cyclic garbage collector for a fake run, and while ampscope builds a model or
+    its records: tens of thousands of small records and fake tensors would otherwise trigger
+    full collections that cost a fifth of the run, and none of it is memory worth reclaiming
+    early. The collector's state comes back."""
     with gc_enabled(False):
         yield
 

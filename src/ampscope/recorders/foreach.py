@@ -85,7 +85,7 @@ def thinned_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
     if out is None or (isinstance(out, (list, tuple)) and not out):
         return out  # in place: the entries it skipped would have changed no metadata
     results = list(out)
-    if len(results) != len(kept) or not all(_own(t) for t in results):
+    if len(results) != len(kept) or not all(own_storage(t) for t in results):
         return func(*args, **kwargs)  # no side effect to repeat: it returned new tensors
     position = {i: j for j, i in enumerate(kept)}
     full = [results[position[i]] if i in position else _like(results[position[twin[i]]])
@@ -128,8 +128,9 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
     return kept, twin
 
 
-def _own(t) -> bool:
-    """A new fake tensor with a storage of its own, as `fake_from` makes them."""
+def own_storage(t) -> bool:
+    """A new fake tensor with a storage of its own, as `fake_from` makes them (and a kernel
+    makes its results): no constant, no offset, a storage just large enough."""
     if not isinstance(t, FakeTensor) or t.constant is not None:
         return False
     with torch._C.DisableTorchFunction():

@@ -30,12 +30,11 @@ The recorders see these ops as any other: the op, its inputs and its result are 
 from __future__ import annotations
 
 import torch
-from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
 
 from ampscope.precision.predict import new_fake
-from ampscope.recorders.foreach import NOT_THINNED
+from ampscope.recorders.foreach import NOT_THINNED, own_storage
 from ampscope.recorders.tensors import no_torch_function
 
 aten = torch.ops.aten
@@ -107,12 +106,6 @@ def _constant(t) -> object:
 def _learned(out) -> object:
     """What to make for later calls of the kind: the answer's metadata, where it is a new fake
     tensor with a storage of its own."""
-    if type(out) is not FakeTensor or out.constant is not None or out.storage_offset() != 0:
-        return _UNLIKE
-    if out.untyped_storage().nbytes() != _dense_bytes(out):
+    if not own_storage(out):
         return _UNLIKE
     return tuple(out.shape), out.stride(), out.dtype, out.fake_device
-
-
-def _dense_bytes(t: torch.Tensor) -> int:
-    return compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
