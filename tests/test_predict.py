@@ -198,3 +198,30 @@ def test_foreach_defaults_count_a_fake_tensor_as_the_tensor_it_stands_for():
         assert _default_to_fused_or_foreach([cpu], False) == (False, False)  # as on the CPU
     assert (list(optimizers._foreach_supported_types),
             list(_foreach_utils._foreach_supported_types)) == before
+
+
+def test_new_fake_tensors_are_those_fake_mode_makes():
+    """`new_fake` learns how FakeTensor wraps a meta tensor from the first one of a mode and
+    device, and wraps later ones the same way itself: each is what `torch.empty_strided` makes
+    under the mode (the ground truth), down to its attributes and dispatch keys, and works in
+    the mode's ops."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from ampscope.precision.predict import new_fake
+
+    mode = FakeTensorMode()
+    for shape, stride, dtype in [((4, 4), (4, 1), torch.float32),
+                                 ((3, 5), (1, 3), torch.bfloat16), ((), (), torch.int64)]:
+        first = new_fake(mode, shape, stride, dtype, "cpu")
+        later = new_fake(mode, shape, stride, dtype, torch.device("cpu"))
+        with mode:
+            truth = torch.empty_strided(shape, stride, dtype=dtype)
+        for t in (first, later):
+            assert type(t) is FakeTensor and t.fake_mode is mode and not t.requires_grad
+            assert (t.shape, t.stride(), t.dtype, t.fake_device) == (truth.shape, truth.stride(),
+                                                                      truth.dtype, truth.fake_device)
+            assert vars(t) == vars(truth)  # its mode, device and empty memos
+            assert torch._C._dispatch_keys(t) == torch._C._dispatch_keys(truth)
+        assert later.untyped_storage()._cdata != first.untyped_storage()._cdata
+        with mode:
+            assert (later * 2).shape == truth.shape

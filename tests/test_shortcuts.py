@@ -147,3 +147,53 @@ def test_a_lifted_scalar_is_the_fake_constant_fake_mode_makes(fake):
     with torch.utils._python_dispatch._disable_current_modes():
         big = torch.zeros(10_000)  # too large to follow: fake mode makes it a plain fake tensor
     assert Shortcuts().call(aten.lift_fresh.default, (big,), {}) is foreach.NOT_THINNED
+
+
+def _lifted_lives(lifted: torch.Tensor) -> tuple:
+    """What becomes of a lifted step counter through in-place updates, reads, ops and views:
+    each answer depends on the fake mode's books (its memo of converted tensors and storages,
+    and which fake tensors share a constant's storage)."""
+    updated = lifted.add_(1)
+    value = lifted.item()
+    doubled = (lifted * 2).item()
+    view = lifted.view(1)
+    expanded = lifted.expand(3)
+
+    def storage(t):
+        return t.untyped_storage()._cdata
+
+    return (updated is lifted, value, doubled, storage(view) == storage(lifted),
+            storage(expanded) == storage(lifted), view.constant is None,
+            lifted.constant is None, expanded.constant is None)
+
+
+def test_a_lifted_scalar_lives_on_as_fake_mode_s_own(fake):
+    """An in-place update returns the lifted tensor itself, a view shares its storage, and a
+    view that fake mode stops following stops it following the tensor: as for FakeTensorMode's
+    own lift."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        real = torch.tensor(2.0)
+    mine = _lifted_lives(Shortcuts().call(aten.lift_fresh.default, (real,), {}))
+    truth = _lifted_lives(aten.lift_fresh.default(real))
+    assert mine == truth
+    assert truth[:3] == (True, 3.0, 6.0)
+
+
+def test_lifted_tensors_of_every_kind_match_fake_mode(fake):
+    """Scalars of other dtypes lift to what FakeTensorMode makes, value included; a tensor
+    with more than one element (fake mode makes no constant of it) or with autograd,
+    conjugate or negative bits is left to FakeTensorMode."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        reals = [torch.tensor(7), torch.tensor(0.25, dtype=torch.float64), torch.tensor(True),
+                 torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor([3], dtype=torch.int32)]
+        left = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor(1.0, requires_grad=True),
+                torch.tensor(1j).conj(), torch.tensor(1.0)._neg_view()]
+    for real in reals:
+        mine = Shortcuts().call(aten.lift_fresh.default, (real,), {})
+        truth = aten.lift_fresh.default(real)
+        assert _described(mine) == _described(truth)
+        with torch.utils._python_dispatch._disable_current_modes():
+            assert mine.constant.stride() == truth.constant.stride()
+            assert torch.equal(mine.constant, truth.constant)
+    for real in left:
+        assert Shortcuts().call(aten.lift_fresh.default, (real,), {}) is foreach.NOT_THINNED

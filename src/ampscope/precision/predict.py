@@ -15,10 +15,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.errors import AmpscopeError
@@ -125,17 +126,48 @@ def foreach_defaults_as_real() -> Iterator[None]:
 
 
 def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ...],
-             dtype: torch.dtype, device: torch.device | str) -> FakeTensor:
+             dtype: torch.dtype, device: torch.device | str,
+             constant: torch.Tensor | None = None) -> FakeTensor:
     """A new fake tensor of `mode` with a storage of its own, as `torch.empty_strided` makes
     one under the mode, seen by no mode.
 
     It is made the way FakeTensorMode answers `empty_strided` from its cache (an empty meta
     tensor wrapped with its device), without the dispatch through every mode on the stack: a
     fifth of the cost, and a large model's predicted step makes thousands (working copies of
-    its weights, a replayed block's outputs and gradients)."""
+    its weights, a replayed block's outputs and gradients). The wrapping itself is learned: the
+    first fake tensor of a mode and device is made by `FakeTensor(...)`, and later ones are the
+    same C++ tensor subclass given the same attributes (its fake mode, device and empty memos),
+    at a third of the cost.
+
+    With `constant` (a small real tensor of that metadata, which the fake tensor then owns),
+    it is a fake constant, as FakeTensorMode's converter makes one: the mode follows its
+    value through ops on constants only and reads it back for `.item()`."""
+    device = torch.device(device)
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        return FakeTensor(mode, meta, torch.device(device))
+        if constant is not None or FakeTensorConfig.debug:
+            return FakeTensor(mode, meta, device, constant=constant)
+        learned = _fresh.setdefault(mode, {})
+        known = learned.get(device)
+        if known is None:
+            made = FakeTensor(mode, meta, device)
+            learned[device] = (made.fake_device, dict(vars(made)))
+            return made
+        fake_device, attributes = known
+        made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
+                                           device_for_backend_keys=fake_device)
+        if mode._allow_unsafe_data_ptr_access:  # as FakeTensor.__new__ does
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        made.__dict__.update(attributes)
+        return made
+
+
+# What FakeTensor.__new__ gave a new fake tensor without a constant, by mode and device: the
+# device it normalized (cuda -> cuda:0) and the instance attributes it set.
+_fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple[torch.device, dict]]] \
+    = weakref.WeakKeyDictionary()
 
 
 def fake_like(t: torch.Tensor, mode: FakeTensorMode, *, dtype: torch.dtype,

@@ -18,8 +18,9 @@ op recorder answers them itself:
 - `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
   counters): the constant's value, read as FakeTensorMode's constant propagation reads it.
 - `torch.tensor(0.0)` under fake mode (`lift_fresh` of a real scalar: each Adam step counter):
-  the fake constant FakeTensorMode's constant propagation makes, a copy of the value converted
-  by its own converter, without the cache lookup it tries and gives up on first.
+  the fake constant FakeTensorMode's constant propagation makes: a copy of the value, wrapped
+  as the mode's converter wraps it, without the cache lookup the mode tries and gives up on
+  first.
 - `detach` of a fake tensor that holds no constant (autograd's, storing each parameter's
   gradient; `nn.Parameter` around a fake working copy): the meta kernel's alias of the input,
   wrapped with the input's device, as FakeTensorMode runs and wraps it.
@@ -91,16 +92,35 @@ class Shortcuts:
 
 def _constant(t) -> object:
     """A small real tensor made fake, as FakeTensorMode makes the result of a lift: a fake
-    constant holding a copy of it."""
+    constant holding a copy of it.
+
+    The converter's general path describes the tensor in full to convert it (a tenth of a
+    millisecond); a fresh dense copy needs none of that. A tensor the converter would carry
+    more over for (autograd, conjugate or negative bits, a layout other than strided) is left
+    to it."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     if mode is None or type(t) is not torch.Tensor:
         return NOT_THINNED
     with no_torch_function():
-        if not mode.may_turn_const(t):
+        if (not mode.may_turn_const(t) or t.requires_grad or t.layout != torch.strided
+                or t.is_conj() or t.is_neg()):
             return NOT_THINNED
         with no_dispatch():
             copy = t.clone()
-    return mode.fake_tensor_converter.from_real_tensor(mode, copy, make_constant=True)
+        fake = new_fake(mode, tuple(copy.shape), copy.stride(), copy.dtype, copy.device,
+                        constant=copy)
+        # Entered in the converter's books as its own conversion enters it: an op on
+        # constants runs on the copies and converts what it returns. An in-place op
+        # (`step += 1`) returns the copy, which must convert back to this very fake tensor; a
+        # view of it must convert to a view of this fake tensor's storage; and an op that
+        # makes such a view no constant must find this fake tensor to stop following it too.
+        converter = mode.fake_tensor_converter
+        converter.set_tensor_memo(copy, fake)
+        meta = converter.meta_converter
+        meta.storage_memo[meta.describer.get_storage_id(copy.untyped_storage())] = \
+            fake.untyped_storage()
+        converter.add_constant_storage_mapping(fake)
+        return fake
 
 
 def _learned(out) -> object:
