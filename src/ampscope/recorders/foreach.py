@@ -99,33 +99,42 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
     first: dict[tuple, int] = {}
     twin: dict[int, int] = {}
     with torch._C.DisableTorchFunction():
-        for i in range(n):
-            entry = [values[i] for values in lists]
-            key: list | None = []
-            for v in entry:
-                if isinstance(v, torch.Tensor):
-                    if not isinstance(v, FakeTensor):
-                        return None, {}
-                    if v.constant is not None:
-                        key = None  # fake mode follows its value: always run it
-                        break
-                    key.append((type(v), v.dtype, v.shape, v.stride(), v.storage_offset(),
-                                v.device, v.requires_grad,
-                                # which of the entry's tensors are this one (x, grad, grad)
-                                tuple(e is v for e in entry)))
-                else:
-                    key.append((type(v), v))
+        for i, entry in enumerate(zip(*lists, strict=True)):
+            key = _kind(entry)
+            if key is _NOT_FAKE:
+                return None, {}
             if key is None:
                 kept.append(i)
                 continue
-            k = tuple(key)
-            j = first.get(k)
-            if j is None:
-                first[k] = i
+            j = first.setdefault(key, i)
+            if j == i:
                 kept.append(i)
             else:
                 twin[i] = j
     return kept, twin
+
+
+_NOT_FAKE = ()
+
+
+def _kind(entry: tuple) -> tuple | None:
+    """What makes one entry's results what they are: each tensor's metadata and which of the
+    entry's arguments it is the same object as (x, grad, grad), and each other value. None for
+    an entry holding a fake constant (fake mode follows its value: always run it), `_NOT_FAKE`
+    for one holding a tensor that is not fake."""
+    first_at: dict[int, int] = {}
+    key = []
+    for at, v in enumerate(entry):
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, FakeTensor):
+                return _NOT_FAKE
+            if v.constant is not None:
+                return None
+            key.append((type(v), v.dtype, v.shape, v.stride(), v.storage_offset(),
+                        v.fake_device, v.requires_grad, first_at.setdefault(id(v), at)))
+        else:
+            key.append((type(v), v))
+    return tuple(key)
 
 
 def own_storage(t) -> bool:
