@@ -300,7 +300,7 @@ def _swappable(capture: Capture, virtual: VirtualDevice | None,
         held = [(r, {i: r.pop(i)[1] for i in (id(t1), id(t2)) if i in r}) for r in registries]
         tags = None
         if on_cpu is not None:
-            tags = (on_cpu.pop(t1, None), on_cpu.pop(t2, None))
+            tags = (on_cpu.discard(t1), on_cpu.discard(t2))
         for memo in memos:  # the fake mode's memo of tensors it converted: weak values
             for key in [k for k, v in memo.items() if v is t1 or v is t2]:
                 del memo[key]
@@ -311,9 +311,9 @@ def _swappable(capture: Capture, virtual: VirtualDevice | None,
                 registry[i] = (weakref.ref(t), name)
         if on_cpu is not None and tags is not None:
             if tags[1]:
-                on_cpu[t1] = True
+                on_cpu.add(t1)
             if tags[0]:
-                on_cpu[t2] = True
+                on_cpu.add(t2)
 
     torch.utils.swap_tensors = swap_tensors
     try:

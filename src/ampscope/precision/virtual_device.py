@@ -67,6 +67,31 @@ _SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_
                       torch.device})
 
 
+_METHOD_WRAPPER = type(_TensorBase.grad.__get__)
+
+
+class _CpuTags:
+    """The tensors put on the CPU on purpose, weakly held. Most tensors of an emulated run are
+    on the target, and asking a weak-keyed dictionary costs a weak reference per question: a set
+    of ids answers "no" at once for a tensor never tagged (the id of a tensor gone, reused, only
+    sends the question on to the dictionary)."""
+
+    def __init__(self) -> None:
+        self._tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._ids: set[int] = set()
+
+    def __contains__(self, t: object) -> bool:
+        return id(t) in self._ids and t in self._tags
+
+    def add(self, t: torch.Tensor) -> None:
+        self._tags[t] = True
+        self._ids.add(id(t))
+
+    def discard(self, t: torch.Tensor) -> bool:
+        """Untag `t` (its weak reference goes with it); whether it was tagged."""
+        return self._tags.pop(t, None) is not None
+
+
 class DeviceMode(TorchFunctionMode):
     """Tensors on the target device, as user code sees them (see the module docstring)."""
 
@@ -74,7 +99,7 @@ class DeviceMode(TorchFunctionMode):
         super().__init__()
         self.target = target  # "cuda", "mps", "xpu"
         self.backing = torch.device(backing)  # where tensors really are: cpu or meta
-        self.on_cpu: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors the user put on cpu
+        self.on_cpu = _CpuTags()  # tensors the user put on cpu
         self.unsupported: list[str] = []
 
     # -- devices as arguments
@@ -95,6 +120,14 @@ class DeviceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SPECIAL:  # one lookup for the rare calls about devices (most are not)
             return self._special(func, args, kwargs or {})
+        if type(func) is _METHOD_WRAPPER and func.__name__ == "__get__":
+            # An attribute read (`p.grad`, `x.T`), a dozen per parameter in an optimizer's
+            # loop: its result is where the tensor read is, which is on the target unless
+            # tagged.
+            out = func(*args)
+            if args[0] in self.on_cpu:
+                self._tag(out, args, {}, None)
+            return out
         device = kwargs.get("device") if kwargs else None
         if device is None and func in _device_constructors():
             # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
@@ -150,7 +183,7 @@ class DeviceMode(TorchFunctionMode):
         if on_cpu:
             for t in results:
                 if t.device == self.backing or t.device.type == "cpu":
-                    self.on_cpu[t] = True
+                    self.on_cpu.add(t)
 
     def _move(self, func, args: tuple, kwargs: dict) -> Any:
         t = args[0]
@@ -187,9 +220,9 @@ class DeviceMode(TorchFunctionMode):
         else:  # a copy to the other device: a new tensor, as a device copy makes
             out = t.to(*rest_args, copy=True, **kwargs)
         if to_cpu:
-            self.on_cpu[out] = True
+            self.on_cpu.add(out)
         elif out is not t:
-            self.on_cpu.pop(out, None)
+            self.on_cpu.discard(out)
         return out
 
     def parameter(self, original: Callable) -> Callable:
@@ -200,7 +233,7 @@ class DeviceMode(TorchFunctionMode):
         def __new__(cls, data=None, requires_grad=True):
             param = original(cls, data, requires_grad)
             if data is not None and data in mode.on_cpu or data is None and torch.get_default_device().type == "cpu":
-                mode.on_cpu[param] = True
+                mode.on_cpu.add(param)
             return param
 
         return __new__
@@ -247,13 +280,13 @@ class DeviceMode(TorchFunctionMode):
 
     def _tagged_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
         if value in self.on_cpu:
-            self.on_cpu[t] = True
+            self.on_cpu.add(t)
         else:
-            self.on_cpu.pop(t, None)
+            self.on_cpu.discard(t)
 
     def _tagged_like(self, t: torch.Tensor, out: Any) -> Any:
         if t in self.on_cpu and isinstance(out, torch.Tensor):
-            self.on_cpu[out] = True
+            self.on_cpu.add(out)
         return out
 
 
