@@ -220,10 +220,9 @@ def from_rows(cls: type[_Record], rows) -> list[_Record]:
     """`[cls(*row) for row in rows]` for records built from a recorder's rows, each of which
     holds every field in order.
 
-    A frozen dataclass's generated `__init__` sets each field through `object.__setattr__`
-    after working out its defaults; setting each slot through its own descriptor costs half as
-    much, and a step's records (one per op, call and storage: tens of thousands on a large
-    model) are built this way. The records are the same: equal to, and hashing as,
+    A frozen dataclass's generated `__init__` sets each field through `object.__setattr__`;
+    setting each slot through its own descriptor costs a quarter less, and a step's records
+    (one per op, call and storage: tens of thousands on a large model) are built this way. The records are the same: equal to, and hashing as,
     `cls(*row)`; frozen as ever."""
     setters = _field_setters.get(cls)
     if setters is None:
