@@ -145,13 +145,14 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
     device = torch.device(device)
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if constant is not None or FakeTensorConfig.debug:
+        if FakeTensorConfig.debug:
             return FakeTensor(mode, meta, device, constant=constant)
         learned = _fresh.setdefault(mode, {})
         known = learned.get(device)
         if known is None:
             made = FakeTensor(mode, meta, device)
             learned[device] = (made.fake_device, dict(vars(made)))
+            made.constant = constant
             return made
         fake_device, attributes = known
         made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
@@ -161,11 +162,12 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
         else:
             torch._C._set_throw_on_mutable_data_ptr(made)
         made.__dict__.update(attributes)
+        made.constant = constant
         return made
 
 
-# What FakeTensor.__new__ gave a new fake tensor without a constant, by mode and device: the
-# device it normalized (cuda -> cuda:0) and the instance attributes it set.
+# What FakeTensor.__new__ gave a new fake tensor, by mode and device: the device it normalized
+# (cuda -> cuda:0) and the instance attributes it set (with no constant; new_fake sets its own).
 _fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple[torch.device, dict]]] \
     = weakref.WeakKeyDictionary()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.nested import tensors_in, walk
@@ -73,7 +74,7 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     """For each tensor, the dtype a wrapper subclass stores its data in where that differs
     from the dtype it shows (its first inner tensor, by PyTorch's `__tensor_flatten__`
     protocol: a float8 training tensor's `_data`); () when there is none among them."""
-    if _PLAIN.issuperset(map(type, tensors)):  # plain tensors and parameters (nearly always)
+    if _PLAIN.issuperset(map(type, tensors)):  # plain, parameters or fake (nearly always)
         return ()
     found: list[str | None] | None = None
     for i, t in enumerate(tensors):
@@ -88,7 +89,9 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     return tuple(found) if found is not None else ()
 
 
-_PLAIN = {torch.Tensor, torch.nn.Parameter}
+# Tensors that are no wrapper of another: plain ones, parameters, and a predicted run's fake
+# tensors (a meta tensor of the same dtype inside).
+_PLAIN = {torch.Tensor, torch.nn.Parameter, FakeTensor}
 
 
 def described(t: torch.Tensor) -> tuple:
