@@ -108,20 +108,21 @@ class ModelState:
             (p, p.data, p.requires_grad, p.grad)
             for p in model.parameters(recurse=True)  # tied parameters appear once
         ]
+        modules = list(model.modules())  # one walk of a model of thousands of modules
         slots = [
             (m, name, p)
-            for m in model.modules()
+            for m in modules
             for name, p in m._parameters.items()
             if p is not None
         ]
         buffers = [
             (m, name, b)
-            for m in model.modules()
+            for m in modules
             for name, b in m._buffers.items()
             if b is not None
         ]
-        training = [(m, m.training) for m in model.modules()]
-        children = [(m, name, c) for m in model.modules() for name, c in m._modules.items()]
+        training = [(m, m.training) for m in modules]
+        children = [(m, name, c) for m in modules for name, c in m._modules.items()]
         return cls(params, slots, buffers, training, children)
 
     def restore(self) -> None:
@@ -167,6 +168,7 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
             return fake_like(t, fake, dtype=dtype, device=device)
         return t.detach().to(device=device, dtype=dtype, copy=True)
 
+    modules = list(model.modules())
     if fake is None:
         for p in model.parameters():
             p.data = copy(p.data)
@@ -175,13 +177,13 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
         # A fake tensor cannot become a real Parameter's .data: the run gets fake Parameter
         # objects instead, one per tensor so that tied weights stay tied.
         replacements: dict[int, nn.Parameter] = {}
-        for m in model.modules():
+        for m in modules:
             for name, p in m._parameters.items():
                 if p is not None:
                     if id(p) not in replacements:
                         replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
                     m._parameters[name] = replacements[id(p)]
-    for m in model.modules():
+    for m in modules:
         for name, b in m._buffers.items():
             if b is not None:
                 m._buffers[name] = copy(b)

@@ -192,14 +192,13 @@ class Capture:
     def _watch(self, model: nn.Module) -> None:
         """Name the model's modules, parameters and buffers for the recorders."""
         self._tracker.add_names({m: n for n, m in model.named_modules()})
-        for kind, named in (("parameter", model.named_parameters()),
-                            ("buffer", model.named_buffers())):
-            for name, t in named:
-                self._names.setdefault(id(t), (weakref.ref(t), name))
-                self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
+        # Every name of each tensor (tied weights have several): the recorders name it by its
+        # first, and its storage by all of them.
         for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
                             ("buffer", model.named_buffers(remove_duplicate=False))):
             for name, t in named:
+                self._names.setdefault(id(t), (weakref.ref(t), name))
+                self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
                 self._storages.register(t, kind, name)
         self._handles.append(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
