@@ -7,8 +7,9 @@ analysed without the model. Dtypes are torch names without the `torch.` prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -213,29 +214,36 @@ class StorageRecord:
 
 
 _Record = TypeVar("_Record")
-_field_setters: dict[type, tuple[Any, ...]] = {}
+_builders: dict[type, Callable[[Iterable[tuple]], list]] = {}
 
 
-def from_rows(cls: type[_Record], rows) -> list[_Record]:
+def from_rows(cls: type[_Record], rows: Iterable[tuple]) -> list[_Record]:
     """`[cls(*row) for row in rows]` for records built from a recorder's rows, each of which
-    holds every field in order.
+    holds every field in order (unchecked: a recorder's row has every field by construction,
+    tests/test_capture.py).
 
-    A frozen dataclass's generated `__init__` sets each field through `object.__setattr__`;
-    setting each slot through its own descriptor costs a quarter less, and a step's records
-    (one per op, call and storage: tens of thousands on a large model) are built this way. The records are the same: equal to, and hashing as,
-    `cls(*row)`; frozen as ever."""
-    setters = _field_setters.get(cls)
-    if setters is None:
-        setters = _field_setters[cls] = tuple(
-            getattr(cls, f.name).__set__ for f in fields(cls))  # type: ignore[arg-type]
-    new = object.__new__
-    records = []
-    append = records.append
-    for row in rows:
-        record: Any = new(cls)
-        # Unchecked lengths: a recorder's row has every field by construction
-        # (tests/test_capture.py).
-        for set_field, value in zip(setters, row, strict=False):
-            set_field(record, value)
-        append(record)
-    return records
+    A frozen dataclass's generated `__init__` sets each field through `object.__setattr__`; a
+    step's records (one per op, call and storage: tens of thousands on a large model) are
+    instead built by a loop compiled for the class, as dataclasses compiles `__init__`, that
+    sets each slot through its descriptor: half the cost. The records are the same: equal to,
+    and hashing as, `cls(*row)`; frozen as ever."""
+    build = _builders.get(cls)
+    if build is None:
+        build = _builders[cls] = _builder(cls)
+    return build(rows)
+
+
+def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
+    names = [f.name for f in fields(cls)]
+    scope = {"new": object.__new__, "cls": cls,
+             **{f"set_{name}": getattr(cls, name).__set__ for name in names}}
+    sets = "".join(f"        set_{name}(record, row[{i}])\n" for i, name in enumerate(names))
+    source = ("def build(rows):\n"
+              "    records = []\n"
+              "    for row in rows:\n"
+              "        record = new(cls)\n"
+              f"{sets}"
+              "        records.append(record)\n"
+              "    return records\n")
+    exec(source, scope)  # noqa: S102 - the source is made here, from the class's own fields
+    return scope["build"]
