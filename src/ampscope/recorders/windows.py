@@ -137,7 +137,8 @@ class Window:
         shift = r_start - window.r0
         for r in rows[window.r0:window.r1]:
             rows.append((r[0] + shift, r[1], rename(r[2]), r[3], r[4], r[5], r[6],
-                         None if r[7] is None else r[7] + shift_f, r[8], tuple(map(rename, r[9])),
+                         None if r[7] is None else r[7] + shift_f, r[8],
+                         tuple(map(rename, r[9])) if any(r[9]) else r[9],
                          r[10], r[11], r[12], r[13]))
         functions.ops_seen += window.r1 - window.r0
         made = []
