@@ -68,6 +68,7 @@ _SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_
 
 
 _METHOD_WRAPPER = type(_TensorBase.grad.__get__)
+_NOT_TENSORS = frozenset({bool, int, float, type(None)})
 
 
 class _CpuTags:
@@ -169,6 +170,8 @@ class DeviceMode(TorchFunctionMode):
     def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
         """Results are on the CPU when the call put them there: an explicit CPU device, a
         factory on the default (CPU) device, or inputs that are all on the CPU."""
+        if type(out) in _NOT_TENSORS:  # .item(), is_complex(): most calls in a predicted step
+            return
         results = tensors_in(out)
         if not results:
             return
