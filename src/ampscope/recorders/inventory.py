@@ -31,10 +31,12 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def parameters(model: nn.Module, names: dict[int, list[str]] | None = None
-               ) -> list[ParameterRecord]:
-    """One record per parameter; `names` is `parameter_names(model)`, when the caller has it."""
+def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
+               params: list[nn.Parameter] | None = None) -> list[ParameterRecord]:
+    """One record per parameter; `names` is `parameter_names(model)` and `params`
+    `list(model.parameters())`, when the caller has them."""
     names = parameter_names(model) if names is None else names
+    params = list(model.parameters()) if params is None else params
     return [
         ParameterRecord(
             name=names[id(p)][0],
@@ -44,7 +46,7 @@ def parameters(model: nn.Module, names: dict[int, list[str]] | None = None
             grad_dtype=dtype_name(p.grad.dtype) if p.grad is not None else None,
             tied_to=tuple(names[id(p)][1:]),
         )
-        for p in model.parameters()
+        for p in params
     ]
 
 
@@ -94,11 +96,14 @@ _MODULE_OWN = frozenset(vars(nn.Module()))
 _DEPTH = 4  # cache.layers[0].keys: an object, its list, an entry, the entry's tensor
 
 
-def held_state(model: nn.Module, arguments: dict[str, object]) -> list[HeldRecord]:
+def held_state(model: nn.Module, arguments: dict[str, object],
+               params: list[nn.Parameter] | None = None) -> list[HeldRecord]:
     """The tensors the model holds outside its parameters and buffers: plain tensor attributes
     of its modules (and in their lists, dicts and objects), and the tensors inside the
-    non-tensor objects passed to it (`arguments`: a KV cache), each tensor once."""
-    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    non-tensor objects passed to it (`arguments`: a KV cache), each tensor once. `params`:
+    `list(model.parameters())`, when the caller has it."""
+    params = list(model.parameters()) if params is None else params
+    own = {id(t) for t in params} | {id(t) for t in model.buffers()}
     records: list[HeldRecord] = []
     seen: set[int] = set()
 

@@ -356,12 +356,12 @@ class Capture:
                              autocast_dtype=autocast, matmul_precision=self._matmul_precision,
                              torch=torch.__version__)
 
-    def _storage_records(self, outputs: dict[str, object],
-                         names: dict[int, list[str]]) -> list[StorageRecord]:
+    def _storage_records(self, outputs: dict[str, object], names: dict[int, list[str]],
+                         params: list[nn.Parameter]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records. `names`:
-        the parameters' (`inventory.parameter_names`)."""
+        the parameters' (`inventory.parameter_names`); `params`: the model's parameters."""
         storages = self._storages
-        for p in self.model.parameters():
+        for p in params:
             if p.grad is not None:
                 storages.register(p.grad, "gradient", names[id(p)][0] + ".grad")
         for optimizer in self._optimizers:
@@ -383,16 +383,17 @@ class Capture:
             self._replay.check()
         if self._setting is None:
             trace.setting = self._observed_setting()
-        trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in model.parameters()))
+        params = list(model.parameters())  # one walk of a model of thousands of modules
+        trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in params))
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
         names = inventory.parameter_names(model)
-        trace.parameters = inventory.parameters(model, names)
+        trace.parameters = inventory.parameters(model, names, params)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
-        trace.storages = self._storage_records(outputs or {}, names)
-        trace.held = inventory.held_state(model, self._arguments)
+        trace.storages = self._storage_records(outputs or {}, names, params)
+        trace.held = inventory.held_state(model, self._arguments, params)
         self._arguments = {}
         self._optimizers = []
         if inputs is not None or not trace.inputs:
