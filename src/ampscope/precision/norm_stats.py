@@ -122,6 +122,12 @@ class TargetNormStats(UncompiledDispatchMode):
         super().__init__()
         self.device = device
 
+    @staticmethod
+    def passes_through(func: torch._ops.OpOverload) -> bool:
+        """Whether the mode hands `func` on unchanged: all but the norms and their backwards
+        (recorders/fake_cache.py answers those others without it)."""
+        return func not in BACKWARDS and func not in NORMS
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         backward = BACKWARDS.get(func)

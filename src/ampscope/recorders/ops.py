@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode, resolve_na
 
 from ampscope.modes import UncompiledDispatchMode
 from ampscope.precision import AUTOCAST_DEVICES
-from ampscope.recorders import foreach, progress, shortcuts
+from ampscope.recorders import fake_cache, foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.memory import StorageTracker
@@ -329,9 +329,11 @@ class OpRecorder(UncompiledDispatchMode):
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
         # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py)
-        # and answer per-parameter ops whose fake result is known (recorders/shortcuts.py).
+        # and answer per-parameter ops whose fake result is known (recorders/shortcuts.py)
+        # and ops whose FakeTensorMode cache entry is known (recorders/fake_cache.py).
         self.thin = False
         self._shortcuts = shortcuts.Shortcuts()
+        self._cached = fake_cache.CachedAnswers()
         functions.op_log = self.rows
         self._tracker = tracker
         self._phase = phase
@@ -366,6 +368,8 @@ class OpRecorder(UncompiledDispatchMode):
                 out = foreach.thinned_call(func, args, kwargs)
             elif facts.shortcut:
                 out = self._shortcuts.call(func, args, kwargs)
+            else:
+                out = self._cached.call(func, args, kwargs)
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if not facts.recorded:
