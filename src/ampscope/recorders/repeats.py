@@ -363,7 +363,7 @@ class _Run:
         self.replay.unchecked.add(p)  # until its forward twin is compared
         needing = [t for t in tensors if t.requires_grad]
         trainable = [q for q in params if q.requires_grad]
-        context = _Context(self, p, k, tensors, len(needing), trainable)
+        context = _Context(self, p, k, tensors, len(needing), params, trainable)
         outputs = _Replayed.apply(context, *needing, *trainable)
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
@@ -380,12 +380,13 @@ class _Context:
     the block saves, and frees it as it would), the entries of its arguments' storages."""
 
     def __init__(self, run: _Run, p: _Pass, k: int, tensors: list, needing: int,
-                 params: list) -> None:
+                 all_params: list, params: list) -> None:
         self.run, self.p, self.k = run, p, k
         self.tensors: list | None = tensors  # until the forward replay is done
         self.inputs: list = []  # the arguments' storage entries
         self.needing = needing
-        self.params = params
+        self.all_params = all_params  # the block's parameters, as its replay found them
+        self.params = params  # those of them that want a gradient
         self.made: list = []  # per storage block 1's forward made: this block's twin entry
 
 
@@ -412,7 +413,7 @@ class _Replayed(torch.autograd.Function):
         context.made = made
         ctx.context = context
         block = run.blocks[k]
-        held = [*context.tensors, *block.parameters(), *block.buffers()]
+        held = [*context.tensors, *context.all_params, *block.buffers()]
         ctx.save_for_backward(*[held[i] for i in template.saved_inputs])
         context.tensors = None
         not_differentiable = [t for t, d in zip(outputs, [d for d in template.out_leaves
@@ -455,9 +456,9 @@ class _Replayed(torch.autograd.Function):
                     releases.append((grad_entries[j] if j < len(grad_entries) else None, offset))
             template.window.append_renamed(replay, run.names[k], template.fates, real=real,
                                            pins=releases)
-        all_params = list(run.blocks[k].parameters())
         trainable = {id(q) for q in context.params}
-        by_param = [g for q, g in zip(all_params, grad_params, strict=True) if id(q) in trainable]
+        by_param = [g for q, g in zip(context.all_params, grad_params, strict=True)
+                    if id(q) in trainable]
         return (None, *grad_inputs[:context.needing], *by_param)
 
 
