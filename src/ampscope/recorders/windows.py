@@ -21,18 +21,22 @@ class Recorders(Protocol):
 
 
 def renamer(old: str, new: str) -> Callable[[str | None], str | None]:
+    """Names under `old` (a module, its submodules and parameters) as the same names under
+    `new`; other names as they are. Each name is worked out once: a block's few hundred
+    records name a dozen modules and parameters over and over."""
     dotted = old + "."
+    done: dict[str | None, str | None] = {None: None, old: new}
 
     def rename(name: str | None) -> str | None:
-        if name is None:
-            return None
-        if name == old:
-            return new
-        if name.startswith(dotted):
-            return new + name[len(old):]
-        return name
+        found = done.get(name, _MISSING)
+        if found is _MISSING:
+            found = done[name] = new + name[len(old):] if name.startswith(dotted) else name
+        return found
 
     return rename
+
+
+_MISSING = object()
 
 
 class Window:
