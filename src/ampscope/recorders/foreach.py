@@ -122,16 +122,20 @@ def _kind(entry: tuple) -> tuple | None:
     entry's arguments it is the same object as (x, grad, grad), and each other value. None for
     an entry holding a fake constant (fake mode follows its value: always run it), `_NOT_FAKE`
     for one holding a tensor that is not fake."""
-    first_at: dict[int, int] = {}
     key = []
     for at, v in enumerate(entry):
-        if isinstance(v, torch.Tensor):
+        if type(v) is FakeTensor or isinstance(v, torch.Tensor):
             if not isinstance(v, FakeTensor):
                 return _NOT_FAKE
             if v.constant is not None:
                 return None
+            same = at  # the first of the entry's arguments that is this very tensor
+            for before in range(at):
+                if entry[before] is v:
+                    same = before
+                    break
             key.append((type(v), v.dtype, v.shape, v.stride(), v.storage_offset(),
-                        v.fake_device, v.requires_grad, first_at.setdefault(id(v), at)))
+                        v.fake_device, v.requires_grad, same))
         else:
             key.append((type(v), v))
     return tuple(key)
