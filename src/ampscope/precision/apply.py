@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -140,16 +140,18 @@ class ModelState:
             module.training = training
 
 
-def main_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype holding most parameter elements: what the model is "in"."""
+def main_dtype(model: nn.Module, params: Iterable[nn.Parameter] | None = None
+               ) -> torch.dtype | None:
+    """The dtype holding most parameter elements: what the model is "in". `params`: the
+    model's parameters, when the caller has them."""
     counts: dict[torch.dtype, int] = {}
-    for p in model.parameters():
+    for p in model.parameters() if params is None else params:
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
+def _working_copies(model: nn.Module, setting: Setting, state: ModelState, fake=None) -> None:
     """Give the run its own copies of every parameter and buffer, converted as the setting asks.
 
     Conversion follows `model.to(dtype)` (parameters and floating buffers) and happens only when
@@ -157,9 +159,13 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
     rotary buffers) survive an `fp32` setting as they do in the user's training script. Copies
     are made in every case so that an optimizer step or an in-place buffer update in the run
     cannot reach the user's tensors. With `fake` (a FakeTensorMode: predict mode) the copies
-    are fake tensors, which hold no memory.
+    are fake tensors, which hold no memory. `state`: the model's, as `applied` saved it (its
+    parameters and where each module holds them and its buffers: no second walk of a model of
+    thousands of modules).
     """
-    convert = setting.param_dtype is not None and main_dtype(model) not in (None, setting.param_dtype)
+    params = [p for p, *_ in state.params]
+    convert = setting.param_dtype is not None and \
+        main_dtype(model, params) not in (None, setting.param_dtype)
     device = torch.device(setting.run_device)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
@@ -168,25 +174,20 @@ def _working_copies(model: nn.Module, setting: Setting, fake=None) -> None:
             return fake_like(t, fake, dtype=dtype, device=device)
         return t.detach().to(device=device, dtype=dtype, copy=True)
 
-    modules = list(model.modules())
     if fake is None:
-        for p in model.parameters():
+        for p in params:
             p.data = copy(p.data)
             p.grad = None
     else:
         # A fake tensor cannot become a real Parameter's .data: the run gets fake Parameter
         # objects instead, one per tensor so that tied weights stay tied.
         replacements: dict[int, nn.Parameter] = {}
-        for m in modules:
-            for name, p in m._parameters.items():
-                if p is not None:
-                    if id(p) not in replacements:
-                        replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
-                    m._parameters[name] = replacements[id(p)]
-    for m in modules:
-        for name, b in m._buffers.items():
-            if b is not None:
-                m._buffers[name] = copy(b)
+        for m, name, p in state.slots:
+            if id(p) not in replacements:
+                replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
+            m._parameters[name] = replacements[id(p)]
+    for m, name, b in state.buffers:
+        m._buffers[name] = copy(b)
 
 
 def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Setting) -> None:
@@ -231,7 +232,7 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
             if model is not None:
                 # Before the emulation's modes: a copy is no norm and no autocast region, and
                 # each mode would see every copy made (1,446 for a 70B model's parameters).
-                _working_copies(model, setting, fake)
+                _working_copies(model, setting, model_state, fake)
             if setting.emulated:
                 emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
             if model is not None and setting.fp8 is not None:

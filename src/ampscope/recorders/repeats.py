@@ -358,11 +358,11 @@ class _Run:
                 return _NOT_REPLAYED  # a second micro-step: gradients accumulate in place
             if any(t.requires_grad and t.grad_fn is None for t in tensors):
                 return _NOT_REPLAYED  # a leaf argument that wants a gradient
+            needing = [t for t in tensors if t.requires_grad]
+            trainable = [q for q in params if q.requires_grad]
         p.replayed += 1
         self.replay.replayed += 1
         self.replay.unchecked.add(p)  # until its forward twin is compared
-        needing = [t for t in tensors if t.requires_grad]
-        trainable = [q for q in params if q.requires_grad]
         context = _Context(self, p, k, tensors, len(needing), params, trainable)
         outputs = _Replayed.apply(context, *needing, *trainable)
         if not isinstance(outputs, tuple):
