@@ -77,6 +77,8 @@ def _primary_output(op: OpCall) -> str | None:
 
 
 def _is_change(op: OpCall, out: str, explicit: bool) -> bool:
+    if all(m.dtype == out for m in op.inputs):  # most ops: every input in the (float) output's
+        return False
     floats = [m.dtype for m in op.inputs if m.dtype in FLOATS]
     if any(d != out for d in floats):
         return True

@@ -20,6 +20,7 @@ from ampscope.records import (
     OptimizerStateRecord,
     ParameterRecord,
     dtype_name,
+    from_rows,
 )
 
 
@@ -67,17 +68,15 @@ def optimizer_state(
     names: dict[int, list[str]] | None = None,
 ) -> list[OptimizerStateRecord]:
     names = parameter_names(model) if names is None else names
-    records = []
+    rows = []  # thousands on a large model: built at once (from_rows)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 param = names.get(id(p), ["<not in model>"])[0]
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        records.append(OptimizerStateRecord(
-                            param, key, dtype_name(value.dtype), tuple(value.shape)
-                        ))
-    return records
+                        rows.append((param, key, dtype_name(value.dtype), tuple(value.shape)))
+    return from_rows(OptimizerStateRecord, rows)
 
 
 def named_tensors(named: dict[str, object], role: str | None = None) -> list[InputRecord]:

@@ -233,29 +233,29 @@ class StorageTracker:
         """One record per storage seen, in the order first seen; then forget them all (the
         weak references go, so no callback runs after this)."""
         rows = []
+        append = rows.append
         fp8 = fp8_casts(ops)
         fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8
                                                       if c.scale_op is not None}
         for i, entry in enumerate(self._seen):
-            created = entry.created
-            op = ops[created] if created is not None else None
-            category = entry.category
-            if category is None:
-                if op is not None and op.autocast_cast:
-                    category = "autocast_cast"
-                elif created in fp8_made:
-                    category = fp8_made[created]
-                elif entry.saved:
-                    category = "activation"
-                else:
-                    category = "temporary"
-            meta = entry.meta
-            rows.append((
-                i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
-                tuple(dict.fromkeys(entry.names)) if entry.names else (),
-                *((op.module, op.phase, op.op) if op is not None else (None, None, None)),
-                entry.saved,
-            ))
+            created, category, saved, names, meta = (entry.created, entry.category, entry.saved,
+                                                     entry.names, entry.meta)
+            if created is None:
+                module = phase = name = None
+                if category is None:
+                    category = "activation" if saved else "temporary"
+            else:
+                op = ops[created]
+                module, phase, name = op.module, op.phase, op.op
+                if category is None:
+                    if op.autocast_cast:
+                        category = "autocast_cast"
+                    elif created in fp8_made:
+                        category = fp8_made[created]
+                    else:
+                        category = "activation" if saved else "temporary"
+            append((i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
+                    tuple(dict.fromkeys(names)) if names else (), module, phase, name, saved))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
         return from_rows(StorageRecord, rows)
 
