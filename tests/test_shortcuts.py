@@ -72,11 +72,27 @@ def test_detach_aliases_its_input_as_fake_mode_does(fake):
     assert not mine.requires_grad
 
 
+@pytest.mark.parametrize(("shape", "size"), [((16, 8), [2, 8, 8]), ((16, 8), [128]),
+                                             ((1, 16, 8), [16, 8])])
+def test_an_unsafe_view_aliases_its_input_as_fake_mode_does(fake, shape, size):
+    """`_unsafe_view` (a reshape autograd does not track as a view): the same shape, strides,
+    offset and storage as FakeTensorMode's answer, and no view."""
+    base = torch.empty(40, 8)
+    x = base[3:].view(-1)[: torch.Size(shape).numel()].view(shape)  # an offset into a storage
+    mine = Shortcuts().call(aten._unsafe_view.default, (x, size), {})
+    truth = aten._unsafe_view.default(x, size)
+    assert _described(mine) == _described(truth)
+    assert mine.untyped_storage()._cdata == truth.untyped_storage()._cdata == \
+        x.untyped_storage()._cdata
+    assert mine._is_view() == truth._is_view()
+
+
 def test_constants_and_real_tensors_go_to_fake_mode(fake):
     step = torch.tensor(1.0)
     shortcuts = Shortcuts()
     for op in (aten.zeros_like.default, aten.detach.default):
         assert shortcuts.call(op, (step,), {}) is foreach.NOT_THINNED  # fake mode follows it
+    assert shortcuts.call(aten._unsafe_view.default, (step, [1]), {}) is foreach.NOT_THINNED
     plain = torch.empty(3)
     assert shortcuts.call(aten._local_scalar_dense.default, (plain,), {}) is foreach.NOT_THINNED
     with torch.utils._python_dispatch._disable_current_modes():
