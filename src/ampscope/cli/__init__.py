@@ -307,8 +307,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real", dest="predict", action="store_false",
                         help="run the step on real tensors (as --no-predict)")
     parser.add_argument("--every-block", action="store_true",
-                        help="predicted: dispatch every repeated block and every foreach "
-                             "entry, instead of replaying identical ones")
+                        help="predicted: dispatch every repeated block, foreach entry and "
+                             "op, instead of replaying identical ones and answering known ones")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug

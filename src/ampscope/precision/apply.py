@@ -104,10 +104,6 @@ class ModelState:
 
     @classmethod
     def save(cls, model: nn.Module) -> ModelState:
-        params = [
-            (p, p.data, p.requires_grad, p.grad)
-            for p in model.parameters(recurse=True)  # tied parameters appear once
-        ]
         modules = list(model.modules())  # one walk of a model of thousands of modules
         slots = [
             (m, name, p)
@@ -115,6 +111,10 @@ class ModelState:
             for name, p in m._parameters.items()
             if p is not None
         ]
+        unique: dict[int, nn.Parameter] = {}  # as model.parameters() lists them: tied
+        for _, _, p in slots:                    # parameters once, where first held
+            unique.setdefault(id(p), p)
+        params = [(p, p.data, p.requires_grad, p.grad) for p in unique.values()]
         buffers = [
             (m, name, b)
             for m in modules

@@ -26,10 +26,21 @@ from ampscope.records import (
 
 def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> every name it goes by, first name first."""
+    return parameters_and_names(model)[1]
+
+
+def parameters_and_names(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[str]]]:
+    """`list(model.parameters())` and `parameter_names(model)`, from one walk of the model."""
+    params: list[nn.Parameter] = []
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
+        known = names.get(id(p))
+        if known is None:
+            names[id(p)] = [name]
+            params.append(p)
+        else:
+            known.append(name)
+    return params, names
 
 
 def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,

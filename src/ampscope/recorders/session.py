@@ -383,12 +383,12 @@ class Capture:
             self._replay.check()
         if self._setting is None:
             trace.setting = self._observed_setting()
-        params = list(model.parameters())  # one walk of a model of thousands of modules
+        # One walk of a model of thousands of modules for both.
+        params, names = inventory.parameters_and_names(model)
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in params))
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
-        names = inventory.parameter_names(model)
         trace.parameters = inventory.parameters(model, names, params)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
