@@ -77,20 +77,25 @@ def _reads_index(cls: type, attribute: str) -> bool:
     `self.<attribute>` other than as a call's argument or a subscript: code that branches on a
     block's index makes the blocks differ. A method whose source cannot be read counts as one
     that does."""
+    methods = tuple(member for klass in cls.__mro__ if klass not in (nn.Module, object)
+                    for name, member in vars(klass).items()
+                    if name != "__init__" and inspect.isfunction(member))
+    return _any_reads(methods, attribute)
+
+
+@functools.lru_cache(maxsize=1024)
+def _any_reads(methods: tuple[types.FunctionType, ...], attribute: str) -> bool:
+    """`_reads_index` for these very functions, whose sources are read and searched once per
+    process (a method replaced is another function, searched again)."""
     passed = re.compile(r"[(,\[]\s*(?:\w+\s*=\s*)?self\." + attribute + r"\s*[,)\]]")
     used = re.compile(r"self\." + attribute + r"\b")
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        for name, member in vars(klass).items():
-            if name == "__init__" or not inspect.isfunction(member):
-                continue
-            try:
-                source = inspect.getsource(member)
-            except (OSError, TypeError):
-                return True
-            if len(used.findall(source)) != len(passed.findall(source)):
-                return True
+    for member in methods:
+        try:
+            source = inspect.getsource(member)
+        except (OSError, TypeError):
+            return True
+        if len(used.findall(source)) != len(passed.findall(source)):
+            return True
     return False
 
 

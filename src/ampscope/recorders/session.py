@@ -191,15 +191,25 @@ class Capture:
 
     def _watch(self, model: nn.Module) -> None:
         """Name the model's modules, parameters and buffers for the recorders."""
-        self._tracker.add_names({m: n for n, m in model.named_modules()})
+        # One walk of a model of thousands of modules, every path to each module (as
+        # named_parameters(remove_duplicate=False) takes them); a module goes by its first name.
+        modules = list(model.named_modules(remove_duplicate=False))
+        names: dict[nn.Module, str] = {}
+        for prefix, m in modules:
+            names.setdefault(m, prefix)
+        self._tracker.add_names(names)
         # Every name of each tensor (tied weights have several): the recorders name it by its
         # first, and its storage by all of them.
-        for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
-                            ("buffer", model.named_buffers(remove_duplicate=False))):
-            for name, t in named:
-                self._names.setdefault(id(t), (weakref.ref(t), name))
-                self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
-                self._storages.register(t, kind, name)
+        for kind in ("parameter", "buffer"):
+            for prefix, m in modules:
+                held = m._parameters if kind == "parameter" else m._buffers
+                for key, t in held.items():
+                    if t is None:
+                        continue
+                    name = f"{prefix}.{key}" if prefix else key
+                    self._names.setdefault(id(t), (weakref.ref(t), name))
+                    self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
+                    self._storages.register(t, kind, name)
         self._handles.append(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
         self._undo.append(self._tracker.watch_direct_calls(model, self._on_model_call))
