@@ -108,11 +108,11 @@ def main() -> None:
     replayed, full = results["ampscope"], results["every block"]
     print(f"{args.model}, train step, seq {args.seq}, cuda:bf16 predicted; {len(full.ops):,} ops, "
           f"{len(full.modules):,} module calls; median of {args.repeats} rounds in one process")
-    print(f"{'variant':<16} {'wall s':>7} {'min':>6} {'max':>6} {'× bare':>7}")
+    print(f"{'variant':<16} {'wall s':>7} {'min':>6} {'max':>6} {'× bare':>8}")
     bare = statistics.median(times["bare fake step"])
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"{name:<16} {median:7.2f} {min(values):6.2f} {max(values):6.2f} {median / bare:6.2f}×")
+        print(f"{name:<16} {median:7.2f} {min(values):6.2f} {max(values):6.2f} {median / bare:6.3f}×")
     note = next((n for n in replayed.notes if "identical blocks" in n), "no block replayed")
     print(f"\n{note}")
     diffs = compare(replayed, full)

@@ -172,7 +172,7 @@ class DeviceMode(TorchFunctionMode):
         factory on the default (CPU) device, or inputs that are all on the CPU."""
         if type(out) in _NOT_TENSORS:  # .item(), is_complex(): most calls in a predicted step
             return
-        results = tensors_in(out)
+        results = [out] if isinstance(out, torch.Tensor) else tensors_in(out)
         if not results:
             return
         if device is not None:
