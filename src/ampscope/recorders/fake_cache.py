@@ -16,9 +16,10 @@ negative and inference bits; each other argument's type and value. The first cal
 runs through the modes as usual; then FakeTensorMode's own key is built for it and its cache
 entry taken, when the mode made one (it does not for ops it will not cache: views that
 decompose, in-place views, random or data-dependent ops, fake constants). Later calls of the
-key get their results from that entry by FakeTensorMode's own code, as its cache hit does:
-a new tensor with the entry's metadata, a view on the argument's storage, or the argument an
-in-place op returns.
+key get their results from that entry as FakeTensorMode's cache hit makes them: a new tensor
+with the entry's metadata (made as `precision.predict.new_fake` makes one, when it is a single
+plain tensor: most answers), a view on the argument's storage, or the argument an in-place op
+returns (by FakeTensorMode's own code).
 
 Only a call whose every other mode below the recorder declares it passes the op through
 unchanged (`passes_through(func)`: the norm-statistics mode for all but the norms) is answered
@@ -27,6 +28,8 @@ any other kind of argument always goes through the modes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -38,6 +41,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ampscope.precision.predict import new_fake
 from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
 
@@ -68,6 +72,8 @@ class CachedAnswers:
         found = self._entries.get(tuple(key))
         if found is _UNCACHED:
             return NOT_THINNED
+        if type(found) is _Fresh:  # the most common answer, made as new_fake makes one
+            return new_fake(mode, found.shape, found.stride, found.dtype, found.device)
         if found is not None:
             entry, fake_key = found
             return mode._output_from_cache_entry(_CacheKeyState(None), entry, fake_key, func,
@@ -116,4 +122,31 @@ def _learned(mode: FakeTensorMode, func: torch._ops.OpOverload, args: tuple, kwa
     except _BypassDispatchCache:
         return _UNCACHED
     entry = FakeTensorMode.cache.get(fake_key)
-    return (entry, fake_key) if isinstance(entry, _DispatchCacheValidEntry) else _UNCACHED
+    if not isinstance(entry, _DispatchCacheValidEntry):
+        return _UNCACHED
+    return _fresh(entry) or (entry, fake_key)
+
+
+class _Fresh(NamedTuple):
+    """An entry whose answer is one new tensor of plain metadata, on a storage of its own."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _fresh(entry: _DispatchCacheValidEntry) -> _Fresh | None:
+    """The entry as a `_Fresh`, where FakeTensorMode would make its answer as `new_fake` makes
+    one (an empty strided meta tensor wrapped with its device): one output, neither the
+    argument an in-place op returns nor a view of one, without autograd, conjugate or negative
+    bits."""
+    if entry.is_output_tuple or len(entry.output_infos) != 1:
+        return None
+    info = entry.output_infos[0]
+    meta = info.metadata
+    if (info.inplace_idx is not None or info.view_idx is not None or meta is None
+            or meta.layout != torch.strided or meta.requires_grad or meta.is_conj
+            or meta.is_neg or not all(type(v) is int for v in (*meta.shape, *meta.stride))):
+        return None
+    return _Fresh(tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.device)
