@@ -142,10 +142,18 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
     With `constant` (a small real tensor of that metadata, which the fake tensor then owns),
     it is a fake constant, as FakeTensorMode's converter makes one: the mode follows its
     value through ops on constants only and reads it back for `.item()`."""
-    device = torch.device(device)
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if FakeTensorConfig.debug:
+        return wrap_fake(mode, meta, device, constant)
+
+
+def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,
+              constant: torch.Tensor | None = None) -> FakeTensor:
+    """`FakeTensor(mode, meta, device, constant=constant)`: `meta` (a meta tensor no other fake
+    tensor wraps) as a fake tensor of `mode` on `device`, wrapped as `new_fake` wraps its own."""
+    device = torch.device(device)
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        if FakeTensorConfig.debug or meta.requires_grad:
             return FakeTensor(mode, meta, device, constant=constant)
         learned = _fresh.setdefault(mode, {})
         known = learned.get(device)

@@ -36,7 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.utils._mode_utils import no_dispatch
 
-from ampscope.precision.predict import new_fake
+from ampscope.precision.predict import new_fake, wrap_fake
 from ampscope.recorders.foreach import NOT_THINNED, own_storage
 from ampscope.recorders.tensors import no_torch_function
 
@@ -75,7 +75,7 @@ class Shortcuts:
         if func in _ALIASES:
             with in_kernel_invocation_manager(t.fake_mode):
                 alias = func(*args, **kwargs)
-            return FakeTensor(t.fake_mode, alias, t.fake_device)
+            return wrap_fake(t.fake_mode, alias, t.fake_device)
         with no_torch_function():  # metadata reads are no user's calls
             key = (func, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.fake_device,
                    args[1:], tuple(sorted(kwargs.items())))
