@@ -113,6 +113,38 @@ def test_answers_are_fake_mode_s_own(reached, op, make, kwargs):
         assert relation_mine == relation_truth
 
 
+def _like_inputs() -> list[torch.Tensor]:
+    """Dense, transposed, offset and expanded inputs, in two dtypes."""
+    base = torch.empty(6, 8)
+    return [torch.empty(8, 4), torch.empty(4, 8).t(), base[1:], torch.empty(1, 4).expand(3, 4),
+            torch.empty(5, dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("op", "extra", "kwargs"), [
+    (aten.zeros_like.default, (), {}),
+    (aten.zeros_like.default, (), {"memory_format": torch.preserve_format}),
+    (aten.empty_like.default, (), {"dtype": torch.float16}),
+    (aten.ones_like.default, (), {"memory_format": torch.contiguous_format}),
+    (aten.full_like.default, (0.5,), {}),
+])
+def test_new_tensors_like_another_are_as_fake_mode_makes_them(reached, op, extra, kwargs):
+    """The optimizer state's `zeros_like` and its kin, for dense, transposed, offset and
+    expanded inputs: answered from the cache (as a new tensor of its own) as FakeTensorMode
+    makes them."""
+    with FakeTensorMode():
+        for x in _like_inputs():
+            with Answering():
+                first = op(x, *extra, **kwargs)  # learned from FakeTensorMode
+                reached.clear()
+                again = op(x, *extra, **kwargs)  # made from its cache entry
+                assert set(reached) <= {"device.default"}
+            truth = op(x, *extra, **kwargs)
+            assert _described(first) == _described(again) == _described(truth)
+            # A new tensor each time, with a storage of its own, as a kernel's result.
+            assert again.untyped_storage()._cdata not in (first.untyped_storage()._cdata,
+                                                          x.untyped_storage()._cdata)
+
+
 def test_calls_the_cache_cannot_hold_go_to_fake_mode(reached):
     """A real tensor, a fake constant and an op FakeTensorMode keeps no entry for are never
     answered."""

@@ -1,8 +1,8 @@
 """Per-parameter fake ops answered without FakeTensorMode's dispatch (recorders/shortcuts.py):
 each answer equals FakeTensorMode's own for the same call — the ground truth, which the
-shortcut does not consult after the first call of a kind — and a predicted step that takes the
-shortcuts records exactly what the step without them records, with far fewer calls reaching
-FakeTensorMode."""
+shortcut does not consult — and a predicted step that takes the shortcuts (and the cache
+answers, recorders/fake_cache.py) records exactly what the step without them records, with far
+fewer calls reaching FakeTensorMode."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ampscope
 from ampscope.recorders import foreach
-from ampscope.recorders.shortcuts import Shortcuts
+from ampscope.recorders.shortcuts import answer
 from tests.helpers import assert_same_trace
 
 aten = torch.ops.aten
@@ -31,41 +31,15 @@ def fake():
         yield mode
 
 
-def _inputs() -> list[torch.Tensor]:
-    """Dense, transposed, offset and expanded inputs, in two dtypes."""
-    base = torch.empty(6, 8)
-    return [torch.empty(8, 4), torch.empty(4, 8).t(), base[1:], torch.empty(1, 4).expand(3, 4),
-            torch.empty(5, dtype=torch.bfloat16)]
-
-
-@pytest.mark.parametrize(("op", "extra", "kwargs"), [
-    (aten.zeros_like.default, (), {}),
-    (aten.zeros_like.default, (), {"memory_format": torch.preserve_format}),
-    (aten.empty_like.default, (), {"dtype": torch.float16}),
-    (aten.ones_like.default, (), {"memory_format": torch.contiguous_format}),
-    (aten.full_like.default, (0.5,), {}),
-])
-def test_new_tensors_like_another_are_as_fake_mode_makes_them(fake, op, extra, kwargs):
-    shortcuts = Shortcuts()
-    for x in _inputs():
-        first = shortcuts.call(op, (x, *extra), dict(kwargs))  # learned from FakeTensorMode
-        again = shortcuts.call(op, (x, *extra), dict(kwargs))  # made by the shortcut
-        truth = op(x, *extra, **kwargs)
-        assert _described(first) == _described(again) == _described(truth)
-        # A new tensor each time, with a storage of its own, as a kernel's result.
-        assert again.untyped_storage()._cdata not in (first.untyped_storage()._cdata,
-                                                      x.untyped_storage()._cdata)
-
-
 def test_item_of_a_fake_constant_reads_its_value(fake):
     step = torch.tensor(0.0)
     step.add_(3)  # fake mode follows the constant's value
-    assert Shortcuts().call(aten._local_scalar_dense.default, (step,), {}) == 3.0 == step.item()
+    assert answer(aten._local_scalar_dense.default, (step,), {}) == 3.0 == step.item()
 
 
 def test_detach_aliases_its_input_as_fake_mode_does(fake):
     x = torch.empty(6, 8, requires_grad=True)[1:, 2:]
-    mine = Shortcuts().call(aten.detach.default, (x,), {})
+    mine = answer(aten.detach.default, (x,), {})
     truth = aten.detach.default(x)
     assert _described(mine) == _described(truth)
     assert mine.untyped_storage()._cdata == x.untyped_storage()._cdata
@@ -79,7 +53,7 @@ def test_an_unsafe_view_aliases_its_input_as_fake_mode_does(fake, shape, size):
     offset and storage as FakeTensorMode's answer, and no view."""
     base = torch.empty(40, 8)
     x = base[3:].view(-1)[: torch.Size(shape).numel()].view(shape)  # an offset into a storage
-    mine = Shortcuts().call(aten._unsafe_view.default, (x, size), {})
+    mine = answer(aten._unsafe_view.default, (x, size), {})
     truth = aten._unsafe_view.default(x, size)
     assert _described(mine) == _described(truth)
     assert mine.untyped_storage()._cdata == truth.untyped_storage()._cdata == \
@@ -89,22 +63,20 @@ def test_an_unsafe_view_aliases_its_input_as_fake_mode_does(fake, shape, size):
 
 def test_constants_and_real_tensors_go_to_fake_mode(fake):
     step = torch.tensor(1.0)
-    shortcuts = Shortcuts()
-    for op in (aten.zeros_like.default, aten.detach.default):
-        assert shortcuts.call(op, (step,), {}) is foreach.NOT_THINNED  # fake mode follows it
-    assert shortcuts.call(aten._unsafe_view.default, (step, [1]), {}) is foreach.NOT_THINNED
+    assert answer(aten.detach.default, (step,), {}) is foreach.NOT_THINNED  # fake mode follows it
+    assert answer(aten._unsafe_view.default, (step, [1]), {}) is foreach.NOT_THINNED
     plain = torch.empty(3)
-    assert shortcuts.call(aten._local_scalar_dense.default, (plain,), {}) is foreach.NOT_THINNED
+    assert answer(aten._local_scalar_dense.default, (plain,), {}) is foreach.NOT_THINNED
     with torch.utils._python_dispatch._disable_current_modes():
         real = torch.zeros(3)
-    assert shortcuts.call(aten.zeros_like.default, (real,), {}) is foreach.NOT_THINNED
+    assert answer(aten.detach.default, (real,), {}) is foreach.NOT_THINNED
 
 
 def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
-    """gpt2's AdamW step, predicted for CUDA: the optimizer state's zeros_like and step
-    counters, the counters' item() and autograd's detaches take the shortcut; the trace equals the one made
-    with every call dispatched (every_block=True takes no shortcut), and far fewer calls reach
-    FakeTensorMode."""
+    """gpt2's AdamW step, predicted for CUDA: the step counters, their item() and autograd's
+    detaches take the shortcut, the optimizer state's zeros_like the cache answers; the trace
+    equals the one made with every call dispatched (every_block=True takes neither), and far
+    fewer calls reach FakeTensorMode."""
     reached: Counter[str] = Counter()
     original = FakeTensorMode.__torch_dispatch__
 
@@ -139,9 +111,7 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
 
 def test_shortcut_results_are_fake_tensors_of_the_run(fake):
     x = torch.empty(4, 4)
-    shortcuts = Shortcuts()
-    shortcuts.call(aten.zeros_like.default, (x,), {})
-    made = shortcuts.call(aten.zeros_like.default, (x,), {})
+    made = answer(aten.detach.default, (x,), {})
     assert type(made) is FakeTensor and made.fake_mode is fake
     assert (made + x).shape == (4, 4)  # usable in the run's later ops
 
@@ -151,7 +121,7 @@ def test_a_lifted_scalar_is_the_fake_constant_fake_mode_makes(fake):
     fake mode follows through in-place ops and reads back."""
     with torch.utils._python_dispatch._disable_current_modes():
         real = torch.tensor(2.0)
-    mine = Shortcuts().call(aten.lift_fresh.default, (real,), {})
+    mine = answer(aten.lift_fresh.default, (real,), {})
     truth = aten.lift_fresh.default(real)
     assert _described(mine) == _described(truth)
     mine.add_(1)
@@ -162,7 +132,7 @@ def test_a_lifted_scalar_is_the_fake_constant_fake_mode_makes(fake):
         assert real.item() == 2.0  # a copy: the real tensor is untouched
     with torch.utils._python_dispatch._disable_current_modes():
         big = torch.zeros(10_000)  # too large to follow: fake mode makes it a plain fake tensor
-    assert Shortcuts().call(aten.lift_fresh.default, (big,), {}) is foreach.NOT_THINNED
+    assert answer(aten.lift_fresh.default, (big,), {}) is foreach.NOT_THINNED
 
 
 def _lifted_lives(lifted: torch.Tensor) -> tuple:
@@ -189,7 +159,7 @@ def test_a_lifted_scalar_lives_on_as_fake_mode_s_own(fake):
     own lift."""
     with torch.utils._python_dispatch._disable_current_modes():
         real = torch.tensor(2.0)
-    mine = _lifted_lives(Shortcuts().call(aten.lift_fresh.default, (real,), {}))
+    mine = _lifted_lives(answer(aten.lift_fresh.default, (real,), {}))
     truth = _lifted_lives(aten.lift_fresh.default(real))
     assert mine == truth
     assert truth[:3] == (True, 3.0, 6.0)
@@ -205,11 +175,11 @@ def test_lifted_tensors_of_every_kind_match_fake_mode(fake):
         left = [torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor(1.0, requires_grad=True),
                 torch.tensor(1j).conj(), torch.tensor(1.0)._neg_view()]
     for real in reals:
-        mine = Shortcuts().call(aten.lift_fresh.default, (real,), {})
+        mine = answer(aten.lift_fresh.default, (real,), {})
         truth = aten.lift_fresh.default(real)
         assert _described(mine) == _described(truth)
         with torch.utils._python_dispatch._disable_current_modes():
             assert mine.constant.stride() == truth.constant.stride()
             assert torch.equal(mine.constant, truth.constant)
     for real in left:
-        assert Shortcuts().call(aten.lift_fresh.default, (real,), {}) is foreach.NOT_THINNED
+        assert answer(aten.lift_fresh.default, (real,), {}) is foreach.NOT_THINNED

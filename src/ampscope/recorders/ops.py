@@ -329,10 +329,9 @@ class OpRecorder(UncompiledDispatchMode):
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
         # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py)
-        # and answer per-parameter ops whose fake result is known (recorders/shortcuts.py)
+        # and answer per-parameter ops FakeTensorMode never caches (recorders/shortcuts.py)
         # and ops whose FakeTensorMode cache entry is known (recorders/fake_cache.py).
         self.thin = False
-        self._shortcuts = shortcuts.Shortcuts()
         self._cached = fake_cache.CachedAnswers()
         functions.op_log = self.rows
         self._tracker = tracker
@@ -367,7 +366,7 @@ class OpRecorder(UncompiledDispatchMode):
             if facts.foreach:
                 out = foreach.thinned_call(func, args, kwargs)
             elif facts.shortcut:
-                out = self._shortcuts.call(func, args, kwargs)
+                out = shortcuts.answer(func, args, kwargs)
             else:
                 out = self._cached.call(func, args, kwargs)
         if out is foreach.NOT_THINNED:

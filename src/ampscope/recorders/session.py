@@ -110,8 +110,9 @@ class Capture:
         fake tensors) records repeated identical blocks once and replays the others
         (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound.
         `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors over one list
-        entry of each kind (recorders/foreach.py) and answers per-parameter ops whose fake result
-        is known without FakeTensorMode (recorders/shortcuts.py)."""
+        entry of each kind (recorders/foreach.py), answers per-parameter ops FakeTensorMode never
+        caches without it (recorders/shortcuts.py) and others from its cache
+        (recorders/fake_cache.py)."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting

@@ -1,20 +1,14 @@
-"""Fake results of per-parameter ops, made without FakeTensorMode's dispatch where its answer
-is already known.
+"""Fake results of per-parameter ops FakeTensorMode answers slowly and never from its cache,
+made without its dispatch.
 
 An optimizer's Python loop runs some ops once per parameter: AdamW makes each parameter's step
-counter (`torch.tensor(0.0)`) and two moments (`zeros_like`) when its state is created, and
-reads each counter back with `.item()` twice a step; the autograd engine detaches each gradient
-as it stores it. On a 70B Llama that is about 5,100 ops, at 30 to 120 µs each through
-FakeTensorMode (its cache key, its answer, the wrapping), where the recorders above take a few
-microseconds. In a predicted run (as foreach ops are thinned, and by the same switch) the
-op recorder answers them itself:
+counter (`torch.tensor(0.0)`) when its state is created, and reads each counter back with
+`.item()` twice a step; the autograd engine detaches each gradient as it stores it. On a 70B
+Llama that is about 3,700 ops, at 30 to 150 µs each through FakeTensorMode, which keeps none
+of them in its cache (ops it does cache, such as the moments' `zeros_like`, are answered from
+it: recorders/fake_cache.py). In a predicted run (as foreach ops are thinned, and by the same
+switch) the op recorder answers them itself:
 
-- A new tensor like another (`zeros_like`, `empty_like`, `ones_like`, `full_like`): its
-  metadata follows from its input's and the op's arguments alone. The first call of each kind
-  (op, input shape, strides, offset, dtype, device, arguments) runs through FakeTensorMode;
-  later ones get a new fake tensor with the metadata it gave, made as the mode's own cache makes
-  its answers (`precision.predict.new_fake`). An input that holds a fake constant, or an answer
-  that is not a new tensor of its own, leaves the kind to FakeTensorMode every time.
 - `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
   counters): the constant's value, read as FakeTensorMode's constant propagation reads it.
 - `torch.tensor(0.0)` under fake mode (`lift_fresh` of a real scalar: each Adam step counter):
@@ -23,9 +17,8 @@ op recorder answers them itself:
   first.
 - `detach` of a fake tensor that holds no constant (autograd's, storing each parameter's
   gradient; `nn.Parameter` around a fake working copy), and `_unsafe_view` of one (a reshape
-  autograd does not track as a view, which FakeTensorMode never caches: 150 µs a call): the
-  meta kernel's alias of the input, wrapped with the input's device, as FakeTensorMode runs
-  and wraps it.
+  autograd does not track as a view: 150 µs a call): the meta kernel's alias of the input,
+  wrapped with the input's device, as FakeTensorMode runs and wraps it.
 
 The recorders see these ops as any other: the op, its inputs and its result are the same.
 """
@@ -37,61 +30,36 @@ from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manag
 from torch.utils._mode_utils import no_dispatch
 
 from ampscope.precision.predict import new_fake, wrap_fake
-from ampscope.recorders.foreach import NOT_THINNED, own_storage
+from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
 
 aten = torch.ops.aten
-_LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default,
-                   aten.full_like.default})
 _ITEM = aten._local_scalar_dense.default
 # Ops whose result is a new tensor object on the input's storage, made by the meta kernel
 # alone: a detach, and the reshape of a tensor autograd does not track as a view.
 _ALIASES = frozenset({aten.detach.default, aten._unsafe_view.default})
 _LIFT = aten.lift_fresh.default
-OPS = _LIKE | _ALIASES | {_ITEM, _LIFT}
-_UNLIKE = object()  # a kind whose answer was not a new tensor of its own: always dispatched
+OPS = _ALIASES | {_ITEM, _LIFT}
 
 
-class Shortcuts:
-    """The answers learned in one run (one fake mode), by kind of call."""
-
-    def __init__(self) -> None:
-        self._answers: dict[tuple, object] = {}
-
-    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
-        """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""
-        t = args[0] if args else None
-        if func is _LIFT:
-            return _constant(t) if len(args) == 1 and not kwargs else NOT_THINNED
-        if type(t) is not FakeTensor or t.fake_mode.in_kernel_invocation:
+def answer(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """The result of one of `OPS`, or NOT_THINNED (as foreach's) where it has to be
+    dispatched."""
+    t = args[0] if args else None
+    if func is _LIFT:
+        return _constant(t) if len(args) == 1 and not kwargs else NOT_THINNED
+    if type(t) is not FakeTensor or t.fake_mode.in_kernel_invocation:
+        return NOT_THINNED
+    if func is _ITEM:
+        if t.constant is None:
             return NOT_THINNED
-        if func is _ITEM:
-            if t.constant is None:
-                return NOT_THINNED
-            with no_dispatch():
-                return func(t.constant)
-        if t.constant is not None:
-            return NOT_THINNED
-        if func in _ALIASES:
-            with in_kernel_invocation_manager(t.fake_mode):
-                alias = func(*args, **kwargs)
-            return wrap_fake(t.fake_mode, alias, t.fake_device)
-        with no_torch_function():  # metadata reads are no user's calls
-            key = (func, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.fake_device,
-                   args[1:], tuple(sorted(kwargs.items())))
-        try:
-            answer = self._answers.get(key)
-        except TypeError:  # an argument that does not hash
-            return NOT_THINNED
-        if answer is None:
-            out = func(*args, **kwargs)
-            with no_torch_function():
-                self._answers[key] = _learned(out)
-            return out
-        if answer is _UNLIKE:
-            return NOT_THINNED
-        shape, stride, dtype, device = answer
-        return new_fake(t.fake_mode, shape, stride, dtype, device)
+        with no_dispatch():
+            return func(t.constant)
+    if t.constant is not None:
+        return NOT_THINNED
+    with in_kernel_invocation_manager(t.fake_mode):  # one of _ALIASES
+        alias = func(*args, **kwargs)
+    return wrap_fake(t.fake_mode, alias, t.fake_device)
 
 
 def _constant(t) -> object:
@@ -125,11 +93,3 @@ def _constant(t) -> object:
             fake.untyped_storage()
         converter.add_constant_storage_mapping(fake)
         return fake
-
-
-def _learned(out) -> object:
-    """What to make for later calls of the kind: the answer's metadata, where it is a new fake
-    tensor with a storage of its own."""
-    if not own_storage(out):
-        return _UNLIKE
-    return tuple(out.shape), out.stride(), out.dtype, out.fake_device
