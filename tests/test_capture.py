@@ -233,7 +233,8 @@ def test_explicit_casts_repeated_in_every_block_make_one_finding():
 
 def test_records_built_from_rows_are_the_records_their_init_builds():
     """`records.from_rows` (the recorders' fast path) makes the same frozen record as the
-    dataclass's own constructor: equal, hashing alike, every field set, still frozen."""
+    dataclass's own constructor: of its class, equal, hashing alike, every field set, still
+    frozen."""
     import dataclasses
 
     from ampscope.records import FunctionCall, OpCall, StorageRecord, TensorMeta, from_rows
@@ -249,11 +250,14 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
     }
     for cls, row in rows.items():
         [fast], slow = from_rows(cls, [row]), cls(*row)
+        assert type(fast) is cls
         assert fast == slow and hash(fast) == hash(slow)
         names = [f.name for f in dataclasses.fields(cls)]
         assert tuple(getattr(fast, name) for name in names) == row
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(fast, names[0], 9)
+        with pytest.raises(ValueError):  # a row missing a field is refused, never half-filled
+            from_rows(cls, [row[:-1]])
 
 
 def test_torch_level_calls_are_named_as_user_code_spells_them():

@@ -144,34 +144,42 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
     value through ops on constants only and reads it back for `.item()`."""
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        return wrap_fake(mode, meta, device, constant)
+        return _wrapped(mode, meta, device, constant)
 
 
 def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,
               constant: torch.Tensor | None = None) -> FakeTensor:
     """`FakeTensor(mode, meta, device, constant=constant)`: `meta` (a meta tensor no other fake
     tensor wraps) as a fake tensor of `mode` on `device`, wrapped as `new_fake` wraps its own."""
-    device = torch.device(device)
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        if FakeTensorConfig.debug or meta.requires_grad:
-            return FakeTensor(mode, meta, device, constant=constant)
-        learned = _fresh.setdefault(mode, {})
-        known = learned.get(device)
-        if known is None:
-            made = FakeTensor(mode, meta, device)
-            learned[device] = (made.fake_device, dict(vars(made)))
-            made.constant = constant
-            return made
-        fake_device, attributes = known
-        made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
-                                           device_for_backend_keys=fake_device)
-        if mode._allow_unsafe_data_ptr_access:  # as FakeTensor.__new__ does
-            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
-        else:
-            torch._C._set_throw_on_mutable_data_ptr(made)
-        made.__dict__.update(attributes)
+        return _wrapped(mode, meta, device, constant)
+
+
+def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,
+             constant: torch.Tensor | None) -> FakeTensor:
+    """`wrap_fake`'s work, with the modes already off (`_make_subclass` detaches `meta`, an op
+    no mode may see)."""
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if FakeTensorConfig.debug or meta.requires_grad:
+        return FakeTensor(mode, meta, device, constant=constant)
+    learned = _fresh.setdefault(mode, {})
+    known = learned.get(device)
+    if known is None:
+        made = FakeTensor(mode, meta, device)
+        learned[device] = (made.fake_device, dict(vars(made)))
         made.constant = constant
         return made
+    fake_device, attributes = known
+    made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
+                                       device_for_backend_keys=fake_device)
+    if mode._allow_unsafe_data_ptr_access:  # as FakeTensor.__new__ does
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(made)
+    made.__dict__.update(attributes)
+    made.constant = constant
+    return made
 
 
 # What FakeTensor.__new__ gave a new fake tensor, by mode and device: the device it normalized

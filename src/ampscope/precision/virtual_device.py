@@ -79,14 +79,16 @@ class _CpuTags:
 
     def __init__(self) -> None:
         self._tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._ids: set[int] = set()
+        # The ids of every tensor ever tagged: an id not in it is never tagged (read directly
+        # on the hot paths, where the method call would cost as much as the answer).
+        self.ids: set[int] = set()
 
     def __contains__(self, t: object) -> bool:
-        return id(t) in self._ids and t in self._tags
+        return id(t) in self.ids and t in self._tags
 
     def add(self, t: torch.Tensor) -> None:
         self._tags[t] = True
-        self._ids.add(id(t))
+        self.ids.add(id(t))
 
     def discard(self, t: torch.Tensor) -> bool:
         """Untag `t` (its weak reference goes with it); whether it was tagged."""
@@ -126,7 +128,7 @@ class DeviceMode(TorchFunctionMode):
             # loop: its result is where the tensor read is, which is on the target unless
             # tagged.
             out = func(*args)
-            if args[0] in self.on_cpu:
+            if id(args[0]) in self.on_cpu.ids and args[0] in self.on_cpu:
                 self._tag(out, args, {}, None)
             return out
         device = kwargs.get("device") if kwargs else None
@@ -172,6 +174,9 @@ class DeviceMode(TorchFunctionMode):
         factory on the default (CPU) device, or inputs that are all on the CPU."""
         if type(out) in _NOT_TENSORS:  # .item(), is_complex(): most calls in a predicted step
             return
+        if device is None and args and isinstance(args[0], torch.Tensor) \
+                and id(args[0]) not in self.on_cpu.ids:
+            return  # an input on the target (most calls): not all of them are on the CPU
         results = [out] if isinstance(out, torch.Tensor) else tensors_in(out)
         if not results:
             return
