@@ -156,7 +156,10 @@ def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str, 
                optimizer_impl: str | None = None) -> dict:
     module = lm.module
     module.train()
-    params = [p for p in module.parameters() if p.requires_grad]
+    # ampscope's own look at the parameters, no call of the model's: a `requires_grad` read
+    # per parameter that no mode needs to see (on a 70B model, 723 round trips through each).
+    with torch._C.DisableTorchFunction():
+        params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise AmpscopeError(f"{lm.name} has no parameter that requires grad; nothing to train")
     opt = make_optimizer(optimizer, params, **_optimizer_choice(setting, optimizer_impl))
