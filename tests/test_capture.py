@@ -153,6 +153,24 @@ def test_a_predicted_trace_keeps_no_real_tensor_alive(gpt2_tiny):
     assert live_tensors(real_only=True) <= before
 
 
+def test_a_predicted_trace_leaves_no_fake_mode_behind(gpt2_tiny):
+    """The FakeTensorMode of a predicted run, and what its converter holds (a fake constant per
+    Adam step counter), goes with the run: a process that predicts step after step (`fit`, a
+    sweep in a notebook) does not grow."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def modes() -> int:
+        gc.collect()
+        return sum(type(o) is FakeTensorMode for o in gc.get_objects())
+
+    ampscope.trace(gpt2_tiny, setting="cuda:bf16", workload="train", seq=8)  # warm-up
+    before = modes()
+    traces = [ampscope.trace(gpt2_tiny, setting="cuda:bf16", workload="train", seq=8)
+              for _ in range(2)]
+    assert all(t.mode == "predict" for t in traces)
+    assert modes() == before
+
+
 def test_trace_keeps_no_activation_alive(gpt2_tiny):
     ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="train", seq=8,
                    predict=False)  # warm-up

@@ -167,7 +167,10 @@ def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | st
     known = learned.get(device)
     if known is None:
         made = FakeTensor(mode, meta, device)
-        learned[device] = (made.fake_device, dict(vars(made)))
+        # Kept without the mode itself: a value of `_fresh` that held its key would keep the
+        # mode, and everything its converter holds, alive for the rest of the process.
+        attributes = {k: v for k, v in vars(made).items() if k != "fake_mode"}
+        learned[device] = (made.fake_device, attributes)
         made.constant = constant
         return made
     fake_device, attributes = known
@@ -178,12 +181,14 @@ def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | st
     else:
         torch._C._set_throw_on_mutable_data_ptr(made)
     made.__dict__.update(attributes)
+    made.fake_mode = mode
     made.constant = constant
     return made
 
 
 # What FakeTensor.__new__ gave a new fake tensor, by mode and device: the device it normalized
-# (cuda -> cuda:0) and the instance attributes it set (with no constant; new_fake sets its own).
+# (cuda -> cuda:0) and the instance attributes it set but the mode (with no constant; new_fake
+# sets its own).
 _fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple[torch.device, dict]]] \
     = weakref.WeakKeyDictionary()
 
