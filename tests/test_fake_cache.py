@@ -145,6 +145,24 @@ def test_new_tensors_like_another_are_as_fake_mode_makes_them(reached, op, extra
                                                           x.untyped_storage()._cdata)
 
 
+def test_a_first_call_is_answered_from_the_entry_fake_mode_already_holds(reached, monkeypatch):
+    """FakeTensorMode's cache is its class's and outlives a run: the first call of a key in a
+    new run is answered from the entry an earlier call left, as FakeTensorMode's own cache hit
+    makes it, without reaching the mode; with the cache empty it reaches the mode once."""
+    monkeypatch.setattr(FakeTensorMode, "cache", {})
+    with FakeTensorMode():
+        x, w = torch.empty(8, 6), torch.empty(6, 5)
+        first_run = CachedAnswers()
+        assert first_run.call(aten.mm.default, (x, w), {}) is not NOT_THINNED
+        assert reached["mm.default"] == 1  # an empty cache: dispatched, and entered in it
+        reached.clear()
+        mine = CachedAnswers().call(aten.mm.default, (x, w), {})  # another run's first call
+        assert not reached
+        truth = aten.mm.default(x, w)
+    assert _described(mine) == _described(truth)
+    assert _storage(mine) not in (_storage(truth), _storage(x), _storage(w))
+
+
 def test_calls_the_cache_cannot_hold_go_to_fake_mode(reached):
     """A real tensor, a fake constant and an op FakeTensorMode keeps no entry for are never
     answered."""

@@ -87,6 +87,8 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(FakeTensorMode, "__torch_dispatch__", counted)
+    # FakeTensorMode's cache as a fresh process has it (earlier tests filled the real one).
+    monkeypatch.setattr(FakeTensorMode, "cache", {})
     options = {"setting": "cuda:bf16", "workload": "train", "seq": 16, "predict": True}
     quick = ampscope.trace("gpt2", **options)
     short = reached.copy()
@@ -107,6 +109,12 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
     # checks) are answered by the op recorder in both runs: what reaches FakeTensorMode are
     # the few its own decompositions make.
     assert short["device.default"] < 20 and reached["device.default"] < 20
+    # A second step in the process: the first zeros_like of each kind is answered from the
+    # entry FakeTensorMode's cache kept, as its own cache hit would be, without reaching it.
+    reached.clear()
+    again = ampscope.trace("gpt2", **options)
+    assert_same_trace(again, whole)
+    assert reached["zeros_like.default"] == 0
 
 
 def test_shortcut_results_are_fake_tensors_of_the_run(fake):

@@ -13,8 +13,10 @@ by what FakeTensorMode's key holds, read more cheaply: the op; the default dtype
 inference mode, the mode stack's depth and whether a proxy mode traces; each fake tensor's
 dtype, shape, strides, storage offset, storage size, device, `requires_grad`, conjugate,
 negative and inference bits; each other argument's type and value. The first call of a key
-runs through the modes as usual; then FakeTensorMode's own key is built for it and its cache
-entry taken, when the mode made one (it does not for ops it will not cache: views that
+builds FakeTensorMode's own key for it. When the mode's cache (its class's, which outlives a
+run: a `fit` or a `matrix` makes several in one process) holds an entry for that key already,
+the call is answered from it; otherwise it runs through the modes as usual, and the entry the
+mode made of it is taken, when it made one (it does not for ops it will not cache: views that
 decompose, in-place views, random or data-dependent ops, fake constants). Later calls of the
 key get their results from that entry as FakeTensorMode's cache hit makes them: a new tensor
 with the entry's metadata (made as `precision.predict.new_fake` makes one, when it is a single
@@ -69,19 +71,30 @@ class CachedAnswers:
         with no_torch_function():  # metadata reads are no user's calls
             if not _add(args, mode, key) or (kwargs and not _add_named(kwargs, mode, key)):
                 return NOT_THINNED
-        found = self._entries.get(tuple(key))
+        known = tuple(key)
+        found = self._entries.get(known)
+        if found is None:  # the key's first call in this run
+            with no_torch_function():
+                fake_key = _fake_key(mode, func, args, kwargs)
+            entry = FakeTensorMode.cache.get(fake_key) if fake_key is not None else None
+            if fake_key is not None and not isinstance(entry, _DispatchCacheValidEntry):
+                # Not in FakeTensorMode's cache yet: this call runs through the modes, and the
+                # entry FakeTensorMode makes of it answers the key's later calls.
+                out = func(*args, **kwargs)
+                with no_torch_function():
+                    self._entries[known] = _answer_from(FakeTensorMode.cache.get(fake_key),
+                                                        fake_key)
+                return out
+            # Already there (an earlier call with another cheap key, an earlier run in this
+            # process): answered from it now, as FakeTensorMode's cache hit would be.
+            with no_torch_function():
+                found = self._entries[known] = _answer_from(entry, fake_key)
         if found is _UNCACHED:
             return NOT_THINNED
         if type(found) is _Fresh:  # the most common answer, made as new_fake makes one
             return new_fake(mode, found.shape, found.stride, found.dtype, found.device)
-        if found is not None:
-            entry, fake_key = found
-            return mode._output_from_cache_entry(_CacheKeyState(None), entry, fake_key, func,
-                                                 args)
-        out = func(*args, **kwargs)
-        with no_torch_function():
-            self._entries[tuple(key)] = _learned(mode, func, args, kwargs)
-        return out
+        entry, fake_key = found
+        return mode._output_from_cache_entry(_CacheKeyState(None), entry, fake_key, func, args)
 
 
 def _add(values, mode: FakeTensorMode, key: list) -> bool:
@@ -110,18 +123,22 @@ def _add_named(kwargs: dict, mode: FakeTensorMode, key: list) -> bool:
     return _add(kwargs.values(), mode, key)
 
 
-def _learned(mode: FakeTensorMode, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
-    """FakeTensorMode's cache entry for a call it just answered, with its key; `_UNCACHED` when
-    it keeps none, or when a mode between the recorder and it may change the op's results."""
+def _fake_key(mode: FakeTensorMode, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """FakeTensorMode's own cache key for the call; None when it would not use its cache for
+    it, or when a mode between the recorder and it may change the op's results."""
     for other in _get_current_dispatch_mode_stack():
         passes = getattr(other, "passes_through", None)
         if other is not mode and (passes is None or not passes(func)):
-            return _UNCACHED
+            return None
     try:
-        fake_key = mode._cache_key(_CacheKeyState(None), func, args, kwargs)
+        return mode._cache_key(_CacheKeyState(None), func, args, kwargs)
     except _BypassDispatchCache:
-        return _UNCACHED
-    entry = FakeTensorMode.cache.get(fake_key)
+        return None
+
+
+def _answer_from(entry: object, fake_key: object):
+    """What a key's calls are answered from: FakeTensorMode's valid entry (as a `_Fresh` where
+    it makes one plain new tensor), or `_UNCACHED` (no entry, or a mode's own refusal)."""
     if not isinstance(entry, _DispatchCacheValidEntry):
         return _UNCACHED
     return _fresh(entry) or (entry, fake_key)
