@@ -85,7 +85,7 @@ def thinned_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
     if out is None or (isinstance(out, (list, tuple)) and not out):
         return out  # in place: the entries it skipped would have changed no metadata
     results = list(out)
-    if len(results) != len(kept) or not all(own_storage(t) for t in results):
+    if len(results) != len(kept) or not all(_own_storage(t) for t in results):
         return func(*args, **kwargs)  # no side effect to repeat: it returned new tensors
     position = {i: j for j, i in enumerate(kept)}
     full = [results[position[i]] if i in position else _like(results[position[twin[i]]])
@@ -114,17 +114,17 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
     return kept, twin
 
 
-_NOT_FAKE = ()
+_NOT_FAKE = object()  # an entry holding a tensor that is not fake: no entry is thinned
 
 
-def _kind(entry: tuple) -> tuple | None:
+def _kind(entry: tuple) -> tuple | object | None:
     """What makes one entry's results what they are: each tensor's metadata and which of the
     entry's arguments it is the same object as (x, grad, grad), and each other value. None for
     an entry holding a fake constant (fake mode follows its value: always run it), `_NOT_FAKE`
     for one holding a tensor that is not fake."""
     key = []
     for at, v in enumerate(entry):
-        if type(v) is FakeTensor or isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor):
             if not isinstance(v, FakeTensor):
                 return _NOT_FAKE
             if v.constant is not None:
@@ -141,7 +141,7 @@ def _kind(entry: tuple) -> tuple | None:
     return tuple(key)
 
 
-def own_storage(t) -> bool:
+def _own_storage(t) -> bool:
     """A new fake tensor with a storage of its own, as `fake_from` makes them (and a kernel
     makes its results): no constant, no offset, a storage just large enough."""
     if not isinstance(t, FakeTensor) or t.constant is not None:

@@ -55,9 +55,8 @@ def is_fp8_cast(op: OpCall) -> bool:
 def fp8_casts(ops: list[OpCall]) -> list[Fp8Cast]:
     """Every cast into a float8 dtype, in op order, with the scale it was made with."""
     casts = []
-    for i in [i for i, op in enumerate(ops) if op.op == _CAST]:  # few of a step's ops cast
-        op = ops[i]
-        if not is_fp8_cast(op):
+    for i, op in enumerate(ops):
+        if op.op != _CAST or not is_fp8_cast(op):  # few of a step's ops cast: asked first
             continue
         scale, made = None, None
         shape = op.inputs[0].shape if op.inputs else None
