@@ -6,30 +6,16 @@ the handler or anything it calls. The wrapper does that on every op: two Python 
 switch the eval-frame callback off and back on, about 1 µs (0.6 ms of a gpt2-tiny train
 step's 567 ops, benchmarks/bench_overhead.py). `UncompiledDispatchMode` asks the same of TorchDynamo once per
 handler instead: the handler's code object is marked to run, with every frame it calls,
-without the callback (TorchDynamo's per-code execution strategy, SKIP for the frame and for
-its callees), and PyTorch is told not to wrap it (`_should_skip_dynamo`, the opt-out it gives
-dispatch modes). Where this build of PyTorch lacks that strategy, PyTorch's wrapper stays.
-tests/test_modes.py traces a compiled model under it: the eager model's ops, and no frame
-compiled.
+without the callback (torchcompat/dynamo.py), and PyTorch is told not to wrap it
+(`_should_skip_dynamo`, the opt-out it gives dispatch modes). Where this build of PyTorch
+cannot mark code, PyTorch's wrapper stays. tests/test_modes.py traces a compiled model under
+it: the eager model's ops, and no frame compiled.
 """
 
 from __future__ import annotations
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-try:
-    from torch._C._dynamo.eval_frame import (
-        _FrameAction,
-        _FrameExecStrategy,
-        set_code_exec_strategy,
-    )
-except ImportError:  # a build without TorchDynamo's eval-frame hooks
-    set_code_exec_strategy = None
-
-
-def _never_compiled(handler) -> None:
-    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)  # this frame, callees
-    set_code_exec_strategy(handler.__code__, strategy)
+from ampscope.torchcompat import dynamo
+from ampscope.torchcompat.dispatch import TorchDispatchMode
 
 
 class UncompiledDispatchMode(TorchDispatchMode):
@@ -39,10 +25,10 @@ class UncompiledDispatchMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # True makes PyTorch wrap the handler in torch._dynamo.disable; not needed when the
         # handler's code is marked below.
-        return set_code_exec_strategy is None
+        return not dynamo.can_skip_frames()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         handler = cls.__dict__.get("__torch_dispatch__")
-        if handler is not None and set_code_exec_strategy is not None:
-            _never_compiled(handler)
+        if handler is not None:
+            dynamo.skip_frames_of(handler)

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.analysis.diagnosis import diagnose
@@ -46,6 +45,8 @@ from ampscope.precision.virtual_device import VirtualDevice, patched
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
 from ampscope.records import Trace
+from ampscope.torchcompat.dispatch import no_torch_function
+from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -223,14 +224,14 @@ def _fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator
     def fake_parameter(module, name, param):
         if param is None or isinstance(param, FakeTensor):
             return None
-        with torch._C.DisableTorchFunction():  # the conversion is ampscope's, not the script's
+        with no_torch_function():  # the conversion is ampscope's, not the script's
             data = placed(fake.from_tensor(param.detach()), param)
             return torch.nn.Parameter(data, requires_grad=param.requires_grad)
 
     def fake_buffer(module, name, buffer):
         if buffer is None or isinstance(buffer, FakeTensor):
             return None
-        with torch._C.DisableTorchFunction():
+        with no_torch_function():
             return placed(fake.from_tensor(buffer), buffer)
 
     def placed(stand_in, real):
@@ -245,7 +246,7 @@ def _fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator
 
     def parameter(cls, data=None, requires_grad=True):
         if isinstance(data, FakeTensor):
-            with torch._C.DisableTorchFunction():
+            with no_torch_function():
                 return make_parameter(cls, data, requires_grad)
         return make_parameter(cls, data, requires_grad)
 

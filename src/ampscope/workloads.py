@@ -18,6 +18,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting
 from ampscope.precision.emulation import foreach_by_default
+from ampscope.torchcompat.dispatch import no_torch_function
 
 WORKLOADS = ("train", "forward", "generate")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -158,7 +159,7 @@ def train_step(lm: LoadedModel, batch: Batch, setting: Setting, optimizer: str, 
     module.train()
     # ampscope's own look at the parameters, no call of the model's: a `requires_grad` read
     # per parameter that no mode needs to see (on a 70B model, 723 round trips through each).
-    with torch._C.DisableTorchFunction():
+    with no_torch_function():
         params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise AmpscopeError(f"{lm.name} has no parameter that requires grad; nothing to train")

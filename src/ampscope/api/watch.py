@@ -21,6 +21,7 @@ from ampscope.api.tracing import capture
 from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, write_atomic
 from ampscope.records import Trace
+from ampscope.torchcompat import optim
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,7 @@ class Watch:
         """With no optimizer given, the first one to step is the one whose steps count."""
         if self._optimizer is None:
             self._bind(optimizer)
-        from torch.optim import optimizer as optim_module
-
-        self._remove(self._finder, optim_module._global_optimizer_pre_hooks)
+        self._remove(self._finder, optim.global_step_pre_hooks())
         self._finder = None
 
     def _bind(self, optimizer: torch.optim.Optimizer) -> None:
@@ -96,7 +95,7 @@ class Watch:
             try:
                 self._end()
             finally:
-                self._remove(self._counter, optimizer._optimizer_step_post_hooks)
+                self._remove(self._counter, optim.step_post_hooks(optimizer))
                 self._counter = None
 
     def _remove(self, handle: RemovableHandle | None, hooks: OrderedDict) -> None:

@@ -26,6 +26,7 @@ from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
 from ampscope.recorders.session import Capture
 from ampscope.records import SettingRecord, Trace, dtype_name
+from ampscope.torchcompat.distributed import storage_id
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Hel
     def add(category: str, t: torch.Tensor) -> None:
         t = local(t)
         # The storage's C pointer: a DTensor makes a new local tensor object on every call.
-        key = (t.untyped_storage()._cdata, t.storage_offset())
+        key = (storage_id(t), t.storage_offset())
         if key in seen:
             return
         seen.add(key)

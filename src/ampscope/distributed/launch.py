@@ -142,11 +142,11 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     """Predict rank 0 of `parallel.world_size` on fake tensors and a fake process group: what
     it holds after one train step and every collective it issues, for any model size."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ampscope.distributed.step import rank_step
     from ampscope.models import registry
     from ampscope.precision.predict import fake_mode
+    from ampscope.torchcompat.distributed import fake_store
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)
     if dist.is_initialized():
@@ -157,7 +157,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     if seq > lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
     data = lm.make_batch(options.batch, options.seq, "train", torch.Generator().manual_seed(seed))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=parallel.world_size)
     try:
         # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
         mesh = init_device_mesh("cpu", (parallel.world_size,)) if parallel.strategy == "fsdp" \

@@ -22,6 +22,7 @@ from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, applied
 from ampscope.precision.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.records import dtype_name
+from ampscope.torchcompat.distributed import compress_hook
 
 
 def compressed_allreduce(dtype: torch.dtype, bucket):
@@ -29,9 +30,7 @@ def compressed_allreduce(dtype: torch.dtype, bucket):
     all-reduce each gradient bucket in `dtype`, then copy back. (torch's own bf16 hook refuses
     to run without NCCL; the cast is the same.) Annotation-free: DDP checks annotations by
     identity, which postponed annotations would fail."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
-
-    return _compress_hook(dtype, None, bucket)
+    return compress_hook(dtype, bucket)
 
 
 def wrap(model: nn.Module, parallel: Parallel, mesh=None) -> nn.Module:

@@ -21,6 +21,7 @@ from torch import nn
 from ampscope.errors import AmpscopeError
 from ampscope.quiet import loggers_quiet
 from ampscope.records.fp8 import DIM_MULTIPLE
+from ampscope.torchcompat.inductor import triton_overrides
 
 INSTALL = "pip install 'ampscope[fp8]' (torchao==0.18.0, installed with --no-deps)"
 
@@ -122,11 +123,12 @@ def _inductor_patch_state() -> tuple | None:
     """What `convert_to_float8_training` patches once per process: inductor's Triton min/max
     codegen (a workaround of torchao's for GPU kernels). Saved so that a run leaves torch as
     the user had it."""
+    TritonOverrides = triton_overrides()
+    if TritonOverrides is None:
+        return None
     try:
-        from torch._inductor.codegen.triton import TritonOverrides
-
         patch = _quiet_import("torchao.float8._inductor_patch")
-    except Exception:  # inductor or torchao internals moved: nothing of ours to restore
+    except Exception:  # torchao's internals moved: nothing of ours to restore
         return None
     return TritonOverrides, TritonOverrides.__dict__.get("minimum"), \
         TritonOverrides.__dict__.get("maximum"), patch, patch._PATCHED

@@ -19,11 +19,13 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.errors import AmpscopeError
 from ampscope.quiet import loggers_quiet
+from ampscope.torchcompat import fake, optim
+from ampscope.torchcompat.dispatch import OpOverload, is_traceable_wrapper_subclass, modes_off
+from ampscope.torchcompat.fake import FakeTensor, FakeTensorConfig, FakeTensorMode
+from ampscope.tricks import Trick, enabled
 
 
 def fake_mode() -> FakeTensorMode:
@@ -70,7 +72,7 @@ _MATMULS = {
 }
 
 
-def check_matmul_dtypes(func: torch._ops.OpOverload, args: tuple) -> None:
+def check_matmul_dtypes(func: OpOverload, args: tuple) -> None:
     """Raise, as a real kernel would, when a matmul's two operands differ in dtype (an
     `OpRecorder.check`: one more Python mode would cost a tenth of a large fake run)."""
     operands = _MATMULS.get(func)
@@ -110,12 +112,7 @@ def foreach_defaults_as_real() -> Iterator[None]:
     the for-loop where the real run takes foreach: other ops, and a peak without foreach's
     temporaries. While entered, a fake tensor counts as the tensor it stands for; the two
     lists PyTorch reads are put back as they were."""
-    import torch.optim.optimizer as optimizers
-    import torch.utils._foreach_utils as foreach_utils
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    lists = [optimizers._foreach_supported_types, foreach_utils._foreach_supported_types]
-    added = [types for types in lists if FakeTensor not in types]
+    added = [types for types in optim.foreach_supported_types() if FakeTensor not in types]
     for types in added:
         types.append(FakeTensor)
     try:
@@ -142,7 +139,7 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
     With `constant` (a small real tensor of that metadata, which the fake tensor then owns),
     it is a fake constant, as FakeTensorMode's converter makes one: the mode follows its
     value through ops on constants only and reads it back for `.item()`."""
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+    with modes_off():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         return _wrapped(mode, meta, device, constant)
 
@@ -151,17 +148,18 @@ def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | s
               constant: torch.Tensor | None = None) -> FakeTensor:
     """`FakeTensor(mode, meta, device, constant=constant)`: `meta` (a meta tensor no other fake
     tensor wraps) as a fake tensor of `mode` on `device`, wrapped as `new_fake` wraps its own."""
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+    with modes_off():
         return _wrapped(mode, meta, device, constant)
 
 
 def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,
              constant: torch.Tensor | None) -> FakeTensor:
-    """`wrap_fake`'s work, with the modes already off (`_make_subclass` detaches `meta`, an op
-    no mode may see)."""
+    """`wrap_fake`'s work, with the modes already off (the subclass is made from `meta` by a
+    detach, an op no mode may see)."""
     if type(device) is not torch.device:
         device = torch.device(device)
-    if FakeTensorConfig.debug or meta.requires_grad:
+    cloner = fake.clone_wrap() if enabled(Trick.CLONE) else None
+    if cloner is None or FakeTensorConfig.debug or meta.requires_grad:
         return FakeTensor(mode, meta, device, constant=constant)
     learned = _fresh.setdefault(mode, {})
     known = learned.get(device)
@@ -169,21 +167,10 @@ def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | st
         made = FakeTensor(mode, meta, device)
         # Kept without the mode itself: a value of `_fresh` that held its key would keep the
         # mode, and everything its converter holds, alive for the rest of the process.
-        attributes = {k: v for k, v in vars(made).items() if k != "fake_mode"}
-        learned[device] = (made.fake_device, attributes)
+        learned[device] = cloner.learn(made)
         made.constant = constant
         return made
-    fake_device, attributes = known
-    made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
-                                       device_for_backend_keys=fake_device)
-    if mode._allow_unsafe_data_ptr_access:  # as FakeTensor.__new__ does
-        torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
-    else:
-        torch._C._set_throw_on_mutable_data_ptr(made)
-    made.__dict__.update(attributes)
-    made.fake_mode = mode
-    made.constant = constant
-    return made
+    return cloner.make(mode, meta, known, constant)
 
 
 # What FakeTensor.__new__ gave a new fake tensor, by mode and device: the device it normalized
@@ -207,8 +194,9 @@ def fake_parameter(t: FakeTensor, requires_grad: bool) -> torch.nn.Parameter:
     tensor: it is marked itself, which skips a detach through FakeTensorMode per parameter
     (723 on a 70B Llama)."""
     t.requires_grad_(requires_grad)
-    t._is_param = True  # what makes isinstance(t, nn.Parameter) hold for a subclass
-    return t  # type: ignore[return-value]
+    if fake.mark_parameter(t):
+        return t  # type: ignore[return-value]
+    return torch.nn.Parameter(t, requires_grad)
 
 
 def fake_batch(batch: dict[str, torch.Tensor], mode: FakeTensorMode) -> dict[str, torch.Tensor]:
@@ -221,16 +209,9 @@ def fake_batch(batch: dict[str, torch.Tensor], mode: FakeTensorMode) -> dict[str
 
 def data_dependent(e: BaseException) -> bool:
     """Did a fake run stop because code asked for a value (`.item()`, `bool(tensor)`)?"""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-
     names = {"DataDependentOutputException", "DynamicOutputShapeException",
              "GuardOnDataDependentSymNode"}
-    return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or (
-        type(e).__name__ in names
-    )
+    return isinstance(e, fake.data_dependent_errors()) or type(e).__name__ in names
 
 
 def value_needed_error(model_name: str, workload: str, e: BaseException) -> AmpscopeError:

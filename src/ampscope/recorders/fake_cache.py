@@ -31,24 +31,22 @@ any other kind of argument always goes through the modes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-from torch._subclasses.fake_tensor import (
-    FakeTensor,
-    FakeTensorMode,
-    _BypassDispatchCache,
-    _CacheKeyState,
-    _DispatchCacheValidEntry,
-)
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ampscope.precision.predict import new_fake
 from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
+from ampscope.torchcompat import fake
+from ampscope.torchcompat.dispatch import (
+    OpOverload,
+    active_fake_mode,
+    default_device,
+    dispatch_mode_stack,
+    dispatch_stack_depth,
+    proxy_mode_active,
+)
+from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode, PlainOutput
 
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
 _VALUES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
                      torch.layout, torch.memory_format})
 _UNCACHED = object()  # a key FakeTensorMode keeps no entry for: always dispatched
@@ -59,15 +57,19 @@ class CachedAnswers:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, object] = {}
+        # This build's dispatch cache, as the trick expects it (tricks.py turns the trick off
+        # where it is None, so a call never finds it missing).
+        self._api = fake.cache_api()
 
-    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    def call(self, func: OpOverload, args: tuple, kwargs: dict):
         """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""
-        mode = torch._C._get_dispatch_mode(_FAKE)
-        if mode is None or not mode.cache_enabled or mode.shape_env is not None:
+        api = self._api
+        mode = active_fake_mode()
+        if api is None or mode is None or not mode.cache_enabled or mode.shape_env is not None:
             return NOT_THINNED
-        key: list = [func, torch.get_default_dtype(), torch._C._get_default_device(),
-                     torch.is_inference_mode_enabled(), torch._C._len_torch_dispatch_stack(),
-                     torch._C._get_dispatch_mode(_PROXY) is None]
+        key: list = [func, torch.get_default_dtype(), default_device(),
+                     torch.is_inference_mode_enabled(), dispatch_stack_depth(),
+                     not proxy_mode_active()]
         with no_torch_function():  # metadata reads are no user's calls
             if not _add(args, mode, key) or (kwargs and not _add_named(kwargs, mode, key)):
                 return NOT_THINNED
@@ -75,15 +77,14 @@ class CachedAnswers:
         found = self._entries.get(known)
         if found is None:  # the key's first call in this run
             with no_torch_function():
-                fake_key = _fake_key(mode, func, args, kwargs)
-            entry = FakeTensorMode.cache.get(fake_key) if fake_key is not None else None
-            if fake_key is not None and not isinstance(entry, _DispatchCacheValidEntry):
+                fake_key = _fake_key(api, mode, func, args, kwargs)
+            entry = api.entry(fake_key) if fake_key is not None else None
+            if fake_key is not None and entry is None:
                 # Not in FakeTensorMode's cache yet: this call runs through the modes, and the
                 # entry FakeTensorMode makes of it answers the key's later calls.
                 out = func(*args, **kwargs)
                 with no_torch_function():
-                    self._entries[known] = _answer_from(FakeTensorMode.cache.get(fake_key),
-                                                        fake_key)
+                    self._entries[known] = _answer_from(api.entry(fake_key), fake_key)
                 return out
             # Already there (an earlier call with another cheap key, an earlier run in this
             # process): answered from it now, as FakeTensorMode's cache hit would be.
@@ -91,10 +92,10 @@ class CachedAnswers:
                 found = self._entries[known] = _answer_from(entry, fake_key)
         if found is _UNCACHED:
             return NOT_THINNED
-        if type(found) is _Fresh:  # the most common answer, made as new_fake makes one
+        if type(found) is PlainOutput:  # the most common answer, made as new_fake makes one
             return new_fake(mode, found.shape, found.stride, found.dtype, found.device)
         entry, fake_key = found
-        return mode._output_from_cache_entry(_CacheKeyState(None), entry, fake_key, func, args)
+        return api.output(mode, entry, fake_key, func, args)
 
 
 def _add(values, mode: FakeTensorMode, key: list) -> bool:
@@ -123,47 +124,20 @@ def _add_named(kwargs: dict, mode: FakeTensorMode, key: list) -> bool:
     return _add(kwargs.values(), mode, key)
 
 
-def _fake_key(mode: FakeTensorMode, func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+def _fake_key(api: fake.CacheAPI, mode: FakeTensorMode, func: OpOverload, args: tuple,
+              kwargs: dict):
     """FakeTensorMode's own cache key for the call; None when it would not use its cache for
     it, or when a mode between the recorder and it may change the op's results."""
-    for other in _get_current_dispatch_mode_stack():
+    for other in dispatch_mode_stack():
         passes = getattr(other, "passes_through", None)
         if other is not mode and (passes is None or not passes(func)):
             return None
-    try:
-        return mode._cache_key(_CacheKeyState(None), func, args, kwargs)
-    except _BypassDispatchCache:
-        return None
+    return api.key(mode, func, args, kwargs)
 
 
-def _answer_from(entry: object, fake_key: object):
-    """What a key's calls are answered from: FakeTensorMode's valid entry (as a `_Fresh` where
-    it makes one plain new tensor), or `_UNCACHED` (no entry, or a mode's own refusal)."""
-    if not isinstance(entry, _DispatchCacheValidEntry):
+def _answer_from(entry: object | None, fake_key: object):
+    """What a key's calls are answered from: FakeTensorMode's valid entry (as a `PlainOutput`
+    where it makes one plain new tensor), or `_UNCACHED` (no entry, or a mode's own refusal)."""
+    if entry is None:
         return _UNCACHED
-    return _fresh(entry) or (entry, fake_key)
-
-
-class _Fresh(NamedTuple):
-    """An entry whose answer is one new tensor of plain metadata, on a storage of its own."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _fresh(entry: _DispatchCacheValidEntry) -> _Fresh | None:
-    """The entry as a `_Fresh`, where FakeTensorMode would make its answer as `new_fake` makes
-    one (an empty strided meta tensor wrapped with its device): one output, neither the
-    argument an in-place op returns nor a view of one, without autograd, conjugate or negative
-    bits."""
-    if entry.is_output_tuple or len(entry.output_infos) != 1:
-        return None
-    info = entry.output_infos[0]
-    meta = info.metadata
-    if (info.inplace_idx is not None or info.view_idx is not None or meta is None
-            or meta.layout != torch.strided or meta.requires_grad or meta.is_conj
-            or meta.is_neg or not all(type(v) is int for v in (*meta.shape, *meta.stride))):
-        return None
-    return _Fresh(tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.device)
+    return fake.plain_output(entry) or (entry, fake_key)

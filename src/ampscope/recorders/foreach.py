@@ -20,10 +20,10 @@ entries it ran are new tensors of their own. Otherwise it runs as usual.
 from __future__ import annotations
 
 import torch
-from torch._prims_common import compute_required_storage_length
-from torch._subclasses.fake_tensor import FakeTensor
 
-from ampscope.recorders.tensors import described, fake_from
+from ampscope.recorders.tensors import described, fake_from, no_torch_function
+from ampscope.torchcompat.dispatch import OpOverload
+from ampscope.torchcompat.fake import FakeTensor, required_storage_length
 
 NOT_THINNED = object()
 
@@ -37,7 +37,7 @@ class _Shape:
 
     __slots__ = ("op", "names", "per_entry", "tensor_args", "thinnable")
 
-    def __init__(self, func: torch._ops.OpOverload) -> None:
+    def __init__(self, func: OpOverload) -> None:
         self.op = func  # held: shapes are looked up by the op's id
         schema = func._schema
         self.names = [a.name for a in schema.arguments]
@@ -52,11 +52,11 @@ class _Shape:
 _shapes: dict[int, _Shape] = {}
 
 
-def is_foreach(func: torch._ops.OpOverload) -> bool:
+def is_foreach(func: OpOverload) -> bool:
     return func.__name__.startswith("_foreach_")
 
 
-def thinned_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
     """`func(*args, **kwargs)` for a foreach op on fake tensors, run over the first entry of each
     kind; `NOT_THINNED` (before anything ran) when it cannot be."""
     shape = _shapes.get(id(func))
@@ -98,7 +98,7 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
     kept: list[int] = []
     first: dict[tuple, int] = {}
     twin: dict[int, int] = {}
-    with torch._C.DisableTorchFunction():
+    with no_torch_function():
         for i, entry in enumerate(zip(*lists, strict=True)):
             key = _kind(entry)
             if key is _NOT_FAKE:
@@ -146,11 +146,11 @@ def _own_storage(t) -> bool:
     makes its results): no constant, no offset, a storage just large enough."""
     if not isinstance(t, FakeTensor) or t.constant is not None:
         return False
-    with torch._C.DisableTorchFunction():
-        needed = compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
+    with no_torch_function():
+        needed = required_storage_length(t.shape, t.stride(), 0) * t.element_size()
         return t.storage_offset() == 0 and t.untyped_storage().nbytes() == needed
 
 
 def _like(t: FakeTensor) -> FakeTensor:
-    with torch._C.DisableTorchFunction():
+    with no_torch_function():
         return fake_from(t, described(t))

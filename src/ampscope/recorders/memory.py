@@ -44,6 +44,7 @@ import torch
 from ampscope.recorders.tensors import meta_of
 from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_rows
 from ampscope.records.fp8 import fp8_casts
+from ampscope.torchcompat.autograd import graph_task_id
 
 # Identity before the step, identity at the end, origin, lifetime.
 _RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
@@ -260,7 +261,7 @@ class StorageTracker:
         return from_rows(StorageRecord, rows)
 
 
-_graph_task_id = torch._C._current_graph_task_id
+_graph_task_id = graph_task_id
 _saved_names: dict[type, tuple[str, ...]] = {}
 
 

@@ -25,11 +25,12 @@ from torch.nn.modules.module import (
 
 from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
+from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
 
 
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 def _no_local_tracing(frame, event: str, arg) -> None:
@@ -369,4 +370,4 @@ class ModuleTracker:
             if self.on_backward_end is not None:
                 self.on_backward_end()
 
-        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+        queue_engine_callback(end_of_backward)

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import torch
-from torch._C import _len_torch_function_stack
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode, resolve_name
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from ampscope.modes import UncompiledDispatchMode
 from ampscope.precision import AUTOCAST_DEVICES
@@ -47,6 +45,14 @@ from ampscope.records import (
     from_rows,
     module_label,
 )
+from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
+from ampscope.torchcompat.dispatch import (
+    OpOverload,
+    function_stack_depth,
+    pop_function_mode,
+    push_function_mode,
+)
+from ampscope.torchcompat.fake import FakeTensor
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -104,7 +110,7 @@ class _OpFacts:
 
 _op_facts: dict[int, _OpFacts] = {}
 _NONES = tuple((None,) * n for n in range(16))
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+_graph_task_id = graph_task_id  # -1 outside a backward pass
 
 # An op record while the run goes on: OpCall's fields in order.
 _AUTOCAST_CAST = 6  # position of `autocast_cast` in a row
@@ -144,26 +150,26 @@ def _take_off_stack(mode: TorchFunctionMode) -> int | None:
     they were: how many modes were below it (None, and nothing changed, if it is not there)."""
     above = []
     found = False
-    while _len_torch_function_stack():
-        top = _pop_mode()
+    while function_stack_depth():
+        top = pop_function_mode()
         if top is mode:
             found = True
             break
         above.append(top)
-    depth = _len_torch_function_stack() if found else None
+    depth = function_stack_depth() if found else None
     for m in reversed(above):
-        _push_mode(m)
+        push_function_mode(m)
     return depth
 
 
 def _put_back_on_stack(mode: TorchFunctionMode, depth: int) -> None:
     """Put `mode` back at `depth` (or on top, if fewer modes stand there now)."""
     above = []
-    while _len_torch_function_stack() > depth:
-        above.append(_pop_mode())
-    _push_mode(mode)
+    while function_stack_depth() > depth:
+        above.append(pop_function_mode())
+    push_function_mode(mode)
     for m in reversed(above):
-        _push_mode(m)
+        push_function_mode(m)
 
 
 class FunctionRecorder(TorchFunctionMode):
@@ -325,7 +331,7 @@ class OpRecorder(UncompiledDispatchMode):
         self.rows: list[tuple] = []
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
-        self.check: Callable[[torch._ops.OpOverload, tuple], None] | None = None
+        self.check: Callable[[OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
         # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py)
@@ -387,7 +393,7 @@ class OpRecorder(UncompiledDispatchMode):
             if backward or functions.current_phase == "backward":
                 # (not yet in the engine: the gradient seed of loss.backward())
                 phase, caller, autocast_cast = "backward", None, False
-                node = torch._C._current_autograd_node()
+                node = current_autograd_node()
                 if node is not None:
                     grad_fn = node.name()
             else:
@@ -447,13 +453,13 @@ class InferenceAsNoGrad:
         watcher = self
 
         def __enter__(ctx) -> None:
-            ctx._grad_was = torch.is_grad_enabled()
+            ctx.ampscope_grad_was = torch.is_grad_enabled()
             if ctx.mode:
                 watcher.used = True
                 torch.set_grad_enabled(False)
 
         def __exit__(ctx, *exc) -> None:
-            torch.set_grad_enabled(ctx._grad_was)
+            torch.set_grad_enabled(ctx.ampscope_grad_was)
 
         cls.__enter__, cls.__exit__ = __enter__, __exit__
         return self

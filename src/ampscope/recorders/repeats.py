@@ -37,13 +37,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ampscope.recorders.alike import PLAIN_VALUES, attribute_ids, repeated_runs
 from ampscope.recorders.memory import StorageTracker, saved_tensors, storage_of
 from ampscope.recorders.modules import ModuleTracker
 from ampscope.recorders.tensors import described, fake_from, no_torch_function
 from ampscope.recorders.windows import Window
+from ampscope.torchcompat.autograd import graph_task_id
+from ampscope.torchcompat.dispatch import pytree
+from ampscope.torchcompat.fake import FakeTensor
 
 
 class ReplayDoubt(Exception):
@@ -147,7 +149,7 @@ class _Run:
     def call(self, k: int, original: Callable, args: tuple, kwargs: dict):
         tracker = self.replay.tracker
         stack = tracker._forward_stack
-        if not stack or stack[-1].module_id != id(self.blocks[k]) or torch._C._current_graph_task_id() != -1:
+        if not stack or stack[-1].module_id != id(self.blocks[k]) or graph_task_id() != -1:
             return original(*args, **kwargs)  # called as .forward(...), or inside a backward
         if k == 0:
             self.current = _Pass()
@@ -479,8 +481,6 @@ def _shared(tensors: list, first: list[weakref.ref]) -> list[bool]:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 

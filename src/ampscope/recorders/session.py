@@ -33,6 +33,7 @@ from ampscope.records import (
     Trace,
     dtype_name,
 )
+from ampscope.torchcompat.dispatch import OpOverload
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class Capture:
 
     def __init__(self, model: nn.Module | None, *, model_name: str | None = None,
                  setting: SettingRecord | None = None, workload: str = "custom",
-                 op_check: Callable[[torch._ops.OpOverload, tuple], None] | None = None,
+                 op_check: Callable[[OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
                  explain_failure: Callable[[FailedCall | None], str | None] | None = None,
                  replay_blocks: bool = False, thin: bool | None = None) -> None:

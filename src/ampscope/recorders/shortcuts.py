@@ -26,12 +26,17 @@ The recorders see these ops as any other: the op, its inputs and its result are 
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-from torch.utils._mode_utils import no_dispatch
 
 from ampscope.precision.predict import new_fake, wrap_fake
 from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
+from ampscope.torchcompat.dispatch import OpOverload, active_fake_mode, no_dispatch
+from ampscope.torchcompat.fake import (
+    FakeTensor,
+    converter_memos,
+    in_kernel_invocation_manager,
+    remember_constant,
+)
 
 aten = torch.ops.aten
 _ITEM = aten._local_scalar_dense.default
@@ -42,7 +47,7 @@ _LIFT = aten.lift_fresh.default
 OPS = _ALIASES | {_ITEM, _LIFT}
 
 
-def answer(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+def answer(func: OpOverload, args: tuple, kwargs: dict):
     """The result of one of `OPS`, or NOT_THINNED (as foreach's) where it has to be
     dispatched."""
     t = args[0] if args else None
@@ -70,8 +75,8 @@ def _constant(t) -> object:
     millisecond); a fresh dense copy needs none of that. A tensor the converter would carry
     more over for (autograd, conjugate or negative bits, a layout other than strided) is left
     to it."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    if mode is None or type(t) is not torch.Tensor:
+    mode = active_fake_mode()
+    if mode is None or type(t) is not torch.Tensor or not converter_memos():
         return NOT_THINNED
     with no_torch_function():
         if (not mode.may_turn_const(t) or t.requires_grad or t.layout != torch.strided
@@ -86,10 +91,5 @@ def _constant(t) -> object:
         # (`step += 1`) returns the copy, which must convert back to this very fake tensor; a
         # view of it must convert to a view of this fake tensor's storage; and an op that
         # makes such a view no constant must find this fake tensor to stop following it too.
-        converter = mode.fake_tensor_converter
-        converter.set_tensor_memo(copy, fake)
-        meta = converter.meta_converter
-        meta.storage_memo[meta.describer.get_storage_id(copy.untyped_storage())] = \
-            fake.untyped_storage()
-        converter.add_constant_storage_mapping(fake)
+        remember_constant(mode, copy, fake)
         return fake

@@ -9,17 +9,17 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ampscope.nested import tensors_in, walk
 from ampscope.precision.predict import new_fake
 from ampscope.records import TensorMeta, dtype_name
+from ampscope.torchcompat.dispatch import is_traceable_wrapper_subclass, no_torch_function
+from ampscope.torchcompat.fake import FakeTensor
 
 # Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
 # hooks, where a TorchFunctionMode (the function recorder, the virtual device) would see each
-# read as a call of its own (about 1.5 µs a read): they read them with torch functions off.
-no_torch_function = torch._C.DisableTorchFunction
+# read as a call of its own (about 1.5 µs a read): they read them with torch functions off
+# (`no_torch_function`).
 
 __all__ = ["data_dtypes", "described", "fake_from", "meta_of", "metas", "metas_of",
            "no_torch_function", "results_of", "tensors_in", "walk"]

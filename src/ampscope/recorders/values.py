@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.records import dtype_name
 from ampscope.records.fp8 import FP8_DTYPES, GemmRoles
+from ampscope.torchcompat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
 def _first_floating(value) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ import torch
 from ampscope.errors import AmpscopeError
 from ampscope.precision import Setting, device_available, matmul, on_device, parse_setting
 from ampscope.records import dtype_name
+from ampscope.torchcompat import dynamo
 from ampscope.train import measure
 from ampscope.train.loop import TrainConfig, defaults_for, train
 
@@ -158,7 +159,7 @@ def _one_line(e: BaseException) -> str:
 def _free(device: str, compiled: bool) -> None:
     """Let the next rung start clean: compiled graphs and cached device memory released."""
     if compiled:
-        torch._dynamo.reset()
+        dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

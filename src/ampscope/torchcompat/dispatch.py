@@ -1,0 +1,84 @@
+"""The dispatcher's Python side: modes, their stack, and the guards that switch them off.
+
+All of these have kept their names and meaning since torch 2.1; they are private only by
+their module path. Each is looked up once, at import, and a release that renamed one would
+fail here, in one place, with the name that moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.overrides import _pop_mode, _push_mode
+from torch.utils import _pytree as pytree
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
+
+from ampscope.torchcompat.features import Feature
+
+__all__ = [
+    "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "active_fake_mode",
+    "default_device", "disable_torch_dispatch", "dispatch_mode_stack", "dispatch_stack_depth",
+    "function_stack_depth", "is_traceable_wrapper_subclass", "no_dispatch", "no_torch_function",
+    "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree",
+]
+
+_C = torch._C
+_FAKE = _C._TorchDispatchModeKey.FAKE
+_PROXY = _C._TorchDispatchModeKey.PROXY
+
+# Context managers, used as `with no_torch_function():` around metadata reads ampscope makes
+# (a function mode above would see every `.dtype` read as a user's call).
+no_torch_function: Callable[[], contextlib.AbstractContextManager] = _C.DisableTorchFunction
+disable_torch_dispatch: Callable[[], contextlib.AbstractContextManager] = \
+    _C._DisableTorchDispatch
+
+# The number of modes on each stack (cheap: no list is built).
+dispatch_stack_depth: Callable[[], int] = _C._len_torch_dispatch_stack
+function_stack_depth: Callable[[], int] = _C._len_torch_function_stack
+# The default device `torch.set_default_device` set, as a string ("cpu" when none).
+default_device: Callable[[], str] = _C._get_default_device
+
+push_function_mode = _push_mode
+pop_function_mode = _pop_mode
+
+
+def active_fake_mode():
+    """The FakeTensorMode on the dispatch stack, or None (the stack keeps it in a slot of its
+    own, so this is one lookup)."""
+    return _C._get_dispatch_mode(_FAKE)
+
+
+def proxy_mode_active() -> bool:
+    """Is a tracing (proxy) mode on the stack, as under make_fx or torch.compile's export?"""
+    return _C._get_dispatch_mode(_PROXY) is not None
+
+
+def dispatch_mode_stack() -> list[TorchDispatchMode]:
+    """The dispatch modes on the stack, innermost last."""
+    return _get_current_dispatch_mode_stack()
+
+
+@contextlib.contextmanager
+def modes_off() -> Iterator[None]:
+    """Neither dispatch nor function modes see what runs inside."""
+    with disable_torch_dispatch(), no_torch_function():
+        yield
+
+
+def exclude_dispatch_keys(keys: torch._C.DispatchKeySet) -> contextlib.AbstractContextManager:
+    """Skip `keys` in the dispatcher while entered (e.g. an autocast key, to reach the kernel
+    below it)."""
+    return _C._ExcludeDispatchKeyGuard(keys)
+
+
+def features() -> list[Feature]:
+    return [Feature("dispatch modes", True,
+                    "TorchDispatchMode, the mode stack, DisableTorchFunction (exact path)")]

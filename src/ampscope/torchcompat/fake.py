@@ -1,0 +1,300 @@
+"""FakeTensor and FakeTensorMode, and the internals of theirs that ampscope's speed tricks use.
+
+The classes themselves (`FakeTensor`, `FakeTensorMode`, their exceptions) are the supported way
+to run a model without storage and have kept their names since torch 2.0. Three speed tricks
+reach further, into details any release may change; each is detected here once, by signature
+and by a probe that checks the detail behaves as the trick assumes, and is off (with the
+reason in `features()`) where it does not:
+
+- the dispatch cache (`cache_api()`): FakeTensorMode's cache of op results' metadata, its key
+  builder and the function that makes results from an entry (recorders/fake_cache.py);
+- cloning a fake tensor's attributes (`clone_wrap`): a new fake tensor made as the C++
+  subclass with the attributes `FakeTensor.__new__` set on an earlier one (precision/predict.py);
+- the converter's memos (`remember_constant`): entering a fake constant in the books the
+  converter keeps of its own conversions (recorders/shortcuts.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import torch
+from torch._prims_common import compute_required_storage_length
+from torch._subclasses import fake_tensor as _fake_tensor
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorConfig,
+    FakeTensorMode,
+    in_kernel_invocation_manager,
+)
+
+from ampscope.torchcompat.dispatch import modes_off
+from ampscope.torchcompat.features import Feature
+
+__all__ = [
+    "FakeTensor", "FakeTensorConfig", "FakeTensorMode", "cache_api", "clone_wrap",
+    "data_dependent_errors", "in_kernel_invocation_manager", "remember_constant",
+    "required_storage_length",
+]
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a fake run raises when code asks for a value it does not have."""
+    names = ("DataDependentOutputException", "DynamicOutputShapeException")
+    return tuple(getattr(_fake_tensor, n) for n in names if hasattr(_fake_tensor, n))
+
+
+def required_storage_length(shape, stride, offset: int = 0) -> int:
+    """The number of elements a storage needs for a tensor of `shape` and `stride`."""
+    return compute_required_storage_length(shape, stride, offset)
+
+
+def mark_parameter(t: torch.Tensor) -> bool:
+    """Make `isinstance(t, nn.Parameter)` hold for `t`, an instance of a tensor subclass, as
+    `Parameter` marks the tensor it makes of one; False where this build marks them otherwise
+    (the caller then makes the Parameter)."""
+    if not _parameter_mark():
+        return False
+    t._is_param = True
+    return True
+
+
+@functools.cache
+def _parameter_mark() -> bool:
+    class Probe(torch.Tensor):
+        pass
+
+    probe = torch.Tensor._make_subclass(Probe, torch.empty(0))
+    probe._is_param = True
+    return isinstance(probe, torch.nn.Parameter)
+
+
+# -- the dispatch cache
+
+
+@dataclass(frozen=True)
+class CacheAPI:
+    """FakeTensorMode's dispatch cache, as this build spells it."""
+
+    key_state: type
+    bypass: type[BaseException]
+    valid_entry: type
+    takes_func: bool  # `_output_from_cache_entry(state, entry, key, func, args)` (until 2.14)
+
+    def key(self, mode: FakeTensorMode, func, args, kwargs) -> object | None:
+        """FakeTensorMode's own cache key for the call, or None where it would bypass it."""
+        try:
+            return mode._cache_key(self.key_state(None), func, args, kwargs)
+        except self.bypass:
+            return None
+
+    def entry(self, key: object) -> object | None:
+        """The valid entry the class-wide cache holds for `key`, or None (read from the class
+        each time: a test or a tool may give the class a new cache)."""
+        found = FakeTensorMode.cache.get(key)
+        return found if isinstance(found, self.valid_entry) else None
+
+    def output(self, mode: FakeTensorMode, entry: object, key: object, func, args):
+        """The op's results made from `entry`, as a cache hit makes them."""
+        state = self.key_state(None)
+        if self.takes_func:
+            return mode._output_from_cache_entry(state, entry, key, func, args)
+        return mode._output_from_cache_entry(state, entry, key, args)
+
+
+@dataclass(frozen=True)
+class PlainOutput:
+    """An entry whose answer is one new tensor of plain metadata, on a storage of its own."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def plain_output(entry) -> PlainOutput | None:
+    """The entry's one output where FakeTensorMode would make it as an empty strided meta tensor
+    wrapped with its device: not the argument an in-place op returns nor a view of one, without
+    autograd, conjugate or negative bits, of concrete sizes."""
+    if entry.is_output_tuple or len(entry.output_infos) != 1:
+        return None
+    info = entry.output_infos[0]
+    meta = info.metadata
+    if (info.inplace_idx is not None or info.view_idx is not None or meta is None
+            or meta.layout != torch.strided or meta.requires_grad or meta.is_conj
+            or meta.is_neg or not all(type(v) is int for v in (*meta.shape, *meta.stride))):
+        return None
+    return PlainOutput(tuple(meta.shape), tuple(meta.stride), meta.dtype, meta.device)
+
+
+@functools.cache
+def _cache_api_found() -> tuple[CacheAPI | None, str]:
+    try:
+        if not isinstance(FakeTensorMode.cache, dict):
+            raise TypeError("FakeTensorMode.cache is not a dict")
+        api = CacheAPI(
+            key_state=_fake_tensor._CacheKeyState,
+            bypass=_fake_tensor._BypassDispatchCache,
+            valid_entry=_fake_tensor._DispatchCacheValidEntry,
+            takes_func=_takes_func(FakeTensorMode._output_from_cache_entry),
+        )
+    except (AttributeError, ValueError, TypeError) as e:
+        return None, f"not on this build ({e})"
+    try:
+        _probe_cache(api)
+    except Exception as e:  # any change of behaviour turns the trick off
+        return None, f"behaves differently on this build ({type(e).__name__}: {e})"
+    return api, "FakeTensorMode's dispatch cache, key builder and entry reader"
+
+
+def _takes_func(output_from_entry) -> bool:
+    """Which of the two known signatures `_output_from_cache_entry` has (ValueError for any
+    other)."""
+    names = list(inspect.signature(output_from_entry).parameters)
+    if names == ["self", "state", "entry", "key", "func", "args"]:
+        return True
+    if names == ["self", "state", "entry", "key", "args"]:
+        return False
+    raise ValueError(f"_output_from_cache_entry{tuple(names)}")
+
+
+def _probe_cache(api: CacheAPI) -> None:
+    """One op run under a fresh mode, its entry read back and answered from: the answer must
+    match the dispatched result's metadata."""
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(3, 5)
+        y = torch.empty(3, 5)
+        func = torch.ops.aten.add.Tensor
+        expected = func(x, y)
+        key = api.key(mode, func, (x, y), {})
+        entry = api.entry(key) if key is not None else None
+        if entry is None:
+            raise ValueError("an add's result was not found in the cache")
+        got = api.output(mode, entry, key, func, (x, y))
+        plain = plain_output(entry)
+    if (type(got) is not FakeTensor or got.shape != expected.shape
+            or got.dtype != expected.dtype or plain is None or plain.shape != (3, 5)):
+        raise ValueError("the entry's answer differs from the dispatched result")
+
+
+def cache_api() -> CacheAPI | None:
+    """FakeTensorMode's dispatch cache where this build has it as the trick expects, else None."""
+    return _cache_api_found()[0]
+
+
+# -- new fake tensors without FakeTensor.__new__
+
+
+class _Cloner:
+    """Makes fake tensors as the C++ subclass given the attributes `FakeTensor.__new__` set on
+    a first one of the same mode and device (a third of the cost of the constructor)."""
+
+    def __init__(self) -> None:
+        self.unsafe_ptr_flag = "_allow_unsafe_data_ptr_access"
+        self.warn = torch._C._set_warn_deprecated_on_mutable_data_ptr
+        self.throw = torch._C._set_throw_on_mutable_data_ptr
+
+    def learn(self, made: FakeTensor) -> tuple[torch.device, dict]:
+        # Without the mode itself: whoever keeps the attributes must not keep the mode alive.
+        return made.fake_device, {k: v for k, v in vars(made).items() if k != "fake_mode"}
+
+    def make(self, mode: FakeTensorMode, meta: torch.Tensor, learned: tuple[torch.device, dict],
+             constant: torch.Tensor | None) -> FakeTensor:
+        fake_device, attributes = learned
+        made = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
+                                           device_for_backend_keys=fake_device)
+        if getattr(mode, self.unsafe_ptr_flag):  # as FakeTensor.__new__ does
+            self.warn(made)
+        else:
+            self.throw(made)
+        made.__dict__.update(attributes)
+        made.fake_mode = mode
+        made.constant = constant
+        return made
+
+
+@functools.cache
+def _cloner_found() -> tuple[_Cloner | None, str]:
+    try:
+        cloner = _Cloner()
+        mode = FakeTensorMode()
+        with modes_off():
+            meta = torch.empty(2, 3, device="meta")
+            first = FakeTensor(mode, meta, torch.device("cpu"))
+            learned = cloner.learn(first)
+            clone = cloner.make(mode, torch.empty(2, 3, device="meta"), learned, None)
+            again = FakeTensor(mode, torch.empty(2, 3, device="meta"), torch.device("cpu"))
+        if (type(clone) is not FakeTensor or clone.fake_device != again.fake_device
+                or set(vars(clone)) != set(vars(again)) or clone.device != again.device):
+            raise ValueError("a cloned fake tensor differs from a constructed one")
+    except Exception as e:  # missing or changed: the constructor is used
+        return None, f"not usable on this build ({type(e).__name__}: {e})"
+    return cloner, "FakeTensor made as the C++ subclass with learned attributes"
+
+
+def clone_wrap() -> _Cloner | None:
+    """The attribute cloner where this build's FakeTensor is made as it assumes, else None."""
+    return _cloner_found()[0]
+
+
+# -- the converter's memos
+
+
+def remember_constant(mode: FakeTensorMode, real: torch.Tensor, fake: FakeTensor) -> bool:
+    """Enter `fake` (a fake constant holding `real`) in the books of `mode`'s converter, as its
+    own conversion of `real` enters it; False where this build keeps other books (the caller
+    then lets the mode convert)."""
+    if not converter_memos():
+        return False
+    converter = mode.fake_tensor_converter
+    converter.set_tensor_memo(real, fake)
+    meta = converter.meta_converter
+    meta.storage_memo[meta.describer.get_storage_id(real.untyped_storage())] = \
+        fake.untyped_storage()
+    converter.add_constant_storage_mapping(fake)
+    return True
+
+
+@functools.cache
+def converter_memos() -> bool:
+    """Does this build's converter keep the memos `remember_constant` fills?"""
+    mode = FakeTensorMode()
+    converter = getattr(mode, "fake_tensor_converter", None)
+    meta = getattr(converter, "meta_converter", None)
+    return (hasattr(mode, "may_turn_const") and hasattr(converter, "set_tensor_memo")
+            and hasattr(converter, "add_constant_storage_mapping")
+            and isinstance(getattr(meta, "storage_memo", None), MutableMapping)
+            and hasattr(getattr(meta, "describer", None), "get_storage_id"))
+
+
+@functools.cache
+def kernel_invocation_flag() -> bool:
+    """Does a FakeTensorMode say whether it is inside a meta kernel (`in_kernel_invocation`),
+    and a FakeTensor which device it stands for (`fake_device`)?"""
+    mode = FakeTensorMode()
+    with modes_off():
+        fake = FakeTensor(mode, torch.empty(1, device="meta"), torch.device("cpu"))
+    return (isinstance(getattr(mode, "in_kernel_invocation", None), bool)
+            and getattr(fake, "fake_device", None) == torch.device("cpu"))
+
+
+def features() -> list[Feature]:
+    """Each detail, with the speed trick (tricks.Trick's value) that needs it."""
+    cache, cache_why = _cache_api_found()
+    cloner, clone_why = _cloner_found()
+    memos = converter_memos()
+    flag = kernel_invocation_flag()
+    return [
+        Feature("fake dispatch cache", cache is not None, cache_why, "fake-cache"),
+        Feature("fake tensor cloning", cloner is not None, clone_why, "clone"),
+        Feature("fake converter memos", memos,
+                "the converter's tensor and storage memos" if memos else "not on this build",
+                "shortcuts"),
+        Feature("fake kernel-invocation flag", flag,
+                "FakeTensorMode.in_kernel_invocation, FakeTensor.fake_device" if flag
+                else "not on this build", "prim-device"),
+    ]

@@ -1,0 +1,53 @@
+"""The optimizers' private lists and hook dicts that ampscope reads or extends.
+
+- `foreach_supported_types()`: the classes for which an optimizer, and `clip_grad_norm_`, pick
+  their foreach implementation by default (a predicted run adds FakeTensor while it runs).
+- `foreach_devices()`: the device types with foreach kernels.
+- `global_step_pre_hooks()` / `step_post_hooks(opt)`: the dicts `register_*_hook` fill, for a
+  hook that removes itself while torch iterates over them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.optim.optimizer as _optimizer
+
+from ampscope.torchcompat.features import Feature
+
+
+def foreach_supported_types() -> list[list[type]]:
+    """Every list of tensor classes torch consults for its foreach default (one or two)."""
+    import torch.utils._foreach_utils as foreach_utils
+
+    found = []
+    for module in (_optimizer, foreach_utils):
+        types = getattr(module, "_foreach_supported_types", None)
+        if isinstance(types, list) and all(t is not types for t in found):
+            found.append(types)
+    return found
+
+
+def foreach_devices() -> list[str]:
+    """The device types whose optimizers take the foreach kernels by default."""
+    supported = getattr(_optimizer, "_get_foreach_kernels_supported_devices", None)
+    if supported is not None:
+        return list(supported())
+    return ["cuda", torch._C._get_privateuse1_backend_name()]
+
+
+def global_step_pre_hooks() -> OrderedDict:
+    """The dict `register_optimizer_step_pre_hook` adds to."""
+    return _optimizer._global_optimizer_pre_hooks
+
+
+def step_post_hooks(optimizer: torch.optim.Optimizer) -> OrderedDict:
+    """The dict `optimizer.register_step_post_hook` adds to."""
+    return optimizer._optimizer_step_post_hooks
+
+
+def features() -> list[Feature]:
+    types = foreach_supported_types()
+    return [Feature("foreach default types", bool(types),
+                    f"{len(types)} list(s) of classes optimizers take foreach for")]

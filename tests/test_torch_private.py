@@ -1,0 +1,158 @@
+"""Private PyTorch details live in ampscope.torchcompat only: read from the source (AST).
+
+"Private" is any module path component or attribute under `torch` that starts with `_`: an
+import from such a module, an attribute chain from a name bound to torch (`torch._C._x`), or an
+underscored attribute read from any object (`mode._cache_key`, `getattr(t, "_x")`) that is
+neither ampscope's own nor on the short allowlist of the layer's docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ampscope
+
+SRC = Path(ampscope.__file__).parent
+LAYER = SRC / "torchcompat"
+# torchcompat/__init__.py gives the reason for each: nn.Module's own dicts and an op's schema
+# (stable for years); the standard library's and other libraries' privates (not torch's).
+ALLOWED_ATTRIBUTES = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_schema",
+    "_getframe", "_exit",  # sys, os
+    "_attn_implementation",  # transformers' model config
+    "_PATCHED",  # torchao's inductor patch flag
+})
+
+
+def _sources(outside_layer: bool) -> list[Path]:
+    return [p for p in sorted(SRC.rglob("*.py"))
+            if (LAYER not in p.parents) == outside_layer]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names() -> set[str]:
+    """Names ampscope defines itself: functions, classes, module names, `self.x` attributes,
+    `__slots__` entries (outside the layer)."""
+    own: set[str] = set()
+    for path in _sources(outside_layer=True):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                own.add(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+            elif isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+                own.update(c.value for c in ast.walk(node.value)
+                           if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return own
+
+
+def private_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
+    """Each private torch use in `source`: (line, what)."""
+    tree = ast.parse(source)
+    torch_names: set[str] = set()
+    op_namespaces: set[str] = set()  # `aten = torch.ops.aten`: its attributes are op names
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "torch":
+                    torch_names.add(alias.asname or "torch")
+                    if any(map(_private, parts)):
+                        found.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.split(".")[0] == "torch":
+            private_module = any(map(_private, node.module.split(".")))
+            for alias in node.names:
+                torch_names.add(alias.asname or alias.name)
+                if private_module or _private(alias.name):
+                    found.append((node.lineno, f"from {node.module} import {alias.name}"))
+        elif isinstance(node, ast.Assign) and _is_op_namespace(node.value):
+            op_namespaces.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, root = _chain(node)
+            if isinstance(root, ast.Name) and root.id in op_namespaces and len(chain) == 1:
+                continue  # an ATen operator's name (aten._to_copy)
+            if isinstance(root, ast.Name) and root.id in torch_names:
+                if chain[:1] == ["ops"] and len(chain) == 3 and not _private(chain[1]):
+                    continue  # torch.ops.aten._to_copy
+                found.append((node.lineno, ast.unparse(node)))
+            elif node.attr not in own and node.attr not in ALLOWED_ATTRIBUTES:
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
+              and node.args[1].value not in own | ALLOWED_ATTRIBUTES):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def _chain(node: ast.Attribute) -> tuple[list[str], ast.expr]:
+    names = []
+    current: ast.expr = node
+    while isinstance(current, ast.Attribute):
+        names.append(current.attr)
+        current = current.value
+    return names[::-1], current
+
+
+def _is_op_namespace(value: ast.expr) -> bool:
+    return (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Attribute)
+            and value.value.attr == "ops" and isinstance(value.value.value, ast.Name)
+            and value.value.value.id == "torch")
+
+
+def test_no_private_torch_outside_the_layer():
+    own = _own_names()
+    uses = [f"{path.relative_to(SRC)}:{line}: {what}"
+            for path in _sources(outside_layer=True)
+            for line, what in private_uses(path.read_text(), own)]
+    assert uses == [], f"{len(uses)} private torch uses outside ampscope/torchcompat:\n" + \
+        "\n".join(uses)
+
+
+def test_the_check_finds_each_kind_of_use():
+    source = '''
+import torch
+import torch._dynamo
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import _push_mode
+aten = torch.ops.aten
+torch._C._get_dispatch_mode(0)
+mode._cache_key(1)
+getattr(mode, "_output_from_cache_entry")
+aten._to_copy.default
+torch.ops.aten._unsafe_view.default
+self._mine
+module._parameters
+'''
+    found = [what for _, what in private_uses(source, own={"_mine"})]
+    assert found == [
+        "import torch._dynamo",
+        "from torch._subclasses.fake_tensor import FakeTensor",
+        "from torch.overrides import _push_mode",
+        "torch._C",
+        "torch._C._get_dispatch_mode",
+        "mode._cache_key",
+        "getattr(mode, '_output_from_cache_entry')",
+    ]
+
+
+def test_the_layer_imports_nothing_of_ampscope_above_it():
+    for path in _sources(outside_layer=False):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.startswith("ampscope"):
+                assert node.module.startswith("ampscope.torchcompat"), (path, node.module)
