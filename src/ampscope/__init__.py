@@ -31,10 +31,11 @@ _EXPORTS = {
     "LoadedModel": "ampscope.models.base", "Setting": "ampscope.precision",
     "parse_setting": "ampscope.precision", "Trace": "ampscope.records",
     "run_script": "ampscope.script", "RunOptions": "ampscope.workloads",
+    "exact_path": "ampscope.tricks",
 }
 
-__all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture", "findings",
-           "fit", "flops",
+__all__ = ["AmpscopeError", "LoadedModel", "RunOptions", "Setting", "Trace", "capture",
+           "exact_path", "findings", "fit", "flops",
            "matrix", "memory", "numerics", "parse_setting", "policy", "run_script", "trace", "watch"]
 
 

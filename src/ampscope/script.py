@@ -67,7 +67,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     `device` is the device the script should believe it has ("cuda", "mps", "xpu"); on a
     machine without it, the script runs on the virtual device and the trace says "emulated".
     `predict=True` runs it on fake tensors. `virtual=True` uses the virtual device even where
-    the device exists (to compare the two on a GPU machine); None: only where it does not."""
+    the device exists (to compare the two on a GPU machine); None: only where it does not.
+    Inside `ampscope.exact_path()` a predicted run takes no speed trick (`run --exact`)."""
     if steps < 1:
         raise AmpscopeError("--steps must be at least 1: the run stops after that many "
                             "optimizer steps")

@@ -58,20 +58,22 @@ def exact() -> bool:
 
 
 def enabled(trick: Trick) -> bool:
-    """May `trick` be used now: not on the exact path, and available on this torch build."""
-    return not _exact.get() and trick not in unavailable()
+    """May `trick` be used now: not on the exact path, and available on this torch build
+    (what it needs is detected on the first ask, so a run that takes no trick detects none)."""
+    return not _exact.get() and _missing(trick) is None
+
+
+def unavailable() -> dict[Trick, str]:
+    """The tricks this torch build cannot take, each with the reason."""
+    return {trick: why for trick in Trick if (why := _missing(trick)) is not None}
 
 
 @functools.cache
-def unavailable() -> dict[Trick, str]:
-    """The tricks this torch build cannot take, each with the reason (detected once)."""
-    from ampscope.torchcompat import features
+def _missing(trick: Trick) -> str | None:
+    from ampscope.torchcompat import fake
 
-    missing: dict[Trick, str] = {}
-    for feature in features():
-        if not feature.available and feature.needed_by:
-            missing[Trick(feature.needed_by)] = f"{feature.name}: {feature.detail}"
-    return missing
+    ok, why = fake.status(trick.value)
+    return None if ok else why
 
 
 def fell_back(trick: Trick, error: BaseException) -> str:

@@ -49,8 +49,8 @@ class RunOptions:
     predict: bool | None = None  # fake tensors; None: unless the model reads values
     checkpoint: bool = False  # train: recompute each block's activations in backward
     optimizer_impl: str | None = None  # from OPTIMIZER_IMPLS; None: PyTorch's choice
-    # predicted: dispatch every repeated block and foreach entry (recorders/repeats.py, foreach.py)
-    every_block: bool = False
+    # predicted: every speed trick off, every op dispatched (ampscope.tricks)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):

@@ -44,6 +44,7 @@ from ampscope.recorders.repeats import ReplayDoubt
 from ampscope.recorders.session import Capture
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
+from ampscope.tricks import exact_path
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -64,6 +65,7 @@ def trace(
     predict: bool | None = None,
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
+    exact: bool = False,
     every_block: bool = False,
 ) -> Trace:
 
@@ -77,14 +79,16 @@ def trace(
     (`torch.utils.checkpoint`); `optimizer_impl` is "for-loop", "foreach" or "fused" (default:
     PyTorch's choice on the setting's device). A predicted run records two blocks of each run
     of identical blocks and replays their records for the others (the same trace, in a
-    fraction of the time); `every_block=True` dispatches every block.
+    fraction of the time), and other speed tricks answer ops without dispatching them
+    (ampscope.tricks); `exact=True` (or its older name `every_block=True`) turns them all off
+    and dispatches every op: the same trace, slower.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl, every_block)
+                         optimizer_impl, exact or every_block)
     return trace_run(model, inputs, setting=setting, options=options)
 
 
@@ -93,13 +97,15 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
     # Built and run outside the caller's inference_mode: its tensors cannot take part in a
     # train step (precision.applied sets the other modes the run needs).
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), exact_path(options.exact):
         try:
             return _trace_run(model, inputs, setting, options)
         except ReplayDoubt as doubt:
-            # A replayed block was not like its recorded twins after all: dispatch them all.
-            log.info("replaying repeated blocks was unsound (%s): tracing every block", doubt)
-            return _trace_run(model, inputs, setting, replace(options, every_block=True))
+            # A replayed block was not like its recorded twins after all, or another speed trick
+            # failed on this torch build: run the step again on the exact path.
+            log.info("a speed trick could not be trusted (%s): tracing on the exact path", doubt)
+            with exact_path():
+                return _trace_run(model, inputs, setting, replace(options, exact=True))
         except _ValuesNeeded as needed:
             # Predicted by default, but the model reads a value: run it for real, and say why.
             result = _trace_run(model, inputs, setting, replace(options, predict=False))
@@ -155,7 +161,7 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
         capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
                           workload=workload_name,
                           op_check=check_matmul_dtypes if fake is not None else None,
-                          replay_blocks=fake is not None and not options.every_block)
+                          replay_blocks=fake is not None and not options.exact)
         try:
             with predicting(fake) if fake is not None else gc_enabled(collecting):
                 run_data = fake_batch(data, fake) if fake is not None else data
@@ -235,6 +241,7 @@ def matrix(
     predict: bool | None = None,
     checkpoint: bool = False,
     optimizer_impl: str | None = None,
+    exact: bool = False,
     every_block: bool = False,
     on_setting: Callable[[int, str], None] | None = None,
 ) -> tuple[Matrix, list[Trace]]:
@@ -243,7 +250,7 @@ def matrix(
     `on_setting(i, name)` is called before setting i runs (for a progress display).
     """
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl, every_block)
+                         optimizer_impl, exact or every_block)
     parsed = [resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")

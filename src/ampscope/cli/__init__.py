@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ampscope.cli import commands, common, startup
 from ampscope.cli.common import _write_json, one_line
@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="ampscope",
         description="Which precision does every tensor of a PyTorch model really run in?",
     )
-    parser.add_argument("--version", action=_Version, help="show ampscope's version and exit")
+    parser.add_argument("--version", action=_Version,
+                        help="show ampscope's version and exit (with -v: the torch build and "
+                             "which speed tricks it allows)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command")
 
@@ -90,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--predict", action="store_true",
                      help="every weight becomes a fake tensor as the model registers it: any "
                           "size, no memory (the data stays real)")
+    run.add_argument("--exact", action="store_true",
+                     help="with --predict: every speed trick off (same result, slower)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="TARGET is a module name, run as `python -m TARGET`")
     run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
@@ -244,6 +248,18 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+@contextlib.contextmanager
+def _exact_path(exact: bool) -> Iterator[None]:
+    """The command's runs on the exact path (--exact): imported only when asked, as torch."""
+    if not exact:
+        yield
+        return
+    from ampscope.tricks import exact_path
+
+    with exact_path():
+        yield
+
+
 _GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
 
 
@@ -306,9 +322,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "unless the model reads a tensor's value)")
     parser.add_argument("--real", dest="predict", action="store_false",
                         help="run the step on real tensors (as --no-predict)")
-    parser.add_argument("--every-block", action="store_true",
-                        help="predicted: dispatch every repeated block, foreach entry and "
-                             "op, instead of replaying identical ones and answering known ones")
+    parser.add_argument("--exact", "--every-block", dest="exact", action="store_true",
+                        help="predicted: take the exact path, every speed trick off: dispatch "
+                             "every repeated block, foreach entry and op instead of replaying "
+                             "identical ones and answering known ones (same result, slower)")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
@@ -435,6 +452,11 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not [a for a in argv if a not in _GLOBAL_FLAGS]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
+    if "--version" in argv and ("-v" in argv or "--verbose" in argv):
+        from ampscope.cli.environment import print_environment
+
+        print_environment()
+        return 0
     argv = _values_after_dashes(argv)
     parser = _parser()
     try:
@@ -452,7 +474,7 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         resolve_hardware(args)
         startup.preload(args, freeze=freeze_imports)
         command = getattr(commands, f"cmd_{args.command}")
-        with _verbose(args.verbose):
+        with _verbose(args.verbose), _exact_path(getattr(args, "exact", False)):
             if "-" not in (getattr(args, "json", None), getattr(args, "csv", None)):
                 return command(args)
             # JSON (or CSV) alone on stdout: whatever user code prints goes to stderr.

@@ -116,7 +116,7 @@ def _run_options(args: argparse.Namespace):
     return RunOptions(workload=args.workload, batch=args.batch, seq=args.seq,
                       optimizer=args.optimizer, new_tokens=args.new_tokens, predict=args.predict,
                       checkpoint=args.checkpoint, optimizer_impl=args.optimizer_impl,
-                      every_block=args.every_block)
+                      exact=args.exact)
 
 
 def _on_device(settings: list[str], device: str | None) -> list[str]:

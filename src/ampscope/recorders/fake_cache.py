@@ -50,6 +50,7 @@ from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode, PlainOutput
 _VALUES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
                      torch.layout, torch.memory_format})
 _UNCACHED = object()  # a key FakeTensorMode keeps no entry for: always dispatched
+_UNKNOWN = object()
 
 
 class CachedAnswers:
@@ -57,13 +58,16 @@ class CachedAnswers:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, object] = {}
-        # This build's dispatch cache, as the trick expects it (tricks.py turns the trick off
-        # where it is None, so a call never finds it missing).
-        self._api = fake.cache_api()
+        # This build's dispatch cache, as the trick expects it: looked up on the first call (a
+        # real run never calls, and never detects it); tricks.py turns the trick off where it
+        # is None.
+        self._api: fake.CacheAPI | None | object = _UNKNOWN
 
     def call(self, func: OpOverload, args: tuple, kwargs: dict):
         """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""
         api = self._api
+        if api is _UNKNOWN:
+            api = self._api = fake.cache_api()
         mode = active_fake_mode()
         if api is None or mode is None or not mode.cache_enabled or mode.shape_env is not None:
             return NOT_THINNED

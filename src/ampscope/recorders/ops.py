@@ -11,6 +11,7 @@ a cast (`F.linear` under autocast casts its input, weight and bias) while autoca
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from ampscope.torchcompat.dispatch import (
     push_function_mode,
 )
 from ampscope.torchcompat.fake import FakeTensor
+from ampscope.tricks import Trick, enabled, fell_back
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -62,6 +64,7 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 
 _name_cache: dict[Callable, str] = {}
+log = logging.getLogger(__name__)
 
 
 def func_name(func: Callable) -> str:
@@ -90,7 +93,7 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "name", "recorded", "cast", "flops", "foreach", "shortcut")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -104,11 +107,13 @@ class _OpFacts:
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
         self.cast = func in _CAST_OPS
         self.flops = flop_formula(func)
-        self.foreach = foreach.is_foreach(func)
-        self.shortcut = func in shortcuts.OPS
+        # The speed trick that may answer it on fake tensors (tricks.py).
+        self.trick = (Trick.FOREACH if foreach.is_foreach(func)
+                      else Trick.SHORTCUTS if func in shortcuts.OPS else Trick.FAKE_CACHE)
 
 
 _op_facts: dict[int, _OpFacts] = {}
+_OP_TRICKS = frozenset({Trick.FOREACH, Trick.SHORTCUTS, Trick.FAKE_CACHE})
 _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = graph_task_id  # -1 outside a backward pass
 
@@ -334,10 +339,14 @@ class OpRecorder(UncompiledDispatchMode):
         self.check: Callable[[OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
         self.storages: StorageTracker | None = None
-        # On fake tensors: run foreach ops over one entry of each kind (recorders/foreach.py)
-        # and answer per-parameter ops FakeTensorMode never caches (recorders/shortcuts.py)
-        # and ops whose FakeTensorMode cache entry is known (recorders/fake_cache.py).
-        self.thin = False
+        # On fake tensors, the speed tricks that may answer ops (`use_tricks`): foreach ops
+        # over one entry of each kind (recorders/foreach.py), per-parameter ops FakeTensorMode
+        # never caches (recorders/shortcuts.py), ops whose FakeTensorMode cache entry is known
+        # (recorders/fake_cache.py), and C++ reads of a fake tensor's device.
+        self.tricks: frozenset[Trick] = frozenset()
+        self.prim_device: bool | None = False  # None: decided on the first fake device read
+        # A note for each trick that failed during the run (its op ran the exact way).
+        self.fallbacks: list[str] = []
         self._cached = fake_cache.CachedAnswers()
         functions.op_log = self.rows
         self._tracker = tracker
@@ -352,7 +361,8 @@ class OpRecorder(UncompiledDispatchMode):
         return from_rows(OpCall, self.rows)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and (
+                self.prim_device if self.prim_device is not None else self._prim_device()):
             # C++ code reading a fake tensor's device (the autograd engine for every gradient,
             # a foreach op's checks for every list entry) lands here: tens of thousands of
             # reads on a large model's step. The answer is the fake tensor's own, the one
@@ -368,13 +378,11 @@ class OpRecorder(UncompiledDispatchMode):
         if facts is None:
             facts = _op_facts[id(func)] = _OpFacts(func)
         out = foreach.NOT_THINNED
-        if self.thin:
-            if facts.foreach:
-                out = foreach.thinned_call(func, args, kwargs)
-            elif facts.shortcut:
-                out = shortcuts.answer(func, args, kwargs)
-            else:
-                out = self._cached.call(func, args, kwargs)
+        if facts.trick in self.tricks:
+            try:
+                out = self._answer(facts.trick, func, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - the exact path runs the op instead
+                out = self._fell_back(facts.trick, e)
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if not facts.recorded:
@@ -422,6 +430,31 @@ class OpRecorder(UncompiledDispatchMode):
             if self._progress is not None:
                 self._progress.op(index + 1, phase)
         return out
+
+    def use_tricks(self, allowed: frozenset[Trick]) -> None:
+        """Let the tricks in `allowed` answer ops (a predicted run's), those this torch build
+        has (tricks.enabled)."""
+        self.tricks = frozenset(t for t in allowed if t in _OP_TRICKS and enabled(t))
+        self.prim_device = None if Trick.PRIM_DEVICE in allowed else False
+
+    def _prim_device(self) -> bool:
+        # Decided when a fake tensor's device is first read: a real run never asks.
+        self.prim_device = enabled(Trick.PRIM_DEVICE)
+        return self.prim_device
+
+    def _answer(self, trick: Trick, func: OpOverload, args: tuple, kwargs: dict):
+        if trick is Trick.FOREACH:
+            return foreach.thinned_call(func, args, kwargs)
+        if trick is Trick.SHORTCUTS:
+            return shortcuts.answer(func, args, kwargs)
+        return self._cached.call(func, args, kwargs)
+
+    def _fell_back(self, trick: Trick, error: Exception):
+        """A trick failed on an op: off for the rest of the run, the op runs the exact way."""
+        self.tricks = self.tricks - {trick}
+        self.fallbacks.append(fell_back(trick, error))
+        log.info("%s", self.fallbacks[-1])
+        return foreach.NOT_THINNED
 
     def _names_of(self, inputs: list[torch.Tensor]) -> tuple[str | None, ...]:
         """The parameter or buffer name of each input, None for the others."""

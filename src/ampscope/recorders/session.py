@@ -21,7 +21,7 @@ from ampscope.recorders import inventory
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.recorders.ops import FunctionRecorder, InferenceAsNoGrad, OpRecorder
-from ampscope.recorders.repeats import BlockReplay
+from ampscope.recorders.repeats import BlockReplay, ReplayDoubt
 from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
     UNKNOWN_SETTING,
@@ -34,6 +34,7 @@ from ampscope.records import (
     dtype_name,
 )
 from ampscope.torchcompat.dispatch import OpOverload
+from ampscope.tricks import Trick, enabled
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -109,11 +110,14 @@ class Capture:
         With `model=None` (a script run by `ampscope run`), the first module called outside
         any other becomes the model, with everything it holds. `replay_blocks` (for a run on
         fake tensors) records repeated identical blocks once and replays the others
-        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound.
-        `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors over one list
-        entry of each kind (recorders/foreach.py), answers per-parameter ops FakeTensorMode never
-        caches without it (recorders/shortcuts.py) and others from its cache
-        (recorders/fake_cache.py)."""
+        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound, or
+        when another speed trick failed during the run (the caller runs it again on the exact
+        path). `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors over one
+        list entry of each kind (recorders/foreach.py), answers per-parameter ops FakeTensorMode
+        never caches without it (recorders/shortcuts.py) and others from its cache
+        (recorders/fake_cache.py); a trick that fails is then off for the rest of the run, its
+        op run the exact way, and the trace says so. Each trick is used only where this torch
+        build has what it needs and the exact path is not asked for (ampscope.tricks)."""
         self.model = model
         self._op_check = op_check  # see OpRecorder.check
         self._setting = setting
@@ -135,7 +139,8 @@ class Capture:
         self._arguments: dict[str, object] = {}
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
-        self._replay_blocks = replay_blocks
+        self._rerun_on_doubt = replay_blocks  # the caller runs the step again if asked
+        self._replay_blocks = replay_blocks and enabled(Trick.REPLAY)
         self._thin = replay_blocks if thin is None else thin
         self._replay: BlockReplay | None = None
 
@@ -151,7 +156,7 @@ class Capture:
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
-        self._ops.thin = self._thin
+        self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),
@@ -393,6 +398,8 @@ class Capture:
         model, trace = self.model, self.trace
         if self._replay is not None:
             self._replay.check()
+        if self._ops.fallbacks and self._rerun_on_doubt:
+            raise ReplayDoubt(self._ops.fallbacks[0])
         if self._setting is None:
             trace.setting = self._observed_setting()
         # One walk of a model of thousands of modules for both.
@@ -419,6 +426,8 @@ class Capture:
                 "records are those of a recorded twin, replayed (the blocks and their inputs "
                 "matched; see docs/how-it-works.md).")
             log.info("%s", trace.notes[-1])
+        for note in self._ops.fallbacks:  # (a run that cannot be run again: a script's)
+            trace.notes.append(f"A speed trick was turned off: {note}.")
         if self._inference.used:
             trace.notes.append(
                 "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "

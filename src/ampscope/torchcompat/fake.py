@@ -282,6 +282,26 @@ def kernel_invocation_flag() -> bool:
             and getattr(fake, "fake_device", None) == torch.device("cpu"))
 
 
+def status(trick: str) -> tuple[bool, str]:
+    """Whether this build has what the speed trick named `trick` (tricks.Trick's value) needs,
+    and what that is or why it is missing; detected on the first ask only."""
+    if trick == "fake-cache":
+        api, why = _cache_api_found()
+        return api is not None, why
+    if trick == "clone":
+        cloner, why = _cloner_found()
+        return cloner is not None, why
+    if trick == "shortcuts":
+        ok = converter_memos()
+        return ok, "the converter's tensor and storage memos" if ok else \
+            "the converter's memos are not on this build"
+    if trick == "prim-device":
+        ok = kernel_invocation_flag()
+        return ok, "FakeTensorMode.in_kernel_invocation" if ok else \
+            "FakeTensorMode.in_kernel_invocation is not on this build"
+    return True, "needs no private detail"
+
+
 def features() -> list[Feature]:
     """Each detail, with the speed trick (tricks.Trick's value) that needs it."""
     cache, cache_why = _cache_api_found()
