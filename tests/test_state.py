@@ -17,6 +17,7 @@ import ampscope
 from ampscope.errors import AmpscopeError
 from ampscope.models import gpt2
 from ampscope.precision import matmul
+from ampscope.torchcompat import devices
 from tests.helpers import state_differences, torch_state
 
 
@@ -35,7 +36,44 @@ def snapshot(model: nn.Module) -> dict:
                   for n, m in model.named_modules()},
         "ties": [id(p) for _, p in model.named_parameters(remove_duplicate=False)],
         "torch": torch_state(),
+        "device_api": device_api_state(),
     }
+
+
+def _public(module) -> dict[str, object]:
+    return {name: getattr(module, name) for name in dir(module) if not name.startswith("_")}
+
+
+def device_api_state() -> dict[str, object]:
+    """The device API torch's own code asks, which an emulated GPU run answers for its
+    duration: the same objects, and the same answers, after it as before (torch.accelerator,
+    torch.cuda, torch.get_device_module, the DataLoader's batch pinning, and the device type
+    activation checkpointing caches)."""
+    accelerator = torch.accelerator
+    pinning = devices.dataloader_pinning()
+    slot = devices.checkpoint_device_slot()
+    return {
+        "accelerator": _public(accelerator),
+        "cuda": _public(torch.cuda),
+        "get_device_module": torch.get_device_module,
+        "answers": (accelerator.current_accelerator(), accelerator.is_available(),
+                    accelerator.device_count(), torch.cuda.is_available(),
+                    torch.cuda.device_count()),
+        "pin_memory": getattr(pinning, "pin_memory", None),
+        "checkpoint_device": vars(slot[0])[slot[1]] if slot is not None else None,
+    }
+
+
+def device_api_differences(before: dict, after: dict) -> list[str]:
+    """What differs, by name (names torch imported lazily during the run are not compared)."""
+    differences = []
+    for key, value in before.items():
+        if isinstance(value, dict):
+            differences += [f"{key}.{name}" for name, v in value.items()
+                            if after[key].get(name) is not v]
+        elif after[key] != value:
+            differences.append(key)
+    return differences
 
 
 def assert_same(before: dict, after: dict) -> None:
@@ -50,6 +88,7 @@ def assert_same(before: dict, after: dict) -> None:
     for key in ("training", "hooks", "ties"):
         assert before[key] == after[key], key
     assert state_differences(before["torch"], after["torch"]) == []
+    assert device_api_differences(before["device_api"], after["device_api"]) == []
 
 
 @pytest.fixture
@@ -171,12 +210,26 @@ SCRIPT = textwrap.dedent("""
 def test_state_is_unchanged_when_a_script_fails(tmp_path, fault, predict):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    before = torch_state()
+    before, devices_before = torch_state(), device_api_state()
     with pytest.raises(KeyboardInterrupt if fault == "interrupt" else AmpscopeError,
                        match=None if fault == "interrupt" else fault):
         ampscope.run_script(str(script), [fault], device="cuda" if predict else None,
                             predict=predict)
     assert state_differences(before, torch_state()) == []
+    assert device_api_differences(devices_before, device_api_state()) == []
+
+
+@pytest.mark.parametrize("fault", [None, "optimizer", "interrupt"])
+def test_the_device_api_is_back_after_an_emulated_cuda_run(user_model, fault):
+    """An emulated CUDA train step answers torch.accelerator, torch.cuda and the DataLoader as
+    one GPU would (optimizers ask before every step): all of it is put back, also when the run
+    raised."""
+    with contextlib.nullcontext() if fault is None else injected(user_model, fault):
+        before = snapshot(user_model.module)
+        with contextlib.nullcontext() if fault is None else \
+                pytest.raises(KeyboardInterrupt if fault == "interrupt" else Explodes):
+            ampscope.trace(user_model, setting="cuda:fp32+amp-bf16", seq=8)
+        assert_same(before, snapshot(user_model.module))
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -250,3 +250,142 @@ def test_device_branches_in_pytorchs_own_python_code_take_the_targets_path(predi
 
     assert norms("mps:fp32") == ["aten.norm.ScalarOpt_dim"]
     assert norms("cuda:fp32") == norms("fp32") == ["aten.linalg_vector_norm.default"]
+
+
+# --- what torch itself asks: torch.accelerator, optimizers, DataLoader, checkpointing ---------
+
+ACCELERATOR = torch.accelerator
+
+
+def _has(*names: str) -> bool:
+    return all(hasattr(ACCELERATOR, name) for name in names)
+
+
+@pytest.fixture
+def virtual_cuda():
+    with Emulation("cuda", torch.bfloat16), VirtualDevice("cuda").active() as vd:
+        yield vd
+
+
+def test_torch_accelerator_answers_as_one_cuda_device(virtual_cuda):
+    """What a single-GPU CUDA machine answers, on a CPU build (which says "no accelerator")
+    and on a CUDA build without a GPU (which fails in the driver) alike."""
+    assert ACCELERATOR.current_accelerator().type == "cuda"
+    assert ACCELERATOR.current_accelerator(check_available=True) == torch.device("cuda")
+    assert ACCELERATOR.is_available() and ACCELERATOR.device_count() == 1
+    assert ACCELERATOR.current_device_index() == 0
+    stream = ACCELERATOR.current_stream()
+    assert not stream.is_capturing()  # what optimizers ask before every step
+    stream.synchronize()
+    assert ACCELERATOR.synchronize() is None
+    assert not torch.cuda.is_current_stream_capturing()
+    assert not torch.cuda.current_stream().is_capturing()
+    assert torch.get_device_module() is torch.cuda
+    assert "synchronize" in virtual_cuda.used
+
+
+@pytest.mark.skipif(not _has("set_device_index", "device_index"),
+                    reason="torch.accelerator.set_device_index and device_index arrived in 2.8")
+def test_torch_accelerator_device_switches_are_to_the_one_device(virtual_cuda):
+    ACCELERATOR.set_device_index(0)
+    with ACCELERATOR.device_index(0):
+        assert ACCELERATOR.current_device_index() == 0
+
+
+def _train_step(optimizer_class, **options) -> torch.Tensor:
+    model = nn.Linear(4, 4).to("cuda")
+    before = model.weight.detach().clone()
+    optimizer = optimizer_class(model.parameters(), lr=0.1, **options)
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert model.weight.is_cuda
+    return model.weight.detach() - before
+
+
+@pytest.mark.parametrize("options", [{}, {"foreach": True}, {"fused": True}],
+                         ids=["default", "foreach", "fused"])
+@pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.AdamW])
+def test_optimizer_steps_on_emulated_cuda(virtual_cuda, optimizer_class, options):
+    """torch's optimizers ask the accelerator's stream (2.13+) or
+    torch.cuda.is_current_stream_capturing() (before) in every step."""
+    assert _train_step(optimizer_class, **options).abs().min() > 0  # every weight moved
+
+
+def test_grad_scaler_step_on_emulated_cuda(virtual_cuda):
+    model = nn.Linear(4, 4).to("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    before = model.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)  # no overflow: the step is taken
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(torch.randn(2, 4, device="cuda")).float().sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 1024.0
+    assert not torch.equal(model.weight.detach(), before)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pinned_dataloader_on_emulated_cuda(virtual_cuda, workers, recwarn):
+    """pin_memory=True is what a CUDA machine honours: no "no accelerator is found" warning,
+    and the pin-memory thread (which the device mode does not reach) pins nothing."""
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).view(4, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True,
+                                         num_workers=workers)
+    batches = [batch.to("cuda", non_blocking=True) for (batch,) in loader]
+    assert [b.is_cuda for b in batches] == [True, True]
+    assert torch.cat(batches).sum().item() == 28.0
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+
+
+def test_checkpointing_on_emulated_cuda_leaves_no_cached_device():
+    from ampscope.torchcompat import devices
+
+    slot = devices.checkpoint_device_slot()
+    before = vars(slot[0])[slot[1]] if slot else None
+    layer = nn.Linear(4, 4)
+    with Emulation("cuda", torch.bfloat16), VirtualDevice("cuda").active():
+        layer.to("cuda")
+        x = torch.randn(2, 4, device="cuda", requires_grad=True)
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).sum().backward()
+        assert x.grad is not None
+    assert (vars(slot[0])[slot[1]] if slot else None) == before
+
+
+def test_ipc_collect_is_refused_by_name():
+    """A call that cannot be emulated fails with the one-line refusal naming it (a CUDA build
+    without a GPU would otherwise run it as a silent no-op)."""
+
+    def step(model, batch):
+        torch.cuda.ipc_collect()
+        return model(batch["x"])
+
+    with pytest.raises(ampscope.AmpscopeError, match=r"needs torch\.cuda\.ipc_collect\(\)"):
+        ampscope.trace(nn.Linear(2, 2), {"x": torch.randn(1, 2)}, setting="cuda:fp32",
+                       workload=step)
+
+
+def test_torch_accelerator_is_restored():
+    names = [n for n in dir(ACCELERATOR) if not n.startswith("_")]
+    before = {n: getattr(ACCELERATOR, n) for n in names}
+    answers = (ACCELERATOR.current_accelerator(), ACCELERATOR.is_available(),
+               ACCELERATOR.device_count(), torch.cuda.is_available())
+    capturing = torch.cuda.is_current_stream_capturing
+    with Emulation("cuda", torch.bfloat16), VirtualDevice("cuda").active():
+        assert ACCELERATOR.current_accelerator().type == "cuda"
+    assert {n: getattr(ACCELERATOR, n) for n in names} == before
+    assert torch.cuda.is_current_stream_capturing is capturing
+    assert (ACCELERATOR.current_accelerator(), ACCELERATOR.is_available(),
+            ACCELERATOR.device_count(), torch.cuda.is_available()) == answers
+
+
+def test_the_private_details_it_uses_are_found_on_this_torch():
+    from ampscope.torchcompat import devices
+
+    found = {f.name: f.available for f in devices.features()}
+    essential = ["torch._C.TensorBase", "torch._C._nn._parse_to",
+                 "torch.utils._device._device_constructors", "torch.utils.data._utils.pin_memory"]
+    assert [name for name in essential if not found[name]] == []

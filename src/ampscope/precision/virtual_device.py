@@ -13,7 +13,8 @@ would, for the duration of a `with` block, and undoes every change on exit:
   tensor is on the target unless it was made on the CPU on purpose (a factory without a device,
   `torch.from_numpy`, `.cpu()`), and an op's result is on the CPU only when all its tensor
   inputs are;
-- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) answers as one device of the emulated GPU:
+- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*`, which torch's own
+  optimizers, DataLoader and checkpointing ask, answer as one device of the emulated GPU:
   available, its name, capability and memory from `hardware.py`; `synchronize` and events
   return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
@@ -22,8 +23,9 @@ would, for the duration of a `with` block, and undoes every change on exit:
   with the target's (precision/emulation.py); `torch.is_autocast_enabled("cuda")` reads it;
 - `torch.compile(fn)` returns `fn`: the run is eager, and says so.
 
-What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL) still fails, and the API
-turns the failure into one line naming the call and the user's line (`device_api_error`).
+What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL, `torch.cuda.ipc_collect`)
+still fails, and the API turns the failure into one line naming the call and the user's line
+(`device_api_error`).
 """
 
 from __future__ import annotations
@@ -37,20 +39,21 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ampscope import hardware
 from ampscope.nested import tensors_in
 from ampscope.precision import emulation
 from ampscope.precision.setting import default_autocast_dtype
+from ampscope.torchcompat import devices
+from ampscope.torchcompat.dispatch import no_torch_function
+from ampscope.torchcompat.fake import FakeTensor
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
 
-_TensorBase = torch._C.TensorBase
+_TensorBase = devices.tensor_base()
 _GETTERS = {  # attribute reads that say where a tensor is
     _TensorBase.device.__get__: "device",
     _TensorBase.is_cuda.__get__: "is_cuda",
@@ -66,6 +69,9 @@ _NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
 _SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_MOVES,
                       torch.device})
 
+
+# Factories that follow the default device (`torch.zeros`, `torch.arange`, ...).
+_CONSTRUCTORS = devices.device_constructors()
 
 _METHOD_WRAPPER = type(_TensorBase.grad.__get__)
 _NOT_TENSORS = frozenset({bool, int, float, type(None)})
@@ -132,7 +138,7 @@ class DeviceMode(TorchFunctionMode):
                 self._tag(out, args, {}, None)
             return out
         device = kwargs.get("device") if kwargs else None
-        if device is None and func in _device_constructors():
+        if device is None and func in _CONSTRUCTORS:
             # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
             # one: the target default device is made explicit (and real) here.
             default = torch.get_default_device()
@@ -202,8 +208,7 @@ class DeviceMode(TorchFunctionMode):
         elif func is _TensorBase.to:
             kwargs = dict(kwargs)
             copy = kwargs.pop("copy", False)
-            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:],
-                                                                               **kwargs)
+            device, dtype, non_blocking, memory_format = devices.parse_to(*args[1:], **kwargs)
             other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
             if other is not None:  # .to(other): other's device and dtype, as the user sees it
                 device = self._virtual(other)
@@ -255,9 +260,10 @@ class DeviceMode(TorchFunctionMode):
         target, as on the device."""
         mode = self
         getter = _TensorBase.device.__get__
+        disabled = no_torch_function  # the C context manager: no Python frame between
 
         def device(t: torch.Tensor) -> torch.device:
-            with torch._C.DisableTorchFunction():
+            with disabled():
                 real = getter(t)
             reader = sys._getframe(1).f_globals.get("__name__", "")
             if real != mode.backing or reader.startswith(("torch._", "ampscope.")):
@@ -349,6 +355,8 @@ class _Stream:
     def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
         self.device = device
         self.priority = priority
+        self.device_index = 0
+        self.stream_id = 0  # the default stream's id on a real device
 
     def synchronize(self) -> None:
         pass
@@ -367,10 +375,28 @@ class _Stream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:
+        """No CUDA graph is ever being captured (capture itself is refused): optimizers ask
+        before every step."""
+        return False
+
     def __enter__(self) -> _Stream:
         return self
 
     def __exit__(self, *exc) -> None:
+        pass
+
+
+class _DeviceIndex:
+    """`torch.accelerator.device_index(i)`: switching to the one device is switching nothing."""
+
+    def __init__(self, device: int | None, /) -> None:
+        self.idx = device
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
@@ -406,6 +432,8 @@ class VirtualDevice:
         with contextlib.ExitStack() as stack:
             for owner, name, value in self._patches():
                 stack.enter_context(patched(owner, name, value))
+            # Checkpointing caches the device type it first finds: here, the target's.
+            stack.enter_context(devices.checkpoint_cache_kept())
             stack.enter_context(self.mode)
             yield self
 
@@ -442,6 +470,9 @@ class VirtualDevice:
             (FakeTensor, "device", self.mode.fake_device(FakeTensor.__dict__["device"])),
             (torch.Tensor, "device", self.mode.tensor_device()),
         ]
+        if hasattr(backend, "is_current_stream_capturing"):
+            # Optimizers before 2.13 ask it before every step (CUDA or XPU graph capture).
+            patches.append((backend, "is_current_stream_capturing", lambda: False))
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
             patches += [
@@ -470,9 +501,57 @@ class VirtualDevice:
                 (torch.backends.cuda, "is_built", lambda: True),
                 (torch.backends.cudnn, "is_available", lambda: True),
             ]
+            patches += [(backend, name, _refusing(backend, name)) for name in _REFUSED
+                        if hasattr(backend, name)]
         elif self.target == "mps":
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
+        return patches + self._accelerator_patches() + self._torch_internal_patches()
+
+    def _accelerator_patches(self) -> list[tuple[object, str, object]]:
+        """`torch.accelerator.*`, which torch's own optimizers, DataLoader, checkpointing and
+        serialization ask (a CPU build answers "no accelerator", a CUDA build without a GPU
+        fails in the driver): the answers of one target device. Only the functions this
+        release has are patched."""
+        target = self.target
+        answers: dict[str, object] = {
+            "is_available": lambda: True,
+            "current_accelerator": lambda check_available=False: torch.device(target),
+            "device_count": lambda: 1,
+            "current_device_index": lambda: 0,
+            "current_device_idx": lambda: 0,  # the older, deprecated names
+            "set_device_index": lambda device: None,
+            "set_device_idx": lambda device: None,
+            "device_index": _DeviceIndex,
+            "current_stream": lambda device=None: _Stream(device),
+            "set_stream": lambda stream: None,
+            "synchronize": self._note("synchronize", lambda device=None: None),
+            "empty_cache": lambda: None,
+            "memory_allocated": self._note("memory", lambda device=None: self._live()),
+            "max_memory_allocated": self._note("memory", lambda device=None: self._peak()),
+            "memory_reserved": lambda device=None: self._live(),
+            "max_memory_reserved": lambda device=None: self._peak(),
+            "reset_peak_memory_stats": lambda device=None: self._reset_peak(),
+            "get_memory_info": lambda device=None: (
+                self.accelerator.memory_bytes - self._live(), self.accelerator.memory_bytes),
+        }
+        accelerator = getattr(torch, "accelerator", None)  # since 2.6
+        if accelerator is None:
+            return []
+        return [(accelerator, name, value) for name, value in answers.items()
+                if hasattr(accelerator, name)]
+
+    def _torch_internal_patches(self) -> list[tuple[object, str, object]]:
+        """What torch asks below the public device API: the module of the current accelerator,
+        and the pinning of DataLoader batches (done in a thread of its own, which the device
+        mode does not reach)."""
+        patches: list[tuple[object, str, object]] = []
+        if hasattr(torch, "get_device_module"):
+            patches.append((torch, "get_device_module",
+                            _defaulting(torch.get_device_module, self.target)))
+        pinning = devices.dataloader_pinning()
+        if pinning is not None:
+            patches.append((pinning, "pin_memory", lambda data, device=None: data))
         return patches
 
     def _note(self, what: str, fn: Callable) -> Callable:
@@ -542,6 +621,37 @@ class VirtualDevice:
         for note in notes:
             log.info("%s", note)
         return notes
+
+
+# torch.cuda calls a virtual device cannot answer truthfully, which a CUDA build without a GPU
+# would run as silent no-ops (it was never initialized): refused by name instead.
+_REFUSED = ("ipc_collect",)
+
+
+def _refusing(backend: types.ModuleType, name: str) -> Callable:
+    """`backend.name` run as the real thing: with CUDA's initialization no longer answered,
+    it fails inside torch.cuda on this GPU-less machine, which `device_api_error` turns into
+    the one-line refusal naming `torch.cuda.<name>()` and the user's line."""
+    original = getattr(backend, name)
+    real_is_initialized = backend.is_initialized
+
+    def refused(*args, **kwargs):
+        with patched(backend, "is_initialized", real_is_initialized):
+            original(*args, **kwargs)
+        raise RuntimeError(f"torch.{backend.__name__.removeprefix('torch.')}.{name}() "
+                           "cannot be emulated: it needs the real device")
+
+    refused.__name__ = name
+    return refused
+
+
+def _defaulting(original: Callable, target: str) -> Callable:
+    """`torch.get_device_module()` whose default is the target's module, as on the device."""
+
+    def get_device_module(device=None):
+        return original(target if device is None else device)
+
+    return get_device_module
 
 
 def _clearing(original: Callable) -> Callable:

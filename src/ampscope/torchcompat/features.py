@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 
 # The modules of this package that report features, in the order `--version -v` lists them.
-_REPORTING = ("fake", "dispatch", "dynamo", "optim", "autograd", "distributed")
+_REPORTING = ("fake", "dispatch", "dynamo", "optim", "autograd", "distributed", "devices")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Feature:
     name: str
     available: bool
     detail: str  # what it is, or why it is missing
-    needed_by: str = ""  # the speed trick (tricks.Trick value) that is off without it
+    needed_by: str = ""  # what is off without it: a speed trick (tricks.Trick value), a feature
 
 
 def features() -> list[Feature]:

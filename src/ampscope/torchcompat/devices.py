@@ -1,0 +1,134 @@
+"""The private PyTorch details the virtual device (precision/virtual_device.py) uses.
+
+An emulated GPU run answers device questions from Python: it must see a tensor's attribute
+getters and moves as the C++ tensor type defines them, parse `.to(...)` arguments as torch
+does, read a device without its own torch function mode answering, know which factories take
+a `device=`, and undo the few caches torch fills from the accelerator it finds. Each detail is
+looked up once, here, and `features()` says which this build has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ampscope.torchcompat.features import Feature
+
+
+@functools.cache
+def tensor_base() -> type:
+    """The C++ tensor type whose getters (`device`, `is_cuda`) and methods (`to`, `cuda`)
+    every tensor's come from: `torch._C.TensorBase` (`_TensorBase` before 2.2)."""
+    found = getattr(torch._C, "TensorBase", None) or getattr(torch._C, "_TensorBase", None)
+    if found is None:
+        raise ImportError("this torch build has no torch._C.TensorBase: the virtual device "
+                          "cannot read tensor devices")
+    return found
+
+
+@functools.cache
+def _parser() -> Callable[..., tuple]:
+    return torch._C._nn._parse_to
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtype | None,
+                                                  bool, torch.memory_format | None]:
+    """`Tensor.to`'s arguments as torch reads them: (device, dtype, non_blocking,
+    memory_format), each None where not given."""
+    return _parser()(*args, **kwargs)
+
+
+@functools.cache
+def _constructors_source() -> Callable[[], set] | None:
+    module = importlib.import_module("torch.utils._device")
+    return getattr(module, "_device_constructors", None)
+
+
+@functools.cache
+def device_constructors() -> frozenset[Callable]:
+    """The factory functions that take `device=` and follow the default device
+    (`torch.zeros`, `torch.arange`, ...): the set `with torch.device(...)` rewrites."""
+    source = _constructors_source()
+    return frozenset(source()) if source is not None else frozenset()
+
+
+@functools.cache
+def dataloader_pinning() -> types.ModuleType | None:
+    """The module whose `pin_memory(data, device)` every DataLoader iterator calls to pin a
+    batch (in the main thread, or in its pin-memory thread, which no function mode of the
+    main thread reaches), or None where this build has none."""
+    try:
+        module = importlib.import_module("torch.utils.data._utils.pin_memory")
+    except ImportError:
+        return None
+    return module if callable(getattr(module, "pin_memory", None)) else None
+
+
+@functools.cache
+def checkpoint_device_slot() -> tuple[type, str] | None:
+    """(class, attribute) where activation checkpointing caches its default device type, which
+    newer releases fill on first use from the accelerator they find: a run on the virtual
+    device must not leave 'cuda' cached there. None where this build has no such cache."""
+    owner = getattr(importlib.import_module("torch.utils.checkpoint"), "DefaultDeviceType", None)
+    name = "_default_device_type"
+    if owner is None or name not in vars(owner):
+        return None
+    return owner, name
+
+
+@contextlib.contextmanager
+def checkpoint_cache_kept() -> Iterator[None]:
+    """The checkpoint default-device cache as it was before the body, whatever the body
+    cached there."""
+    slot = checkpoint_device_slot()
+    if slot is None:
+        yield
+        return
+    owner, name = slot
+    before = vars(owner)[name]
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+_VIRTUAL = "the virtual device (an emulated --device)"
+
+
+def _feature(name: str, available: bool, detail: str, needed_by: str) -> Feature:
+    return Feature(name, available, detail if available else f"missing: {detail}", needed_by)
+
+
+def _has_tensor_base() -> bool:
+    try:
+        tensor_base()
+    except ImportError:
+        return False
+    return True
+
+
+def features() -> list[Feature]:
+    """What this build offers of the details above."""
+    nn = getattr(torch._C, "_nn", None)
+    return [
+        _feature("torch._C.TensorBase", _has_tensor_base(),
+                 "the tensor getters and moves the device mode answers", _VIRTUAL),
+        _feature("torch._C._nn._parse_to", hasattr(nn, "_parse_to"),
+                 "reads Tensor.to arguments as torch does", _VIRTUAL),
+        _feature("torch.utils._device._device_constructors", _constructors_source() is not None,
+                 "the factories that follow `with torch.device(...)`",
+                 "the target as default device (`with torch.device('cuda'):`)"),
+        _feature("torch.utils.data._utils.pin_memory", dataloader_pinning() is not None,
+                 "DataLoader's batch pinning, left undone on the virtual device",
+                 "DataLoader(pin_memory=True) with workers on the virtual device"),
+        Feature("torch.utils.checkpoint.DefaultDeviceType._default_device_type",
+                checkpoint_device_slot() is not None,
+                "checkpointing's cached device type, put back after a run"
+                if checkpoint_device_slot() is not None else "no such cache: nothing to put back"),
+    ]
