@@ -19,7 +19,15 @@ import ampscope
 from ampscope.errors import AmpscopeError
 from ampscope.precision import GlobalState, parse_setting, resolve_device
 from ampscope.precision.autocast_policy import default_autocast_dtype, read_policy, registered_ops
-from ampscope.precision.emulation import Emulation, TargetAutocast, autocast_region
+from ampscope.precision.emulation import (
+    Emulation,
+    TargetAutocast,
+    TargetKernels,
+    autocast_region,
+    fused_on,
+)
+from ampscope.precision.policy_history import applies, changes
+from ampscope.torchcompat.policy import has_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulation needs no CUDA")
 
@@ -34,8 +42,12 @@ def test_cuda_policy_read_from_the_build():
                "aten::scaled_dot_product_attention", "aten::conv2d"):
         assert category[op] == "lower", op
     for op in ("aten::layer_norm", "aten::native_layer_norm", "aten::exp", "aten::log",
-               "aten::mse_loss", "aten::rms_norm", "aten::rsqrt"):
+               "aten::mse_loss", "aten::rsqrt"):
         assert category[op] == "fp32", op
+    # What changed between releases is in the history, each change with its release.
+    for change in (c for c in changes() if c.device == "cuda"):
+        here = category.get(change.op, "passthrough")
+        assert here == (change.since if applies(change) else change.before), change
     for op in ("aten::softmax.int", "aten::log_softmax.int", "aten::sum", "aten::prod",
                "aten::cumsum"):
         assert category[op] == "fp32_set_opt_dtype", op
@@ -156,7 +168,8 @@ def _emulated(fn, x_dtype, dtype):
     x = torch.randn(4, 4).to(x_dtype)
     w = torch.randn(4, 4)
     b = torch.randn(4)
-    with TargetAutocast("cuda", dtype), autocast_region(dtype), _Ops() as seen:
+    with TargetKernels("cuda"), TargetAutocast("cuda", dtype), autocast_region(dtype), \
+            _Ops() as seen:
         fn(x, w, b)
     return seen.ops
 
@@ -179,6 +192,46 @@ def test_emulated_kernels_do_what_cuda_autocast_does(name, x_dtype, dtype):
         assert cuda != emulated
     else:
         assert emulated == cuda  # op for op, with every dtype in and out
+
+
+def test_fused_rms_norm_kernels_compute_what_the_composite_does():
+    """The CPU kernels standing in for the device's fused RMSNorm: the forward is the op's own
+    composite; the backward, derived by hand, equals autograd through that composite."""
+    from ampscope.precision.emulation import _fused_rms_norm, _fused_rms_norm_backward
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    y = F.rms_norm(x, (8,), w, 1e-6)  # the CPU's composite
+    dx, dw = torch.autograd.grad(y, (x, w), g)
+    out, rstd = _fused_rms_norm(x.detach(), [8], w.detach(), 1e-6)
+    assert torch.allclose(out, y) and rstd.shape == (3, 5, 1) and rstd.dtype == torch.float32
+    fused_dx, fused_dw = _fused_rms_norm_backward(g, x.detach(), [8], rstd, w.detach(),
+                                                  [True, True])
+    assert torch.allclose(fused_dx, dx, atol=1e-5) and torch.allclose(fused_dw, dw, atol=1e-5)
+    assert _fused_rms_norm_backward(g, x.detach(), [8], rstd, None, [True, False])[1] is None
+
+
+def test_emulated_rms_norm_calls_the_op_the_builds_device_kernel_is():
+    """A CUDA build has a CUDA kernel for `_fused_rms_norm` and F.rms_norm on a CUDA tensor is
+    that one op (forward and backward); a CPU build has none, and the op decomposes on both."""
+    fused = set(fused_on("cuda"))
+    builds_kernel = has_kernel("aten::_fused_rms_norm", "CUDA")
+    assert ("aten::_fused_rms_norm" in fused) == builds_kernel
+    x = torch.randn(2, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    with TargetKernels("cuda"), _Ops() as seen:
+        F.rms_norm(x, (8,), w).sum().backward()
+    ran = {name for name, _, _ in seen.ops}
+    assert ("aten::_fused_rms_norm" in ran) == builds_kernel
+    assert ("aten::_fused_rms_norm_backward" in ran) == builds_kernel
+    reference_x = x.detach().requires_grad_()
+    reference_w = w.detach().requires_grad_()
+    F.rms_norm(reference_x, (8,), reference_w).sum().backward()
+    assert torch.allclose(x.grad, reference_x.grad, atol=1e-5)
+    assert torch.allclose(w.grad, reference_w.grad, atol=1e-5)
+    assert not has_kernel("aten::_fused_rms_norm", "CPU")  # PyTorch's own kernels are back
 
 
 def test_softmax_of_bf16_activations_is_fp32_on_cuda_and_bf16_on_cpu():

@@ -152,3 +152,67 @@ def test_backward_flops_stay_with_the_module_before_an_identity_or_dropout():
     assert backward.get("a") == 2 * 2 * 4 * 4  # x needs no gradient: the weight's only
     assert not backward.get("drop") and not backward.get("d")
     assert [m.name for m in t.modules if m.phase == "backward" and m.name in ("d", "drop")]
+
+
+# --- grouped-query attention, on every release ------------------------------------------------
+
+
+class _GroupedQueryAttention(nn.Module):
+    def forward(self, q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                          enable_gqa=True)
+
+
+def _gqa_step(module, batch):
+    module(batch["q"], batch["k"], batch["v"]).sum().backward()
+
+
+@pytest.mark.parametrize("setting", ["fp32", "cuda:fp32+amp-bf16"])
+def test_grouped_query_attention_counts_every_query_head(setting):
+    """4 query heads over 2 key/value heads: each query head multiplies its group's key and
+    value heads, so q·kᵀ and P·v are 2·B·Hq·S·S·D FLOPs each (4·B·Hq·S·S·D forward). Backward
+    recomputes q·kᵀ and makes the gradients of the scores, v, q and k: five such products
+    (10·B·Hq·S·S·D). The causal mask keeps S·(S+1)/2 of the S·S scores."""
+    B, Hq, Hkv, S, D = 1, 4, 2, 8, 16
+    batch = {"q": torch.randn(B, Hq, S, D, requires_grad=True),
+             "k": torch.randn(B, Hkv, S, D, requires_grad=True),
+             "v": torch.randn(B, Hkv, S, D, requires_grad=True)}
+    t = ampscope.trace(_GroupedQueryAttention(), batch, workload=_gqa_step, setting=setting)
+    forward = [o for o in t.ops if o.phase == "forward" and o.flops]
+    backward = [o for o in t.ops if o.phase == "backward" and o.flops]
+    assert len(forward) == len(backward) == 1
+    assert forward[0].flops == 4 * B * Hq * S * S * D == 16384
+    assert backward[0].flops == 10 * B * Hq * S * S * D == 40960
+    assert forward[0].flops_causal == 4 * B * Hq * D * S * (S + 1) // 2
+
+
+def test_own_attention_formulas_agree_with_torchs_where_torch_counts():
+    """ampscope's attention formulas are torch's convention: equal head counts on every
+    release, grouped-query shapes where torch counts them (it asserts on them before 2.12)."""
+    from torch.utils import flop_counter
+
+    from ampscope.recorders.flops import _sdpa_backward, _sdpa_forward
+    from ampscope.torchcompat import flops as torch_flops
+
+    shapes = [((2, 4, 8, 16), (2, 4, 12, 16), (2, 4, 12, 32))]
+    if torch_flops.counts_grouped_query_attention():
+        shapes.append(((2, 8, 8, 16), (2, 2, 12, 16), (2, 2, 12, 16)))
+    for q, k, v in shapes:
+        assert _sdpa_forward(q, k, v) == flop_counter.sdpa_flop_count(q, k, v)
+        grad_out = (*q[:3], v[-1])
+        assert _sdpa_backward(q, k, v) == \
+            flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+def test_flop_formula_detection_reports_its_features():
+    from ampscope.recorders.flops import formula
+    from ampscope.torchcompat import flops as torch_flops
+
+    found = {f.name: f for f in torch_flops.features()}
+    assert set(found) == {"flop formulas by shape", "torch's grouped-query attention FLOPs"}
+    assert all(f.detail for f in found.values())
+    # mm is counted from shapes on every release: cached where the wrapper is recognised,
+    # counted on every call (the same count) where it is not.
+    mm = formula(torch.ops.aten.mm.default)
+    assert mm.by_shape == found["flop formulas by shape"].available
+    assert formula(torch.ops.aten.add.Tensor) is None

@@ -52,8 +52,10 @@ def test_policy_lists_ops_with_categories(capsys):
     data = _json(capsys, "policy", "--device", "cuda", "--dtype", "bf16", "--op", "softmax")
     assert data["schema"] == "ampscope.policy/1" and data["device"] == "cuda"
     categories = {o["op"]: o["category"] for o in data["ops"]}
-    assert categories == {"log_softmax.int": "fp32_set_opt_dtype",
-                          "softmax.int": "fp32_set_opt_dtype"}
+    expected = {"log_softmax.int": "fp32_set_opt_dtype", "softmax.int": "fp32_set_opt_dtype"}
+    # Releases before 2.13 also list the named-dimension overloads, with the same category.
+    named = {"log_softmax.Dimname", "softmax.Dimname"} & set(categories)
+    assert categories == expected | dict.fromkeys(named, "fp32_set_opt_dtype")
 
 
 def test_compare_cpu_cuda_shows_where_they_differ(capsys):
@@ -115,24 +117,78 @@ def test_a_trace_says_when_its_dtypes_depend_on_the_release():
 
     import ampscope
     from ampscope.analysis.policy_versions import policy_version_findings
+    from ampscope.precision.policy_history import applies, changes
 
+    rms_change = next(c for c in changes() if c.op == "aten::rms_norm" and c.device == "cuda")
     cuda = ampscope.trace("nanochat-tiny", setting="cuda:fp32+amp-bf16", workload="forward",
                           seq=8)
     assert cuda.setting.torch == cuda.to_dict()["setting"]["torch"] == torch.__version__
     [finding] = [f for f in cuda.findings if "depend on the release" in f.text]
-    assert finding.text.startswith(
-        f"rms_norm runs in float32 under cuda autocast in PyTorch {torch.__version__}")
-    assert "before PyTorch 2.12 it followed its inputs (pytorch/pytorch#174824)" in finding.text
-    rms = [c for c in cuda.calls if c.func.endswith("rms_norm")]
-    assert rms and all(c.outputs[0].dtype == "float32" for c in rms)  # as the finding says
-    # The same trace had it come from 2.11: the finding says what changes from 2.12 on.
+    newer = dataclasses.replace(cuda, setting=dataclasses.replace(cuda.setting, torch="2.12.0"))
     older = dataclasses.replace(cuda, setting=dataclasses.replace(cuda.setting, torch="2.11.0"))
+    if applies(rms_change):  # this build has the change: the finding says so, as the trace shows
+        assert finding.text.startswith(
+            f"rms_norm runs in float32 under cuda autocast in PyTorch {torch.__version__}")
+        assert "before PyTorch 2.12 it followed its inputs (pytorch/pytorch#174824)" in finding.text
+        rms = [c for c in cuda.calls if c.func.endswith("rms_norm")]
+        assert rms and all(c.outputs[0].dtype == "float32" for c in rms)  # as the finding says
+    else:  # a release before it: the finding says what changes from 2.12 on
+        assert finding.text.startswith(
+            f"rms_norm follows its inputs under cuda autocast in PyTorch {torch.__version__}")
+        assert "from PyTorch 2.12 on it runs in float32" in finding.text
+    # The same trace had it come from 2.11 or 2.12: the finding follows the trace's release.
     [finding] = policy_version_findings(older)
     assert "rms_norm follows its inputs under cuda autocast in PyTorch 2.11.0" in finding.text
     assert "from PyTorch 2.12 on it runs in float32" in finding.text
+    [finding] = policy_version_findings(newer)
+    assert "rms_norm runs in float32 under cuda autocast in PyTorch 2.12.0" in finding.text
     # The CPU has no listed recent change for these ops; a trace of a build that did not record
     # its version says nothing.
     cpu = ampscope.trace("nanochat-tiny", setting="fp32+amp-bf16", workload="forward", seq=8)
     assert not policy_version_findings(cpu)
     unknown = dataclasses.replace(cuda, setting=dataclasses.replace(cuda.setting, torch=None))
     assert not policy_version_findings(unknown)
+
+
+# --- every overload classified, on every release --------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_overload_of_the_builds_policy_is_classified(device):
+    from ampscope.precision.autocast_policy import read_policy
+
+    policy = read_policy(device, torch.bfloat16)
+    assert policy
+    assert [n for n, p in policy.items() if p.category == "unclassified"] == []
+
+
+def test_named_dimension_overloads_follow_their_positional_twins():
+    """Releases before 2.13 list overloads taking a named dimension (`softmax.Dimname`) for
+    CUDA autocast; each is probed like any other and gets its twin's category."""
+    from ampscope.precision.autocast_policy import read_policy, registered_ops
+
+    named = [n for n in registered_ops("cuda") if "imname" in n or ".names_" in n]
+    if not named:
+        pytest.skip(f"torch {torch.__version__} lists no named-dimension overload for cuda")
+    policy = read_policy("cuda", torch.bfloat16)
+    twins = {"aten::softmax.Dimname": "aten::softmax.int",
+             "aten::log_softmax.Dimname": "aten::log_softmax.int",
+             "aten::cumsum.dimname": "aten::cumsum", "aten::cumprod.dimname": "aten::cumprod",
+             "aten::prod.dim_Dimname": "aten::prod.dim_int",
+             "aten::sum.dim_DimnameList": "aten::sum.dim_IntList"}
+    for name in named:
+        assert policy[name].category != "unclassified", name
+        if name in twins and twins[name] in policy:
+            assert policy[name].category == policy[twins[name]].category, name
+    if "aten::norm.names_ScalarOpt_dim" in policy:
+        assert policy["aten::norm.names_ScalarOpt_dim"].category == "fp32_append_dtype"
+        assert policy["aten::norm.names_ScalarOpt_dim"].redirect == \
+            "aten::norm.names_ScalarOpt_dim_dtype"
+
+
+def test_policy_features_are_reported():
+    from ampscope.torchcompat import policy as compat
+
+    found = {f.name: f for f in compat.features()}
+    assert found["dispatch registrations"].available
+    assert "cuda" in compat.foreach_devices()

@@ -15,7 +15,8 @@ Sources, all torch 2.13.0 (git cf30153c4c131c8164ee7798e5022d810682e2cb, the ins
   sm90 from cuDNN 9.10 (192/128 on sm10x from 9.11, else 128), and there is no cuDNN
   d256-backward filter. The shared filters are the wheel's own
   `include/ATen/native/transformers/sdp_utils_cpp.h`; the Python-side flags are
-  `torch.backends.cuda.*_sdp_enabled()` and `torch._C._get_sdp_priority_order()`.
+  `torch.backends.cuda.*_sdp_enabled()` and the priority order and FA3 switch, where the
+  build has them (`torchcompat.attention`).
 - priority: flash, efficient, math, cuDNN; cuDNN goes first when the runtime cuDNN is newer than
   9.15.0 on compute capability 9.x/10.x (the source adds: on CUDA < 13 builds only minor 0 or 3;
   the cu130 binary has no such test), unless
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ampscope.torchcompat import attention as sdp
+
 aten = torch.ops.aten
 
 
@@ -58,7 +61,6 @@ H100 = CudaTarget()
 A100 = CudaTarget("A100", (8, 0))
 
 _DEFAULT_ORDER = ("flash", "efficient", "math", "cudnn")
-_PRIORITY_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,13 @@ class SdpFlags:
 
     @classmethod
     def current(cls) -> SdpFlags:
-        order = tuple(_PRIORITY_NAMES[i] for i in torch._C._get_sdp_priority_order())
+        order = sdp.sdp_priority_order() or _DEFAULT_ORDER  # None: the build's fixed order
         return cls(
             flash=torch.backends.cuda.flash_sdp_enabled(),
             efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
             cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
             math=torch.backends.cuda.math_sdp_enabled(),
-            fa3=torch._C._get_fa3_sdp_enabled(),
+            fa3=sdp.fa3_enabled(),  # False on builds without FlashAttention-3
             priority=None if order[:4] == _DEFAULT_ORDER else order,
             deterministic=torch.are_deterministic_algorithms_enabled()
             and not torch.is_deterministic_algorithms_warn_only_enabled(),

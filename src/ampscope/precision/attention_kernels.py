@@ -23,18 +23,16 @@ from ampscope.precision.attention_choice import (
     SdpFlags,
     choose_backend,
 )
+from ampscope.torchcompat.policy import destroy_library, no_autocast
 
 aten = torch.ops.aten
 
 
 # -- CPU kernels for the CUDA-only ops: fp32 math, outputs laid out as the Meta kernels say
 
-@contextlib.contextmanager
-def _no_autocast() -> Iterator[None]:
+def _no_autocast() -> contextlib.AbstractContextManager:
     # Ops called from a kernel re-enter the dispatcher; they must not be autocast again.
-    autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-    with torch._C._ExcludeDispatchKeyGuard(autocast):
-        yield
+    return no_autocast("cpu")
 
 
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:  # GQA: query head h uses t[h // g]
@@ -202,12 +200,19 @@ def _efficient_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def _composite(target: CudaTarget, choices: list[AttentionChoice]):
+# The active `cuda_attention` contexts, innermost last: (target, its list of choices). The
+# kernels are registered once, by the outermost context (2.11 and older refuse a second
+# Python kernel for the same op and key), and serve the innermost one.
+_contexts: list[tuple[CudaTarget, list[AttentionChoice]]] = []
+
+
+def _composite():
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                      is_causal=False, *, scale=None, enable_gqa=False):
         if not query.dtype == key.dtype == value.dtype:
             raise RuntimeError("Expected query, key, and value to have the same dtype, "
                                f"got {query.dtype}, {key.dtype} and {value.dtype}.")
+        target, choices = _contexts[-1]
         choice = choose_backend(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 enable_gqa, target=target, flags=SdpFlags.current(),
                                 grad_enabled=torch.is_grad_enabled())
@@ -247,14 +252,22 @@ def cuda_attention(target: CudaTarget = H100) -> Iterator[list[AttentionChoice]]
     Process-wide, like any dispatcher registration: not for concurrent threads.
     """
     choices: list[AttentionChoice] = []
-    lib = torch.library.Library("aten", "IMPL")
+    outermost = not _contexts
+    lib = torch.library.Library("aten", "IMPL") if outermost else None
     try:
-        with warnings.catch_warnings():  # overriding the C++ composite is the point
-            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered")
-            lib.impl("scaled_dot_product_attention", _composite(target, choices),
-                     "CompositeImplicitAutograd")
-            for name, kernel in _CPU_KERNELS.items():
-                lib.impl(name, kernel, "CPU")
-        yield choices
+        if lib is not None:
+            with warnings.catch_warnings():  # overriding the C++ composite is the point
+                warnings.filterwarnings("ignore",
+                                        message="(?s).*Overriding a previously registered")
+                lib.impl("scaled_dot_product_attention", _composite(),
+                         "CompositeImplicitAutograd")
+                for name, kernel in _CPU_KERNELS.items():
+                    lib.impl(name, kernel, "CPU")
+        _contexts.append((target, choices))
+        try:
+            yield choices
+        finally:
+            _contexts.pop()
     finally:
-        lib._destroy()
+        if lib is not None:
+            destroy_library(lib)

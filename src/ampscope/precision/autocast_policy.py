@@ -25,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampscope.errors import AmpscopeError
+from ampscope.torchcompat import policy as dispatcher
+from ampscope.torchcompat.dispatch import TorchDispatchMode
+from ampscope.torchcompat.fake import FakeTensorMode
+from ampscope.torchcompat.policy import OpOverload
 
 CATEGORIES = (
     "lower",  # floating inputs cast to the autocast dtype (matmuls, convolutions, linear)
@@ -50,20 +53,16 @@ class OpPolicy:
     message: str | None = None  # banned: the error autocast raises
 
 
-def autocast_key(device: str) -> str:
-    return "Autocast" + ("PrivateUse1" if device == "privateuseone" else device.upper())
+autocast_key = dispatcher.autocast_key
 
 
 def registered_ops(device: str) -> tuple[str, ...]:
     """Ops with an autocast kernel for `device` in this build, sorted; empty if none."""
-    try:
-        names = torch._C._dispatch_get_registrations_for_dispatch_key(autocast_key(device))
-    except (RuntimeError, ValueError):  # no such dispatch key
-        return ()
+    names = dispatcher.registrations(autocast_key(device))
     return tuple(sorted(n for n in names if n.startswith("aten::")))
 
 
-def op_overload(name: str) -> torch._ops.OpOverload:
+def op_overload(name: str) -> OpOverload:
     """`aten::softmax.int` → torch.ops.aten.softmax.int (`aten::sum` → .default)."""
     namespace, _, rest = name.partition("::")
     packet, _, overload = rest.partition(".")
@@ -113,26 +112,28 @@ class _CastWatcher(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _dummy(arg_type, make_tensor: Callable[[], torch.Tensor]):
-    """A value of the schema type: shapes and values do not matter, the op never runs."""
-    if isinstance(arg_type, torch._C.OptionalType):
-        return None
-    if isinstance(arg_type, torch._C.TensorType):
+# A named dimension, as the dispatcher parses one from a string. The op never resolves it: it
+# is caught below autocast before any kernel looks the name up among the tensor's.
+_DIMNAME = "dimname::d"
+
+
+def _dummy(kind: str, make_tensor: Callable[[], torch.Tensor], named: bool = False):
+    """A value of the argument kind (`argument_kind`): shapes and values do not matter, the op
+    never runs. `named`: strings are named dimensions."""
+    if kind == "tensor":
         return make_tensor()
-    if isinstance(arg_type, torch._C.ListType):
-        element = arg_type.getElementType()
-        if isinstance(element, (torch._C.TensorType, torch._C.OptionalType)):
-            return [make_tensor(), make_tensor()]
-        return [1]
-    if isinstance(arg_type, (torch._C.IntType, torch._C.SymIntType)):
-        return 1
-    if isinstance(arg_type, (torch._C.FloatType, torch._C.NumberType)):
-        return 2.0
-    if isinstance(arg_type, torch._C.BoolType):
-        return False
-    if isinstance(arg_type, torch._C.StringType):
-        return "fro"  # the one string argument among autocast ops is a norm's `ord`
-    return None
+    if kind == "tensor_list":
+        return [make_tensor(), make_tensor()]
+    # The one plain string argument among autocast ops is a norm's `ord`.
+    text = _DIMNAME if named else "fro"
+    return {
+        "list": [1],
+        "int": 1,
+        "float": 2.0,
+        "bool": False,
+        "str": text,
+        "str_list": [text],
+    }.get(kind)
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -153,8 +154,6 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
     device's Autograd key for every overload of the op (autocast may redirect to another
     overload), so composite ops are seen before they decompose.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     op = op_overload(name)
     packet = getattr(torch.ops.aten, name.partition("::")[2].partition(".")[0])
     reached: dict = {}
@@ -168,41 +167,22 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
             raise _Stop
         return kernel
 
-    dtypes = iter(input_dtypes + [input_dtypes[-1]] * 16)
-    enabled, previous = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-    watcher = _CastWatcher()
-    error = None
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
             for overload_name in packet.overloads():
                 overload = getattr(packet, overload_name)
-                library.impl(overload, catch(overload), _autograd_key(device))
-        with FakeTensorMode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecation notices of the probed ops
-            kwargs = {
-                a.name: _dummy(a.type, lambda: torch.empty(2, 2, dtype=next(dtypes), device=device))
-                for a in op._schema.arguments
-                if not a.has_default_value()
-            }
-            first = kwargs.pop("self", None)  # OpOverload takes `self` positionally
-            torch.set_autocast_enabled(device, True)
-            torch.set_autocast_dtype(device, dtype)
-            try:
-                with watcher:
-                    op(first, **kwargs) if first is not None else op(**kwargs)
-            except _Stop:
-                pass
-            except Exception as e:  # noqa: BLE001 - any refusal is an answer (banned)
-                error = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            finally:
-                torch.set_autocast_enabled(device, enabled)
-                torch.set_autocast_dtype(device, previous)
+                library.impl(overload, catch(overload), dispatcher.autograd_key(device))
+        casts, error = _call(op, device, dtype, input_dtypes, named=False)
+        if error is not None and _NOT_A_DIMNAME in error:
+            # The schema types a named dimension (`softmax.Dimname`) as `str`; only the
+            # dispatcher's refusal of a plain string tells it apart from one (a norm's `ord`).
+            casts, error = _call(op, device, dtype, input_dtypes, named=True)
     finally:
-        library._destroy()
+        dispatcher.destroy_library(library)
     return ProbeResult(
-        casts=tuple(watcher.casts),
+        casts=casts,
         op=reached.get("op"),
         in_dtypes=tuple(t.dtype for t in reached.get("tensors", [])),
         dtype_arg=reached.get("dtype"),
@@ -210,8 +190,40 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
     )
 
 
-def _autograd_key(device: str) -> str:
-    return "Autograd" + ("PrivateUse1" if device == "privateuseone" else device.upper())
+# What the dispatcher says when a string argument that stands for a named dimension has none.
+_NOT_A_DIMNAME = "must have a namespace"
+
+
+def _call(op: OpOverload, device: str, dtype: torch.dtype, input_dtypes: list[torch.dtype],
+          named: bool) -> tuple[tuple[torch.dtype, ...], str | None]:
+    """One call of `op` on dummy arguments under `device`'s autocast: the casts autocast made,
+    and the first line of what the call raised before the catching kernel stopped it."""
+    dtypes = iter(input_dtypes + [input_dtypes[-1]] * 16)
+    enabled, previous = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    watcher = _CastWatcher()
+    error = None
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notices of the probed ops
+        kwargs = {
+            a.name: _dummy(dispatcher.argument_kind(op, i),
+                           lambda: torch.empty(2, 2, dtype=next(dtypes), device=device), named)
+            for i, a in enumerate(op._schema.arguments)
+            if not a.has_default_value()
+        }
+        first = kwargs.pop("self", None)  # OpOverload takes `self` positionally
+        torch.set_autocast_enabled(device, True)
+        torch.set_autocast_dtype(device, dtype)
+        try:
+            with watcher:
+                op(first, **kwargs) if first is not None else op(**kwargs)
+        except _Stop:
+            pass
+        except Exception as e:  # noqa: BLE001 - any refusal is an answer (banned)
+            error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        finally:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, previous)
+    return tuple(watcher.casts), error
 
 
 def classify(name: str, low: torch.dtype, all_fp32: ProbeResult, all_low: ProbeResult,

@@ -12,6 +12,11 @@ rules follow PyTorch's autocast_mode.h (`cached_cast`, `promote_type`, `set_opt_
   until the outermost autocast region ends, so a weight used twice is cast once;
 - ops the CPU lists and the target does not (`cat`, `cross_entropy_loss`, ...) pass through.
 
+Where the build has a fused kernel for the target that the CPU runs as its composite
+(`_fused_rms_norm`: on a CUDA build, `F.rms_norm` on a CUDA tensor is that one op; on the CPU it
+decomposes), `TargetKernels` gives the op a CPU kernel for the duration, so the emulated run
+calls the same op the device does (what the build registers decides, not its version).
+
 Backward runs without autocast, on the dtypes forward produced, exactly as on the target.
 """
 
@@ -28,11 +33,13 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.torchcompat import policy as dispatcher
+from ampscope.torchcompat.policy import OpOverload, destroy_library, no_autocast
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
 
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+aten = torch.ops.aten
 
 _active: TargetAutocast | None = None
 
@@ -87,7 +94,7 @@ class TargetAutocast:
             and value.dtype == torch.float32
             and value.requires_grad
             and value.is_leaf
-            and not value._is_view()
+            and not dispatcher.is_view(value)
             and torch.is_autocast_cache_enabled()
         )
         if cacheable:
@@ -104,7 +111,7 @@ class TargetAutocast:
 
     # --- kernels -------------------------------------------------------------------------
 
-    def _kernel(self, rule: OpPolicy, op: torch._ops.OpOverload) -> Callable:
+    def _kernel(self, rule: OpPolicy, op: OpOverload) -> Callable:
         schema_names = [a.name for a in op._schema.arguments]
         dtype_index = schema_names.index("dtype") if "dtype" in schema_names else None
         dtype_positional = dtype_index is not None and not op._schema.arguments[dtype_index].kwarg_only
@@ -115,22 +122,22 @@ class TargetAutocast:
             return {k: cast(v, dtype) for k, v in kwargs.items()}
 
         def lower(*args, **kwargs):
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            with no_autocast("cpu"):
                 dtype = torch.get_autocast_dtype("cpu")
                 return op(*cast(args, dtype), **cast_values(kwargs, dtype))
 
         def fp32(*args, **kwargs):
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            with no_autocast("cpu"):
                 return op(*cast(args, torch.float32), **cast_values(kwargs, torch.float32))
 
         def promote(*args, **kwargs):
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            with no_autocast("cpu"):
                 dtype = _widest([*args, *kwargs.values()], torch.get_autocast_dtype("cpu"))
                 return op(*cast(args, dtype), **cast_values(kwargs, dtype))
 
         def set_opt_dtype(*args, **kwargs):
             # Only when the first tensor is eligible, and never over a dtype the caller gave.
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            with no_autocast("cpu"):
                 if _eligible(_first_tensor([*args, *kwargs.values()])):
                     if dtype_positional and dtype_index < len(args):
                         if args[dtype_index] is None:
@@ -140,7 +147,7 @@ class TargetAutocast:
                 return op(*args, **kwargs)
 
         def append_dtype(*args, **kwargs):
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            with no_autocast("cpu"):
                 if _eligible(_first_tensor([*args, *kwargs.values()])):
                     return redirect(*args, **kwargs, dtype=torch.float32)
                 return op(*args, **kwargs)
@@ -171,7 +178,7 @@ class TargetAutocast:
                     )
                     library.impl(op, kernel, "AutocastCPU")
         except BaseException:
-            library._destroy()
+            destroy_library(library)
             raise
         self._library = library
         _active = self
@@ -182,7 +189,79 @@ class TargetAutocast:
         _active = None
         self.clear_cache()
         if self._library is not None:
-            self._library._destroy()  # PyTorch's own AutocastCPU kernels are back
+            destroy_library(self._library)  # PyTorch's own AutocastCPU kernels are back
+            self._library = None
+
+
+# --- fused kernels the target has and the CPU decomposes -------------------------------------
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """The fused kernel's results: (output in the input's dtype, 1/rms in fp32), from the op's
+    own composite (the math the CPU runs, without the dispatcher seeing its pieces)."""
+    with no_autocast("cpu"):
+        return aten._fused_rms_norm.default.decompose(input, normalized_shape, weight, eps)
+
+
+def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    """d/dx of y = x·r·w with r = 1/sqrt(mean(x²) + eps) over the normalized dims:
+    r·(g·w − x·r²·mean(g·w·x)); d/dw: the sum of g·x·r over the other dims. In fp32, each
+    result in its input's dtype, as the device kernel returns them."""
+    with no_autocast("cpu"):
+        lead = input.dim() - len(normalized_shape)
+        x, g, r = input.float(), grad_out.float(), rstd.float()
+        gw = g * weight.float() if weight is not None else g
+        grad_input = grad_weight = None
+        if output_mask[0]:
+            mean = (gw * x).mean(tuple(range(lead, input.dim())), keepdim=True)
+            grad_input = (r * (gw - x * r * r * mean)).to(input.dtype)
+        if output_mask[1] and weight is not None:
+            grad_weight = (g * x * r).sum(tuple(range(lead))).to(weight.dtype)
+        return grad_input, grad_weight
+
+
+# op -> its CPU kernel, for ops a device may run as one kernel where the CPU decomposes them;
+# the backward op that op's autograd formula calls is listed with it.
+FUSED_KERNELS: dict[str, Callable] = {
+    "aten::_fused_rms_norm": _fused_rms_norm,
+    "aten::_fused_rms_norm_backward": _fused_rms_norm_backward,
+}
+
+
+def fused_on(device: str) -> tuple[str, ...]:
+    """The ops of FUSED_KERNELS this build runs as a kernel of their own on `device` while the
+    CPU runs them as a composite (none on a CPU-only build)."""
+    return tuple(name for name in FUSED_KERNELS
+                 if dispatcher.has_kernel(name, dispatcher.backend_key(device))
+                 and not dispatcher.has_kernel(name, "CPU"))
+
+
+class TargetKernels:
+    """While entered, the ops `fused_on(device)` names have CPU kernels doing what the
+    device's do, so that CPU tensors call them where the device calls them."""
+
+    def __init__(self, device: str) -> None:
+        self.ops = fused_on(device)
+        self._library: torch.library.Library | None = None
+
+    def __enter__(self) -> TargetKernels:
+        if not self.ops:
+            return self
+        library = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                for name in self.ops:
+                    library.impl(op_overload(name), FUSED_KERNELS[name], "CPU")
+        except BaseException:
+            destroy_library(library)
+            raise
+        self._library = library
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._library is not None:
+            destroy_library(self._library)  # the CPU's composites are back
             self._library = None
 
 
@@ -202,9 +281,7 @@ def autocast_region(dtype: torch.dtype) -> Iterator[None]:
 def foreach_by_default(device: str) -> bool:
     """Whether PyTorch's optimizers pick their `_foreach_*` implementation on `device` (they do
     on CUDA, and fall back to a per-parameter loop on the CPU)."""
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
-
-    return device in _get_foreach_kernels_supported_devices()
+    return device in dispatcher.foreach_devices()
 
 
 def _cudnn(version: int | None) -> str:
@@ -230,6 +307,7 @@ class Emulation:
         from ampscope.precision.norm_stats import TargetNormStats
 
         with self._stack as stack:
+            stack.enter_context(TargetKernels(self.device))
             stack.enter_context(TargetNormStats(self.device))
             if self.autocast_dtype is not None:
                 stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))

@@ -4,7 +4,7 @@
 or fp16 inputs the CPU kernel returns those statistics in the input's dtype; CUDA and MPS keep
 them in float32. The batch-norm kernels differ the same way. Nothing here states which device
 does what: PyTorch's own fake implementations of these ops (the reference `native_layer_norm`
-in torch._refs, the Meta kernels of the others) branch on the input's device, and
+in PyTorch's Python references, the Meta kernels of the others) branch on the input's device, and
 `target_dtypes` reads the answer by calling them on fake tensors of the target device. When a
 fake implementation cannot take that device on this build, it is asked with `meta` tensors,
 which those implementations treat as any device that is not the CPU.
@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ampscope.modes import UncompiledDispatchMode
+from ampscope.torchcompat.fake import FakeTensorMode
+from ampscope.torchcompat.policy import OpOverload
 
 aten = torch.ops.aten
 
@@ -35,7 +36,7 @@ class _Backward:
     """A norm's backward op: the forward call its arguments describe, and where the saved
     statistics sit among its arguments (with the forward output each one is)."""
 
-    forward: torch._ops.OpOverload
+    forward: OpOverload
     forward_args: Callable[[tuple], tuple]  # backward args -> the forward call's args
     stats: tuple[tuple[int, int], ...]  # (backward argument index, forward output index)
 
@@ -79,7 +80,7 @@ def _signature(value) -> object:
     return value
 
 
-def target_dtypes(op: torch._ops.OpOverload, args: tuple, device: str,
+def target_dtypes(op: OpOverload, args: tuple, device: str,
                   kwargs: dict | None = None) -> tuple[torch.dtype, ...]:
     """The dtypes of `op(*args, **kwargs)`'s tensor outputs on `device`, from PyTorch's fake
     implementation of the op (see the module docstring)."""
@@ -88,7 +89,7 @@ def target_dtypes(op: torch._ops.OpOverload, args: tuple, device: str,
 
 
 @functools.cache
-def _target_dtypes(op: torch._ops.OpOverload, signature: tuple, kw_signature: tuple,
+def _target_dtypes(op: OpOverload, signature: tuple, kw_signature: tuple,
                    device: str) -> tuple[torch.dtype, ...]:
     for where in (device, "meta"):
         try:
@@ -123,7 +124,7 @@ class TargetNormStats(UncompiledDispatchMode):
         self.device = device
 
     @staticmethod
-    def passes_through(func: torch._ops.OpOverload) -> bool:
+    def passes_through(func: OpOverload) -> bool:
         """Whether the mode hands `func` on unchanged: all but the norms and their backwards
         (recorders/fake_cache.py answers those others without it)."""
         return func not in BACKWARDS and func not in NORMS

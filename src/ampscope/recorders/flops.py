@@ -1,10 +1,12 @@
 """FLOPs of one aten op, from its arguments, as the op runs.
 
-PyTorch's own formulas (`torch.utils.flop_counter.flop_registry`: matmuls, convolutions, the
-CUDA attention kernels) are used as they are; the formulas it lacks are registered here:
+PyTorch's own formulas (`torch.utils.flop_counter`: matmuls, convolutions, the CUDA attention
+kernels) are used as they are; ampscope counts, with the same convention, what they do not:
 
-- the CPU flash-attention kernel and its backward, which FlopCounterMode counts as 0 (the same
-  `sdpa_flop_count` as the CUDA kernels: 2·B·H·L·S·(E + Ev) forward);
+- the CPU flash-attention kernel and its backward on releases whose registry lacks them;
+- grouped-query attention (key/value with fewer heads than the query, `enable_gqa=True`) on
+  releases whose `sdpa_flop_count` asserts equal head counts: each query head attends over
+  its group's key/value head, so the count is that of the query's heads (`_sdpa_forward`);
 - causal attention counted on the entries the mask keeps: row i of a causal (L, S) score matrix
   keeps min(i + 1, S) keys (top-left alignment, as `is_causal`): L·(L+1)/2 of L·L when L == S.
 
@@ -14,12 +16,9 @@ Every count follows PyTorch's convention: a multiply-add is 2 FLOPs, elementwise
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
+
+from ampscope.torchcompat import flops as torch_flops
+from ampscope.torchcompat.policy import OpOverload
 
 aten = torch.ops.aten
 
@@ -28,18 +27,54 @@ def _shape(t) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _cpu_flash(query, key, value, *args, **kwargs) -> int:
-    return sdpa_flop_count(_shape(query), _shape(key), _shape(value))
+def _sdpa_forward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
+    """scores = q·kᵀ and out = scores·v, for every query head: 2·B·Hq·Sq·Sk·(D + Dv). A GQA
+    key/value head serves Hq/Hkv query heads; each of them multiplies it again."""
+    b, heads, seq_q, d_qk = query
+    seq_k, d_v = key[-2], value[-1]
+    return 2 * b * heads * seq_q * seq_k * (d_qk + d_v)
 
 
-def _cpu_flash_backward(grad_out, query, key, value, *args, **kwargs) -> int:
-    return sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key), _shape(value))
+def _sdpa_backward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
+    """The scores recomputed (q·kᵀ), then the gradients of the scores (dO·vᵀ), of v (Pᵀ·dO),
+    of q (dS·k) and of k (dSᵀ·q): 2·B·Hq·Sq·Sk·(3·D + 2·Dv), as torch's own formula counts."""
+    b, heads, seq_q, d_qk = query
+    seq_k, d_v = key[-2], value[-1]
+    return 2 * b * heads * seq_q * seq_k * (3 * d_qk + 2 * d_v)
 
 
-_EXTRA = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
-}
+def _attention(query, key, value, *args, **kwargs) -> int:
+    return _sdpa_forward(_shape(query), _shape(key), _shape(value))
+
+
+def _attention_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+    return _sdpa_backward(_shape(query), _shape(key), _shape(value))
+
+
+def _own_formulas() -> dict:
+    """The fused attention ops, whose first arguments are (query, key, value), and their
+    backwards ((grad_out, query, key, value)), with ampscope's formulas for them."""
+    own = {}
+    for kernel in ("flash_attention", "efficient_attention", "cudnn_attention",
+                   "flash_attention_for_cpu"):
+        name = f"_scaled_dot_product_{kernel}"
+        if hasattr(aten, name):
+            own[getattr(aten, name)] = _attention
+        if hasattr(aten, name + "_backward"):
+            own[getattr(aten, name + "_backward")] = _attention_backward
+    return own
+
+
+_OWN = _own_formulas()
+
+
+def _own_formula(packet) -> bool:
+    """Whether ampscope counts `packet` itself: torch has no formula for it, or cannot count
+    grouped-query shapes with it."""
+    if packet not in _OWN:
+        return False
+    return (torch_flops.torch_formula(packet) is None
+            or not torch_flops.counts_grouped_query_attention())
 
 
 def _kept_fraction(query_len: int, key_len: int) -> float:
@@ -62,25 +97,19 @@ def _key(value):
     return value
 
 
-# The body of every `shape_wrapper`-wrapped formula: it sees shapes only, so its count is a
-# function of the key above. Formulas registered raw (`get_raw=True`: varlen attention) may
-# read values, and are counted on every call.
-_SHAPE_WRAPPER_CODE = shape_wrapper(lambda: None).__code__
-
-
 class _Formula:
     """What is known of one op overload's FLOPs, looked up once."""
 
     __slots__ = ("count", "extra", "by_shape", "attention", "names")
 
-    def __init__(self, func: torch._ops.OpOverload) -> None:
+    def __init__(self, func: OpOverload) -> None:
         packet = func.overloadpacket
-        count = flop_registry.get(packet)
-        extra = count is None and packet in _EXTRA
-        if extra:
-            count = _EXTRA[packet]
+        extra = _own_formula(packet)
+        count = _OWN[packet] if extra else torch_flops.torch_formula(packet)
         self.count, self.extra = count, extra
-        self.by_shape = extra or getattr(count, "__code__", None) is _SHAPE_WRAPPER_CODE
+        # A count from shapes alone is a function of `_key` below and can be cached; a formula
+        # that may read values (varlen attention) is counted on every call.
+        self.by_shape = extra or (count is not None and torch_flops.sees_shapes_only(count))
         self.attention = count is not None and "attention" in packet.__name__
         self.names = [a.name for a in func._schema.arguments] if self.attention else []
 
@@ -101,13 +130,13 @@ class _Formula:
         return flops, round(flops * _kept_fraction(query.shape[-2], key.shape[-2]))
 
 
-_formulas: dict[torch._ops.OpOverload, _Formula | None] = {}
+_formulas: dict[OpOverload, _Formula | None] = {}
 # Counts by (op, shapes and other arguments): a model's blocks repeat the same shapes, and a
 # formula costs more than the rest of an op's record (pytree maps its arguments to shapes).
 _counted: dict[tuple, tuple[int, int]] = {}
 
 
-def formula(func: torch._ops.OpOverload) -> _Formula | None:
+def formula(func: OpOverload) -> _Formula | None:
     """The op's FLOP formula, None for ops that have none (elementwise, views, copies)."""
     try:
         return _formulas[func]
@@ -117,7 +146,7 @@ def formula(func: torch._ops.OpOverload) -> _Formula | None:
         return result
 
 
-def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
+def op_flops(func: OpOverload, args: tuple, kwargs: dict, out,
              known: _Formula | None = None) -> tuple[int, int]:
     """(FLOPs, FLOPs with causal attention counted on the kept entries only) of one op; (0, 0)
     for ops without a formula (elementwise, views, copies). `known` is `formula(func)`, where

@@ -12,7 +12,8 @@ import importlib
 from dataclasses import dataclass
 
 # The modules of this package that report features, in the order `--version -v` lists them.
-_REPORTING = ("fake", "dispatch", "dynamo", "optim", "autograd", "distributed", "devices")
+_REPORTING = ("fake", "dispatch", "dynamo", "optim", "autograd", "distributed", "devices",
+              "attention", "policy", "flops")
 
 
 @dataclass(frozen=True)

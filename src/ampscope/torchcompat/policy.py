@@ -1,0 +1,151 @@
+"""The dispatcher details ampscope reads an autocast policy with, and emulates one with.
+
+- which ops have a kernel registered for a dispatch key (`registrations`, `has_kernel`): the
+  autocast op lists of a device are the registrations for its Autocast key;
+- what kind of value a schema argument takes (`argument_kind`), to build a dummy call;
+- dropping a `torch.library.Library`'s registrations (`destroy_library`) and skipping a
+  device's autocast key while a kernel runs (`no_autocast`);
+- the devices PyTorch's optimizers pick `_foreach_` implementations on (`foreach_devices`).
+
+Each is found once; where a build lacks one, the feature that needs it is off, with the reason
+in `features()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+from torch._ops import OpOverload
+
+from ampscope.torchcompat.features import Feature
+
+__all__ = ["OpOverload", "argument_kind", "destroy_library", "foreach_devices", "has_kernel",
+           "is_view", "no_autocast", "registrations"]
+
+_C = torch._C
+
+
+def _key_suffix(device: str) -> str:
+    """The device part of a per-device dispatch key: "cuda" -> "CUDA"."""
+    return "PrivateUse1" if device == "privateuseone" else device.upper()
+
+
+def autocast_key(device: str) -> str:
+    """"cuda" -> "AutocastCUDA"."""
+    return "Autocast" + _key_suffix(device)
+
+
+def autograd_key(device: str) -> str:
+    """"cuda" -> "AutogradCUDA"."""
+    return "Autograd" + _key_suffix(device)
+
+
+def backend_key(device: str) -> str:
+    """"cuda" -> "CUDA" (the key a device's own kernels are registered at)."""
+    return _key_suffix(device)
+
+
+# --- what is registered where -------------------------------------------------------------
+
+def registrations(key: str) -> tuple[str, ...]:
+    """Every op with a kernel registered at dispatch key `key` ("AutocastCUDA"), unsorted;
+    empty when this build has no such key."""
+    try:
+        return tuple(_C._dispatch_get_registrations_for_dispatch_key(key))
+    except (RuntimeError, ValueError):  # no such dispatch key
+        return ()
+
+
+def has_kernel(op_name: str, key: str) -> bool:
+    """Whether op `op_name` ("aten::_fused_rms_norm") has a kernel of its own at `key`
+    ("CUDA"); False for an unknown op or key."""
+    try:
+        return bool(_C._dispatch_has_kernel_for_dispatch_key(op_name, key))
+    except (RuntimeError, ValueError):
+        return False
+
+
+# --- schema arguments ---------------------------------------------------------------------
+
+# The JIT type classes, by the kind `argument_kind` names them.
+_KINDS: tuple[tuple[str, tuple[type, ...]], ...] = (
+    ("optional", (_C.OptionalType,)),
+    ("tensor", (_C.TensorType,)),
+    ("list", (_C.ListType,)),
+    ("int", (_C.IntType, _C.SymIntType)),
+    ("float", (_C.FloatType, _C.NumberType)),
+    ("bool", (_C.BoolType,)),
+    ("str", (_C.StringType,)),
+)
+
+
+def argument_kind(op: OpOverload, index: int) -> str:
+    """The kind of value `op`'s argument `index` takes: "optional", "tensor", "tensor_list",
+    "str_list", "list" (of numbers), "int", "float", "bool", "str" or "other". A named
+    dimension (`Dimname`) is a "str" here: the schema types it so."""
+    arg_type = op._schema.arguments[index].type
+    for kind, classes in _KINDS:
+        if isinstance(arg_type, classes):
+            return _list_kind(arg_type.getElementType()) if kind == "list" else kind
+    return "other"
+
+
+def _list_kind(element) -> str:
+    if isinstance(element, (_C.TensorType, _C.OptionalType)):
+        return "tensor_list"
+    return "str_list" if isinstance(element, _C.StringType) else "list"
+
+
+# --- registrations for the duration of a run ------------------------------------------------
+
+def destroy_library(library: torch.library.Library) -> None:
+    """Drop every registration `library` made (PyTorch's own kernels are back)."""
+    library._destroy()
+
+
+@functools.cache
+def _autocast_keyset(device: str):
+    return _C.DispatchKeySet(getattr(_C.DispatchKey, autocast_key(device)))
+
+
+@contextlib.contextmanager
+def no_autocast(device: str) -> Iterator[None]:
+    """Ops called inside skip `device`'s autocast key (a kernel that re-enters the dispatcher
+    must not be autocast twice)."""
+    with _C._ExcludeDispatchKeyGuard(_autocast_keyset(device)):
+        yield
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor (autocast caches no cast of a view)."""
+    return t._is_view()
+
+
+# --- optimizers ---------------------------------------------------------------------------
+
+@functools.cache
+def _foreach_source() -> tuple[Callable[[], list[str]] | None, str]:
+    try:
+        from torch.optim.optimizer import _get_foreach_kernels_supported_devices
+    except ImportError as e:
+        return None, f"not on this build ({e})"
+    return _get_foreach_kernels_supported_devices, "torch.optim's foreach device list"
+
+
+def foreach_devices() -> tuple[str, ...]:
+    """The devices PyTorch's optimizers run their `_foreach_` implementation on by default
+    (("cuda",) where the build does not say: every release from 2.0 has at least that)."""
+    source, _ = _foreach_source()
+    return tuple(source()) if source is not None else ("cuda",)
+
+
+def features() -> list[Feature]:
+    source, why = _foreach_source()
+    return [
+        Feature("dispatch registrations", True,
+                "the kernels registered per dispatch key (autocast op lists)", "policy"),
+        Feature("optimizer foreach devices", source is not None, why, "foreach note"),
+    ]
