@@ -36,12 +36,25 @@ def _quiet_import(name: str) -> ModuleType:
         return importlib.import_module(name)
 
 
+# torchao is built against one torch release at a time: the pinned 0.18.0 imports on torch 2.10
+# and newer (on 2.9 it asks torch for names 2.10 added). Measured: docs/compatibility.md.
+TORCHAO_OLDEST_TORCH = "2.10"
+
+
 def float8() -> ModuleType:
-    """`torchao.float8`, or one line saying how to install it."""
+    """`torchao.float8`, or one line saying how to install it, or why the installed torchao
+    cannot run on this torch."""
+    import importlib.util
+
     try:
         return _quiet_import("torchao.float8")
     except ImportError as e:
-        raise AmpscopeError(f"fp8 settings need torchao: {INSTALL}") from e
+        if importlib.util.find_spec("torchao") is None:
+            raise AmpscopeError(f"fp8 settings need torchao: {INSTALL}") from e
+        raise AmpscopeError(
+            f"fp8 settings need torchao, which is installed but does not import on torch "
+            f"{torch.__version__} ({type(e).__name__}: {e}); torchao 0.18.0 needs torch "
+            f"{TORCHAO_OLDEST_TORCH} or newer") from e
 
 
 def available() -> bool:
