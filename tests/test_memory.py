@@ -359,3 +359,18 @@ def test_a_trace_refuses_options_that_would_change_its_run():
         ampscope.memory(t, seq=32)
     with pytest.raises(ampscope.AmpscopeError, match="measure cannot apply"):
         ampscope.flops(t, measure=True)
+
+
+def test_saved_tensors_unpacked_where_the_build_cannot_read_them_raw(monkeypatch):
+    """Before torch 2.10 a SavedTensor has no `.data`: the saved tensors are unpacked to be read,
+    and the storages marked saved are the same as when read raw."""
+    from ampscope.torchcompat import autograd
+
+    def saved(predict: bool) -> list[tuple]:
+        t = ampscope.trace("gpt2-tiny", setting="fp32", workload="train", seq=8, predict=predict)
+        return [(s.op, s.shape, s.dtype, s.nbytes) for s in t.storages if s.saved]
+
+    raw = {p: saved(p) for p in (False, True)}
+    monkeypatch.setattr(autograd, "_raw_data", lambda: False)
+    assert {p: saved(p) for p in (False, True)} == raw
+    assert len(raw[False]) > 20 and raw[False] == raw[True]

@@ -37,14 +37,13 @@ seen; neither are the allocator's own reserves (see docs/memory.md).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import torch
 
 from ampscope.recorders.tensors import meta_of
 from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_rows
 from ampscope.records.fp8 import fp8_casts
-from ampscope.torchcompat.autograd import graph_task_id
+from ampscope.torchcompat.autograd import graph_task_id, saved_tensors
 
 # Identity before the step, identity at the end, origin, lifetime.
 _RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
@@ -210,8 +209,8 @@ class StorageTracker:
     def _walk(self, root) -> None:
         """Mark the storages of every tensor saved in the autograd graph behind `root`.
 
-        Read from the nodes themselves (`node._raw_saved_self.data`, the tensor autograd holds,
-        unpacked neither by autograd nor by a hook), not by `saved_tensors_hooks`: with hooks,
+        Read from the nodes themselves (torchcompat.autograd.saved_tensors: the tensors autograd
+        holds, unpacked neither by autograd nor by a hook, where the build allows), not by `saved_tensors_hooks`: with hooks,
         autograd would unpack every saved tensor through a detach (a fake dispatch per tensor in
         a predicted run), keep the op's own output in a reference cycle through its grad_fn,
         and stop checking saved tensors' versions."""
@@ -262,31 +261,6 @@ class StorageTracker:
 
 
 _graph_task_id = graph_task_id
-_saved_names: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_attributes(node_type: type) -> tuple[str, ...]:
-    """`_raw_saved_self`, `_raw_saved_mat2`, ... (`_raw_saved_tensors` for a custom Function)."""
-    names = _saved_names.get(node_type)
-    if names is None:
-        names = _saved_names[node_type] = tuple(a for a in dir(node_type)
-                                                if a.startswith("_raw_saved_"))
-    return names
-
-
-def saved_tensors(node) -> Iterator[torch.Tensor]:
-    """The tensors an autograd node holds for its backward, as it holds them (not unpacked)."""
-    for name in _saved_attributes(type(node)):
-        try:
-            value = getattr(node, name)
-        except RuntimeError:  # already released
-            continue
-        for saved in value if isinstance(value, (tuple, list)) else (value,):
-            t = getattr(saved, "data", None)
-            if isinstance(t, torch.Tensor):
-                yield t
-
-
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
