@@ -173,3 +173,36 @@ def test_a_real_run_never_touches_the_fast_path_internals():
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["ops"] > 100
     assert found["touched"] == [] and found["detected"] == [0, 0, 0]
+
+
+def test_a_trick_whose_wrong_answer_makes_the_model_fail_is_caught_by_the_exact_path(
+        monkeypatch, exact_trace):
+    """A trick that answers wrongly does not raise itself: the model fails later, on what it
+    was given. The step then runs on the exact path, and its trace is the answer."""
+    import torch
+
+    from ampscope.recorders import fake_cache, foreach
+
+    def wrong(self, func, args, kwargs):
+        if func is torch.ops.aten.addmm.default:
+            return args[1].new_empty((3,))  # not the product's shape
+        return foreach.NOT_THINNED
+
+    monkeypatch.setattr(fake_cache.CachedAnswers, "call", wrong)
+    assert_same_trace(ampscope.trace("gpt2-tiny", **OPTIONS), exact_trace)
+
+
+def test_the_models_own_error_is_still_reported_after_the_exact_path():
+    import torch
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 5)
+            self.b = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x)).sum()
+
+    with pytest.raises(RuntimeError, match=r"same reduction dim, but got \[2, 5\] X \[4, 3\]"):
+        ampscope.trace(Broken(), {"x": torch.randn(2, 4)}, predict=True)

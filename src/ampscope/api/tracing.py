@@ -44,7 +44,7 @@ from ampscope.recorders.repeats import ReplayDoubt
 from ampscope.recorders.session import Capture
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
-from ampscope.tricks import exact_path
+from ampscope.tricks import exact, exact_path
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -106,6 +106,13 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
             log.info("a speed trick could not be trusted (%s): tracing on the exact path", doubt)
             with exact_path():
                 return _trace_run(model, inputs, setting, replace(options, exact=True))
+        except _TrickSuspect as suspect:
+            with exact_path():
+                result = _trace_run(model, inputs, setting, replace(options, exact=True))
+            # The exact path ran: the error was a speed trick's, not the model's.
+            log.info("a speed trick failed on this torch build (%s: %s): traced on the exact "
+                     "path", type(suspect.error).__name__, suspect.error)
+            return result
         except _ValuesNeeded as needed:
             # Predicted by default, but the model reads a value: run it for real, and say why.
             result = _trace_run(model, inputs, setting, replace(options, predict=False))
@@ -119,6 +126,15 @@ def _fake_mask(lm: LoadedModel, result: Trace) -> bool:
     return type(lm.module).__module__.startswith("transformers.") and any(
         "scaled_dot_product" in o.op and len(o.inputs) >= 4
         for o in result.ops if o.phase == "forward")
+
+
+class _TrickSuspect(Exception):
+    """A predicted run that took speed tricks raised: run again on the exact path, whose error
+    (if it raises too) is the one to report."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class _ValuesNeeded(Exception):
@@ -181,6 +197,10 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
             diagnosis = diagnose(capture.failure)
             if diagnosis is not None:
                 raise DtypeMismatchError(diagnosis) from e
+            if predict and not exact() and not isinstance(e, AmpscopeError):
+                # Maybe the model's error, maybe a speed trick's on this torch build: the exact
+                # path tells (trace_run runs the step again on it).
+                raise _TrickSuspect(e) from e
             raise
         result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"

@@ -43,7 +43,13 @@ import torch
 from ampscope.recorders.tensors import meta_of
 from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_rows
 from ampscope.records.fp8 import fp8_casts
-from ampscope.torchcompat.autograd import graph_task_id, saved_tensors
+from ampscope.torchcompat.autograd import (
+    UnreadableSaved,
+    graph_task_id,
+    reads_saved_raw,
+    saved_tensors,
+    saving_through_hooks,
+)
 
 # Identity before the step, identity at the end, origin, lifetime.
 _RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
@@ -83,6 +89,11 @@ class StorageTracker:
         # The autograd nodes walked in the backward pass now running (id -> node), and its id.
         self._walked: dict[int, object] = {}
         self._graph_task = -1
+        # On a build that can only unpack saved tensors (torch 2.9), unpacking one saved
+        # through hooks (activation checkpointing's) would run them: once the forward pass has
+        # saved through hooks, no saved tensor is read, and `saved_unknown` says so.
+        self._unpacking = not reads_saved_raw()
+        self.saved_unknown = False
         # Bytes live now and at most so far, in CUDA's 512-byte blocks: what a script's own
         # torch.cuda.memory_allocated() reads on a virtual device.
         self.live_bytes = 0
@@ -199,21 +210,27 @@ class StorageTracker:
         if node is None:
             if self._walked:  # backward is over: let its nodes go
                 self._walked = {}
+            if self._unpacking and not self.saved_unknown and saving_through_hooks():
+                self.saved_unknown = True
             return
         task = _graph_task_id()
         if task != self._graph_task:
             self._graph_task, self._walked = task, {}
-        if id(node) not in self._walked:  # a new pass, or a graph with several roots
+        # A new pass, or a graph with several roots.
+        if id(node) not in self._walked and not self.saved_unknown:
             self._walk(node)
 
     def _walk(self, root) -> None:
         """Mark the storages of every tensor saved in the autograd graph behind `root`.
 
         Read from the nodes themselves (torchcompat.autograd.saved_tensors: the tensors autograd
-        holds, unpacked neither by autograd nor by a hook, where the build allows), not by `saved_tensors_hooks`: with hooks,
-        autograd would unpack every saved tensor through a detach (a fake dispatch per tensor in
-        a predicted run), keep the op's own output in a reference cycle through its grad_fn,
-        and stop checking saved tensors' versions."""
+        holds, unpacked neither by autograd nor by a hook, where the build allows), not by
+        `saved_tensors_hooks`: with hooks, autograd would unpack every saved tensor through a
+        detach (a fake dispatch per tensor in a predicted run), keep the op's own output in a
+        reference cycle through its grad_fn, and stop checking saved tensors' versions. A node
+        whose tensors were saved through hooks that refuse to unpack them here (activation
+        checkpointing's, on a build that can only unpack) holds no activation of its own: the
+        hooks keep what they need elsewhere."""
         walked, live = self._walked, self._live
         stack = [root]
         while stack:
@@ -221,11 +238,14 @@ class StorageTracker:
             if id(node) in walked:
                 continue
             walked[id(node)] = node  # held, so that its Python object (and id) stays the same
-            for t in saved_tensors(node):
-                storage = storage_of(t)
-                entry = live.get(id(storage)) if storage is not None else None
-                if entry is not None:
-                    entry.saved = True
+            try:
+                for t in saved_tensors(node):
+                    storage = storage_of(t)
+                    entry = live.get(id(storage)) if storage is not None else None
+                    if entry is not None:
+                        entry.saved = True
+            except UnreadableSaved:
+                pass
             stack.extend(n for n, _ in node.next_functions if n is not None)
 
     # -- the result

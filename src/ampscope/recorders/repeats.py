@@ -471,7 +471,7 @@ def _plain_spec(spec) -> bool:
     """Whether a pytree structure is made of tuples, lists and dicts only (an object that
     pytree knows how to flatten, a cache, may be changed by the block)."""
     return spec.type in (None, tuple, list, dict) and all(
-        _plain_spec(c) for c in spec.children())
+        _plain_spec(c) for c in spec.children_specs)
 
 
 def _shared(tensors: list, first: list[weakref.ref]) -> list[bool]:

@@ -426,6 +426,12 @@ class Capture:
                 "records are those of a recorded twin, replayed (the blocks and their inputs "
                 "matched; see docs/how-it-works.md).")
             log.info("%s", trace.notes[-1])
+        if self._storages.saved_unknown:
+            trace.notes.append(
+                "Activations under activation checkpointing are counted as temporaries: this "
+                "torch (before 2.10) can only read a saved tensor by unpacking it, which would "
+                "run checkpointing's hooks; the memory peak is the same.")
+            log.info("%s", trace.notes[-1])
         for note in self._ops.fallbacks:  # (a run that cannot be run again: a script's)
             trace.notes.append(f"A speed trick was turned off: {note}.")
         if self._inference.used:

@@ -24,21 +24,36 @@ def saved_tensors(node) -> Iterator[torch.Tensor]:
     """The tensors an autograd node holds for its backward.
 
     Read as the node holds them (`node._raw_saved_x.data`: not unpacked, so no hook, no
-    detach, no version check) where this build's SavedTensor has `data` (2.10 and newer);
-    elsewhere unpacked (`node._saved_x`), which gives a tensor on the same storage."""
+    detach, no version check) where this build's SavedTensor has `data` (2.10 and newer).
+    Elsewhere they are unpacked (`node._saved_x`, a tensor on the same storage); a tensor saved
+    through hooks (activation checkpointing's) may refuse that: `UnreadableSaved` is raised."""
     raw = _raw_data()
     for name in _saved_attributes(type(node)):
         try:
-            if raw:
-                value = getattr(node, name)
-            else:
-                value = getattr(node, _unpacked_name(name))
+            value = getattr(node, name if raw else _unpacked_name(name))
         except RuntimeError:  # already released, or modified in place since
             continue
+        except Exception as e:  # a saved-tensor hook's own refusal
+            raise UnreadableSaved(f"{type(e).__name__}: {e}") from e
         for saved in value if isinstance(value, (tuple, list)) else (value,):
             t = getattr(saved, "data", None) if raw else saved
             if isinstance(t, torch.Tensor):
                 yield t
+
+
+def reads_saved_raw() -> bool:
+    """Can `saved_tensors` read saved tensors without unpacking them (torch 2.10 and newer)?"""
+    return _raw_data()
+
+
+def saving_through_hooks() -> bool:
+    """Are saved-tensor hooks in force here (activation checkpointing's), so that what autograd
+    saves now would be unpacked through them?"""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class UnreadableSaved(Exception):
+    """A saved tensor that cannot be read without unpacking it through its hooks."""
 
 
 _saved_names: dict[type, tuple[str, ...]] = {}
