@@ -44,7 +44,7 @@ from ampscope.recorders.modules import ModuleTracker
 from ampscope.recorders.tensors import described, fake_from, no_torch_function
 from ampscope.recorders.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
-from ampscope.torchcompat.dispatch import pytree
+from ampscope.torchcompat.dispatch import pytree, pytree_children
 from ampscope.torchcompat.fake import FakeTensor
 
 
@@ -471,7 +471,7 @@ def _plain_spec(spec) -> bool:
     """Whether a pytree structure is made of tuples, lists and dicts only (an object that
     pytree knows how to flatten, a cache, may be changed by the block)."""
     return spec.type in (None, tuple, list, dict) and all(
-        _plain_spec(c) for c in spec.children_specs)
+        _plain_spec(c) for c in pytree_children(spec))
 
 
 def _shared(tensors: list, first: list[weakref.ref]) -> list[bool]:

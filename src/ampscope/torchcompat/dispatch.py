@@ -27,7 +27,7 @@ __all__ = [
     "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "active_fake_mode",
     "default_device", "disable_torch_dispatch", "dispatch_mode_stack", "dispatch_stack_depth",
     "function_stack_depth", "is_traceable_wrapper_subclass", "no_dispatch", "no_torch_function",
-    "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree",
+    "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree", "pytree_children",
 ]
 
 _C = torch._C
@@ -59,6 +59,13 @@ def active_fake_mode():
 def proxy_mode_active() -> bool:
     """Is a tracing (proxy) mode on the stack, as under make_fx or torch.compile's export?"""
     return _C._get_dispatch_mode(_PROXY) is not None
+
+
+def pytree_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """A pytree structure's children: `children()` where the build has it (2.10 and newer;
+    `children_specs` is deprecated there), `children_specs` before."""
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(spec.children_specs)
 
 
 def dispatch_mode_stack() -> list[TorchDispatchMode]:
