@@ -106,9 +106,9 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
     assert reached["lift_fresh.default"] >= n_params and short["lift_fresh.default"] == 0
     assert short["detach.default"] < reached["detach.default"] - n_params // 2
     # The fake tensors' device reads (thousands, from the autograd engine and foreach ops'
-    # checks) are answered by the op recorder in both runs: what reaches FakeTensorMode are
-    # the few its own decompositions make.
-    assert short["device.default"] < 20 and reached["device.default"] < 20
+    # checks) are answered by the op recorder (the prim-device trick): what reaches
+    # FakeTensorMode are the few its own decompositions make. The exact path takes no trick.
+    assert short["device.default"] < 20 < 1000 < reached["device.default"]
     # A second step in the process: the first zeros_like of each kind is answered from the
     # entry FakeTensorMode's cache kept, as its own cache hit would be, without reaching it.
     reached.clear()
