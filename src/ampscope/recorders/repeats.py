@@ -485,16 +485,19 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def _saved_storages(out, inputs: list) -> set[int]:
-    """Ids of the storages the autograd graph behind `out` saved, down to the block's inputs."""
-    stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    """Ids of the storages the autograd graph behind `out` saved, down to the block's inputs.
+
+    The nodes are held while walked: a node's Python object may be made anew on each access
+    (torch before 2.13 keeps none), so an id is only a node's while the node is held."""
+    stop = {id(n): n for n in (t.grad_fn for t in inputs) if n is not None}
     found: set[int] = set()
-    seen: set[int] = set()
+    seen: dict[int, object] = {}
     stack = [t.grad_fn for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for t in saved_tensors(node):
             s = storage_of(t)
             if s is not None:
