@@ -43,7 +43,7 @@ from ampscope.recorders.memory import StorageTracker, saved_tensors, storage_of
 from ampscope.recorders.modules import ModuleTracker
 from ampscope.recorders.tensors import described, fake_from, no_torch_function
 from ampscope.recorders.windows import Window
-from ampscope.torchcompat.autograd import graph_task_id
+from ampscope.torchcompat.autograd import graph_task_id, reads_saved_raw, saving_through_hooks
 from ampscope.torchcompat.dispatch import pytree, pytree_children
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -243,7 +243,10 @@ class _Run:
         # the storages' `saved` flags and lifetimes), or the window is not used.
         # (Only storages the tracker knows: a Python scalar autograd saves as a tensor made
         # without an op is no memory the trace counts.)
-        saved = (_saved_storages(out, tensors) & replay.storages._live.keys()) - {e.key for e in made}
+        found = _saved_storages(out, tensors)
+        if found is None:
+            return None
+        saved = (found & replay.storages._live.keys()) - {e.key for e in made}
         held = [*tensors, *self.blocks[k].parameters(), *self.blocks[k].buffers()]
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
@@ -484,11 +487,15 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _saved_storages(out, inputs: list) -> set[int]:
-    """Ids of the storages the autograd graph behind `out` saved, down to the block's inputs.
+def _saved_storages(out, inputs: list) -> set[int] | None:
+    """Ids of the storages the autograd graph behind `out` saved, down to the block's inputs;
+    None where they cannot be read without running saved-tensor hooks (checkpointing's, on a
+    torch that can only unpack saved tensors).
 
     The nodes are held while walked: a node's Python object may be made anew on each access
     (torch before 2.13 keeps none), so an id is only a node's while the node is held."""
+    if not reads_saved_raw() and saving_through_hooks():
+        return None
     stop = {id(n): n for n in (t.grad_fn for t in inputs) if n is not None}
     found: set[int] = set()
     seen: dict[int, object] = {}
