@@ -48,3 +48,20 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# ampscope against every PyTorch release it supports (docs/compatibility.md): for each build a
+# fresh environment in a temporary folder (COMPAT_VENV_ROOT, else the system's; ~5 GB, deleted
+# after), torch installed first, then ampscope, then the ten commands, the core tests and the
+# goldens of tests/golden/compat/. compat-matrix: all eight builds (by hand, ~1 h);
+# compat-ci: the oldest and the newest (part of .ci/run); compat-golden: record the goldens
+# again from .venv's torch 2.13.0.
+.PHONY: compat-matrix compat-ci compat-golden
+
+compat-matrix:
+	$(PY) tools/compat.py --all
+
+compat-ci:
+	$(PY) tools/compat.py --ci
+
+compat-golden: $(STAMP)
+	$(PY) tools/compat.py --update --venv $(VENV)
