@@ -229,14 +229,36 @@ def test_a_high_precision_grad_weight_recipe_under_cpu_autocast_is_refused_with_
 
 
 def test_fp8_without_torchao_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
     def missing(name):
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(fp8, "_quiet_import", missing)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(AmpscopeError) as e:
         parse_setting("fp32+fp8")
     assert str(e.value) == ("fp8 settings need torchao: pip install 'ampscope[fp8]' "
                             "(torchao==0.18.0, installed with --no-deps)")
+
+
+def test_fp8_with_a_torchao_that_cannot_import_on_this_torch_says_which_torch_it_needs(
+        monkeypatch):
+    """torchao 0.18.0 installed next to torch 2.9 fails to import (it asks torch for names
+    2.10 added): the one line names the torch it needs, not an install that is there."""
+    import importlib.util
+
+    def too_new(name):
+        raise ImportError("cannot import name 'ScalingType' from 'torch.nn.functional'")
+
+    monkeypatch.setattr(fp8, "_quiet_import", too_new)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(AmpscopeError) as e:
+        parse_setting("fp32+fp8")
+    message = str(e.value)
+    assert message.startswith("fp8 settings need torchao, which is installed but does not "
+                              f"import on torch {torch.__version__}")
+    assert "ScalingType" in message and message.endswith("needs torch 2.10 or newer")
 
 
 @needs_torchao
