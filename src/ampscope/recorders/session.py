@@ -420,24 +420,25 @@ class Capture:
         self._inputs = None  # the trace keeps records, not the user's tensors
         if outputs:
             trace.outputs = inventory.named_tensors(outputs, role="output")
+        notes = []
         if self._replay is not None and self._replay.replayed:
-            trace.notes.append(
+            notes.append(
                 f"{self._replay.replayed} calls of identical blocks were not dispatched: their "
                 "records are those of a recorded twin, replayed (the blocks and their inputs "
                 "matched; see docs/how-it-works.md).")
-            log.info("%s", trace.notes[-1])
         if self._storages.saved_unknown:
-            trace.notes.append(
+            notes.append(
                 "Activations under activation checkpointing are counted as temporaries: this "
                 "torch (before 2.10) can only read a saved tensor by unpacking it, which would "
                 "run checkpointing's hooks; the memory peak is the same.")
-            log.info("%s", trace.notes[-1])
-        for note in self._ops.fallbacks:  # (a run that cannot be run again: a script's)
-            trace.notes.append(f"A speed trick was turned off: {note}.")
+        # (a run that cannot be run again, a script's: a trick's failure is said here)
+        notes += [f"A speed trick was turned off: {note}." for note in self._ops.fallbacks]
         if self._inference.used:
-            trace.notes.append(
+            notes.append(
                 "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "
                 "(linear, to) then split into the ops a device runs (addmm, _to_copy), with the "
                 "same dtypes, and autocast sees each part as it does there.")
-            log.info("%s", trace.notes[-1])
+        for note in notes:
+            trace.notes.append(note)
+            log.info("%s", note)
         return trace
