@@ -158,25 +158,33 @@ def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | st
     detach, an op no mode may see)."""
     if type(device) is not torch.device:
         device = torch.device(device)
-    cloner = fake.clone_wrap() if enabled(Trick.CLONE) else None
-    if cloner is None or FakeTensorConfig.debug or meta.requires_grad:
+    if FakeTensorConfig.debug or meta.requires_grad:
         return FakeTensor(mode, meta, device, constant=constant)
     learned = _fresh.setdefault(mode, {})
     known = learned.get(device)
     if known is None:
         made = FakeTensor(mode, meta, device)
+        # Whether to clone is decided once per mode and device (a run's): the clone trick is
+        # off on the exact path and where this build makes fake tensors otherwise.
+        cloner = fake.clone_wrap() if enabled(Trick.CLONE) else None
         # Kept without the mode itself: a value of `_fresh` that held its key would keep the
         # mode, and everything its converter holds, alive for the rest of the process.
-        learned[device] = cloner.learn(made)
+        learned[device] = (cloner, cloner.learn(made)) if cloner is not None else _CONSTRUCT
         made.constant = constant
         return made
-    return cloner.make(mode, meta, known, constant)
+    if known is _CONSTRUCT:
+        return FakeTensor(mode, meta, device, constant=constant)
+    cloner, first = known
+    return cloner.make(mode, meta, first, constant)
+
+
+_CONSTRUCT = (None, None)  # a mode and device whose fake tensors FakeTensor(...) makes
 
 
 # What FakeTensor.__new__ gave a new fake tensor, by mode and device: the device it normalized
 # (cuda -> cuda:0) and the instance attributes it set but the mode (with no constant; new_fake
 # sets its own).
-_fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple[torch.device, dict]]] \
+_fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple]] \
     = weakref.WeakKeyDictionary()
 
 

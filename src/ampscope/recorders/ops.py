@@ -107,13 +107,18 @@ class _OpFacts:
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
         self.cast = func in _CAST_OPS
         self.flops = flop_formula(func)
-        # The speed trick that may answer it on fake tensors (tricks.py).
-        self.trick = (Trick.FOREACH if foreach.is_foreach(func)
-                      else Trick.SHORTCUTS if func in shortcuts.OPS else Trick.FAKE_CACHE)
+        # The speed trick that may answer it on fake tensors (tricks.py), as its place in
+        # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
+        # hashes in Python).
+        self.trick = _OP_TRICKS.index(
+            Trick.FOREACH if foreach.is_foreach(func)
+            else Trick.SHORTCUTS if func in shortcuts.OPS else Trick.FAKE_CACHE)
 
 
 _op_facts: dict[int, _OpFacts] = {}
-_OP_TRICKS = frozenset({Trick.FOREACH, Trick.SHORTCUTS, Trick.FAKE_CACHE})
+# The tricks that answer ops, in the order of their places (_FOREACH, ...).
+_OP_TRICKS = (Trick.FOREACH, Trick.SHORTCUTS, Trick.FAKE_CACHE)
+_FOREACH, _SHORTCUTS, _FAKE_CACHE = range(len(_OP_TRICKS))
 _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = graph_task_id  # -1 outside a backward pass
 
@@ -344,6 +349,7 @@ class OpRecorder(UncompiledDispatchMode):
         # never caches (recorders/shortcuts.py), ops whose FakeTensorMode cache entry is known
         # (recorders/fake_cache.py), and C++ reads of a fake tensor's device.
         self.tricks: frozenset[Trick] = frozenset()
+        self._answering = (False,) * len(_OP_TRICKS)  # by _OpFacts.trick: is it on?
         self.prim_device: bool | None = False  # None: decided on the first fake device read
         # A note for each trick that failed during the run (its op ran the exact way).
         self.fallbacks: list[str] = []
@@ -378,11 +384,11 @@ class OpRecorder(UncompiledDispatchMode):
         if facts is None:
             facts = _op_facts[id(func)] = _OpFacts(func)
         out = foreach.NOT_THINNED
-        if facts.trick in self.tricks:
+        if self._answering[facts.trick]:
             try:
                 out = self._answer(facts.trick, func, args, kwargs)
             except Exception as e:  # noqa: BLE001 - the exact path runs the op instead
-                out = self._fell_back(facts.trick, e)
+                out = self._fell_back(_OP_TRICKS[facts.trick], e)
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if not facts.recorded:
@@ -435,6 +441,7 @@ class OpRecorder(UncompiledDispatchMode):
         """Let the tricks in `allowed` answer ops (a predicted run's), those this torch build
         has (tricks.enabled)."""
         self.tricks = frozenset(t for t in allowed if t in _OP_TRICKS and enabled(t))
+        self._answering = tuple(t in self.tricks for t in _OP_TRICKS)
         self.prim_device = None if Trick.PRIM_DEVICE in allowed else False
 
     def _prim_device(self) -> bool:
@@ -442,16 +449,18 @@ class OpRecorder(UncompiledDispatchMode):
         self.prim_device = enabled(Trick.PRIM_DEVICE)
         return self.prim_device
 
-    def _answer(self, trick: Trick, func: OpOverload, args: tuple, kwargs: dict):
-        if trick is Trick.FOREACH:
+    def _answer(self, trick: int, func: OpOverload, args: tuple, kwargs: dict):
+        """The answer of the trick in place `trick` of _OP_TRICKS (or NOT_THINNED)."""
+        if trick == _FOREACH:
             return foreach.thinned_call(func, args, kwargs)
-        if trick is Trick.SHORTCUTS:
+        if trick == _SHORTCUTS:
             return shortcuts.answer(func, args, kwargs)
         return self._cached.call(func, args, kwargs)
 
     def _fell_back(self, trick: Trick, error: Exception):
         """A trick failed on an op: off for the rest of the run, the op runs the exact way."""
         self.tricks = self.tricks - {trick}
+        self._answering = tuple(t in self.tricks for t in _OP_TRICKS)
         self.fallbacks.append(fell_back(trick, error))
         log.info("%s", self.fallbacks[-1])
         return foreach.NOT_THINNED
