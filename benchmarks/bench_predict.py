@@ -13,8 +13,8 @@ fake-tensor caches):
   ampscope        `ampscope.trace(MODEL, setting="cuda:bf16", workload="train", seq=T,
                   predict=True)`: the model built from its name, the setting applied, the step
                   recorded, the findings derived; repeated blocks recorded twice and replayed
-  every block     the same with `every_block=True`: every block dispatched (ampscope before
-                  replaying)
+  every block     the same with `exact=True`: the exact path, every speed trick off and every
+                  block dispatched
 
 The table gives each variant's median wall time and its ratio over the bare step's. Then the
 last round's two traces are compared: every record (modules, calls, ops with their FLOPs,
@@ -59,9 +59,9 @@ def bare_step(name: str, seq: int) -> None:
         torch.optim.AdamW(model.parameters(), foreach=True).step()
 
 
-def traced(name: str, seq: int, every_block: bool):
+def traced(name: str, seq: int, exact: bool):
     return ampscope.trace(name, setting="cuda:bf16", workload="train", seq=seq, predict=True,
-                          every_block=every_block)
+                          exact=exact)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -93,8 +93,8 @@ def main() -> None:
 
     variants = {
         "bare fake step": lambda seq: bare_step(args.model, seq),
-        "ampscope": lambda seq: traced(args.model, seq, every_block=False),
-        "every block": lambda seq: traced(args.model, seq, every_block=True),
+        "ampscope": lambda seq: traced(args.model, seq, exact=False),
+        "every block": lambda seq: traced(args.model, seq, exact=True),
     }
     for run in variants.values():
         run(64)
