@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import safetensors.torch
@@ -130,3 +132,62 @@ def test_a_damaged_checkpoint_is_one_line_on_resume(tmp_path, capsys, damage):
     assert out == "" and len(err.strip().splitlines()) == 1
     assert (f"cannot read the checkpoint {path} (Error while deserializing header" in err
             and "resume from another step-NNNNNN folder" in err), err
+
+
+# --- targets that are not regular files: followed or written in place, never replaced ------
+
+
+def test_a_symlink_is_followed_and_stays_a_link(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new"
+
+
+def test_a_link_to_a_link_writes_the_last_target(tmp_path):
+    target = tmp_path / "real.json"
+    (tmp_path / "a").symlink_to(target)  # dangling until written, as `echo > a` creates it
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    write_atomic(tmp_path / "b", "new")
+    assert target.read_text() == "new" and (tmp_path / "b").is_symlink()
+
+
+def test_a_fifo_is_written_in_place_for_its_reader(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_atomic(fifo, '{"a": 1}\n')
+    reader.join(timeout=10)
+    assert got == [b'{"a": 1}\n']
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert unwritable(fifo) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_character_device_is_written_in_place_not_replaced(tmp_path):
+    null = tmp_path / "null"
+    real = os.stat(os.devnull)
+    os.mknod(null, stat.S_IFCHR | 0o666, real.st_rdev)  # a copy of /dev/null
+    write_atomic(null, "discarded")
+    assert stat.S_ISCHR(os.stat(null).st_mode) and os.stat(null).st_rdev == real.st_rdev
+    assert [p.name for p in tmp_path.iterdir()] == ["null"]  # no temporary file left
+
+
+def test_dev_null_is_writable_though_its_folder_is_not_ours(monkeypatch):
+    # /dev is not writable to a user; writing to /dev/null is what they asked.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: (str(p) != "/dev" and
+                                                         real_access(p, mode)))
+    assert unwritable(os.devnull) is None
+
+
+def test_json_to_dev_stdout_reaches_the_pipe_and_the_link_stays():
+    result = subprocess.run([sys.executable, "-m", "ampscope", "models", "--json", "/dev/stdout"],
+                            capture_output=True, text=True, check=True)
+    assert result.stdout.lstrip().startswith(("{", "["))
+    assert os.path.islink("/dev/stdout") and stat.S_ISCHR(os.stat(os.devnull).st_mode)

@@ -2,7 +2,9 @@
 
 Every file ampscope writes (`--json PATH`, `report -o`, `bench --out`, `Trace.to_json(path)`)
 goes to a temporary file in the same folder first and is renamed over the target only when it
-is complete: a full disk or a size limit leaves the old file as it was. `unwritable` tells,
+is complete: a full disk or a size limit leaves the old file as it was. Only a regular file is
+replaced so: a symlink is followed (its target is written, the link stays), and a FIFO, a
+device or a terminal (`/dev/stdout`, `/dev/null`) is written in place, as a shell's `>` would. `unwritable` tells,
 before a long run starts, whether a path could be written at all; `unwritable_folder` the same
 for a folder a command creates (`train --out`, `bench --out`).
 """
@@ -11,18 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write `data` (text as UTF-8) to `path` all at once, or not at all."""
-    path = Path(path)
+    """Write `data` (text as UTF-8) to `path` all at once, or not at all (a regular file;
+    anything else that exists is written in place, see the module)."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    if _special(path):  # (stat follows every link, /proc's fd links included)
+        with open(path, "wb") as f:
+            f.write(payload)
+        return
+    path = Path(os.path.realpath(path))  # a symlink's target, however many links deep
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         if path.exists():  # keep the permissions the file had
@@ -38,11 +47,22 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         raise
 
 
+def _special(path: str | Path) -> bool:
+    """An existing target that is not a regular file: a FIFO, a device, a socket."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
 def unwritable(path: str | Path) -> str | None:
     """Why `path` cannot be written as a file, in a few words, or None when it can."""
     if not str(path):
         return "no path given"
-    path = Path(path)
+    if _special(Path(path)):  # written in place: only its own permission counts
+        return None if os.access(path, os.W_OK) else "it is not writable"
+    path = Path(os.path.realpath(path))
     if path.is_dir():
         return "it is a folder"
     folder = path.parent if str(path.parent) else Path(".")
