@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -318,3 +319,32 @@ def test_run_refuses_an_unwritable_report_before_the_script_runs(tmp_path, capsy
     captured = capsys.readouterr()
     assert code == 2 and "iter 0" not in captured.out
     assert "cannot write" in captured.err
+
+
+def test_a_predicted_run_never_overwrites_a_checkpoint_with_fake_tensors(tmp_path):
+    """Under --predict the model's weights are fake: a torch.save of them writes nothing (the
+    user's last real checkpoint stays loadable) and the trace says so; saves of real tensors
+    only are made, and a real run saves as the script asks."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        torch.save({"tokens": torch.arange(5)}, sys.argv[1] + "/tokens.pt")
+        torch.save(model.state_dict(), sys.argv[1] + "/ckpt.pt")
+    """))
+    good = {"weight": torch.ones(2, 4), "bias": torch.zeros(2)}
+    torch.save(good, tmp_path / "ckpt.pt")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    trace = ampscope.run_script(str(script), [str(tmp_path)], predict=True, steps=5)
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    assert torch.equal(torch.load(tmp_path / "ckpt.pt")["weight"], good["weight"])
+    assert torch.equal(torch.load(tmp_path / "tokens.pt")["tokens"], torch.arange(5))
+    notes = [n for n in trace.notes if "was not written" in n]
+    assert len(notes) == 1 and "ckpt.pt" in notes[0] and "train.py:9" in notes[0]
+    ampscope.run_script(str(script), [str(tmp_path)], steps=5)  # a real run saves
+    assert torch.load(tmp_path / "ckpt.pt")["weight"].shape == (2, 4)
+    assert (tmp_path / "ckpt.pt").read_bytes() != before

@@ -31,6 +31,7 @@ from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings, plural
 from ampscope.analysis.summary import forward_passes
 from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.nested import tensors_in
 from ampscope.precision import DEVICES, GlobalState, default_autocast_dtype, device_available
 from ampscope.precision.emulation import Emulation, device_api_error
 from ampscope.precision.predict import (
@@ -86,6 +87,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
         capture._op_check = check_matmul_dtypes
     taken = 0
     values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
+    saves_skipped: list[str] = []  # torch.save calls of fake tensors, not written
 
     def count_step(optimizer, args, kwargs) -> None:
         nonlocal taken
@@ -111,6 +113,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
             if fake is not None:
                 stack.enter_context(_swappable(capture, virtual, fake))
                 stack.enter_context(_fake_values(values_read))
+                stack.enter_context(_no_fake_saves(saves_skipped))
             try:
                 run()
             except _StopScript:
@@ -145,6 +148,9 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     for line in dict.fromkeys(values_read):
         notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has no "
                      "values).")
+    for what in dict.fromkeys(saves_skipped):
+        notes.append(f"{what} was not written: it held fake tensors, which have no values "
+                     "(predict mode); a file already there was left as it was.")
     for note in notes:
         log.info("%s", note)
     if virtual is not None:
@@ -279,6 +285,31 @@ def _fake_values(read: list[str]) -> Iterator[None]:
 
     with FakeValues():
         yield
+
+
+@contextlib.contextmanager
+def _no_fake_saves(skipped: list[str]) -> Iterator[None]:
+    """`torch.save` of anything holding a fake tensor (a checkpoint of the model or optimizer)
+    writes nothing: the file would hold no weights, and would replace the user's last real
+    checkpoint. The call is noted; a save of real tensors only (data, token tables) is made."""
+    import torch
+
+    original = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if not any(isinstance(t, FakeTensor) for t in tensors_in([obj])):
+            return original(obj, f, *args, **kwargs)
+        where = user_source(skip=2)  # the line that called torch.save
+        name = f"torch.save(..., {os.fspath(f)!r})" if isinstance(f, (str, os.PathLike)) \
+            else "torch.save(...) to a file object"
+        skipped.append(name + (f" at {where}" if where else ""))
+        return None
+
+    torch.save = save
+    try:
+        yield
+    finally:
+        torch.save = original
 
 
 @contextlib.contextmanager
