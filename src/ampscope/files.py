@@ -26,7 +26,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         with open(path, "wb") as f:
             f.write(payload)
         return
-    path = Path(os.path.realpath(path))  # a symlink's target, however many links deep
+    path = _followed(path)
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -47,6 +47,12 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         raise
 
 
+def _followed(path: str | Path) -> Path:
+    """A symlink's final target, however many links deep (the link itself is never
+    replaced); any other path as given, so that messages name it as the user did."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+
+
 def _special(path: str | Path) -> bool:
     """An existing target that is not a regular file: a FIFO, a device, a socket."""
     try:
@@ -62,7 +68,7 @@ def unwritable(path: str | Path) -> str | None:
         return "no path given"
     if _special(Path(path)):  # written in place: only its own permission counts
         return None if os.access(path, os.W_OK) else "it is not writable"
-    path = Path(os.path.realpath(path))
+    path = _followed(path)
     if path.is_dir():
         return "it is a folder"
     folder = path.parent if str(path.parent) else Path(".")
