@@ -1,4 +1,4 @@
-"""UncompiledDispatchMode (ampscope/modes.py): TorchDynamo compiles nothing of a recorder's
+"""UncompiledDispatchMode (ampscope/torchcompat/dynamo.py): TorchDynamo compiles nothing of a recorder's
 handler while a `torch.compile`d model runs under it, without PyTorch's per-op wrapper."""
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ import ampscope
 
 SRC = Path(ampscope.__file__).parent
 LAYER = SRC / "torchcompat"
-# torchcompat/__init__.py gives the reason for each: nn.Module's own dicts and an op's schema
-# (stable for years); the standard library's and other libraries' privates (not torch's).
+# torchcompat/__init__.py gives the reason for each: the standard library's and other
+# libraries' privates (not torch's).
 ALLOWED_ATTRIBUTES = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_schema",
     "_getframe", "_exit",  # sys, os
     "_attn_implementation",  # transformers' model config
     "_PATCHED",  # torchao's inductor patch flag
@@ -137,6 +136,7 @@ aten._to_copy.default
 torch.ops.aten._unsafe_view.default
 self._mine
 module._parameters
+op._schema
 '''
     found = [what for _, what in private_uses(source, own={"_mine"})]
     assert found == [
@@ -147,6 +147,8 @@ module._parameters
         "torch._C._get_dispatch_mode",
         "mode._cache_key",
         "getattr(mode, '_output_from_cache_entry')",
+        "module._parameters",
+        "op._schema",
     ]
 
 

@@ -19,6 +19,7 @@ from ampscope.precision import fp8, matmul
 from ampscope.precision.emulation import Emulation
 from ampscope.precision.predict import fake_like, fake_parameter
 from ampscope.precision.setting import Setting
+from ampscope.torchcompat import modules as module_state
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class ModelState:
         slots = [
             (m, name, p)
             for m in modules
-            for name, p in m._parameters.items()
+            for name, p in module_state.parameters(m).items()
             if p is not None
         ]
         unique: dict[int, nn.Parameter] = {}  # as model.parameters() lists them: tied
@@ -118,24 +119,24 @@ class ModelState:
         buffers = [
             (m, name, b)
             for m in modules
-            for name, b in m._buffers.items()
+            for name, b in module_state.buffers(m).items()
             if b is not None
         ]
         training = [(m, m.training) for m in modules]
-        children = [(m, name, c) for m in modules for name, c in m._modules.items()]
+        children = [(m, name, c) for m in modules for name, c in module_state.children(m).items()]
         return cls(params, slots, buffers, training, children)
 
     def restore(self) -> None:
         for module, name, child in self.children:
-            module._modules[name] = child
+            module_state.children(module)[name] = child
         for p, data, requires_grad, grad in self.params:
             p.data = data
             p.requires_grad_(requires_grad)
             p.grad = grad
         for module, name, param in self.slots:
-            module._parameters[name] = param
+            module_state.parameters(module)[name] = param
         for module, name, tensor in self.buffers:
-            module._buffers[name] = tensor
+            module_state.buffers(module)[name] = tensor
         for module, training in self.training:
             module.training = training
 
@@ -185,9 +186,9 @@ def _working_copies(model: nn.Module, setting: Setting, state: ModelState, fake=
         for m, name, p in state.slots:
             if id(p) not in replacements:
                 replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
-            m._parameters[name] = replacements[id(p)]
+            module_state.parameters(m)[name] = replacements[id(p)]
     for m, name, b in state.buffers:
-        m._buffers[name] = copy(b)
+        module_state.buffers(m)[name] = copy(b)
 
 
 def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Setting) -> None:

@@ -28,9 +28,8 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.torchcompat import policy as dispatcher
-from ampscope.torchcompat.dispatch import TorchDispatchMode
+from ampscope.torchcompat.dispatch import OpOverload, TorchDispatchMode, op_schema
 from ampscope.torchcompat.fake import FakeTensorMode
-from ampscope.torchcompat.policy import OpOverload
 
 CATEGORIES = (
     "lower",  # floating inputs cast to the autocast dtype (matmuls, convolutions, linear)
@@ -160,7 +159,7 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
 
     def catch(overload):
         def kernel(*args, **kwargs):
-            names = [a.name for a in overload._schema.arguments]
+            names = [a.name for a in op_schema(overload).arguments]
             bound = {**dict(zip(names, args, strict=False)), **kwargs}
             reached.update(op=overload.name(), tensors=_tensors(bound.values()),
                            dtype=bound.get("dtype"))
@@ -207,7 +206,7 @@ def _call(op: OpOverload, device: str, dtype: torch.dtype, input_dtypes: list[to
         kwargs = {
             a.name: _dummy(dispatcher.argument_kind(op, i),
                            lambda: torch.empty(2, 2, dtype=next(dtypes), device=device), named)
-            for i, a in enumerate(op._schema.arguments)
+            for i, a in enumerate(op_schema(op).arguments)
             if not a.has_default_value()
         }
         first = kwargs.pop("self", None)  # OpOverload takes `self` positionally

@@ -33,8 +33,10 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
-from ampscope.torchcompat.policy import OpOverload, destroy_library, no_autocast
+from ampscope.torchcompat.dispatch import OpOverload, op_schema
+from ampscope.torchcompat.policy import destroy_library, no_autocast
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -112,9 +114,9 @@ class TargetAutocast:
     # --- kernels -------------------------------------------------------------------------
 
     def _kernel(self, rule: OpPolicy, op: OpOverload) -> Callable:
-        schema_names = [a.name for a in op._schema.arguments]
+        schema_names = [a.name for a in op_schema(op).arguments]
         dtype_index = schema_names.index("dtype") if "dtype" in schema_names else None
-        dtype_positional = dtype_index is not None and not op._schema.arguments[dtype_index].kwarg_only
+        dtype_positional = dtype_index is not None and not op_schema(op).arguments[dtype_index].kwarg_only
         redirect = op_overload(rule.redirect) if rule.redirect else None
         cast = self._cast
 
@@ -281,7 +283,7 @@ def autocast_region(dtype: torch.dtype) -> Iterator[None]:
 def foreach_by_default(device: str) -> bool:
     """Whether PyTorch's optimizers pick their `_foreach_*` implementation on `device` (they do
     on CUDA, and fall back to a per-parameter loop on the CPU)."""
-    return device in dispatcher.foreach_devices()
+    return device in optim.foreach_devices()
 
 
 def _cudnn(version: int | None) -> str:

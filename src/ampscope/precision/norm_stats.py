@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ampscope.modes import UncompiledDispatchMode
+from ampscope.torchcompat.dispatch import OpOverload
+from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensorMode
-from ampscope.torchcompat.policy import OpOverload
 
 aten = torch.ops.aten
 

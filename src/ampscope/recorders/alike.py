@@ -19,17 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampscope.torchcompat import modules as module_state
+
 MIN_BLOCKS = 5  # two recorded at each end and at least one replayed
 
-# What every nn.Module keeps in its __dict__: not part of a block's structure.
-_MODULE_FIELDS = frozenset({
-    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_backward_pre_hooks",
-    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks", "_modules", "_compiled_call_impl",
-})
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Values compared by equality: as attributes, as arguments a call passes, as outputs.
 PLAIN_VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
@@ -58,16 +51,17 @@ def _value_key(value: Any) -> Any:
 def _structure(block: nn.Module) -> list[tuple] | None:
     """(where, what) pairs describing a block; None when it carries hooks or its own forward."""
     out: list[tuple] = []
+    fields = module_state.module_fields()
     for rel, m in block.named_modules():
-        if any(getattr(m, h, None) for h in _HOOKS) or "forward" in m.__dict__:
+        if module_state.has_call_hooks(m) or "forward" in m.__dict__:
             return None
         out.append((rel, "class", type(m)))
-        for kind, named in (("parameter", m._parameters), ("buffer", m._buffers)):
+        for kind, named in (("parameter", module_state.parameters(m)), ("buffer", module_state.buffers(m))):
             for key, t in named.items():
                 out.append((rel, kind, key, None if t is None else (
                     type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)))
         for key, value in m.__dict__.items():
-            if key not in _MODULE_FIELDS:
+            if key not in fields:
                 out.append((rel, "attribute", key, _value_key(value)))
     return out
 
@@ -175,5 +169,5 @@ def repeated_runs(model: nn.Module) -> list[tuple[list[str], list[nn.Module]]]:
 def attribute_ids(block: nn.Module) -> list:
     """What each of the block's modules holds outside its parameters, buffers and submodules,
     by identity: a block that sets an attribute as it runs (a cache made on first use) shows."""
-    return [(id(m), tuple((k, id(v)) for k, v in m.__dict__.items() if k not in _MODULE_FIELDS))
+    return [(id(m), tuple((k, id(v)) for k, v in m.__dict__.items() if k not in module_state.module_fields()))
             for m in block.modules()]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ampscope.torchcompat import flops as torch_flops
-from ampscope.torchcompat.policy import OpOverload
+from ampscope.torchcompat.dispatch import OpOverload, op_schema
 
 aten = torch.ops.aten
 
@@ -111,7 +111,7 @@ class _Formula:
         # that may read values (varlen attention) is counted on every call.
         self.by_shape = extra or (count is not None and torch_flops.sees_shapes_only(count))
         self.attention = count is not None and "attention" in packet.__name__
-        self.names = [a.name for a in func._schema.arguments] if self.attention else []
+        self.names = [a.name for a in op_schema(func).arguments] if self.attention else []
 
     def counts(self, args: tuple, kwargs: dict, out) -> tuple[int, int]:
         if self.extra:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ampscope.recorders.tensors import described, fake_from, no_torch_function
-from ampscope.torchcompat.dispatch import OpOverload
+from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.fake import FakeTensor, required_storage_length
 
 NOT_THINNED = object()
@@ -39,7 +39,7 @@ class _Shape:
 
     def __init__(self, func: OpOverload) -> None:
         self.op = func  # held: shapes are looked up by the op's id
-        schema = func._schema
+        schema = op_schema(func)
         self.names = [a.name for a in schema.arguments]
         types = [str(a.type) for a in schema.arguments]
         returns = [str(r.type) for r in schema.returns]

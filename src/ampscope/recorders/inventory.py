@@ -22,6 +22,7 @@ from ampscope.records import (
     dtype_name,
     from_rows,
 )
+from ampscope.torchcompat import modules as module_state
 
 
 def parameter_names(model: nn.Module) -> dict[int, list[str]]:
@@ -65,11 +66,11 @@ def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
 def buffers(model: nn.Module) -> list[BufferRecord]:
     records = []
     for module_name, module in model.named_modules():
-        for name, b in module._buffers.items():
+        for name, b in module_state.buffers(module).items():
             if b is None:
                 continue
             full = f"{module_name}.{name}" if module_name else name
-            persistent = name not in module._non_persistent_buffers_set
+            persistent = name not in module_state.non_persistent_buffers(module)
             records.append(BufferRecord(full, dtype_name(b.dtype), tuple(b.shape), persistent))
     return records
 

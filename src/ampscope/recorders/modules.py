@@ -26,6 +26,7 @@ from torch.nn.modules.module import (
 from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
 from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
+from ampscope.torchcompat.modules import drop_global_forward_hook
 
 
 def in_backward() -> bool:
@@ -253,15 +254,11 @@ class ModuleTracker:
         return self
 
     def __exit__(self, *exc) -> None:
-        from torch.nn.modules import module as nn_module
-
         for handle in self._handles:
             handle.remove()
             # A global forward hook's handle does not remove its with_kwargs/always_call
             # entries (a PyTorch bug): remove them, so the global dicts are as they were.
-            for extra in ("_global_forward_hooks_with_kwargs",
-                          "_global_forward_hooks_always_called"):
-                getattr(nn_module, extra, {}).pop(handle.id, None)
+            drop_global_forward_hook(handle.id)
         self._handles = []
         if sys.gettrace() is _no_local_tracing:  # a running call that never returned
             sys.settrace(None)

@@ -20,7 +20,6 @@ from types import FrameType
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from ampscope.modes import UncompiledDispatchMode
 from ampscope.precision import AUTOCAST_DEVICES
 from ampscope.recorders import fake_cache, foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
@@ -53,6 +52,7 @@ from ampscope.torchcompat.dispatch import (
     pop_function_mode,
     push_function_mode,
 )
+from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
 

@@ -33,6 +33,7 @@ from ampscope.records import (
     Trace,
     dtype_name,
 )
+from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.tricks import Trick, enabled
 
@@ -209,7 +210,7 @@ class Capture:
         # first, and its storage by all of them.
         for kind in ("parameter", "buffer"):
             for prefix, m in modules:
-                held = m._parameters if kind == "parameter" else m._buffers
+                held = module_state.parameters(m) if kind == "parameter" else module_state.buffers(m)
                 for key, t in held.items():
                     if t is None:
                         continue

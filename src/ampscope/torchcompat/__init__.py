@@ -11,19 +11,15 @@ and says so in `features()`; what a missing detail disables is stated where it i
 Allowed everywhere, and why (names stable for years, or part of torch's documented surface
 despite the underscore):
 
-- `Module._parameters`, `Module._buffers`, `Module._modules`, and
-  `Module._non_persistent_buffers_set`: the containers `nn.Module` itself is built on (since
-  0.1, and 1.6 for the last); every model-surgery library reads them.
-- `op._schema` of an `OpOverload`: how torch's own Python reads an op's signature
-  (FlopCounterMode and DebugMode read it too).
 - `torch.ops.<namespace>.<name>` with a leading underscore: those are ATen operator names
   (`aten._to_copy`), the dispatcher's public names, not Python privates. Ops that not every
   supported release has are looked up with `aten_op()` (ops.py), never by attribute.
 - Other libraries' privates are not torch's: the standard library's (`sys._getframe`,
   `os._exit`), transformers' `config._attn_implementation`, torchao's patch flag `_PATCHED`.
 
-The names re-exported here (`TorchDispatchMode`, `FakeTensorMode`, `FakeTensor`,
-`OpOverload`, …) live under private module paths but are the supported way to write a dispatch
+nn.Module's own containers (`modules.py`) and an op's schema (`dispatch.op_schema`) are
+stable for years but private too: they are reached through here as well. The names
+re-exported here (`TorchDispatchMode`, `FakeTensorMode`, `FakeTensor`, `OpOverload`, …) live under private module paths but are the supported way to write a dispatch
 mode or a fake-tensor tool; they are imported from this package so that a move between modules
 is fixed once.
 """

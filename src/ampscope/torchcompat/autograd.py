@@ -41,11 +41,6 @@ def saved_tensors(node) -> Iterator[torch.Tensor]:
                 yield t
 
 
-def reads_saved_raw() -> bool:
-    """Can `saved_tensors` read saved tensors without unpacking them (torch 2.10 and newer)?"""
-    return _raw_data()
-
-
 def saving_through_hooks() -> bool:
     """Are saved-tensor hooks in force here (activation checkpointing's), so that what autograd
     saves now would be unpacked through them?"""
@@ -74,9 +69,14 @@ def _unpacked_name(raw: str) -> str:
     return "saved_tensors" if raw == "_raw_saved_tensors" else raw.replace("_raw_saved_", "_saved_")
 
 
+def reads_saved_raw() -> bool:
+    """Can `saved_tensors` read saved tensors without unpacking them (a SavedTensor's `.data`,
+    torch 2.10 and newer)? One detection a process, `_raw_data`."""
+    return _raw_data()
+
+
 @functools.cache
 def _raw_data() -> bool:
-    """Does a SavedTensor give the tensor it holds (`.data`) without unpacking it?"""
     saved_tensor = getattr(getattr(torch._C, "_autograd", None), "SavedTensor", None)
     return saved_tensor is not None and hasattr(saved_tensor, "data")
 

@@ -25,7 +25,7 @@ from ampscope.torchcompat.features import Feature
 
 __all__ = [
     "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "active_fake_mode",
-    "default_device", "disable_torch_dispatch", "dispatch_mode_stack", "dispatch_stack_depth",
+    "default_device", "disable_torch_dispatch", "op_schema", "dispatch_mode_stack", "dispatch_stack_depth",
     "function_stack_depth", "is_traceable_wrapper_subclass", "no_dispatch", "no_torch_function",
     "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree", "pytree_children",
 ]
@@ -48,6 +48,11 @@ default_device: Callable[[], str] = _C._get_default_device
 
 push_function_mode = _push_mode
 pop_function_mode = _pop_mode
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The op's signature (its arguments and returns), as torch's own Python reads it."""
+    return op._schema
 
 
 def active_fake_mode():
@@ -78,12 +83,6 @@ def modes_off() -> Iterator[None]:
     """Neither dispatch nor function modes see what runs inside."""
     with disable_torch_dispatch(), no_torch_function():
         yield
-
-
-def exclude_dispatch_keys(keys: torch._C.DispatchKeySet) -> contextlib.AbstractContextManager:
-    """Skip `keys` in the dispatcher while entered (e.g. an autocast key, to reach the kernel
-    below it)."""
-    return _C._ExcludeDispatchKeyGuard(keys)
 
 
 def features() -> list[Feature]:

@@ -1,11 +1,16 @@
 """TorchDynamo: keeping it out of ampscope's own dispatch handlers, and resetting it.
 
-PyTorch wraps every dispatch mode's `__torch_dispatch__` in `torch._dynamo.disable`, so that a
-compiled function running under the mode does not compile the handler: two extra Python frames
-on every op. Where the build has TorchDynamo's per-code execution strategy, a handler's code
-can be marked once to run, with every frame it calls, without the eval-frame callback
-(`skip_frames_of`), and the mode can tell PyTorch not to wrap it. Where it does not, PyTorch's
-wrapper stays (exact, a microsecond an op slower).
+PyTorch wraps every dispatch mode's `__torch_dispatch__` in `torch._dynamo.disable` (recursive),
+so that a `torch.compile`d function running while the mode is active does not try to compile
+the handler or anything it calls. The wrapper does that on every op: two Python frames that
+switch the eval-frame callback off and back on, about 1 µs (0.6 ms of a gpt2-tiny train step's
+567 ops, benchmarks/bench_overhead.py). `UncompiledDispatchMode` asks the same of TorchDynamo
+once per handler instead: the handler's code object is marked to run, with every frame it
+calls, without the callback (TorchDynamo's per-code execution strategy, SKIP for the frame and
+its callees), and PyTorch is told not to wrap it (`_should_skip_dynamo`, the opt-out it gives
+dispatch modes). Where this build cannot mark code, PyTorch's wrapper stays (exact, a
+microsecond an op slower). tests/test_modes.py traces a compiled model under it: the eager
+model's ops, and no frame compiled.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ampscope.torchcompat.dispatch import TorchDispatchMode
 from ampscope.torchcompat.features import Feature
 
 
@@ -49,6 +55,22 @@ def skip_frames_of(handler: Callable) -> bool:
         return False
     mark(handler.__code__)
     return True
+
+
+class UncompiledDispatchMode(TorchDispatchMode):
+    """A TorchDispatchMode whose subclasses' handlers TorchDynamo skips (see the module)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # True makes PyTorch wrap the handler in torch._dynamo.disable; not needed when the
+        # handler's code is marked below.
+        return not can_skip_frames()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if handler is not None:
+            skip_frames_of(handler)
 
 
 def reset() -> None:

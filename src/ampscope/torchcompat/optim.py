@@ -29,12 +29,11 @@ def foreach_supported_types() -> list[list[type]]:
     return found
 
 
-def foreach_devices() -> list[str]:
-    """The device types whose optimizers take the foreach kernels by default."""
+def foreach_devices() -> tuple[str, ...]:
+    """The devices PyTorch's optimizers run their `_foreach_` implementation on by default
+    (("cuda",) where the build does not say: every release from 2.0 has at least that)."""
     supported = getattr(_optimizer, "_get_foreach_kernels_supported_devices", None)
-    if supported is not None:
-        return list(supported())
-    return ["cuda", torch._C._get_privateuse1_backend_name()]
+    return tuple(supported()) if supported is not None else ("cuda",)
 
 
 def global_step_pre_hooks() -> OrderedDict:
@@ -49,5 +48,8 @@ def step_post_hooks(optimizer: torch.optim.Optimizer) -> OrderedDict:
 
 def features() -> list[Feature]:
     types = foreach_supported_types()
+    listed = hasattr(_optimizer, "_get_foreach_kernels_supported_devices")
     return [Feature("foreach default types", bool(types),
-                    f"{len(types)} list(s) of classes optimizers take foreach for")]
+                    f"{len(types)} list(s) of classes optimizers take foreach for"),
+            Feature("optimizer foreach devices", listed,
+                    "torch.optim's foreach device list" if listed else "not on this build: cuda")]

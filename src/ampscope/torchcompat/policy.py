@@ -5,7 +5,6 @@
 - what kind of value a schema argument takes (`argument_kind`), to build a dummy call;
 - dropping a `torch.library.Library`'s registrations (`destroy_library`) and skipping a
   device's autocast key while a kernel runs (`no_autocast`);
-- the devices PyTorch's optimizers pick `_foreach_` implementations on (`foreach_devices`).
 
 Each is found once; where a build lacks one, the feature that needs it is off, with the reason
 in `features()`.
@@ -15,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
-from torch._ops import OpOverload
 
+from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.features import Feature
 
-__all__ = ["OpOverload", "argument_kind", "destroy_library", "foreach_devices", "has_kernel",
+__all__ = ["argument_kind", "destroy_library", "has_kernel",
            "is_view", "no_autocast", "registrations"]
 
 _C = torch._C
@@ -124,28 +123,6 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
-# --- optimizers ---------------------------------------------------------------------------
-
-@functools.cache
-def _foreach_source() -> tuple[Callable[[], list[str]] | None, str]:
-    try:
-        from torch.optim.optimizer import _get_foreach_kernels_supported_devices
-    except ImportError as e:
-        return None, f"not on this build ({e})"
-    return _get_foreach_kernels_supported_devices, "torch.optim's foreach device list"
-
-
-def foreach_devices() -> tuple[str, ...]:
-    """The devices PyTorch's optimizers run their `_foreach_` implementation on by default
-    (("cuda",) where the build does not say: every release from 2.0 has at least that)."""
-    source, _ = _foreach_source()
-    return tuple(source()) if source is not None else ("cuda",)
-
-
 def features() -> list[Feature]:
-    source, why = _foreach_source()
-    return [
-        Feature("dispatch registrations", True,
-                "the kernels registered per dispatch key (autocast op lists)", "policy"),
-        Feature("optimizer foreach devices", source is not None, why, "foreach note"),
-    ]
+    return [Feature("dispatch registrations", True,
+                    "the kernels registered per dispatch key (autocast op lists)")]
