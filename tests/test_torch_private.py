@@ -1,7 +1,8 @@
 """Private PyTorch details live in ampscope.torchcompat only: read from the source (AST).
 
 "Private" is any module path component or attribute under `torch` that starts with `_`: an
-import from such a module, an attribute chain from a name bound to torch (`torch._C._x`), or an
+import from such a module, an attribute chain from a name bound to torch (`torch._C._x`,
+`torch.ops.aten._to_copy`, `aten._to_copy` with `aten = torch.ops.aten`), or an
 underscored attribute read from any object (`mode._cache_key`, `getattr(t, "_x")`) that is
 neither ampscope's own nor on the short allowlist of the layer's docstring.
 """
@@ -59,8 +60,9 @@ def private_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
     """Each private torch use in `source`: (line, what)."""
     tree = ast.parse(source)
     torch_names: set[str] = set()
-    op_namespaces: set[str] = set()  # `aten = torch.ops.aten`: its attributes are op names
+    op_namespaces: set[str] = set()  # `aten = torch.ops.aten`: its attributes are torch's too
     found: list[tuple[int, str]] = []
+    known = own | ALLOWED_ATTRIBUTES
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -80,31 +82,25 @@ def private_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
             op_namespaces.update(t.id for t in node.targets if isinstance(t, ast.Name))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
-            chain, root = _chain(node)
-            if isinstance(root, ast.Name) and root.id in op_namespaces and len(chain) == 1:
-                continue  # an ATen operator's name (aten._to_copy)
-            if isinstance(root, ast.Name) and root.id in torch_names:
-                if chain[:1] == ["ops"] and len(chain) == 3 and not _private(chain[1]):
-                    continue  # torch.ops.aten._to_copy
-                found.append((node.lineno, ast.unparse(node)))
-            elif node.attr not in own and node.attr not in ALLOWED_ATTRIBUTES:
+            root = _root(node)
+            from_torch = isinstance(root, ast.Name) and root.id in torch_names | op_namespaces
+            if from_torch or node.attr not in known:
                 found.append((node.lineno, ast.unparse(node)))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
               and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
               and isinstance(node.args[1].value, str) and _private(node.args[1].value)
-              and node.args[1].value not in own | ALLOWED_ATTRIBUTES):
+              and node.args[1].value not in known):
             found.append((node.lineno, ast.unparse(node)))
     return sorted(found)
 
 
-def _chain(node: ast.Attribute) -> tuple[list[str], ast.expr]:
-    names = []
+def _root(node: ast.Attribute) -> ast.expr:
+    """What an attribute chain starts from (`torch` in `torch._C._x`)."""
     current: ast.expr = node
     while isinstance(current, ast.Attribute):
-        names.append(current.attr)
         current = current.value
-    return names[::-1], current
+    return current
 
 
 def _is_op_namespace(value: ast.expr) -> bool:
@@ -147,6 +143,8 @@ op._schema
         "torch._C._get_dispatch_mode",
         "mode._cache_key",
         "getattr(mode, '_output_from_cache_entry')",
+        "aten._to_copy",
+        "torch.ops.aten._unsafe_view",
         "module._parameters",
         "op._schema",
     ]

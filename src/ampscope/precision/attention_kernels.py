@@ -23,6 +23,7 @@ from ampscope.precision.attention_choice import (
     SdpFlags,
     choose_backend,
 )
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.policy import destroy_library, no_autocast
 
 aten = torch.ops.aten
@@ -220,21 +221,21 @@ def _composite():
         compute_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if choice.backend == "cudnn":
             mask = _additive_mask(attn_mask, query.dtype, -65504.0)
-            return aten._scaled_dot_product_cudnn_attention(
+            return private_ops.SDPA_CUDNN(
                 query, key, value, mask, compute_lse, dropout_p, is_causal, False, scale=scale)[0]
         if choice.backend == "flash":
             # FlashAttention-2 wants head_dim % 8 == 0: pad, keep the unpadded scale, slice back.
             head_dim = query.shape[-1]
-            out = aten._scaled_dot_product_flash_attention(
+            out = private_ops.SDPA_FLASH(
                 *(_pad_last_dim(t, 8) for t in (query, key, value)), dropout_p, is_causal, False,
                 scale=_scale(query, scale))[0]
             return out if out.shape[-1] == head_dim else aten.slice(out, -1, 0, head_dim)
         mask = _additive_mask(attn_mask, query.dtype, -math.inf)
         if choice.backend == "efficient":
             mask = None if mask is None else _efficient_mask(mask, query, key)
-            return aten._scaled_dot_product_efficient_attention(
+            return private_ops.SDPA_EFFICIENT(
                 query, key, value, mask, compute_lse, dropout_p, is_causal, scale=scale)[0]
-        return aten._scaled_dot_product_attention_math(
+        return private_ops.SDPA_MATH(
             query, key, value, mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
 

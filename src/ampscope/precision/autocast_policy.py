@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, TorchDispatchMode, op_schema
 from ampscope.torchcompat.fake import FakeTensorMode
@@ -106,7 +107,7 @@ class _CastWatcher(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default:
+        if func is private_ops.TO_COPY:
             self.casts.append(kwargs.get("dtype"))
         return func(*args, **kwargs)
 

@@ -33,6 +33,7 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
@@ -202,7 +203,7 @@ def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
     """The fused kernel's results: (output in the input's dtype, 1/rms in fp32), from the op's
     own composite (the math the CPU runs, without the dispatcher seeing its pieces)."""
     with no_autocast("cpu"):
-        return aten._fused_rms_norm.default.decompose(input, normalized_shape, weight, eps)
+        return private_ops.FUSED_RMS_NORM.decompose(input, normalized_shape, weight, eps)
 
 
 def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):

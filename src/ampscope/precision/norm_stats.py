@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensorMode
@@ -46,10 +47,8 @@ NORMS = (
     aten.native_layer_norm.default,
     aten.native_group_norm.default,
     aten.native_batch_norm.default,
-    aten._native_batch_norm_legit.default,
-    aten._native_batch_norm_legit.no_stats,
-    aten._native_batch_norm_legit_no_training.default,
-    aten._fused_rms_norm.default,
+    *private_ops.BATCH_NORM_LEGIT,
+    private_ops.FUSED_RMS_NORM,
 )
 
 BACKWARDS = {
@@ -67,8 +66,8 @@ BACKWARDS = {
         aten.native_batch_norm.default, lambda a: (a[1], a[2], None, a[3], a[4], a[7], 0.1, a[8]),
         ((5, 1), (6, 2))),
     # (grad_out, input, normalized_shape, rstd, weight, output_mask)
-    aten._fused_rms_norm_backward.default: _Backward(
-        aten._fused_rms_norm.default, lambda a: (a[1], a[2], a[4], None), ((3, 1),)),
+    private_ops.FUSED_RMS_NORM_BACKWARD: _Backward(
+        private_ops.FUSED_RMS_NORM, lambda a: (a[1], a[2], a[4], None), ((3, 1),)),
 }
 
 

@@ -45,6 +45,7 @@ from ampscope.records import (
     from_rows,
     module_label,
 )
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
     OpOverload,
@@ -58,7 +59,7 @@ from ampscope.tricks import Trick, enabled, fell_back
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
-_CAST_OPS = frozenset({torch.ops.aten._to_copy.default})
+_CAST_OPS = frozenset({private_ops.TO_COPY})
 _PENDING = object()  # a call's source line not looked up yet
 _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")

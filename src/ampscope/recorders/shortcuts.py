@@ -30,6 +30,7 @@ import torch
 from ampscope.precision.predict import new_fake, wrap_fake
 from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import OpOverload, active_fake_mode, no_dispatch
 from ampscope.torchcompat.fake import (
     FakeTensor,
@@ -39,10 +40,10 @@ from ampscope.torchcompat.fake import (
 )
 
 aten = torch.ops.aten
-_ITEM = aten._local_scalar_dense.default
+_ITEM = private_ops.LOCAL_SCALAR_DENSE
 # Ops whose result is a new tensor object on the input's storage, made by the meta kernel
 # alone: a detach, and the reshape of a tensor autograd does not track as a view.
-_ALIASES = frozenset({aten.detach.default, aten._unsafe_view.default})
+_ALIASES = frozenset({aten.detach.default, private_ops.UNSAFE_VIEW})
 _LIFT = aten.lift_fresh.default
 OPS = _ALIASES | {_ITEM, _LIFT}
 

@@ -18,6 +18,7 @@ from torch import nn
 from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.records import dtype_name
 from ampscope.records.fp8 import FP8_DTYPES, GemmRoles
+from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 
@@ -109,7 +110,7 @@ def read_grads(model: nn.Module, values: Values) -> None:
 
 
 _MUL, _CLAMP, _CAST = (torch.ops.aten.mul.Tensor, torch.ops.aten.clamp.default,
-                       torch.ops.aten._to_copy.default)
+                       private_ops.TO_COPY)
 
 
 class _Fp8Casts(TorchDispatchMode):

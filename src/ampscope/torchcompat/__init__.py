@@ -8,20 +8,16 @@ functions, finds out once (by signature, attribute or behaviour) whether this bu
 and says so in `features()`; what a missing detail disables is stated where it is used, and
 `ampscope --version -v` lists the lot for the running torch.
 
-Allowed everywhere, and why (names stable for years, or part of torch's documented surface
-despite the underscore):
+Allowed everywhere: other libraries' privates, which are not torch's (the standard library's
+`sys._getframe` and `os._exit`, transformers' `config._attn_implementation`, torchao's patch
+flag `_PATCHED`).
 
-- `torch.ops.<namespace>.<name>` with a leading underscore: those are ATen operator names
-  (`aten._to_copy`), the dispatcher's public names, not Python privates. Ops that not every
-  supported release has are looked up with `aten_op()` (ops.py), never by attribute.
-- Other libraries' privates are not torch's: the standard library's (`sys._getframe`,
-  `os._exit`), transformers' `config._attn_implementation`, torchao's patch flag `_PATCHED`.
-
-nn.Module's own containers (`modules.py`) and an op's schema (`dispatch.op_schema`) are
-stable for years but private too: they are reached through here as well. The names
-re-exported here (`TorchDispatchMode`, `FakeTensorMode`, `FakeTensor`, `OpOverload`, …) live under private module paths but are the supported way to write a dispatch
-mode or a fake-tensor tool; they are imported from this package so that a move between modules
-is fixed once.
+Stable for years but private all the same, and so reached through here too: nn.Module's own
+containers and hook dicts (`modules.py`), an op's schema (`dispatch.op_schema`), the
+underscored ATen ops (`ops.py`: `aten._to_copy`, the fused attention kernels), and the names
+that live under private module paths but are the supported way to write a dispatch mode or a
+fake-tensor tool (`TorchDispatchMode`, `FakeTensorMode`, `FakeTensor`, `OpOverload`, …),
+re-exported so that a move between modules is fixed once.
 """
 
 from __future__ import annotations
