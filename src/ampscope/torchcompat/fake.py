@@ -297,24 +297,16 @@ def status(trick: str) -> tuple[bool, str]:
             "the converter's memos are not on this build"
     if trick == "prim-device":
         ok = kernel_invocation_flag()
-        return ok, "FakeTensorMode.in_kernel_invocation" if ok else \
+        return ok, "FakeTensorMode.in_kernel_invocation, FakeTensor.fake_device" if ok else \
             "FakeTensorMode.in_kernel_invocation is not on this build"
     return True, "needs no private detail"
 
 
+# Each detail's name, and the speed trick (tricks.Trick's value) that needs it.
+_DETAILS = (("fake dispatch cache", "fake-cache"), ("fake tensor cloning", "clone"),
+            ("fake converter memos", "shortcuts"), ("fake kernel-invocation flag", "prim-device"))
+
+
 def features() -> list[Feature]:
-    """Each detail, with the speed trick (tricks.Trick's value) that needs it."""
-    cache, cache_why = _cache_api_found()
-    cloner, clone_why = _cloner_found()
-    memos = converter_memos()
-    flag = kernel_invocation_flag()
-    return [
-        Feature("fake dispatch cache", cache is not None, cache_why, "fake-cache"),
-        Feature("fake tensor cloning", cloner is not None, clone_why, "clone"),
-        Feature("fake converter memos", memos,
-                "the converter's tensor and storage memos" if memos else "not on this build",
-                "shortcuts"),
-        Feature("fake kernel-invocation flag", flag,
-                "FakeTensorMode.in_kernel_invocation, FakeTensor.fake_device" if flag
-                else "not on this build", "prim-device"),
-    ]
+    """Each detail, with the speed trick that needs it."""
+    return [Feature(name, *status(trick), trick) for name, trick in _DETAILS]
