@@ -348,3 +348,21 @@ def test_a_predicted_run_never_overwrites_a_checkpoint_with_fake_tensors(tmp_pat
     ampscope.run_script(str(script), [str(tmp_path)], steps=5)  # a real run saves
     assert torch.load(tmp_path / "ckpt.pt")["weight"].shape == (2, 4)
     assert (tmp_path / "ckpt.pt").read_bytes() != before
+
+
+def test_ops_on_the_virtual_device_name_the_scripts_line(tmp_path):
+    """The virtual device's function mode sits between the script and the recorders: an op the
+    script's line made through it is still the script's line."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2).to("cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(3, 4, device="cuda")
+        model(x.to(torch.float64).to(torch.float32)).sum().backward()
+        opt.step()
+    """))
+    trace = ampscope.run_script(str(script), device="cuda", virtual=True)
+    casts = [o for o in trace.ops if o.op == "aten._to_copy.default" and o.phase == "forward"]
+    # The model's move (line 3) and the two casts (line 6), each at its own line.
+    assert casts and {o.source for o in casts} == {"train.py:3", "train.py:6"}

@@ -21,10 +21,11 @@ _REFERENCE_MODELS = frozenset(
     os.path.join(_AMPSCOPE_DIR, "models", f) for f in ("gpt2.py", "nanochat.py")
 )
 _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
-# The virtual device's function mode sits between user code and the recorders: a call passes
-# through it as through PyTorch's own dispatch.
-_PASS_THROUGH = frozenset({_CONTEXTLIB, os.path.join(_AMPSCOPE_DIR, "precision",
-                                                     "virtual_device.py")})
+# The virtual device (its function mode, and the torch.cuda and autocast answers it patches in)
+# sits between user code and the recorders: a call passes through it as through PyTorch's own
+# dispatch.
+_PASS_THROUGH = frozenset({_CONTEXTLIB, *(os.path.join(_AMPSCOPE_DIR, "precision", f)
+                                          for f in ("virtual_device.py", "device_mode.py"))})
 
 TORCH, AMPSCOPE, USER = 0, 1, 2
 # Keyed by file name, not by code object: a code object's hash is worked out from its contents
