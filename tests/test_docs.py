@@ -439,8 +439,9 @@ def check_block(block: Block) -> list[str]:
 
 def build_workdir(path: Path) -> Path:
     """The files the pages' command lines name: the `# NAME.py` listings of the pages,
-    tests/docs_fixtures/ (broken.py, syncing.py), examples/, a saved trace a.json, models.json,
-    bad.json, and small Hugging Face folders for hf:PATH."""
+    tests/docs_fixtures/ (broken.py, syncing.py), examples/ (with the token file its training
+    script writes), a saved trace a.json, models.json, bad.json, and small Hugging Face folders
+    for hf:PATH."""
     path.mkdir(parents=True, exist_ok=True)
     for name, text in listings().items():
         (path / name).write_text(text, encoding="utf-8")
@@ -450,8 +451,12 @@ def build_workdir(path: Path) -> Path:
     shutil.copytree(ROOT / "examples", path / "examples", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("data", "__pycache__"))
     with _chdir(path):
+        # The example script writes its token file on its first run, and the report lists
+        # files a script creates: one run first, so every page shows a later run.
         for command in ("ampscope trace gpt2-tiny --seq 8 -s fp32 --json a.json > /dev/null",
-                        "ampscope models --json models.json > /dev/null"):
+                        "ampscope models --json models.json > /dev/null",
+                        "ampscope run -q examples/gpt/train.py --n_layer=1 --block_size=8 "
+                        "> /dev/null"):
             run_command(command)
     (path / "bad.json").write_text("{'schema': 'ampscope.trace/1'}\n")
     with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar

@@ -21,8 +21,14 @@ import torch
 import ampscope
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
-from ampscope.script import run_script
+from ampscope.script import run_script as run_script_anywhere
 from tests.helpers import assert_same_trace
+
+
+def run_script(*args, **kwargs):
+    """In this process, as the CLI runs it: these tests watch the run from inside (spies on
+    the recorders, the caller's state). tests/test_script_guest.py covers the child process."""
+    return run_script_anywhere(*args, **kwargs, in_process=True)
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt" / "train.py"
 

@@ -214,7 +214,7 @@ def test_state_is_unchanged_when_a_script_fails(tmp_path, fault, predict):
     with pytest.raises(KeyboardInterrupt if fault == "interrupt" else AmpscopeError,
                        match=None if fault == "interrupt" else fault):
         ampscope.run_script(str(script), [fault], device="cuda" if predict else None,
-                            predict=predict)
+                            predict=predict, in_process=True)
     assert state_differences(before, torch_state()) == []
     assert device_api_differences(devices_before, device_api_state()) == []
 

@@ -124,9 +124,9 @@ def test_under_run_a_failing_trick_falls_back_op_by_op(monkeypatch, tmp_path):
             opt.step()
             opt.zero_grad()
     """))
-    quick = ampscope.run_script(str(script), predict=True)
+    quick = ampscope.run_script(str(script), predict=True, in_process=True)
     with tricks.exact_path():
-        exact = ampscope.run_script(str(script), predict=True)
+        exact = ampscope.run_script(str(script), predict=True, in_process=True)
     notes = [n for n in quick.notes if "speed trick" in n]
     assert len(notes) == 1 and "shortcuts" in notes[0] and "made to fail" in notes[0]
     a, b = quick.to_dict(), exact.to_dict()

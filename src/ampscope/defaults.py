@@ -12,3 +12,8 @@ DEFAULT_SETTING = "fp32+amp-bf16"
 DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
 # `ampscope numerics` and `ampscope.numerics()`: each compared with an fp64 reference.
 DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
+# `ampscope run --max-forwards` and `run_script(max_forwards=)`: forward passes of a script's
+# model without an optimizer step after which the run is stopped. A sampler's whole run fits
+# (10 samples of 500 tokens take 5,000 passes); a script that never steps
+# does not run forever.
+MAX_FORWARDS = 10_000

@@ -23,6 +23,7 @@ from ampscope.defaults import (
     DEFAULT_MODEL,
     DEFAULT_NUMERICS_SETTINGS,
     DEFAULT_SETTING,
+    MAX_FORWARDS,
 )
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.files import unwritable, unwritable_folder
@@ -89,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: this machine's)")
     run.add_argument("--steps", type=int, default=1,
                      help="stop after this many optimizer steps (default: %(default)s)")
+    run.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
+                     help="stop a script that runs N forward passes of its model without an "
+                          "optimizer step (a sampler, a loop that never steps); 0: no bound "
+                          "(default: %(default)s)")
     run.add_argument("--predict", action="store_true",
                      help="every weight becomes a fake tensor as the model registers it: any "
                           "size, no memory (the data stays real)")
@@ -434,6 +439,34 @@ def _check_outputs(args: argparse.Namespace) -> None:
                                 "folder")
 
 
+@contextlib.contextmanager
+def _stdout_kept_for_the_document() -> Iterator[object]:
+    """The stream `--json -` writes to, kept for the document alone while the command runs.
+
+    User code's prints are redirected to stderr in Python; a subprocess the script starts
+    writes to file descriptor 1 directly. So while the command runs, descriptor 1 is pointed at
+    stderr too, and the document is written to a duplicate of the real stdout. Where
+    `sys.stdout` is not descriptor 1 (a caller that captured it), it is used as it is."""
+    try:
+        real = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        real = False
+    if not real:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    kept = os.dup(1)
+    stream = open(kept, "w", encoding=sys.stdout.encoding or "utf-8", closefd=False)  # noqa: SIM115
+    os.dup2(2, 1)
+    try:
+        yield stream
+    finally:
+        stream.flush()
+        sys.stdout.flush()
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
 def run() -> None:
     """The console script: `main`, then exit without the interpreter's teardown.
 
@@ -478,12 +511,13 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
             if "-" not in (getattr(args, "json", None), getattr(args, "csv", None)):
                 return command(args)
             # JSON (or CSV) alone on stdout: whatever user code prints goes to stderr.
-            common.json_stream = sys.stdout
-            try:
-                with contextlib.redirect_stdout(sys.stderr):
-                    return command(args)
-            finally:
-                common.json_stream = None
+            with _stdout_kept_for_the_document() as stream:
+                common.json_stream = stream
+                try:
+                    with contextlib.redirect_stdout(sys.stderr):
+                        return command(args)
+                finally:
+                    common.json_stream = None
     except DtypeMismatchError as e:
         if args.debug:
             raise

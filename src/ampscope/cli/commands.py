@@ -96,8 +96,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
     quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
     with quiet:
+        # In this process: the command line's process is the script's own, as under `python`.
         result = run_script(args.target, script_args, module=args.module, device=args.device,
-                            steps=args.steps, predict=args.predict)
+                            steps=args.steps, predict=args.predict,
+                            max_forwards=args.max_forwards, in_process=True)
     memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
                                   flops=args.flops or bool(args.report))
     if args.report:

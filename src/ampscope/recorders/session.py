@@ -103,7 +103,8 @@ class Capture:
                  op_check: Callable[[OpOverload, tuple], None] | None = None,
                  findings: Callable[[Trace], list[Finding]] | None = None,
                  explain_failure: Callable[[FailedCall | None], str | None] | None = None,
-                 replay_blocks: bool = False, thin: bool | None = None) -> None:
+                 replay_blocks: bool = False, thin: bool | None = None,
+                 on_model_forward: Callable[[], None] | None = None) -> None:
         """`findings` and `explain_failure` are given by the API (they are analysis, which
         capture does not import): the first fills `trace.findings` when a `with` block ends,
         the second turns the call that raised into a note under the user's traceback.
@@ -144,6 +145,9 @@ class Capture:
         self._replay_blocks = replay_blocks and enabled(Trick.REPLAY)
         self._thin = replay_blocks if thin is None else thin
         self._replay: BlockReplay | None = None
+        # Called as each forward pass of the model begins (a script's runner bounds a run
+        # that never steps with it); it may raise to stop the run.
+        self._on_model_forward = on_model_forward
 
     # -- recorders
     def _start(self) -> None:
@@ -280,6 +284,8 @@ class Capture:
         self._clock.in_optimizer_step = False
         self._functions.step_end()  # a step that raised, caught by the user's code
         self._functions.step += 1
+        if self._on_model_forward is not None:
+            self._on_model_forward()
 
     def _on_model_call(self, module, args, kwargs) -> None:
         try:

@@ -132,3 +132,12 @@ def features() -> list[Feature]:
                 "checkpointing's cached device type, put back after a run"
                 if checkpoint_device_slot() is not None else "no such cache: nothing to put back"),
     ]
+
+
+def default_device_context() -> object | None:
+    """The device mode `torch.set_default_device` installed in this thread, or None. Public
+    `torch.get_default_device()` answers "cpu" both when none is set and when "cpu" is, and
+    only the latter leaves a mode on torch's function-mode stack. Read from
+    `torch._GLOBAL_DEVICE_CONTEXT` where this build keeps it; None where it does not."""
+    holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    return getattr(holder, "device_context", None) if holder is not None else None

@@ -1,0 +1,280 @@
+"""`ampscope run`: the user's own script, unmodified, traced the way `python -m cProfile` runs it.
+
+The script runs as `__main__` with its own `sys.argv`, its folder first on `sys.path` (as
+`python train.py` puts it), under a `Capture` that adopts the first module the script calls
+outside any other as the model. After `steps` optimizer steps the run is stopped by an
+exception the script's own `except Exception:` cannot catch, so its later code (more steps,
+evaluation, checkpointing) never runs; a script that never steps is stopped after
+`max_forwards` forward passes of its model. On a device this machine lacks, the script runs on
+the virtual device (precision/virtual_device.py), so its device checks, `torch.cuda` calls and
+`torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
+tensors: its model is never materialised, whatever its size.
+
+A run ends as under `python`, stopped or not: the script's atexit handlers run, its log
+handlers and open files are flushed and closed (script/ending.py, script/files.py). The files
+it wrote are listed in the trace's notes; a predicted run writes no checkpoint of fake tensors.
+
+From Python, `run_script` runs the script in a child process by default (script/child.py), so
+nothing the script does to its process (os._exit, a fork, signal handlers, torch's global
+settings) reaches the caller. `in_process=True` runs it in the caller's process (the CLI does:
+its process is its own), and puts back everything a script may change there
+(script/state.py), also when the script raised.
+
+The package:
+
+- `__init__.py`: `run_script`, and the run in this process.
+- `target.py`: the script or module as `python` starts it; where it failed.
+- `predicted.py`: fake weights, `.item()` of fake values, `model.to()` of fake parameters.
+- `files.py`: what the script wrote, left open, or (predicted) was kept from writing.
+- `ending.py`: its atexit handlers, `os._exit`, forks.
+- `state.py`: the caller's process state, saved and restored.
+- `child.py`: the run in a spawned child process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Sequence
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ampscope.analysis.diagnosis import diagnose
+from ampscope.analysis.findings import derive_findings, plural
+from ampscope.analysis.summary import forward_passes
+from ampscope.defaults import MAX_FORWARDS
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.precision import DEVICES, default_autocast_dtype, device_available
+from ampscope.precision.emulation import Emulation, device_api_error
+from ampscope.precision.predict import check_matmul_dtypes, data_dependent, fake_mode
+from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.recorders.session import Capture
+from ampscope.records import Trace
+from ampscope.script.ending import Ending, ScriptExited, exit_code
+from ampscope.script.files import ScriptFiles, watched
+from ampscope.script.predicted import fake_model, fake_values, made_modules, swappable
+from ampscope.script.state import ProcessState
+from ampscope.script.target import nth, runner, user_line
+from ampscope.tricks import exact
+
+# Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
+log = logging.getLogger(__name__)
+
+
+class _StopScript(BaseException):
+    """Raised after the last traced optimizer step (or the last forward pass allowed without
+    one): unwinds the script past its own `except Exception:` handlers."""
+
+
+def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
+               device: str | None = None, steps: int = 1, predict: bool = False,
+               virtual: bool | None = None, max_forwards: int = MAX_FORWARDS,
+               in_process: bool = False) -> Trace:
+    """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
+    `argv` as its arguments, stop it after `steps` optimizer steps, and return what its model
+    did. A script that never steps runs to its end, or until its model has run `max_forwards`
+    forward passes without a step (0: no bound).
+
+    `device` is the device the script should believe it has ("cuda", "mps", "xpu"); on a
+    machine without it, the script runs on the virtual device and the trace says "emulated".
+    `predict=True` runs it on fake tensors. `virtual=True` uses the virtual device even where
+    the device exists (to compare the two on a GPU machine); None: only where it does not.
+    Inside `ampscope.exact_path()` a predicted run takes no speed trick (`run --exact`).
+
+    The script runs in a spawned child process, whose trace comes back as JSON; its output goes
+    where the caller's goes. `in_process=True` runs it here, as the CLI does, and restores this
+    process's state afterwards (torch's global settings, `sys.argv`, `sys.path`, the working
+    folder, environment, streams, signal handlers, the root logger), also when it raised."""
+    if steps < 1:
+        raise AmpscopeError("--steps must be at least 1: the run stops after that many "
+                            "optimizer steps")
+    if max_forwards < 0:
+        raise AmpscopeError("--max-forwards must be 0 (no bound) or more")
+    if device is not None and device not in DEVICES:
+        raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    label, run = runner(target, argv, module)  # a target that cannot run: refused here
+    if not in_process:
+        from ampscope.script.child import run_in_child
+
+        return run_in_child(target, list(argv), module=module, device=device, steps=steps,
+                            predict=predict, virtual=virtual, max_forwards=max_forwards,
+                            exact=exact())
+    saved = ProcessState.save()
+    try:
+        return _run_here(label, run, device=device, steps=steps, predict=predict,
+                         virtual=virtual, max_forwards=max_forwards)
+    finally:
+        saved.restore()
+
+
+def _run_here(label: str, run, *, device: str | None, steps: int, predict: bool,
+              virtual: bool | None, max_forwards: int) -> Trace:
+    emulated = device is not None and (not device_available(device) if virtual is None
+                                       else virtual)
+    taken = forwards = 0
+
+    def count_step(optimizer, args, kwargs) -> None:
+        nonlocal taken, forwards
+        taken += 1
+        forwards = 0
+        if taken >= steps:
+            raise _StopScript
+
+    def count_forward() -> None:
+        nonlocal forwards
+        forwards += 1
+        if max_forwards and forwards > max_forwards:
+            raise _StopScript
+
+    capture = Capture(None, model_name=None, workload="script", findings=derive_findings,
+                      thin=predict, on_model_forward=count_forward)
+    capture.device = device
+    target = VirtualDevice(device) if emulated and device is not None else None
+    fake = fake_mode() if predict else None
+    if fake is not None:
+        capture._op_check = check_matmul_dtypes
+    values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
+    files = ScriptFiles(predict)
+    ending = Ending()
+
+    def run_guarded() -> None:
+        leaving: BaseException | None = None
+        try:
+            run()
+        except BaseException as e:
+            leaving = e
+            raise
+        finally:  # a process the script forked goes no further than its script
+            ending.leave_if_forked(exit_code(leaving))
+
+    stopped = exited = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if target is not None:
+                assert device is not None
+                stack.enter_context(Emulation(device, default_autocast_dtype(device)))
+            if fake is not None:
+                stack.enter_context(fake_model(fake, target))
+            capture.candidates = weakref.WeakSet()
+            stack.enter_context(made_modules(capture.candidates))
+            stack.enter_context(capture.recording())
+            stack.callback(register_optimizer_step_post_hook(count_step).remove)
+            if target is not None:
+                stack.enter_context(target.active(memory=capture.memory_now))
+            if fake is not None:
+                stack.enter_context(swappable(capture, target, fake))
+                stack.enter_context(fake_values(values_read))
+            stack.enter_context(watched(files))
+            stack.enter_context(ending.watching())
+            handlers = _log_handlers()
+            try:
+                run_guarded()
+            except _StopScript:
+                stopped = "bound" if forwards > max_forwards > 0 else "steps"
+            except ScriptExited as e:
+                exited = e.code
+                if e.code != 0:
+                    raise AmpscopeError(f"{label} ended its process with os._exit({e.code}) "
+                                        f"before its {nth(steps)} optimizer step") from None
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise AmpscopeError(f"{label} exited with status {e.code} before its "
+                                        f"{nth(steps)} optimizer step") from e
+            finally:  # as the interpreter ends the script's process (os._exit skips it all)
+                if exited is None:
+                    ending.run_handlers()
+                    _close_log_handlers(handlers)
+                files.close_what_is_open()
+    except (AmpscopeError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise _script_error(e, label, capture, device if emulated else None, predict) from e
+    if capture.model is None:
+        raise AmpscopeError(f"nothing was captured: {label} ran no nn.Module (call your model "
+                            "in the script, or trace it with `ampscope trace package.module:"
+                            "factory`)")
+    result = capture.finish()
+    result.mode = "predict" if predict else "run"
+    result.workload = "train" if taken else "forward"
+    notes = [_ending(label, stopped, exited, taken, max_forwards)]
+    passes = forward_passes(result)
+    if taken and passes > taken:
+        notes.append(f"The model ran {passes} forward passes for {plural(taken, 'optimizer step')} "
+                     f"(gradient accumulation): each pass is its own forward and backward phase "
+                     "in the trace; counts and tokens cover them all.")
+    if predict:
+        notes.append("Predicted: every parameter and buffer became a fake tensor as the model "
+                     "was built, so no weight was kept in memory; the data stayed real.")
+    for line in dict.fromkeys(values_read):
+        notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has no "
+                     "values).")
+    notes += files.notes()
+    for note in notes:
+        log.info("%s", note)
+    if target is not None:
+        notes += target.notes()
+    result.notes = notes + result.notes
+    result.findings = derive_findings(result)
+    return result
+
+
+def _ending(label: str, stopped: str | None, exited: int | None, taken: int,
+            max_forwards: int) -> str:
+    """The note that says how the script's run ended."""
+    if stopped == "steps":
+        return f"{label} was stopped after its {nth(taken)} optimizer step."
+    if stopped == "bound":
+        since = "without an optimizer step: nothing completed a step" if not taken else \
+            f"since its {nth(taken)} optimizer step"
+        return (f"{label} was stopped after {max_forwards:,} forward passes of its model "
+                f"{since} (--max-forwards); the trace holds the passes it ran.")
+    how = "ended with os._exit(0)" if exited is not None else "ran to its end"
+    return f"{label} {how} ({plural(taken, 'optimizer step')})."
+
+
+def _loggers() -> list[logging.Logger]:
+    return [logging.getLogger(), *(x for x in logging.root.manager.loggerDict.values()
+                                   if isinstance(x, logging.Logger))]
+
+
+def _log_handlers() -> set[logging.Handler]:
+    """Every handler of every logger now."""
+    return {h for logger in _loggers() for h in logger.handlers}
+
+
+def _close_log_handlers(before: set[logging.Handler]) -> None:
+    """Flush every log handler, and close and detach those the script added, as
+    `logging.shutdown` does at exit: a log file's last lines reach the disk, and ampscope's
+    own messages after the run never go into the script's log."""
+    for logger in _loggers():
+        for handler in logger.handlers[:]:
+            with contextlib.suppress(Exception):
+                handler.flush()
+            if handler not in before:
+                logger.removeHandler(handler)
+                with contextlib.suppress(Exception):
+                    handler.close()
+
+
+def _script_error(e: Exception, label: str, capture: Capture, device: str | None,
+                  predict: bool) -> AmpscopeError:
+    """One line for a script that raised: what ampscope knows of the cause, or the script's
+    own error with its file:line."""
+    where = user_line(e)
+    if predict and data_dependent(e):
+        return AmpscopeError(
+            f"predict mode cannot run {label}: the code at {where or 'an unknown line'} reads a "
+            "tensor's value (.item(), a comparison, printing a tensor), and fake tensors have "
+            "none; run it for real at a smaller size, or guard that line"
+        )
+    if device is not None:
+        device_error = device_api_error(e, device)
+        if device_error is not None:
+            return device_error
+    diagnosis = diagnose(capture.failure)
+    if diagnosis is not None:
+        return DtypeMismatchError(diagnosis)
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    at = f" at {where}" if where else ""
+    return AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}")

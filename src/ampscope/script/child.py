@@ -1,0 +1,148 @@
+"""`run_script` in a child process: the script gets a process of its own, as under `python`.
+
+Whatever the script does to its process (`os._exit`, a fork whose child returns, signal
+handlers, torch's global settings, imports that register operators once per process) stays
+there. The child is spawned, not forked: a fresh interpreter with nothing of the caller's
+state. It runs the script in its own process (`in_process=True`) and writes the trace (or the
+one-line error) as JSON to a file the parent reads back as a `Trace`.
+
+The child's output goes where the caller's goes: to the same terminal or file descriptors when
+`sys.stdout`/`sys.stderr` are the process's own, and otherwise (a caller that redirected them,
+a notebook) through pipes, copied into the caller's current streams as it comes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import IO
+
+from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.files import write_atomic
+from ampscope.records import Trace
+
+# The folder that holds the ampscope package: put first on the child's path, so the child runs
+# this ampscope whatever its caller's path holds.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_in_child(target: str, argv: list[str], **options) -> Trace:
+    """The trace of `run_script(target, argv, **options, in_process=True)` run in a spawned
+    child process (`options`: module, device, steps, predict, virtual, max_forwards, exact)."""
+    request = {"target": target, "argv": argv, **options}
+    with tempfile.TemporaryDirectory(prefix="ampscope-run-") as folder:
+        result = os.path.join(folder, "result.json")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        pipes = {name: _own_descriptor(stream, fd)
+                 for name, stream, fd in (("stdout", sys.stdout, 1), ("stderr", sys.stderr, 2))}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ampscope.script.child", json.dumps(request), result],
+            env=env, stdout=None if pipes["stdout"] else subprocess.PIPE,
+            stderr=None if pipes["stderr"] else subprocess.PIPE)
+        copiers = [threading.Thread(target=_copy, args=(pipe, name), daemon=True)
+                   for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))
+                   if pipe is not None]
+        for copier in copiers:
+            copier.start()
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:  # the child got the same Ctrl-C: let it end, then say so
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            raise
+        finally:
+            for copier in copiers:
+                copier.join(timeout=10)
+        return _answer(result, code, target)
+
+
+def _own_descriptor(stream: IO[str], fd: int) -> bool:
+    """Whether `stream` writes to this process's own descriptor `fd` (then the child writes
+    there too, directly: a terminal stays a terminal for its progress bars)."""
+    try:
+        return stream.fileno() == fd
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _copy(pipe: IO[bytes], name: str) -> None:
+    """The child's output, into the caller's current stream as it comes."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while chunk := pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536):
+        stream = getattr(sys, name)
+        stream.write(decoder.decode(chunk))
+        stream.flush()
+    getattr(sys, name).write(decoder.decode(b"", final=True))
+
+
+def _answer(path: str, code: int, target: str) -> Trace:
+    """The trace the child wrote, or its error raised here."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (OSError, ValueError):
+        payload = None
+    if payload is None:
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and
+               -code in signal.valid_signals() else f"ended with status {code}")
+        raise AmpscopeError(f"the process running {target} {how} before it reported a trace")
+    if "trace" in payload:
+        return Trace.from_dict(payload["trace"])
+    if payload.get("interrupted"):
+        raise KeyboardInterrupt
+    error = payload["error"]
+    if "diagnosis" in error:
+        from ampscope.analysis.diagnosis import Diagnosis
+
+        raise DtypeMismatchError(Diagnosis(error["diagnosis"]["summary"],
+                                           tuple(error["diagnosis"]["lines"])))
+    if error["type"] == "AmpscopeError":
+        raise AmpscopeError(error["message"])
+    raise RuntimeError(f"{error['type']} while running {target}: {error['message']}")
+
+
+def main(argv: list[str]) -> int:
+    """The child: run the script here, write what came of it."""
+    import contextlib
+
+    from ampscope.script import run_script
+    from ampscope.tricks import exact_path
+
+    request, result = json.loads(argv[0]), argv[1]
+    exact = request.pop("exact", False)
+    payload: dict
+    try:
+        with exact_path() if exact else contextlib.nullcontext():
+            trace = run_script(request.pop("target"), request.pop("argv"), **request,
+                               in_process=True)
+        payload = {"trace": trace.to_dict()}
+    except DtypeMismatchError as e:
+        payload = {"error": {"type": "DtypeMismatchError", "message": str(e), "diagnosis": {
+            "summary": e.diagnosis.summary, "lines": list(e.diagnosis.lines)}}}
+    except AmpscopeError as e:
+        payload = {"error": {"type": "AmpscopeError", "message": str(e)}}
+    except KeyboardInterrupt:
+        payload = {"interrupted": True}
+    except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
+        payload = {"error": {"type": type(e).__name__, "message": str(e)}}
+    write_atomic(result, json.dumps(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the trace is written: skip freeing its records one by one

@@ -1,0 +1,277 @@
+"""The files a script writes, watched while it runs.
+
+Three jobs, one place:
+
+- **What it wrote.** Every file the script opens for writing (Python's `open`, which `np.save`,
+  `json.dump`, loggers and `torch.distributed.checkpoint` use) and every file a C-level saver
+  writes (`torch.save`, safetensors' `save_file`/`save_model`, which Hugging Face's Trainer
+  uses) is listed as created, replaced, appended to or modified, so a user who did not expect a
+  checkpoint to be overwritten sees it in the report.
+- **What it left open.** The file objects it opened are kept (weakly) so that, when the run
+  stops, the ones still open are flushed and closed as the interpreter would at exit: a log it
+  wrote before `--steps` stopped it is on disk, complete.
+- **What a predicted run must not write.** A save of fake tensors (predict mode) would write a
+  file without weights over the user's last real checkpoint: it is not performed, and is
+  listed with the size it would have had, by dtype.
+
+The savers are looked up when the run starts: a script that imports safetensors or
+`torch.distributed.checkpoint` itself gets the watched functions, as they are module attributes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib
+import io
+import os
+import stat
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ampscope.nested import tensors_in
+from ampscope.recorders.source import user_source
+from ampscope.torchcompat.fake import FakeTensor
+
+# Savers that write tensors to a path from C or Rust, unseen by `open`: (module, function,
+# the argument index and keyword of the object saved, those of the path). Only modules already
+# importable are watched, and only while the script runs.
+# How each is named in the report comes last.
+_SAVERS: tuple[tuple[str, str, int, str, int, str, str], ...] = (
+    ("torch", "save", 0, "obj", 1, "f", "torch.save"),
+    ("safetensors.torch", "save_file", 0, "tensors", 1, "filename", "save_file"),
+    ("safetensors.torch", "save_model", 0, "model", 1, "filename", "save_model"),
+    ("torch.distributed.checkpoint", "save", 0, "state_dict", 1, "checkpoint_id", "dcp.save"),
+    ("torch.distributed.checkpoint", "save_state_dict", 0, "state_dict", 1, "storage_writer",
+     "dcp.save_state_dict"),
+)
+
+
+@dataclass
+class Written:
+    """One file the script wrote, and how."""
+
+    path: str
+    how: str  # "created", "replaced", "appended to", "modified"
+    by: str  # "open", or the saver's name
+
+
+@dataclass
+class Skipped:
+    """A save of fake tensors that a predicted run did not perform."""
+
+    call: str  # "torch.save(..., 'ckpt.pt')"
+    where: str | None  # the script's line
+    nbytes: int
+    by_dtype: dict[str, int]
+
+
+@dataclass
+class ScriptFiles:
+    """What the script wrote, left open, and (predicted) was kept from writing."""
+
+    predict: bool
+    written: list[Written] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    opened: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    _seen: set[str] = field(default_factory=set)
+    # Paths are shown relative to where the run started, whatever folder the script moved to.
+    _cwd: str = field(default_factory=os.getcwd)
+
+    def wrote(self, path: object, how: str, by: str) -> None:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return  # a file descriptor or a file object: no name to show
+        name = os.path.abspath(os.fsdecode(os.fspath(path)))
+        if name in self._seen or _not_the_users(name):
+            return
+        self._seen.add(name)
+        self.written.append(Written(name, how, by))
+
+    def close_what_is_open(self) -> None:
+        """Flush and close the files the script opened and left open, as the interpreter does at
+        exit (a file object that is still open when a stopped script unwinds would otherwise
+        lose what it buffered)."""
+        for f in list(self.opened):
+            if f in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                continue
+            with contextlib.suppress(Exception):  # as at exit: a failing close is not ours
+                if not f.closed:
+                    f.close()
+
+    def notes(self) -> list[str]:
+        lines = []
+        for s in self.skipped:
+            dtypes = ", ".join(f"{d} {_size(n)}" for d, n in
+                               sorted(s.by_dtype.items(), key=lambda kv: -kv[1]))
+            at = f" at {s.where}" if s.where else ""
+            lines.append(f"{s.call}{at} was not written: it held {_size(s.nbytes)} of fake "
+                         f"tensors ({dtypes}), which have no values (predict mode); a file "
+                         "already there was left as it was.")
+        # A temporary file the script (or a library) removed again is not listed.
+        self.written = [w for w in self.written if os.path.exists(w.path)]
+        if self.written:
+            listed = "; ".join(f"{_shown(w.path, self._cwd)} ({w.how})" for w in self.written[:20])
+            more = f"; and {len(self.written) - 20} more" if len(self.written) > 20 else ""
+            lines.append(f"The script wrote {_count(len(self.written))}: {listed}{more}.")
+        return lines
+
+
+def _count(n: int) -> str:
+    return "1 file" if n == 1 else f"{n:,} files"
+
+
+def _shown(path: str, cwd: str) -> str:
+    relative = os.path.relpath(path, cwd)
+    return path if relative.startswith(os.pardir) else relative
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# Folders of caches that libraries keep on the script's behalf (compiled kernels, bytecode):
+# not what a user means by the files a script wrote.
+_CACHES = ("__pycache__", ".cache", ".triton")
+
+
+def _not_the_users(path: str) -> bool:
+    """Special files (a FIFO, a device, /proc) and caches: not listed."""
+    if path.startswith(("/proc/", "/sys/", "/dev/")):
+        return True
+    parts = path.split(os.sep)
+    if any(p in _CACHES or p.startswith("torchinductor_") for p in parts):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False  # not there yet: it is about to be created
+
+
+def _how(path: object, mode: str) -> str | None:
+    """How opening `path` in `mode` changes it; None for reading."""
+    if not any(c in mode for c in "wax+"):
+        return None
+    try:
+        exists = isinstance(path, (str, bytes, os.PathLike)) and os.path.exists(path)
+    except (TypeError, ValueError):
+        exists = False
+    if not exists:
+        return "created"
+    if "w" in mode:
+        return "replaced"
+    return "appended to" if "a" in mode else "modified"
+
+
+@contextlib.contextmanager
+def watched(files: ScriptFiles) -> Iterator[None]:
+    """While the script runs: its `open` calls and tensor savers are seen by `files`."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_watched_open(files))
+        for module_name, name, obj_at, obj_kw, path_at, path_kw, shown in _SAVERS:
+            module = _importable(module_name, files.predict)
+            if module is not None and callable(getattr(module, name, None)):
+                saver = _watched_saver(files, shown, getattr(module, name),
+                                       obj_at, obj_kw, path_at, path_kw)
+                stack.enter_context(_replaced(module, name, saver))
+        yield
+
+
+def _importable(name: str, predict: bool):
+    """The module, if it is already imported or can be imported here. The distributed
+    checkpoint takes most of a second to import, and writes through `open` (seen anyway): it is
+    imported only for a predicted run, which must keep it from writing fake tensors."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if name == "torch.distributed.checkpoint":
+        if not predict:
+            return None
+        import torch.distributed
+
+        if not torch.distributed.is_available():
+            return None
+    try:
+        return importlib.import_module(name)
+    except Exception:  # not installed, or broken: the script cannot call it either
+        return None
+
+
+@contextlib.contextmanager
+def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _watched_open(files: ScriptFiles) -> Iterator[None]:
+    """`open` (builtins and io, which pathlib and os.fdopen call) noting what it writes and
+    keeping each file object it returns."""
+    original = io.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        how = _how(file, mode) if isinstance(mode, str) else None
+        f = original(file, mode, *args, **kwargs)
+        if how is not None:
+            files.wrote(file, how, "open")
+        with contextlib.suppress(TypeError):  # a file type that takes no weak reference
+            files.opened.add(f)
+        return f
+
+    with _replaced(builtins, "open", open_), _replaced(io, "open", open_):
+        yield
+
+
+def _watched_saver(files: ScriptFiles, short: str, saver: Callable, obj_at: int,
+                   obj_kw: str, path_at: int, path_kw: str) -> Callable:
+    def save(*args, **kwargs):
+        obj = args[obj_at] if len(args) > obj_at else kwargs.get(obj_kw)
+        path = args[path_at] if len(args) > path_at else kwargs.get(path_kw)
+        if files.predict:
+            fakes = [t for t in tensors_in([_tensors_of(obj)]) if isinstance(t, FakeTensor)]
+            if fakes:
+                named = (f"{short}(..., {os.fspath(path)!r})"
+                         if isinstance(path, (str, os.PathLike)) else f"{short}(...)")
+                files.skipped.append(Skipped(named, user_source(skip=2),
+                                             *_held(tensors_in([_tensors_of(obj)]))))
+                return None
+        how = _how(path, "w") if isinstance(path, (str, os.PathLike)) else None
+        result = saver(*args, **kwargs)
+        if how is not None:
+            files.wrote(path, how, short)
+        return result
+
+    return save
+
+
+def _tensors_of(obj: object) -> object:
+    """What a saver writes: a module's state_dict for `save_model`, else the object."""
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict) and not isinstance(obj, dict):
+        with contextlib.suppress(Exception):
+            return state_dict()
+    return obj
+
+
+def _held(tensors: list) -> tuple[int, dict[str, int]]:
+    """Bytes of the storages `tensors` hold, each storage once (tied weights share one), in
+    total and by dtype."""
+    seen: dict[int, object] = {}  # storage objects kept alive so their ids stay theirs
+    total, by_dtype = 0, {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if id(storage) in seen:
+            continue
+        seen[id(storage)] = storage
+        n = storage.nbytes()
+        total += n
+        dtype = str(t.dtype).removeprefix("torch.")
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    return total, by_dtype

@@ -1,0 +1,151 @@
+"""Predict mode for a script (`run --predict`): its model's weights become fake tensors as
+they are registered, its data stays real, and what a fake run cannot do is answered or noted.
+
+Also the modules a script makes (every run needs them to find the model by a parameter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+from ampscope.precision.predict import foreach_defaults_as_real, gc_paused, quiet_fake_tensor_log
+from ampscope.precision.virtual_device import VirtualDevice, patched
+from ampscope.recorders.session import Capture
+from ampscope.recorders.source import user_source
+from ampscope.torchcompat.dispatch import no_torch_function
+from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
+
+
+@contextlib.contextmanager
+def made_modules(made: weakref.WeakSet) -> Iterator[None]:
+    """Every nn.Module the script makes, while it runs (nn.Module.__init__ sees them all)."""
+    import torch
+
+    original = torch.nn.Module.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.add(self)
+
+    torch.nn.Module.__init__ = __init__
+    try:
+        yield
+    finally:
+        torch.nn.Module.__init__ = original
+
+
+@contextlib.contextmanager
+def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[None]:
+    """Predict mode for a script: every parameter and buffer a module registers becomes a fake
+    tensor at once (each real one lives only until it is converted), while the script's data
+    stays real; an op on a fake tensor and a real one runs on the fake mode. On a virtual
+    device each fake one is where its real one was (on the CPU, until `model.to(device)`
+    copies it, as on the device)."""
+    import torch
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    def fake_parameter(module, name, param):
+        if param is None or isinstance(param, FakeTensor):
+            return None
+        with no_torch_function():  # the conversion is ampscope's, not the script's
+            data = placed(fake.from_tensor(param.detach()), param)
+            return torch.nn.Parameter(data, requires_grad=param.requires_grad)
+
+    def fake_buffer(module, name, buffer):
+        if buffer is None or isinstance(buffer, FakeTensor):
+            return None
+        with no_torch_function():
+            return placed(fake.from_tensor(buffer), buffer)
+
+    def placed(stand_in, real):
+        if virtual is not None:
+            virtual.place_like(stand_in, real)
+        return stand_in
+
+    # `nn.Parameter(data)` makes a plain tensor a parameter in C++, unseen by function modes,
+    # but a tensor subclass (a fake tensor) through `data.detach().requires_grad_()`: calls a
+    # real run never makes (module.to() re-wraps every weight), kept out of the trace.
+    make_parameter = torch.nn.Parameter.__new__
+
+    def parameter(cls, data=None, requires_grad=True):
+        if isinstance(data, FakeTensor):
+            with no_torch_function():
+                return make_parameter(cls, data, requires_grad)
+        return make_parameter(cls, data, requires_grad)
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(register_module_parameter_registration_hook(fake_parameter).remove)
+        stack.callback(register_module_buffer_registration_hook(fake_buffer).remove)
+        stack.enter_context(patched(torch.nn.Parameter, "__new__", parameter))
+        stack.enter_context(quiet_fake_tensor_log())
+        stack.enter_context(gc_paused())
+        stack.enter_context(foreach_defaults_as_real())
+        yield
+
+
+@contextlib.contextmanager
+def fake_values(read: list[str]) -> Iterator[None]:
+    """`.item()` of a fake tensor (a loss printed for the log) returns NaN, and the line is
+    noted; any other read of a value (`if loss < best`) still stops the run."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    item = torch.Tensor.item
+
+    class FakeValues(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is item and isinstance(args[0], FakeTensor):
+                read.append(user_source(skip=2) or "an unknown line")
+                return float("nan")
+            return func(*args, **(kwargs or {}))
+
+    with FakeValues():
+        yield
+
+
+@contextlib.contextmanager
+def swappable(capture: Capture, virtual: VirtualDevice | None,
+               fake: FakeTensorMode) -> Iterator[None]:
+    """`model.to(...)` in a fake run: PyTorch swaps each fake parameter with its converted copy
+    (`torch.utils.swap_tensors`), which refuses tensors that have weak references, and the
+    recorders hold weak references to the tensors they name. For each swap, those references
+    are dropped, the swap is made, and they are put back on the same objects (a parameter keeps
+    its name; its device tag follows its new contents)."""
+    import torch.utils
+
+    original = torch.utils.swap_tensors
+    registries = [capture._names, capture._functions.origins]
+    on_cpu = virtual.mode.on_cpu if virtual is not None else None
+    converter = fake.fake_tensor_converter.meta_converter
+    memos = [converter.tensor_memo]
+
+    def swap_tensors(t1, t2) -> None:
+        # Names only: the popped weak references themselves must die before the swap.
+        held = [(r, {i: r.pop(i)[1] for i in (id(t1), id(t2)) if i in r}) for r in registries]
+        tags = None
+        if on_cpu is not None:
+            tags = (on_cpu.discard(t1), on_cpu.discard(t2))
+        for memo in memos:  # the fake mode's memo of tensors it converted: weak values
+            for key in [k for k, v in memo.items() if v is t1 or v is t2]:
+                del memo[key]
+        original(t1, t2)
+        for registry, entries in held:
+            for i, name in entries.items():
+                t = t1 if i == id(t1) else t2
+                registry[i] = (weakref.ref(t), name)
+        if on_cpu is not None and tags is not None:
+            if tags[1]:
+                on_cpu.add(t1)
+            if tags[0]:
+                on_cpu.add(t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original

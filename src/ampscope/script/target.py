@@ -1,0 +1,100 @@
+"""The script or module a run starts, as `python SCRIPT ARGS` or `python -m MODULE ARGS` would,
+and the one line that names where it failed."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import runpy
+import sys
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from ampscope.errors import AmpscopeError
+
+
+def nth(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def runner(target: str, argv: Sequence[str], module: bool) -> tuple[str, Callable[[], None]]:
+    """What runs the script, and how messages name it; a target that cannot run is refused
+    here, before anything else is set up."""
+    if module:
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise AmpscopeError(f"no module named {target!r} (run from the folder that holds "
+                                "its package, or give a script's path)")
+
+        def run_module() -> None:
+            with script_argv([target, *argv], os.getcwd()):
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+
+        return f"python -m {target}", run_module
+    path = Path(target)
+    if path.exists() and not path.is_file():  # a folder, or a FIFO that would block
+        raise AmpscopeError(f"{target}: not a regular file; give the path of a .py file, or -m "
+                            "package.module")
+    if not path.is_file():
+        raise AmpscopeError(f"no script at {target} (give the path of a .py file, or -m "
+                            "package.module)")
+
+    def run_path() -> None:
+        with script_argv([str(path), *argv], str(path.resolve().parent)):
+            runpy.run_path(str(path), run_name="__main__")
+
+    return path.name, run_path
+
+
+def _installed() -> tuple[str, ...]:
+    """Folders of installed code: the interpreter's and its environment's packages. A module
+    from one of them is never forgotten, even when the environment lies in the script's folder
+    (a project's own .venv): torch's modules must not be imported twice in one process."""
+    folders = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            folders.add(sysconfig.get_paths()[key])
+    return tuple(os.path.abspath(f) + os.sep for f in folders if f)
+
+
+@contextlib.contextmanager
+def script_argv(argv: list[str], first_path: str) -> Iterator[None]:
+    """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back, and
+    the modules the script imported from its own folder are forgotten, so the next run
+    imports them again (their import-time device checks included)."""
+    saved_argv, saved_path, saved_modules = sys.argv[:], sys.path[:], set(sys.modules)
+    folder = os.path.abspath(first_path) + os.sep
+    installed = _installed()
+    sys.argv = argv
+    sys.path.insert(0, first_path)
+    try:
+        yield
+    finally:
+        sys.argv[:] = saved_argv
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            path = os.path.abspath(getattr(sys.modules[name], "__file__", None) or "")
+            if path.startswith(folder) and not path.startswith(installed):
+                del sys.modules[name]
+
+
+def user_line(e: BaseException) -> str | None:
+    """`file.py:line` of the innermost frame of the traceback outside PyTorch and ampscope; for
+    a syntax error, where the error is."""
+    import torch
+
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{os.path.basename(e.filename)}:{e.lineno}"
+    package = os.path.dirname(os.path.dirname(__file__))  # ampscope's own files
+    skip = (os.path.dirname(torch.__file__) + os.sep, package + os.sep,
+            os.path.dirname(runpy.__file__) + os.sep + "runpy.py", "<frozen runpy>")
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if not frame.filename.startswith(skip) and "importlib" not in frame.filename:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return None
