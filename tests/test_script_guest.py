@@ -261,3 +261,29 @@ def test_a_script_in_a_child_process_prints_where_the_caller_prints(tmp_path, ca
     here = ampscope.run_script(str(path), in_process=True)
     assert [o.op for o in child.ops] == [o.op for o in here.ops]
     assert child.notes == here.notes
+
+
+def test_installed_modules_in_the_scripts_folder_are_not_forgotten(tmp_path, monkeypatch):
+    """A project's environment often lies in the project's folder (.venv). The script's own
+    modules are forgotten after the run, so a second run imports them again; the environment's
+    (torch's, whose import registers operators once per process) must be kept."""
+    from ampscope.script import target
+
+    venv = tmp_path / ".venv"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "installed_pkg_for_test.py").write_text("X = 1\n")
+    (tmp_path / "own_module_for_test.py").write_text("Y = 2\n")
+    monkeypatch.setattr(target, "_installed", lambda: (str(venv) + os.sep,))
+    path = script(tmp_path, f"""
+        import sys
+        sys.path.append({str(venv / "lib")!r})
+        import installed_pkg_for_test, own_module_for_test
+        step()
+    """)
+    try:
+        for _ in range(2):
+            ampscope.run_script(str(path), in_process=True)
+            assert "installed_pkg_for_test" in sys.modules
+            assert "own_module_for_test" not in sys.modules
+    finally:
+        sys.modules.pop("installed_pkg_for_test", None)
