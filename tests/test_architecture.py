@@ -33,3 +33,54 @@ def test_no_import_cycles():
                 chain = graph.find_shortest_chain(importer=imported, imported=module)
                 cycles.add(" -> ".join((module, *chain)))
     assert not cycles, "\n".join(sorted(cycles))
+
+
+# Names the recorders give one record's row, and lists of rows (records.RowLayout).
+_ROW = {"r", "row", "rec", "record"}
+_ROWS = {"rows", "op_log"}
+
+
+def _literal_row_indexing(tree) -> list[int]:
+    """Lines that read a row's field by number (`r[7]`, `rows[i][4]`) or unpack a row by
+    position (`_, name, *_ = self.rows[i]`)."""
+    import ast
+
+    def named(node, names: set[str]) -> bool:
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        return name in names
+
+    def number(node) -> bool:
+        inner = node.operand if isinstance(node, ast.UnaryOp) else node
+        return isinstance(inner, ast.Constant) and isinstance(inner.value, int)
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and number(node.slice) and (
+                named(node.value, _ROW) or
+                (isinstance(node.value, ast.Subscript) and named(node.value.value, _ROWS))):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
+                isinstance(node.value, ast.Subscript) and named(node.value.value, _ROWS):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_recorders_name_the_fields_of_a_row():
+    """A row's fields are read and changed by name (records.OP_ROW.at("caller"), OP_ROW.replace),
+    never by position: a field added to a record would silently shift every number."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "src" / "ampscope" / "recorders").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{line}" for line in _literal_row_indexing(tree)]
+    assert not found, found
+
+
+def test_the_row_check_finds_literal_indexing():
+    """The check above, on the forms the recorders used before rows had named fields."""
+    import ast
+
+    code = ("a = r[7]\nb = rows[i][4][0]\nrows[i] = row[:6] + (False,) + row[7:]\n"
+            "c = row[2]\n_, name, module, *_ = self.rows[where]\nd = rows[-1]\n")
+    assert _literal_row_indexing(ast.parse(code)) == [1, 2, 4, 5]

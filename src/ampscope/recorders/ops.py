@@ -37,12 +37,13 @@ from ampscope.recorders.tensors import (
 )
 from ampscope.records import (
     EXPLICIT_CASTS,
+    FUNCTION_ROW,
+    OP_ROW,
     ArgumentOrigin,
     FailedCall,
     FunctionCall,
     OpCall,
     dtype_name,
-    from_rows,
     module_label,
 )
 from ampscope.torchcompat import ops as private_ops
@@ -123,8 +124,10 @@ _FOREACH, _SHORTCUTS, _FAKE_CACHE = range(len(_OP_TRICKS))
 _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = graph_task_id  # -1 outside a backward pass
 
-# An op record while the run goes on: OpCall's fields in order.
-_AUTOCAST_CAST = 6  # position of `autocast_cast` in a row
+# An op record while the run goes on: OpCall's fields in order (records.OP_ROW).
+_AUTOCAST_CAST, _INPUTS, _OUTPUTS = (OP_ROW.at(f) for f in ("autocast_cast", "inputs", "outputs"))
+# A user-level call's record: FunctionCall's fields in order (records.FUNCTION_ROW).
+_FUNC, _MODULE, _SOURCE = (FUNCTION_ROW.at(f) for f in ("func", "module", "source"))
 
 
 def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None) -> None:
@@ -133,7 +136,7 @@ def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None)
     the casts back (fp32 → bf16) after it, under one call, are the function's own (CPU
     `rms_norm` computes in fp32 this way). `analysis.causes` pairs them the same way."""
     casts = [i for i in range(start, len(rows)) if rows[i][_AUTOCAST_CAST]]
-    kinds = [(rows[i][4][0].dtype, rows[i][5][0].dtype) for i in casts]
+    kinds = [(rows[i][_INPUTS][0].dtype, rows[i][_OUTPUTS][0].dtype) for i in casts]
     out_of_result: set[tuple[str, str]] = set()  # the function's casts out, seen so far
     for n, (i, (src, dst)) in enumerate(zip(casts, kinds, strict=True)):
         # Order tells them apart: autocast casts the inputs before the function runs, so a cast
@@ -145,8 +148,7 @@ def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None)
         if cast_out:
             out_of_result.add((src, dst))
         if cast_out or cast_back:
-            row = rows[i]
-            rows[i] = row[:_AUTOCAST_CAST] + (False,) + row[_AUTOCAST_CAST + 1:]
+            rows[i] = OP_ROW.replace(rows[i], autocast_cast=False)
 
 
 def _autocast_dtype(device: str) -> str | None:
@@ -224,7 +226,7 @@ class FunctionRecorder(TorchFunctionMode):
         return source
 
     def records(self) -> list[FunctionCall]:
-        return from_rows(FunctionCall, self.rows)
+        return FUNCTION_ROW.records(self.rows)
 
     def step_begin(self, name: str, device: str, frame: FrameType | None) -> None:
         """A PyTorch optimizer's `step()` begins: it is recorded as one call, `name`, made at
@@ -328,7 +330,8 @@ class FunctionRecorder(TorchFunctionMode):
         if entry is not None and entry[0]() is t:
             where = entry[1]
             if isinstance(where, int):  # the row of the recorded call that made it
-                _, name, module, _, _, _, source, *_ = self.rows[where]
+                row = self.rows[where]
+                name, module, source = row[_FUNC], row[_MODULE], row[_SOURCE]
                 where = f"{name} in {module_label(module)}" + (f" at {source}" if source else "")
             return where
         return "unknown (made outside any recorded call)"
@@ -338,7 +341,7 @@ class OpRecorder(UncompiledDispatchMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: FunctionRecorder,
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
-        # One row per recorded op (see _AUTOCAST_CAST); `records()` makes them OpCalls.
+        # One row per recorded op (records.OP_ROW); `records()` makes them OpCalls.
         self.rows: list[tuple] = []
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
@@ -365,7 +368,7 @@ class OpRecorder(UncompiledDispatchMode):
         self._progress = progress.Reporter(*found) if found is not None else None
 
     def records(self) -> list[OpCall]:
-        return from_rows(OpCall, self.rows)
+        return OP_ROW.records(self.rows)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and (

@@ -9,6 +9,13 @@ from typing import Protocol
 
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, OpenCall
+from ampscope.records import FUNCTION_ROW, OP_ROW
+
+# The fields a window reads or changes in the rows it copies (records.OP_ROW, FUNCTION_ROW).
+_INDEX, _MODULE, _CALLER, _NAMES = (OP_ROW.at(f) for f in ("index", "module", "caller",
+                                                           "input_names"))
+_PHASE = OP_ROW.at("phase")
+_F_INDEX, _F_MODULE = FUNCTION_ROW.at("index"), FUNCTION_ROW.at("module")
 
 
 class Recorders(Protocol):
@@ -95,11 +102,11 @@ class Window:
         also every module call, and every op's user-level caller in the window."""
         rows = replay.ops.rows[self.r0:self.r1]
         rename = renamer(self.prefix, "@")
-        if any(not (rename(r[2]) or "").startswith("@") for r in rows):
+        if any(not (rename(r[_MODULE]) or "").startswith("@") for r in rows):
             return False
         if not forward:
             return True
-        return all(r[7] is None or self.f0 <= r[7] < self.f1 for r in rows) and \
+        return all(r[_CALLER] is None or self.f0 <= r[_CALLER] < self.f1 for r in rows) and \
             len(self.calls) == self.c1 - self.c0
 
     def normalized(self, replay: Recorders, fates: list) -> tuple:
@@ -107,10 +114,11 @@ class Window:
         windows of identical blocks that did the same thing compare equal."""
         rel = renamer(self.prefix, "")
         rows = tuple(
-            (r[1], rel(r[2]), r[3], r[4], r[5], r[6], None if r[7] is None else r[7] - self.f0,
-             r[8], tuple(map(rel, r[9])), r[10], r[11], r[12], r[13])
+            OP_ROW.replace(r, index=None, module=rel(r[_MODULE]),
+                           caller=None if r[_CALLER] is None else r[_CALLER] - self.f0,
+                           input_names=tuple(map(rel, r[_NAMES])))
             for r in replay.ops.rows[self.r0:self.r1])
-        functions = tuple((r[1], rel(r[2]), r[3], r[4], r[5], r[6], r[7])
+        functions = tuple(FUNCTION_ROW.replace(r, index=None, module=rel(r[_F_MODULE]), step=None)
                           for r in replay.functions.rows[self.f0:self.f1])
         calls = tuple((rel(c.name), c.type, c.phase, c.depth, c.inputs, c.outputs)
                       for c in self.calls)
@@ -131,8 +139,8 @@ class Window:
         shift_f = f_start - window.f0
         step = functions.step
         for r in functions.rows[window.f0:window.f1]:
-            functions.rows.append((r[0] + shift_f, r[1], rename(r[2]), r[3], r[4], r[5], r[6],
-                                   r[7], step))
+            functions.rows.append(FUNCTION_ROW.replace(
+                r, index=r[_F_INDEX] + shift_f, module=rename(r[_F_MODULE]), step=step))
         for c in window.calls:
             call = OpenCall(len(tracker._calls), rename(c.name), c.type, c.phase, c.depth, c.inputs)
             call.outputs = c.outputs
@@ -140,10 +148,11 @@ class Window:
         rows = ops.rows
         shift = r_start - window.r0
         for r in rows[window.r0:window.r1]:
-            rows.append((r[0] + shift, r[1], rename(r[2]), r[3], r[4], r[5], r[6],
-                         None if r[7] is None else r[7] + shift_f, r[8],
-                         tuple(map(rename, r[9])) if any(r[9]) else r[9],
-                         r[10], r[11], r[12], r[13]))
+            caller, names = r[_CALLER], r[_NAMES]
+            rows.append(OP_ROW.replace(
+                r, index=r[_INDEX] + shift, module=rename(r[_MODULE]),
+                caller=None if caller is None else caller + shift_f,
+                input_names=tuple(map(rename, names)) if any(names) else names))
         functions.ops_seen += window.r1 - window.r0
         made = []
         for e, fate in zip(window.created(replay), fates, strict=True):
@@ -159,5 +168,5 @@ class Window:
             if entry is not None:
                 storages.date_free(entry, r_start + offset)
         if ops._progress is not None:
-            ops._progress.op(len(rows), rows[-1][3] if rows else "forward")
+            ops._progress.op(len(rows), rows[-1][_PHASE] if rows else "forward")
         return made

@@ -14,6 +14,8 @@ Nothing here imports another ampscope layer.
 from ampscope.records.setting import UNKNOWN_SETTING, SettingRecord
 from ampscope.records.tensors import (
     EXPLICIT_CASTS,
+    FUNCTION_ROW,
+    OP_ROW,
     PHASES,
     STORAGE_CATEGORIES,
     TARGET_NAMES,
@@ -28,6 +30,7 @@ from ampscope.records.tensors import (
     OptimizerStateRecord,
     ParameterRecord,
     Phase,
+    RowLayout,
     StorageRecord,
     TensorMeta,
     dtype_name,
@@ -41,4 +44,5 @@ __all__ = [
     "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
     "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
     "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
+    "FUNCTION_ROW", "OP_ROW", "RowLayout",
 ]

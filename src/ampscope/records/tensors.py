@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -234,6 +234,34 @@ def from_rows(cls: type[_Record], rows: Iterable[tuple]) -> list[_Record]:
     return build(rows)
 
 
+class RowLayout(Generic[_Record]):
+    """A record's row, as the recorders keep it while a run goes on: a plain tuple of the
+    record's dataclass fields, in their order (cheap to append by the hundred thousand), made
+    records at the end by `records`. Positions are read from the dataclass, never written as
+    numbers: `OP_ROW.at("caller")`, and `OP_ROW.replace(row, caller=3)` for a changed copy. A
+    field added to the record moves every position with it (tests/test_architecture.py fails
+    on a literal row index in the recorders)."""
+
+    def __init__(self, cls: type[_Record]) -> None:
+        self.cls = cls
+        self.fields = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+        self._positions = {name: i for i, name in enumerate(self.fields)}
+
+    def at(self, name: str) -> int:
+        """The position of field `name` in a row."""
+        return self._positions[name]
+
+    def replace(self, row: tuple, **changes: object) -> tuple:
+        """`row` with the named fields changed."""
+        out = list(row)
+        for name, value in changes.items():
+            out[self._positions[name]] = value
+        return tuple(out)
+
+    def records(self, rows: Iterable[tuple]) -> list[_Record]:
+        return from_rows(self.cls, rows)
+
+
 def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
     names = [f.name for f in fields(cls)]
     if cls.__bases__ != (object,) or cls.__dict__.get("__slots__") != tuple(names):
@@ -252,3 +280,9 @@ def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
     scope = {"new": object.__new__, "blank": blank, "cls": cls}
     exec(source, scope)  # noqa: S102 - the source is made here, from the class's own fields
     return scope["build"]
+
+
+# The rows the op recorder keeps (recorders/ops.py) and the replay engine copies
+# (recorders/windows.py).
+OP_ROW = RowLayout(OpCall)
+FUNCTION_ROW = RowLayout(FunctionCall)
