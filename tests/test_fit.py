@@ -4,6 +4,7 @@ and bad input is one line and exit 2. All on gpt2-tiny under emulated CUDA: seco
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -14,9 +15,12 @@ from ampscope.analysis.fit import Point, extrapolated, largest, parse_bytes
 from ampscope.api.fit import fit
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
+from ampscope.models import registry
 from ampscope.models.registry import resolve
-from ampscope.workloads import repeated_blocks
+from ampscope.render.style import format_bytes
+from ampscope.workloads import MAX_SIZE, repeated_blocks
 
+api_fit = importlib.import_module("ampscope.api.fit")  # ampscope.api.fit is also the function
 MODEL, SETTING, SEQ = "gpt2-tiny", "cuda:fp32+amp-bf16", 32
 BUDGET = 6 * 2**20
 
@@ -115,6 +119,63 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert err.count("\n") == 1 and message in err, err
 
 
+def test_a_budget_beyond_any_batch_stops_at_the_ceiling_and_says_so(capsys, tmp_path,
+                                                                    monkeypatch):
+    """--memory 1e30 once extrapolated to batch 1,393,083,618,451,113,937,362,257 and was
+    refused quoting it; the search now stops at the largest batch it probes."""
+    # 64M "free": ids at most half of it, 32 MiB, i.e. 32 MiB / (16 bytes × 32 tokens)
+    monkeypatch.setenv("AMPSCOPE_MEMORY_LIMIT", "64M")
+    limit = 2**25 // (16 * SEQ)
+    path = tmp_path / "fit.json"
+    code = main(["fit", MODEL, "--memory", "1e30", "-s", SETTING, "--seq", str(SEQ),
+                 "--no-variants", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == f"Wrote {path}\n", err  # no error, no warning
+    document = json.loads(path.read_text())
+    assert document["batch"] == document["batch_limit"] == limit == 65_536
+    assert max(p["batch"] for p in document["probes"]) == limit
+    assert all(p["fits"] for p in document["probes"])
+    assert document["peak_bytes"] == peak(limit)
+    text = " ".join(out.split())
+    assert f"Every micro-batch up to {limit:,} fits at seq {SEQ} for {MODEL}" in text
+    assert (f"as given: every batch up to {limit:,} fits in {format_bytes(10**30)}; fit probes "
+            "no larger batch: a larger one's token ids, made for real even in a predicted run, "
+            "would take more than 32 MiB (half the memory free here)") in text
+    assert "Largest micro-batch" not in text and "must be at most" not in text
+
+
+def test_each_variant_stops_at_the_ceiling_too(monkeypatch):
+    monkeypatch.setenv("AMPSCOPE_MEMORY_LIMIT", "64M")
+    report = fit(MODEL, memory_size=10**30, setting=SETTING, seq=SEQ, max_probes=4)
+    assert report.batch == report.batch_limit == 65_536 and report.at_batch_limit
+    assert {v.batch for v in report.variants} == {report.batch}
+    assert max(p.batch for p in report.probes) == report.batch
+    assert report.notes[0].startswith("as given, bf16 weights, checkpointing, fused optimizer: "
+                                      "every batch up to 65,536 fits")
+    assert not any("stopped after" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("free, limit, why", [
+    (None, 2**30 // (16 * 64), "a larger one's token ids, made for real even in a predicted "
+                               "run, would take more than 1 GiB"),
+    (2**40, 2**30 // (16 * 64), "a larger one's token ids, made for real even in a predicted "
+                                "run, would take more than 1 GiB"),
+    (2**30, 2**29 // (16 * 64), "a larger one's token ids, made for real even in a predicted "
+                                "run, would take more than 512 MiB (half the memory free here)"),
+    (10, 1, "a larger one's token ids, made for real even in a predicted run, would take more "
+            "than 5 B (half the memory free here)"),
+])
+def test_the_ceiling_is_1_gib_of_ids_or_half_the_free_memory(monkeypatch, free, limit, why):
+    monkeypatch.setattr(registry, "available_memory_bytes", lambda: free)
+    assert api_fit._batch_limit(64) == (limit, why)
+
+
+def test_the_ceiling_is_never_above_the_largest_batch_a_run_takes(monkeypatch):
+    monkeypatch.setattr(registry, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(api_fit, "_IDS_BUDGET", 2**62)
+    assert api_fit._batch_limit(1) == (MAX_SIZE, "ampscope runs no batch over 2,147,483,647")
+
+
 def test_a_gpu_sets_the_budget_and_puts_a_bare_setting_on_cuda():
     report = fit(MODEL, gpu="a100-40gb", setting="bf16", seq=SEQ, variants=False, max_probes=3)
     assert report.memory_bytes == 40 * 2**30 and report.accelerator == "a100-40gb"
@@ -152,6 +213,21 @@ def test_largest_brackets_the_answer(budget, quadratic):
         assert len(seen) <= 4  # 1, 2, the guess, the batch after it
 
 
+@pytest.mark.parametrize("budget, expected", [(10**30, 1000), (350, 10), (100 + 25 * 1000, 1000),
+                                              (100 + 25 * 1001, 1000), (100 + 25 * 999, 999)])
+def test_largest_probes_nothing_above_its_limit(budget, expected):
+    seen = []
+
+    def probe(n: int) -> Point:
+        seen.append(n)
+        live = _step(n)
+        return Point(n, max(live) <= budget, live, OPS, ["forward"] * len(live))
+
+    assert largest(probe, budget, limit=1000, max_probes=40) == (expected, True)
+    assert max(seen) <= 1000 and len(seen) == len(set(seen))
+    assert largest(probe, budget, start=5000, limit=1000, max_probes=40) == (expected, True)
+
+
 def test_extrapolated_is_exact_for_affine_steps_and_bounded_otherwise():
     a = Point(1, True, _step(1), OPS, ["forward"] * 4)
     b = Point(2, True, _step(2), OPS, ["forward"] * 4)
@@ -179,6 +255,12 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_refuses(text):
     with pytest.raises(AmpscopeError):
         parse_bytes(text)
+
+
+def test_parse_bytes_refuses_a_size_past_any_float():
+    with pytest.raises(AmpscopeError, match=r"^the memory size '1e400' is too large to be a "
+                                            r"number of bytes; write it as e.g. 80GiB$"):
+        parse_bytes("1e400")
 
 
 # -- the workload options the variants run ----------------------------------------------------

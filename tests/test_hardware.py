@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 
 import pytest
 
@@ -186,3 +188,81 @@ def test_describe_is_one_line_with_figures_and_sources():
     assert "80 GiB at 3.35 TB/s" in line
     assert "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet" in line
     assert "bfloat16" not in describe(by_name("v100"))
+
+
+# --- the user's table: what is at its path -------------------------------------------------
+
+
+def _refusal(capsys) -> str:
+    """`ampscope flops --gpu h100` with the table as set: its exit code must be 2, its stderr one
+    line; that line, less the prefix."""
+    from ampscope.cli import main
+
+    code = main(["flops", "gpt2-tiny", "--gpu", "h100"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("ampscope: error: "), err
+    return err.removeprefix("ampscope: error: ").rstrip("\n")
+
+
+def test_a_folder_named_as_the_table_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AMPSCOPE_HARDWARE", str(tmp_path))
+    message = f"AMPSCOPE_HARDWARE={str(tmp_path)!r}: a folder, not a TOML file"
+    with pytest.raises(AmpscopeError) as e:
+        hardware.table()
+    assert str(e.value) == message
+    assert _refusal(capsys) == message
+
+
+def test_a_folder_at_the_default_place_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.delenv("AMPSCOPE_HARDWARE", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "ampscope" / "hardware.toml").mkdir(parents=True)
+    with pytest.raises(AmpscopeError) as e:
+        hardware.table()
+    assert str(e.value) == f"{tmp_path / 'ampscope' / 'hardware.toml'}: a folder, not a TOML file"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_as_the_table_is_refused_without_waiting_for_a_writer(tmp_path, monkeypatch,
+                                                                           capsys):
+    fifo = tmp_path / "hardware.toml"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("AMPSCOPE_HARDWARE", str(fifo))
+    outcome: list[BaseException | object] = []
+
+    def look_up() -> None:
+        try:
+            outcome.append(hardware.table())
+        except BaseException as e:  # handed to the test's thread
+            outcome.append(e)
+
+    reader = threading.Thread(target=look_up, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # it blocked in open(): a writer lets it go before the test fails
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading the table blocked on the FIFO")
+    assert isinstance(outcome[0], AmpscopeError)
+    message = f"AMPSCOPE_HARDWARE={str(fifo)!r}: a FIFO, not a regular file"
+    assert str(outcome[0]) == message
+    assert _refusal(capsys) == message
+
+
+@pytest.mark.skipif(os.devnull != "/dev/null", reason="no /dev/null here")
+def test_a_device_named_as_the_table_is_refused(monkeypatch):
+    monkeypatch.setenv("AMPSCOPE_HARDWARE", os.devnull)
+    with pytest.raises(AmpscopeError, match=r"^AMPSCOPE_HARDWARE='/dev/null': a character "
+                                            r"device, not a regular file$"):
+        hardware.table()
+
+
+def test_an_entry_that_is_not_a_table_shows_the_toml_it_wants(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "hardware.toml"
+    path.write_text("a6000 = 5\n")
+    monkeypatch.setenv("AMPSCOPE_HARDWARE", str(path))
+    message = (f"{path}: [a6000] must be a table of figures, e.g. [a6000] with "
+               'memory = "48GiB" and peak_flops = { bf16 = 155e12 }')
+    with pytest.raises(AmpscopeError) as e:
+        hardware.table()
+    assert str(e.value) == message  # single braces, as TOML writes an inline table
+    assert _refusal(capsys) == message

@@ -12,6 +12,7 @@ from torch.optim import optimizer as optim_module
 
 import ampscope
 from ampscope.models import gpt2
+from ampscope.torchcompat import dispatch
 
 
 def installed_hooks(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple:
@@ -23,7 +24,7 @@ def installed_hooks(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         dict(nn_module._global_backward_hooks), dict(nn_module._global_backward_pre_hooks),
         dict(optim_module._global_optimizer_pre_hooks),
         dict(optim_module._global_optimizer_post_hooks),
-        torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack(),
+        dispatch.function_stack_depth(), dispatch.dispatch_stack_depth(),
         {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks),
              dict(m._backward_pre_hooks), "forward" in m.__dict__)
          for n, m in model.named_modules()},
@@ -138,7 +139,7 @@ def test_watch_refuses_bad_arguments_at_once(tmp_path):
 
 # -- Hugging Face Trainer -----------------------------------------------------------------
 
-def hf_run(tmp_path, callback, *, name: str = "out"):
+def hf_run(tmp_path, callback, *, name: str = "out", data_collator=None):
     """A tiny GPT-2 trained for 3 optimizer steps by the Trainer, on the CPU."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -153,7 +154,7 @@ def hf_run(tmp_path, callback, *, name: str = "out"):
         use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[callback])
+                                   data_collator=data_collator, callbacks=[callback])
     return trainer, model
 
 
@@ -187,6 +188,37 @@ def test_hf_callback_traces_step_2_of_a_trainer_run_into_its_output_dir(tmp_path
     out = tmp_path / "out"
     assert ampscope.Trace.from_dict(json.loads((out / "ampscope-step2.json").read_text())).ops
     assert (out / "ampscope-step2.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_hf_callback_leaves_nothing_installed_when_step_n_raises(tmp_path):
+    """A Trainer callback is not told of an exception: train() is wrapped so that the recorders
+    come off however it ends."""
+    pytest.importorskip("transformers")
+    from transformers import default_data_collator
+
+    from ampscope.integrations.hf import AmpscopeCallback
+
+    callback = AmpscopeCallback()
+    seen: dict[str, tuple] = {}
+
+    def collator(rows):
+        # The first batch loaded once step 1's optimizer.step() has returned: step 2's, or the
+        # one after it (a batch may be fetched ahead), while the recorders are installed.
+        if callback.watch is not None and callback.watch.steps == 1:
+            seen["while tracing"] = installed_hooks(model, None)
+            raise RuntimeError("the user's broken batch")
+        return default_data_collator(rows)
+
+    trainer, model = hf_run(tmp_path, callback, data_collator=collator)
+    before = installed_hooks(model, None)
+    with pytest.raises(RuntimeError, match="the user's broken batch"):
+        trainer.train()
+    assert seen["while tracing"] != before  # the capture was on when it raised
+    assert installed_hooks(model, None) == before  # and is off now: hooks, both mode stacks
+    assert (dispatch.function_stack_depth(), dispatch.dispatch_stack_depth()) == (0, 0)
+    assert callback.trace is None and not (tmp_path / "out" / "ampscope-step2.json").exists()
+    # the guard is the instance's own: the Trainer class, and so every other Trainer, is as it was
+    assert "train" in vars(trainer) and "guarded" not in type(trainer).train.__qualname__
 
 
 # -- Lightning --------------------------------------------------------------------------------

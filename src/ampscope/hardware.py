@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -426,14 +427,16 @@ def table() -> tuple[Accelerator, ...]:
     the figures it gives (peaks dtype by dtype) and keeps the others; a new name is added. The
     user's entries come first, so their patterns are matched before the built-in ones."""
     path = user_table_path()
-    if not path.is_file():
-        if "AMPSCOPE_HARDWARE" in os.environ and os.environ["AMPSCOPE_HARDWARE"]:
-            raise AmpscopeError(f"AMPSCOPE_HARDWARE={str(path)!r}: no such file")
+    named = bool(os.environ.get("AMPSCOPE_HARDWARE"))
+    # Named by the variable, the path is quoted as the user set it; else the default place.
+    where = f"AMPSCOPE_HARDWARE={str(path)!r}" if named else str(path)
+    text = _table_text(path, where)
+    if text is None:
+        if named:
+            raise AmpscopeError(f"{where}: no such file")
         return KNOWN
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise AmpscopeError(f"cannot read the hardware table {path}: {e}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise AmpscopeError(f"the hardware table {path} is not valid TOML: {e} (fix it, or "
                             "remove it)") from None
@@ -444,11 +447,45 @@ def table() -> tuple[Accelerator, ...]:
     return (*user, *(a for a in KNOWN if a.name not in names))
 
 
+# What a path that is there but no regular file is, by its stat mode (`_table_text`).
+_NOT_REGULAR = ((stat.S_ISDIR, "a folder, not a TOML file"),
+                (stat.S_ISFIFO, "a FIFO, not a regular file"),
+                (stat.S_ISCHR, "a character device, not a regular file"),
+                (stat.S_ISBLK, "a block device, not a regular file"),
+                (stat.S_ISSOCK, "a socket, not a regular file"))
+
+
+def _table_text(path: Path, where: str) -> str | None:
+    """The text of the user's table; None when there is no file at `path`. Anything else that
+    is there (a folder, a FIFO, a device) is refused in one line naming it (`where`). It is
+    opened non-blocking and checked on the open descriptor, not by its name first: opening or
+    reading a FIFO would otherwise wait for a writer, and the name could change in between."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:  # where a folder cannot be opened at all
+        raise AmpscopeError(f"{where}: a folder, not a TOML file") from None
+    except OSError as e:
+        raise AmpscopeError(f"cannot read the hardware table {path}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # (a file object refuses a folder's descriptor: checked first)
+        os.close(fd)
+        what = next((w for test, w in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise AmpscopeError(f"{where}: {what}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise AmpscopeError(f"cannot read the hardware table {path}: {e}") from None
+
+
 def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) -> Accelerator:
     where = f"{path}: [{name}]"
     if not isinstance(entry, dict):
+        # A plain string (no f-prefix): its braces are printed as written, single.
         raise AmpscopeError(f"{where} must be a table of figures, e.g. [{name}] with "
-                            "memory = \"48GiB\" and peak_flops = {{ bf16 = 155e12 }}")
+                            "memory = \"48GiB\" and peak_flops = { bf16 = 155e12 }")
     unknown = sorted(set(entry) - _USER_KEYS)
     if unknown:
         raise AmpscopeError(f"{where}: unknown key {unknown[0]!r}; known: "

@@ -14,6 +14,7 @@ the batch after it are then probed. A wrong guess costs a probe and falls back o
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,11 @@ def parse_bytes(text: str | int) -> int:
         if match is None or unit not in _UNITS:
             raise AmpscopeError(f"cannot read the memory size {text!r}; write it as e.g. 80GiB, "
                                 "80GB or 24576MiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        size = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(size):  # "1e400": past any float, no size of memory
+            raise AmpscopeError(f"the memory size {text!r} is too large to be a number of "
+                                "bytes; write it as e.g. 80GiB")
+        value = int(size)
     if value <= 0:
         raise AmpscopeError(f"the memory size must be more than 0 bytes, not {text!r}; write it "
                             "as e.g. 80GiB")
@@ -127,6 +132,14 @@ class FitReport:
     probes: list[Probe]
     variants: list[Variant]
     notes: list[str] = field(default_factory=list)
+    # The largest batch the search probes (api/fit.py: `_batch_limit`); a `batch` equal to it
+    # means every batch up to it fits, and no larger one was tried. None: no limit applied.
+    batch_limit: int | None = None
+
+    @property
+    def at_batch_limit(self) -> bool:
+        """Did the search stop at its limit (so `batch` is a lower bound, not the answer)?"""
+        return self.batch_limit is not None and self.batch == self.batch_limit
 
     def to_dict(self) -> dict:
         return {
@@ -137,6 +150,7 @@ class FitReport:
             "peak_phase": self.peak_phase, "at_limit": [asdict(s) for s in self.at_limit],
             "probes": [asdict(p) for p in self.probes],
             "variants": [asdict(v) for v in self.variants], "notes": list(self.notes),
+            "batch_limit": self.batch_limit,
         }
 
 
@@ -210,14 +224,15 @@ def _phase_peaks(point: Point) -> dict[str, int]:
 
 
 def largest(probe: Callable[[int], Point], budget: int, *, start: int = 1,
-            max_probes: int = 16) -> tuple[int | None, bool]:
+            max_probes: int = 16, limit: int | None = None) -> tuple[int | None, bool]:
     """The largest batch `probe` says fits, starting at `start`: doubling until one does not
-    fit, guided by `extrapolated`, then bisecting. Returns (batch or None when even 1 does not
-    fit, whether the bracket closed within `max_probes`)."""
+    fit, guided by `extrapolated`, then bisecting. No batch above `limit` is probed: when
+    `limit` fits, it is the answer (the caller says so). Returns (batch or None when even 1
+    does not fit, whether the bracket closed, or the limit was reached, within `max_probes`)."""
     points: dict[int, Point] = {}
     lo, hi = 0, None  # the largest batch known to fit (0: none), the smallest known not to
     guesses = 0
-    candidate = start
+    candidate = start if limit is None else min(start, limit)
     while True:
         point = points[candidate] = probe(candidate)
         if point.fits:
@@ -226,9 +241,15 @@ def largest(probe: Callable[[int], Point], budget: int, *, start: int = 1,
             hi = candidate
         if hi is not None and hi - lo <= 1:
             return (lo or None), True
+        if lo == limit:  # nothing above it is probed
+            return lo, True
         if len(points) >= max_probes:
             return (lo or None), False
         candidate, guessed = _next(points, lo, hi, budget, guess=guesses < 2)
+        if limit is not None:
+            # Never probed yet: a limit probed either fit (returned above) or bounds `hi`, and
+            # every candidate is below `hi`.
+            candidate = min(candidate, limit)
         guesses += guessed
 
 

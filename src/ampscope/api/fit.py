@@ -26,7 +26,7 @@ from ampscope.analysis.fit import (
     parse_bytes,
 )
 from ampscope.analysis.memory import MemoryReport, memory_report
-from ampscope.api.planning import load, resolved
+from ampscope.api.planning import ID_BYTES_PER_TOKEN, load, resolved
 from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
@@ -35,6 +35,9 @@ from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.render.style import format_bytes
 
 AS_GIVEN = "as given"
+# The most real memory the token ids of a batch the search picks may take (`_batch_limit`):
+# a second or so to make.
+_IDS_BUDGET = 2**30
 _FSDP_NOTE = ("FSDP over more ranks is not offered: a rank's predicted peak under FSDP2 is not "
               "modelled yet (it frees unsharded parameters with untyped_storage().resize_(0), "
               "which ampscope's storage tracker does not see; docs/distributed.md).")
@@ -92,7 +95,7 @@ def fit(
             _, ops, phases = reports[variant, batch, t]
             return Point(batch, compared_peak(report) <= budget, report.live_bytes, ops, phases)
 
-        batch, closed = largest(point, budget, start=start, max_probes=max_probes)
+        batch, closed = largest(point, budget, start=start, max_probes=max_probes, limit=limit)
         if not closed:
             notes.append(f"{variant}: stopped after {max_probes} probes; batch {batch} fits, "
                          "a larger one may too")
@@ -109,6 +112,9 @@ def fit(
         t = seq
     else:
         raise AmpscopeError(f"seq must be a positive integer or 'auto', not {seq!r}")
+    # A budget larger than any batch needs (--memory 1e30) would have the search extrapolate to
+    # batches no run takes; it stops at this limit instead, and says so.
+    limit, why = _batch_limit(t)
     batch = search(AS_GIVEN, base, t)
     if batch is None:
         raise AmpscopeError(_no_fit(lm.name, base, budget, source, probes))
@@ -122,11 +128,16 @@ def fit(
             found.append(Variant(name, change, there, peak - there, own,
                                  compared_peak(run(name, s, own, t, **options)) if own else None))
         notes.append(_FSDP_NOTE)
+    reached = [name for name, b in [(AS_GIVEN, batch), *((v.name, v.batch) for v in found)]
+               if b == limit]
+    if reached:
+        notes.insert(0, f"{', '.join(reached)}: every batch up to {limit:,} fits in "
+                        f"{format_bytes(budget)}; fit probes no larger batch: {why}")
     return FitReport(
         model=lm.name, accelerator=accelerator, memory_bytes=budget, memory_source=source,
         setting=base.name, optimizer=optimizer, seq=t, seq_auto=seq_auto, batch=batch,
         peak_bytes=peak, peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
-        probes=probes, variants=found, notes=notes)
+        probes=probes, variants=found, notes=notes, batch_limit=limit)
 
 
 def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | None, str]:
@@ -138,6 +149,26 @@ def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | 
         raise AmpscopeError("give the GPU (--gpu h100; `ampscope fit --help` lists them) or its "
                             "memory (--memory 80GiB)")
     return accelerator.memory_bytes, accelerator.name, f"hardware.py: {accelerator.title}"
+
+
+def _batch_limit(seq: int) -> tuple[int, str]:
+    """The largest batch the search probes at `seq`, and why it probes none larger.
+
+    No run takes a batch over `workloads.MAX_SIZE`. Far below that, a probe's token ids are
+    made for real even on fake tensors (planning.batch_for), so the search picks no batch whose
+    ids would take more than `_IDS_BUDGET` or half the memory free here: a batch it chose is
+    never refused by the run (with a message quoting a batch the user never gave), and never
+    takes the machine's memory or minutes to make."""
+    from ampscope.models.registry import available_memory_bytes
+
+    free = available_memory_bytes()
+    ids = _IDS_BUDGET if free is None else min(_IDS_BUDGET, free // 2)
+    by_memory = max(1, ids // (ID_BYTES_PER_TOKEN * seq))
+    if by_memory >= workloads.MAX_SIZE:
+        return workloads.MAX_SIZE, f"ampscope runs no batch over {workloads.MAX_SIZE:,}"
+    where = " (half the memory free here)" if ids < _IDS_BUDGET else ""
+    return by_memory, (f"a larger one's token ids, made for real even in a predicted run, would "
+                       f"take more than {format_bytes(ids)}{where}")
 
 
 def _built(model: str | nn.Module | LoadedModel, setting: Setting) -> LoadedModel:

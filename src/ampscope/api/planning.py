@@ -166,13 +166,17 @@ def batch_for(lm: LoadedModel, inputs: torch.Tensor | Batch | None, options: Run
                          device=device)
 
 
+# Bytes of real memory each token of a run's batch takes: its id and its target, as int64.
+ID_BYTES_PER_TOKEN = 2 * 8
+
+
 def _ids_fit(options: RunOptions) -> None:
     """The token ids are made for real even when the run is predicted: refuse a batch whose ids
     (and the targets, as int64) alone would not fit before allocating them."""
     from ampscope.models.registry import available_memory_bytes
     from ampscope.render.style import format_bytes
 
-    needed = 2 * 8 * options.batch * options.seq
+    needed = ID_BYTES_PER_TOKEN * options.batch * options.seq
     available = available_memory_bytes()
     if available is not None and needed > available:
         raise AmpscopeError(

@@ -32,6 +32,8 @@ class AmpscopeCallback(Callback):
         return self.watch.trace if self.watch is not None else None
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.watch is not None:  # an earlier fit() (on_exception closed it if it raised)
+            self.watch.close()
         out = self.out if self.out is not None else (trainer.log_dir or trainer.default_root_dir)
         optimizers = trainer.optimizers
         self.watch = watch(pl_module, optimizers[0] if optimizers else None, step=self.step,

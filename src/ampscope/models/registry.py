@@ -19,6 +19,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -271,18 +272,44 @@ def list_models() -> list[ModelInfo]:
 # --- memory guard ----------------------------------------------------------------------------
 
 
+_LIMIT_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def memory_limit(text: str) -> int | None:
+    """`AMPSCOPE_MEMORY_LIMIT`'s value as bytes: a number of bytes, or one with a K, M or G
+    suffix (binary); None when it is empty or blank, as when it is unset. Anything that is not
+    one finite size of at least a byte is refused in one line quoting the value as given."""
+    number = text.strip()
+    if not number:
+        return None
+    scale = _LIMIT_UNITS.get(number[-1].upper(), 1)
+    if scale > 1:
+        number = number[:-1]  # one suffix only: "5GG" is not a size
+    given = f"AMPSCOPE_MEMORY_LIMIT={text!r}"
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if math.isnan(value):  # garbage, a bare suffix, or "nan" itself
+        raise AmpscopeError(f"{given} is not a size in bytes; write e.g. 16G, 512M or 8e9")
+    if value <= 0:  # "-5G", "0", "-inf"
+        raise AmpscopeError(f"{given} must be a positive size in bytes, e.g. 16G")
+    if math.isinf(value):  # "inf", or a figure past any float ("1e400")
+        what = "must be a finite size" if "inf" in number.lower() else "is too large to be a size"
+        raise AmpscopeError(f"{given} {what} in bytes; write e.g. 16G, or unset it to use the "
+                            "memory this machine has")
+    if value < 1:  # it would round to a limit of 0 bytes
+        raise AmpscopeError(f"{given} is less than one byte; write e.g. 16G or 512M")
+    return int(value)
+
+
 def available_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
     """Memory available to a new process: MemAvailable on Linux, else physical memory, else None.
     `AMPSCOPE_MEMORY_LIMIT` (bytes, or with a K/M/G suffix) overrides it: a cap below what the
     machine has, for a shared machine or a test."""
-    limit = os.environ.get("AMPSCOPE_MEMORY_LIMIT", "").strip().upper()
-    if limit:
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(limit[-1], 1)
-        try:
-            return int(float(limit.rstrip("KMG")) * scale)
-        except ValueError:
-            raise AmpscopeError(f"AMPSCOPE_MEMORY_LIMIT={limit!r} is not a size in bytes "
-                                "(e.g. 8G, 512M)") from None
+    limit = memory_limit(os.environ.get("AMPSCOPE_MEMORY_LIMIT", ""))
+    if limit is not None:
+        return limit
     try:
         for line in Path(meminfo).read_text().splitlines():
             if line.startswith("MemAvailable:"):

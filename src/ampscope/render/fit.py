@@ -24,7 +24,10 @@ def render_fit(report: FitReport) -> RenderableType:
     budget = format_bytes(report.memory_bytes)
     where = report.accelerator or "--memory"
     head = Text()
-    head.append(f"Largest micro-batch: {report.batch}", style="bold")
+    if report.at_batch_limit:  # not the answer: only where the search stopped (see the note)
+        head.append(f"Every micro-batch up to {report.batch:,} fits", style="bold")
+    else:
+        head.append(f"Largest micro-batch: {report.batch}", style="bold")
     head.append(f" at seq {report.seq}" + (" (the longest power of two that fits)"
                                            if report.seq_auto else ""))
     head.append(f" for {report.model} under {report.setting}, train step with "
