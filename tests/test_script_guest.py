@@ -287,3 +287,42 @@ def test_installed_modules_in_the_scripts_folder_are_not_forgotten(tmp_path, mon
             assert "own_module_for_test" not in sys.modules
     finally:
         sys.modules.pop("installed_pkg_for_test", None)
+
+
+def test_a_distributed_script_runs_twice_in_one_process_without_warnings(tmp_path):
+    """The script makes a gloo process group of one rank and leaves it: it is destroyed after
+    the run (the next run makes its own). On the virtual CUDA device, a script that picks NCCL
+    because CUDA "is there" gets torch's one error, without torch's warning about this build."""
+    import torch.distributed as dist
+
+    path = script(tmp_path, """
+        import os, sys
+        import torch.distributed as dist
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", sys.argv[1])
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    """)
+    port = _free_port()
+    for _ in range(2):
+        trace = ampscope.run_script(str(path), [port], in_process=True)
+        assert trace.workload == "train" and not dist.is_initialized()
+    # Warnings as a user's terminal shows them (pytest would collect them instead).
+    done = subprocess.run([sys.executable, "-m", "ampscope", "run", "--device", "cuda",
+                           str(path), _free_port()], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "ampscope: error: train.py raised RuntimeError at train.py:15: Distributed package "
+        "doesn't have NCCL built in"]
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])

@@ -101,6 +101,7 @@ class ProcessState:
     excepthook: object = None
     root_handlers: list[logging.Handler] = field(default_factory=list)
     root_level: int = logging.WARNING
+    process_group: bool = False  # torch.distributed's default group existed
 
     @classmethod
     def save(cls) -> ProcessState:
@@ -126,6 +127,7 @@ class ProcessState:
             excepthook=sys.excepthook,
             root_handlers=root.handlers[:],
             root_level=root.level,
+            process_group=_process_group(),
         )
 
     def restore(self) -> None:
@@ -133,7 +135,7 @@ class ProcessState:
         the rest from coming back."""
         steps: list[Callable[[], None]] = [
             self.torch_state.restore, self._restore_settings, self._restore_default_device,
-            self._restore_process, self._restore_logging,
+            self._restore_process, self._restore_logging, self._end_process_group,
         ]
         for step in steps:
             try:
@@ -178,12 +180,26 @@ class ProcessState:
                     except (OSError, TypeError, ValueError):
                         continue
 
+    def _end_process_group(self) -> None:
+        """A default process group the script made (`init_process_group`) and left: destroyed,
+        as the script's process would have ended it, so that the next run can make its own."""
+        if _process_group() and not self.process_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
     def _restore_logging(self) -> None:
         """The root logger's handlers and level as they were (`logging.basicConfig` in the
         script adds one). A handler the script added has been flushed and closed by then."""
         root = logging.getLogger()
         root.handlers[:] = self.root_handlers
         root.setLevel(self.root_level)
+
+
+def _process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _signal_handlers() -> dict[int, object]:
