@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test docs-check lint bench clean setup
+.PHONY: run test test-fast docs-check lint bench clean setup
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
+
+# The quick subset: the tests marked `fast`, at least one from every layer (under a minute on
+# 2 cores; tests/test_fast_subset.py keeps every layer in it). `make test` still runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m fast
 
 # Every `$ ampscope …` block of README.md and docs/*.md, run again (also part of `make test`).
 docs-check: $(STAMP)

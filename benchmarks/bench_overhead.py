@@ -37,7 +37,7 @@ from ampscope.api import load
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, applied, parse_setting
 from ampscope.precision.predict import gc_paused
-from ampscope.recorders.session import Capture
+from ampscope.recorders.session import Capture, CaptureOptions
 
 OPTIONS = workloads.RunOptions("train", optimizer="adamw")
 
@@ -56,8 +56,8 @@ def debug_mode(lm: LoadedModel, batch: Batch, setting: Setting) -> int:
 
 def ampscope_capture(lm: LoadedModel, batch: Batch, setting: Setting) -> int:
     with applied(setting, lm.module):
-        capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
-                          workload="train")
+        capture = Capture(lm.module, CaptureOptions(model_name=lm.name,
+                                                    setting=setting.record(), workload="train"))
         with capture.recording():
             outputs = workloads.run(lm, batch, setting, OPTIONS)
         with gc_paused():  # as `ampscope.trace` builds the records (api/tracing.py)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import ampscope
+from ampscope import patches
 from ampscope.analysis.flops import flop_report
 from ampscope.analysis.memory import memory_report
 from ampscope.analysis.numerics import (
@@ -228,6 +229,22 @@ def torch_state() -> dict[str, object]:
         "argv": list(sys.argv),
         "path": list(sys.path),
         "cwd": os.getcwd(),
+        # Every attribute ampscope replaces goes through ampscope.patches: none in force, and
+        # every one it ever replaced is back as it was (torch.cuda.*, Module.__init__,
+        # swap_tensors, inference_mode, a block's forward, torch.save, open, atexit, os._exit).
+        "patches_active": [repr(p) for p in patches.active()],
+        "patches_not_restored": patches.changed(),
+        "tensor_device": torch.Tensor.__dict__.get("device"),
+        "module_init": torch.nn.Module.__dict__.get("__init__"),
+        "swap_tensors": torch.utils.swap_tensors,
+        "inference_mode_class": (torch.autograd.grad_mode.inference_mode.__dict__.get("__enter__"),
+                                 torch.autograd.grad_mode.inference_mode.__dict__.get("__exit__")),
+        "torch_save": torch.save,
+        "cuda_api": {name: getattr(torch.cuda, name, None)
+                     for name in ("is_available", "device_count", "is_initialized", "init",
+                                  "synchronize", "empty_cache", "get_device_name",
+                                  "get_device_properties", "memory_allocated",
+                                  "max_memory_allocated", "is_bf16_supported")},
     }
     return state
 

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
+
+pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).parent.parent
 
@@ -84,3 +87,66 @@ def test_the_row_check_finds_literal_indexing():
     code = ("a = r[7]\nb = rows[i][4][0]\nrows[i] = row[:6] + (False,) + row[7:]\n"
             "c = row[2]\n_, name, module, *_ = self.rows[where]\nd = rows[-1]\n")
     assert _literal_row_indexing(ast.parse(code)) == [1, 2, 4, 5]
+
+
+# Attribute changes outside ampscope.patches that are not replacements of someone else's code,
+# each with its reason (file, the assigned target as written).
+_NOT_PATCHES = {
+    ("precision/apply.py", "p.data"): "puts the user's own tensor back into its parameter",
+    ("precision/apply.py", "p.grad"): "puts the user's own gradient back",
+    ("precision/apply.py", "module.training"): "puts the user's train/eval flag back",
+    ("precision/fp8.py", "setattr"): "puts back what torchao's own one-time patch replaced",
+    ("precision/fp8.py", "patch._PATCHED"): "puts back torchao's own flag for that patch",
+    ("script/state.py", "sys.stdin"): "puts back the caller's streams after a script",
+    ("script/state.py", "sys.stdout"): "puts back the caller's streams after a script",
+    ("script/state.py", "sys.stderr"): "puts back the caller's streams after a script",
+    ("script/state.py", "sys.excepthook"): "puts back the caller's hook after a script",
+    ("models/registry.py", "setattr"): "ties a parameter while the model is built",
+    ("script/state.py", "setattr"): "puts back a torch setting a script changed",
+    ("render/notebook.py", "cls._repr_html_"): "gives ampscope's own records their notebook view",
+    ("integrations/hf.py", "setattr"): "marks a Trainer whose own train() is guarded for life",
+    ("integrations/hf.py", "trainer.train"): "that Trainer's own train(), guarded for its life",
+}
+
+
+def _attribute_changes(tree) -> list[tuple[int, str]]:
+    """Assignments to an attribute of something other than `self`, and `setattr` calls."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, ast.Attribute) and not (
+                        isinstance(t.value, ast.Name) and t.value.id in ("self", "cls_self")):
+                    found.append((t.lineno, ast.unparse(t)))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and \
+                not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self"):
+            found.append((node.lineno, "setattr"))
+    return found
+
+
+def test_every_replacement_of_others_code_goes_through_the_patch_registry():
+    """torch's functions, nn.Module's methods, the standard library's: replaced only through
+    ampscope.patches (undone as made, listed while in force, checked by the state tests). An
+    attribute of one of ampscope's own objects (not `self`) is allowed when the name says so:
+    a record being filled, a call's outputs."""
+    import ast
+
+    src = ROOT / "src" / "ampscope"
+    external = ("torch", "nn", "builtins", "io", "os", "atexit", "sys", "F", "module", "block",
+                "b", "owner", "cls", "trainer", "overrides", "patch")
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = str(path.relative_to(src))
+        if rel in ("patches.py",) or rel.startswith("torchcompat/"):
+            continue
+        for line, target in _attribute_changes(ast.parse(path.read_text(encoding="utf-8"))):
+            root = target.split(".")[0]
+            if target != "setattr" and root not in external:
+                continue
+            if (rel, target) not in _NOT_PATCHES:
+                found.append(f"{rel}:{line} {target}")
+    assert not found, found

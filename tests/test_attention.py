@@ -63,6 +63,7 @@ def qkv(*shape, dtype=torch.float32, kv_heads=None, grad=True, seed=0):
 
 # -- the choice, from the rules of torch 2.13 ------------------------------------------------
 
+@pytest.mark.fast
 def test_h100_with_the_default_wheel_picks_cudnn():
     """torch 2.13.0 from PyPI ships cuDNN 9.20 (> 9.15.0): cuDNN goes first on sm90."""
     q = spec(2, 4, 16, 64)
@@ -138,6 +139,7 @@ def test_head_dim_limits():
     assert backend(f6, f6, f6) == "math"                        # efficient needs % 4 in fp32
 
 
+@pytest.mark.fast
 def test_grouped_query_attention():
     q, kv = spec(1, 8, 16, 64), spec(1, 2, 16, 64)
     assert backend(q, kv, kv, enable_gqa=True, target=A100) == "flash"
@@ -195,6 +197,7 @@ def test_determinism_rules_out_cudnn_and_no_backend_raises():
                        flags=SdpFlags(efficient=False, math=False, cudnn=False))
 
 
+@pytest.mark.fast
 def test_tensors_and_specs_agree():
     q, k, v = qkv(1, 2, 8, 16, dtype=BF16)
     assert choose_backend(q, k, v) == choose_backend(*(TensorSpec.of(t) for t in (q, k, v)))
@@ -243,6 +246,7 @@ def test_sdpa_runs_the_chosen_ops_forward_and_backward(target, dtype, chosen):
         assert torch.allclose(g.float(), ref, **tol)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("op, extra", [
     (aten._scaled_dot_product_flash_attention, ()),
     (aten._scaled_dot_product_efficient_attention, (None, True)),
@@ -365,6 +369,7 @@ def test_saved_tensors_have_the_cuda_shapes():
 
 # -- fake tensors and restoring PyTorch's kernels --------------------------------------------
 
+@pytest.mark.fast
 def test_fake_tensors_take_the_cuda_ops():
     with FakeTensorMode():
         q = torch.empty(2, 4, 8, 16, dtype=BF16, requires_grad=True)

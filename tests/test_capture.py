@@ -98,6 +98,7 @@ def test_nanochat_samples_with_int64_ids_through_its_kv_cache(nanochat_tiny):
     assert [tuple(m.inputs[0].shape) for m in root_calls] == [(1, 8), (1, 1), (1, 1)]
 
 
+@pytest.mark.fast
 def test_forward_workload_has_no_backward_and_no_gradients(gpt2_tiny):
     t = ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="forward", seq=8)
     assert {o.phase for o in t.ops} == {"forward"}
@@ -114,6 +115,7 @@ def test_fp16_autocast_uses_a_grad_scaler():
             and m.phase == "forward"} == {"float16"}
 
 
+@pytest.mark.fast
 def test_records_hold_no_tensors_and_round_trip_through_json(gpt2_tiny):
     t = ampscope.trace(gpt2_tiny, setting="fp32+amp-bf16", workload="train", seq=8)
 
@@ -190,6 +192,7 @@ class TwoLayer(nn.Module):
         return out if y is None else nn.functional.mse_loss(out.float(), y)
 
 
+@pytest.mark.fast
 def test_capture_records_the_users_own_training_step():
     torch.manual_seed(0)
     model = TwoLayer()
@@ -275,7 +278,7 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
 
 
 def test_torch_level_calls_are_named_as_user_code_spells_them():
-    from ampscope.recorders.ops import func_name
+    from ampscope.recorders.functions import func_name
 
     assert func_name(torch._foreach_norm) == "torch._foreach_norm"  # not _VariableFunctionsClass
     assert func_name(torch.mm) == "torch.mm"  # not torch.spmm

@@ -36,6 +36,7 @@ def test_ops_outside_modules_have_no_module_and_no_user_source(gpt2_tiny):
     assert next(o for o in t.ops if o.phase == "forward").module == ""  # the model itself
 
 
+@pytest.mark.fast
 def test_capture_names_the_users_lines_and_the_setting_it_saw():
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -147,6 +148,7 @@ def test_a_module_that_raises_inside_caught_user_code_keeps_tracking_right():
     assert addmm == ["0.fc", "1"]
 
 
+@pytest.mark.fast
 def test_ops_are_aten_ops_only(gpt2_tiny):
     """The optimizer's profiler range is no computation and is not listed."""
     t = ampscope.trace(gpt2_tiny, setting="fp32", workload="train", seq=8)

@@ -55,6 +55,7 @@ def texts(trace):
     return [f.text for f in derive_findings(trace)]
 
 
+@pytest.mark.fast
 def test_autocast_cast_to_the_autocast_dtype_is_the_lower_precision_list():
     t = toy([fn(0, "torch.nn.functional.linear", (F32, F32), (BF16,), autocast="bfloat16")],
             [op(0, CAST, (F32,), (BF16,), autocast_cast=True, names=("m.weight",))])
@@ -63,6 +64,7 @@ def test_autocast_cast_to_the_autocast_dtype_is_the_lower_precision_list():
         "autocast-policy", "lower-precision list", "linear", ("float32",), "bfloat16")
 
 
+@pytest.mark.fast
 def test_autocast_cast_to_float32_is_the_float32_list():
     t = toy([fn(0, "torch.nn.functional.layer_norm", (BF16,), (F32,), "toy.py:4", "bfloat16")],
             [op(0, CAST, (BF16,), (F32,), autocast_cast=True, source="toy.py:4")])
@@ -71,6 +73,7 @@ def test_autocast_cast_to_float32_is_the_float32_list():
             "at toy.py:4).") in texts(t)
 
 
+@pytest.mark.fast
 def test_explicit_cast_names_its_line():
     t = toy([fn(0, "Tensor.float", (BF16,), (F32,), "model.py:245", "bfloat16")],
             [op(0, CAST, (BF16,), (F32,), source="model.py:245")])
@@ -78,6 +81,7 @@ def test_explicit_cast_names_its_line():
     assert (c.cause, c.detail, c.source) == ("explicit-cast", "Tensor.float", "model.py:245")
 
 
+@pytest.mark.fast
 def test_mixed_activations_are_type_promotion():
     t = toy([fn(0, "Tensor.add", (F32, BF16), (F32,), "model.py:80", module="h.0")],
             [op(0, "aten.add.Tensor", (F32, BF16), (F32,), module="h.0", source="model.py:80")])
@@ -85,6 +89,7 @@ def test_mixed_activations_are_type_promotion():
     assert "add float32 + bfloat16 → float32: type promotion (1× in h.0, at model.py:80)." in texts(t)
 
 
+@pytest.mark.fast
 def test_a_parameter_that_decides_the_output_is_parameter_dtype():
     """An embedding whose weight is bf16 turns int ids into bf16."""
     t = toy([fn(0, "torch.nn.functional.embedding", (I64, BF16), (BF16,), "model.py:9")],
@@ -97,6 +102,7 @@ def test_a_parameter_that_decides_the_output_is_parameter_dtype():
             "(at model.py:9).") in texts(t)
 
 
+@pytest.mark.fast
 def test_a_buffer_that_decides_the_output_is_buffer_dtype():
     t = toy([fn(0, "Tensor.mul", (BF16, F32), (F32,))],
             [op(0, "aten.mul.Tensor", (BF16, F32), (F32,), names=(None, "rope.cos"))],
@@ -104,6 +110,7 @@ def test_a_buffer_that_decides_the_output_is_buffer_dtype():
     assert (only_change(t).cause, only_change(t).detail) == ("buffer-dtype", "rope.cos")
 
 
+@pytest.mark.fast
 def test_a_parameter_promoted_to_the_activations_dtype_is_type_promotion():
     t = toy([fn(0, "Tensor.mul", (F32, BF16), (F32,))],
             [op(0, "aten.mul.Tensor", (F32, BF16), (F32,), names=(None, "scale"))],
@@ -112,6 +119,7 @@ def test_a_parameter_promoted_to_the_activations_dtype_is_type_promotion():
                                                              "scale promoted to float32")
 
 
+@pytest.mark.fast
 def test_a_functions_own_round_trip_is_op_defined_not_autocast():
     """rms_norm upcasts a bf16 input, computes and casts back, with autocast on or off:
     autocast never casts a result, so neither cast is autocast's."""
@@ -125,6 +133,7 @@ def test_a_functions_own_round_trip_is_op_defined_not_autocast():
     assert not any(f.startswith("Autocast inserted") for f in texts(t))
 
 
+@pytest.mark.fast
 def test_saved_statistics_and_same_dtype_ops_are_no_change():
     t = toy([fn(0, "torch.nn.functional.scaled_dot_product_attention", (BF16,) * 3, (BF16,))],
             [op(0, "aten._scaled_dot_product_flash_attention_for_cpu.default", (BF16,) * 3,
@@ -133,6 +142,7 @@ def test_saved_statistics_and_same_dtype_ops_are_no_change():
     assert dtype_changes(t) == []
 
 
+@pytest.mark.fast
 def test_autocast_weight_casts_say_every_linear():
     mods = [ModuleCall(0, "", "Net", "forward", 0, (F32,), (BF16,)),
             ModuleCall(1, "a", "Linear", "forward", 1, (F32,), (BF16,)),
@@ -220,6 +230,7 @@ def test_nanochat_amp_causes(nanochat_amp):
     assert {c.function for c in dtype_changes(t) if c.cause == "op-defined"} == {"rms_norm"}
 
 
+@pytest.mark.fast
 def test_gpt2_amp_causes(gpt2_amp):
     t = gpt2_amp
     assert_one_cause_each(t)
@@ -248,6 +259,7 @@ class HalfHead(nn.Module):
         return h * self.scale
 
 
+@pytest.mark.fast
 def test_a_deliberate_half_names_this_file_and_line():
     model = HalfHead()
     with ampscope.capture(model) as t:

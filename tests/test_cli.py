@@ -80,6 +80,7 @@ def test_models_lists_builtins_and_the_zoo(capsys):
     assert "llama-3-70b" in out and "70,553,706,496" in out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -205,6 +206,7 @@ def test_diff_of_two_settings_prints_tables(capsys):
     assert "transformer.wte.weight" in out  # cast for the tied lm_head
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("argv", "message"), [
     (["diff", "/no/such.json", "fp32"], "two trace files or two settings"),
     (["diff", "/no/such/a.json", "/no/such/b.json"], "cannot read /no/such/a.json"),
@@ -256,6 +258,7 @@ def bad_files(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [
     (["diff", "pipe.json", "list.json"], "cannot read pipe.json: not a regular file"),
     (["diff", "list.json", "other.json"], "list.json is not an ampscope trace"),

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ampscope import hardware
-from ampscope.cli import _check_flags, _parser, _values_after_dashes, main
+from ampscope.cli import _parser, _values_after_dashes, main
+from ampscope.cli.checks import check_flags as _check_flags
 from ampscope.cli.examples import EXAMPLES
 from ampscope.cli.hardware import add_hardware_arguments, resolve_hardware
 from ampscope.errors import AmpscopeError
@@ -68,6 +69,7 @@ def test_every_command_has_examples():
         assert all(line in text for line in EXAMPLES[name]), name
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("command,line", [(c, line) for c, lines in EXAMPLES.items()
                                           for line in lines])
 def test_each_example_parses(command, line):
@@ -123,6 +125,7 @@ def test_an_unknown_gpu_is_refused_with_the_known_names(capsys):
     assert all(a.name in err for a in hardware.KNOWN)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("flag,value,message", [
     ("--peak-flops", "bf16=abc", "'abc' is not a number of FLOP/s"),
     ("--peak-flops", "bf17=1e12", "unknown dtype 'bf17'"),
@@ -147,6 +150,7 @@ def test_sizes(text, size):
     assert hardware.parse_size(text) == size
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text", ["12XB", "GiB", "-1GB", "", "80G", "nan"])
 def test_a_malformed_size_is_refused(text):
     with pytest.raises(AmpscopeError, match="is not a size: write e.g. 80GiB") as info:
@@ -162,6 +166,7 @@ def _hardware_args(*argv):
     return args.accelerator
 
 
+@pytest.mark.fast
 def test_command_line_figures_go_over_the_named_gpu():
     acc = _hardware_args("--gpu", "h100", "--peak-flops", "bf16=800e12", "--memory", "94GiB")
     h100 = hardware.by_name("h100")
@@ -224,6 +229,7 @@ def test_the_user_table_is_merged_over_the_built_in_one(tmp_path, monkeypatch, c
         data["by_dtype"]["float32"] / 38.7e12 / 0.01)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text,message", [
     ("[a6000\nmemory = 1", "is not valid TOML: "),
     ("[a6000]\nmemory = \"48XB\"\npeak_flops = { bf16 = 1e12 }", "[a6000]: '48XB' is not a size"),

@@ -33,6 +33,7 @@ def paths(differences):
 # --- normalising
 
 
+@pytest.mark.fast
 def test_normalise_drops_volatile_keys_at_any_depth_and_keeps_the_answer():
     doc = {"setting": {"name": "bf16", "torch": "2.13.0+cpu"},
            "settings": [{"name": "fp32", "torch": "2.9.1+cu128", "elapsed_seconds": 1.5}],
@@ -93,6 +94,7 @@ def test_compare_reports_missing_added_and_changed_with_labelled_paths():
     assert str(diffs[0]) == '03-trace/ops/0:aten.mm/out/0: "bfloat16" -> "float32"'
 
 
+@pytest.mark.fast
 def test_compare_aligns_lists_so_one_inserted_op_is_one_difference():
     golden = [{"op": f"aten.op{i}", "out": ["float32"]} for i in range(50)]
     actual = golden[:10] + [{"op": "aten._unsafe_view", "out": ["float32"]}] + golden[10:]
@@ -134,6 +136,7 @@ def test_in_range_rejects_what_it_cannot_read():
         compat.in_range("nightly", ">=2.9")
 
 
+@pytest.mark.fast
 def test_allowlist_allows_only_its_releases_wheels_and_paths():
     entries = [
         compat.Allowed(torch=">=2.9,<2.12", path="*/ops/*:aten*rms_norm*/category",

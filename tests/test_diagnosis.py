@@ -55,6 +55,7 @@ def test_the_diagnosis_names_module_dtypes_and_origins():
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
+@pytest.mark.fast
 def test_a_model_input_in_the_wrong_dtype():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(DtypeMismatchError) as e:
@@ -66,6 +67,7 @@ def test_a_model_input_in_the_wrong_dtype():
     assert model[0].weight.dtype == torch.float32  # and the model is as it was
 
 
+@pytest.mark.fast
 def test_other_errors_are_not_diagnosed_as_dtype_mismatches():
     class Broken(nn.Module):
         def forward(self, x):
@@ -79,6 +81,7 @@ def test_other_errors_are_not_diagnosed_as_dtype_mismatches():
     assert diagnose(same) is None  # one dtype only: something else went wrong
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
 def test_capture_adds_the_diagnosis_to_the_users_exception():
     model = HalfInTheMiddle()
@@ -109,6 +112,7 @@ MISMATCHED_FACTORY = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.fast
 def test_cli_prints_the_diagnosis(tmp_path, monkeypatch, capsys):
     (tmp_path / "mixed_model.py").write_text(MISMATCHED_FACTORY)
     monkeypatch.chdir(tmp_path)
@@ -139,6 +143,7 @@ class _BmmCast(nn.Module):
         return torch.bmm(x.to(torch.bfloat16), self.w)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model, x, func", [
     (_ConvCast, torch.randn(1, 3, 8, 8), "torch.nn.functional.conv2d"),
     (_BmmCast, torch.randn(2, 4, 4), "torch.bmm"),

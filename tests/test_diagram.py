@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import ampscope
 from ampscope.analysis.diagram import build_diagram
 from ampscope.cli import main
@@ -48,6 +50,7 @@ def test_sampling_draws_the_first_model_call_only(nanochat_tiny):
     assert sum(s.func == "embedding" for sec in d.sections for s in sec.steps) == 1
 
 
+@pytest.mark.fast
 def test_fp32_has_no_casts(gpt2_tiny):
     d = build_diagram(ampscope.trace(gpt2_tiny, setting="fp32", seq=8))
     assert not any(s.casts for sec in d.sections for s in sec.steps)

@@ -36,6 +36,8 @@ from ampscope.records import (
 from ampscope.render.diff import render_diff
 from tests.helpers import BF16, F32, I64, check, setting_record
 
+pytestmark = pytest.mark.fast
+
 FP32, BF = ("float32",), ("bfloat16",)
 
 

@@ -42,6 +42,7 @@ def ddp_run():
 # -- pure parts -------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_mp_policy_parses_fsdp_fields():
     assert parse_mp_policy("param=bf16, reduce=fp32") == {
         "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -59,6 +60,7 @@ def _op(name: str, *tensors: tuple[str, tuple[int, ...]]) -> OpCall:
                   input_names=(None,) * len(metas))
 
 
+@pytest.mark.fast
 def test_collective_bytes_are_the_unsharded_buffer_and_the_ring_share():
     # all-gather on 4 ranks: output 400 elements, input 100; bf16.
     c = collective(_op("c10d._allgather_base_.default", ("bfloat16", (400,)),
@@ -126,6 +128,7 @@ def test_prediction_at_two_ranks_matches_the_real_run(parallel, fixture, request
     assert not dist.is_initialized()  # the fake group is gone
 
 
+@pytest.mark.fast
 def test_fsdp_prediction_shards_by_the_number_of_ranks():
     report = predict(MODEL, Parallel("fsdp", 8, param_dtype=torch.bfloat16), **RUN)
     held = report.ranks[0].held_bytes("parameter")

@@ -531,6 +531,7 @@ def test_documented_output_is_what_the_command_prints(block, workdir, monkeypatc
     assert not problems, "\n\n".join(problems)
 
 
+@pytest.mark.fast
 def test_every_opt_out_names_its_mode_and_reason_and_precedes_a_transcript():
     bad = [f"{m.path.relative_to(ROOT)}:{m.lineno}" for m in MARKERS
            if m.mode not in MODES or not m.reason or not m.used]
@@ -538,6 +539,7 @@ def test_every_opt_out_names_its_mode_and_reason_and_precedes_a_transcript():
                      f"one of {sorted(MODES)}, right before a $ block: {bad}")
 
 
+@pytest.mark.fast
 def test_commands_run_at_100_columns():
     from rich.console import Console
 
@@ -548,12 +550,14 @@ def test_commands_run_at_100_columns():
         "COLUMNS=140 ampscope trace --help").splitlines()))
 
 
+@pytest.mark.fast
 def test_every_command_line_is_one_the_check_can_run():
     for block in BLOCKS:
         for command in block.commands:
             parse_command(command.text)  # raises on a shell feature it does not handle
 
 
+@pytest.mark.fast
 def test_cli_md_shows_the_help_of_every_command():
     """The options of each command are documented by its checked `--help` output, so cli.md
     cannot list an option the parser lacks or miss one it has."""
@@ -567,6 +571,7 @@ def test_cli_md_shows_the_help_of_every_command():
     assert not missing, f"docs/cli.md has no checked `ampscope COMMAND --help` for {missing}"
 
 
+@pytest.mark.fast
 def test_every_command_listed_without_output_parses():
     """Command lines shown without their output (```sh blocks such as the README's "More of the
     same") are not run, but they must use options the parser has."""
@@ -591,6 +596,7 @@ def test_every_command_listed_without_output_parses():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.fast
 def test_api_md_names_every_field_of_the_records():
     import dataclasses
 
@@ -636,11 +642,12 @@ def _anchors(path: Path) -> set[str]:
     return anchors
 
 
+@pytest.mark.fast
 def test_links_between_the_pages_resolve():
-    """Every relative link of README.md and docs/*.md names a file of the repository and, for a
-    page, one of its headings."""
+    """Every relative link of README.md, docs/*.md, benchmarks/README.md and CONTRIBUTING.md
+    names a file of the repository and, for a page, one of its headings."""
     broken = []
-    for path in [*DOC_FILES, ROOT / "benchmarks" / "README.md"]:
+    for path in [*DOC_FILES, ROOT / "benchmarks" / "README.md", ROOT / "CONTRIBUTING.md"]:
         text = path.read_text(encoding="utf-8")
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):

@@ -234,6 +234,7 @@ def test_emulated_rms_norm_calls_the_op_the_builds_device_kernel_is():
     assert not has_kernel("aten::_fused_rms_norm", "CPU")  # PyTorch's own kernels are back
 
 
+@pytest.mark.fast
 def test_softmax_of_bf16_activations_is_fp32_on_cuda_and_bf16_on_cpu():
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

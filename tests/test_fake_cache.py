@@ -87,6 +87,7 @@ class Answering(TorchDispatchMode):
         return func(*args, **(kwargs or {})) if out is NOT_THINNED else out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("op", "make", "kwargs"), _calls(), ids=lambda v: str(v)[:30])
 def test_answers_are_fake_mode_s_own(reached, op, make, kwargs):
     with FakeTensorMode():
@@ -120,6 +121,7 @@ def _like_inputs() -> list[torch.Tensor]:
             torch.empty(5, dtype=torch.bfloat16)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("op", "extra", "kwargs"), [
     (aten.zeros_like.default, (), {}),
     (aten.zeros_like.default, (), {"memory_format": torch.preserve_format}),
@@ -171,6 +173,7 @@ class _KeepsNothing(dict):
         pass
 
 
+@pytest.mark.fast
 def test_calls_the_cache_cannot_hold_go_to_fake_mode(reached, monkeypatch):
     """A real tensor, a fake constant and an op FakeTensorMode keeps no entry for are never
     answered."""

@@ -20,6 +20,8 @@ from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, write_atomic
 from ampscope.train import checkpoint
 
+pytestmark = pytest.mark.fast
+
 
 def test_a_failed_write_leaves_the_old_file_as_it_was(tmp_path):
     """A file-size limit stops the write half-way (as a full disk would): the old file stays."""

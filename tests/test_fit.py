@@ -194,6 +194,7 @@ def _step(batch: int, *, quadratic: bool = False) -> list[int]:
     return [100, 100 + 10 * grow, 100 + 25 * grow, 100 + 5 * grow]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("budget", [125, 126, 349, 350, 5000, 10**6])
 @pytest.mark.parametrize("quadratic", [False, True])
 def test_largest_brackets_the_answer(budget, quadratic):
@@ -243,6 +244,7 @@ def test_extrapolated_is_exact_for_affine_steps_and_bounded_otherwise():
     assert extrapolated(a, flat, 350) is None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, expected", [
     ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("24576MiB", 24576 * 2**20), ("1.5GiB", 3 * 2**29),
     ("4096", 4096), (" 2 kib ", 2048), (512, 512),
@@ -251,6 +253,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text", ["0", "0GiB", -1, "GiB", "80 furlongs", "1e3 XB"])
 def test_parse_bytes_refuses(text):
     with pytest.raises(AmpscopeError):

@@ -26,6 +26,7 @@ def _phase_flops(t, phase: str) -> int:
     return sum(o.flops for o in t.ops if o.phase == phase)
 
 
+@pytest.mark.fast
 def test_a_linear_layer_does_2mkn_forward_and_twice_that_backward():
     layer = nn.Linear(256, 64)
     x = torch.randn(1024, 256, requires_grad=True)
@@ -63,6 +64,7 @@ def test_cpu_flash_attention_is_counted_and_causal_counts_the_kept_half():
     assert all(o.flops_causal == 4 * B * H * Q * T * (T + 1) // 2 for o in attention)
 
 
+@pytest.mark.fast
 def test_kept_fraction_of_a_causal_mask():
     assert _kept_fraction(4, 4) == (1 + 2 + 3 + 4) / 16
     assert _kept_fraction(1, 9) == 1 / 9  # a decoding step sees only its first key
@@ -84,6 +86,7 @@ def test_flops_by_dtype_follow_autocast():
     assert sum(report.by_dtype.values()) == report.total
 
 
+@pytest.mark.fast
 def test_flops_cli_json(capsys):
     code = main(["flops", "gpt2-tiny", "--seq", "8", "--json", "-"])
     data = json.loads(capsys.readouterr().out)
@@ -92,6 +95,7 @@ def test_flops_cli_json(capsys):
     assert [c["name"] for c in data["conventions"]][:3] == ["counted", "counted, causal", "6·N·D"]
 
 
+@pytest.mark.fast
 def test_measuring_an_emulated_device_is_refused():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -125,6 +129,7 @@ def test_flops_cli_with_a_step_time_shows_mfu(capsys):
     assert data["utilization"]["mfu"] > 0
 
 
+@pytest.mark.fast
 def test_backward_flops_stay_with_the_module_before_an_identity_or_dropout():
     """nn.Identity and Dropout(p=0) return their input: the backward ops of the Linear before
     them are that Linear's (2·2·4·4 for its input's gradient plus as much for its weight's)."""
@@ -167,6 +172,7 @@ def _gqa_step(module, batch):
     module(batch["q"], batch["k"], batch["v"]).sum().backward()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("setting", ["fp32", "cuda:fp32+amp-bf16"])
 def test_grouped_query_attention_counts_every_query_head(setting):
     """4 query heads over 2 key/value heads: each query head multiplies its group's key and
@@ -186,6 +192,7 @@ def test_grouped_query_attention_counts_every_query_head(setting):
     assert forward[0].flops_causal == 4 * B * Hq * D * S * (S + 1) // 2
 
 
+@pytest.mark.fast
 def test_own_attention_formulas_agree_with_torchs_where_torch_counts():
     """ampscope's attention formulas are torch's convention: equal head counts on every
     release, grouped-query shapes where torch counts them (it asserts on them before 2.12)."""
@@ -204,6 +211,7 @@ def test_own_attention_formulas_agree_with_torchs_where_torch_counts():
             flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
 
 
+@pytest.mark.fast
 def test_flop_formula_detection_reports_its_features():
     from ampscope.recorders.flops import formula
     from ampscope.torchcompat import flops as torch_flops

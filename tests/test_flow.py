@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flow import FlowRow, collapse_blocks, dtype_changes, module_flow, split_block
 from ampscope.records import ModelInfo, OpCall, ParameterRecord, Trace
 from tests.helpers import BF16, F32, blocks, call, setting_record
+
+pytestmark = pytest.mark.fast
 
 
 def names(rows):

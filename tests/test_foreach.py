@@ -34,6 +34,7 @@ def _params(n_layers: int = 6) -> list[torch.Tensor]:
     return [*out, torch.empty(3, 5, dtype=torch.bfloat16)]
 
 
+@pytest.mark.fast
 def test_out_of_place_results_equal_the_full_kernels(fake):
     xs = _params()
     thinned = foreach.thinned_call(torch.ops.aten._foreach_sqrt.default, (xs,), {})
@@ -45,6 +46,7 @@ def test_out_of_place_results_equal_the_full_kernels(fake):
     assert len(storages) == len(xs)
 
 
+@pytest.mark.fast
 def test_per_entry_numbers_and_aliased_entries_are_part_of_the_kind(fake):
     xs, gs = _params(), _params()
     steps = [0.1] * 9 + [0.2] * 10  # the same tensors, other numbers: other kinds
@@ -71,6 +73,7 @@ def test_in_place_ops_run_on_one_entry_of_each_kind(fake):
     assert ran == [4]  # not 19
 
 
+@pytest.mark.fast
 def test_what_cannot_be_thinned_runs_as_usual(fake):
     xs = _params()
     # Per-entry values packed in one tensor: entries cannot be dropped from it.

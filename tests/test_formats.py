@@ -67,6 +67,7 @@ def all_values(name: str) -> torch.Tensor:
 # --- facts --------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", TORCH_FORMATS)
 def test_facts_match_torch_finfo(name):
     f, info = facts(name), torch.finfo(getattr(torch, name))
@@ -80,6 +81,7 @@ def test_facts_match_torch_finfo(name):
         assert f.eps == info.eps
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", FORMATS)
 def test_eps_is_the_gap_after_one(name):
     one = store("1", name)
@@ -99,6 +101,7 @@ def test_facts_match_every_value_of_the_format(name):
     assert values.isnan().any().item() == f.has_nan
 
 
+@pytest.mark.fast
 def test_hand_derived_facts():
     assert facts("float16").max == 65504 and facts("float16").smallest_subnormal == 2.0 ** -24
     assert facts("float16").smallest_normal == 2.0 ** -14
@@ -114,6 +117,7 @@ def test_hand_derived_facts():
     assert facts("float64").digits == pytest.approx(-math.log10(facts("float64").eps))
 
 
+@pytest.mark.fast
 def test_out_of_range_behaviour_is_what_torch_does():
     assert (facts("float16").overflow, facts("float16").infinity) == ("inf", "inf")
     # torch's float8_e4m3fn cast saturates, inf included (there is no inf to go to)
@@ -127,6 +131,7 @@ def test_out_of_range_behaviour_is_what_torch_does():
 # --- stored values ------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, name, bits", [
     ("1.0", "bfloat16", "0 01111111 0000000"),
     ("-2.0", "float16", "1 10000 0000000000"),
@@ -143,6 +148,7 @@ def test_hand_derived_bit_patterns(text, name, bits):
     assert store(text, name).bits == bits
 
 
+@pytest.mark.fast
 def test_the_issue_example_1e_minus_8():
     fp16, bf16 = store("1e-8", "float16"), store("1e-8", "bfloat16")
     assert (fp16.value, fp16.status, fp16.relative_error) == (0.0, "underflow", 1.0)
@@ -154,6 +160,7 @@ def test_the_issue_example_1e_minus_8():
     assert "underflow → 0" in row(text, "fp16", 1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, name, value, status", [
     ("65504", "float16", 65504, "exact"),
     ("65519", "float16", 65504, "rounded"),  # below the midpoint 65520
@@ -178,6 +185,7 @@ def test_stored_value_and_status(text, name, value, status):
     assert (s.value, s.status) == (value, status)
 
 
+@pytest.mark.fast
 def test_nan_and_sign_quirks():
     assert math.isnan(store("nan", "float16").value) and store("nan", "float16").status == "exact"
     assert store("300", "float8_e4m3fnuz").status == "nan"
@@ -190,6 +198,7 @@ def test_nan_and_sign_quirks():
         assert store("1.5", "float8_e8m0fnu").value == 2.0  # ties up: 1.5 is the midpoint
 
 
+@pytest.mark.fast
 def test_torch_rounds_twice_through_float32_and_we_say_so():
     # 1 + 2^-8 + 2^-30 is a float64; torch casts it to float32 first (1 + 2^-8, a bf16 tie,
     # to even: 1.0), though 1 + 2^-7 is nearer
@@ -203,6 +212,7 @@ def test_torch_rounds_twice_through_float32_and_we_say_so():
     assert "(not nearest)" in row(rendered(["1.0039062500000001"]), "bf16", 1)
 
 
+@pytest.mark.fast
 def test_tf32_rounds_float32_to_nearest_even():
     assert store(exact(1 + 2.0 ** -11), "tf32").value == 1.0  # tie, to even
     assert store(exact(1 + 3 * 2.0 ** -11), "tf32").value == 1 + 2.0 ** -9  # tie, to even (up)
@@ -210,6 +220,7 @@ def test_tf32_rounds_float32_to_nearest_even():
     assert store(exact(facts("tf32").max * (1 + 2.0 ** -11)), "tf32").status == "overflow"
 
 
+@pytest.mark.fast
 def test_parse_value():
     assert parse_value("0.1") == (0.1, Fraction(1, 10))
     assert parse_value("-inf") == (-math.inf, None)
@@ -250,6 +261,7 @@ def test_no_representable_value_is_closer(case):
     assert s.nearest is True
 
 
+@pytest.mark.fast
 def test_e8m0_of_a_float32_subnormal_is_not_the_nearest_value():
     s = store("6.9e-39", "float8_e8m0fnu")  # between 2^-127 (5.9e-39) and 2^-126 (1.2e-38)
     assert s.value == 2.0**-126 and s.nearest is False
@@ -294,6 +306,7 @@ def test_tf32_equals_fp16_where_fp16_is_normal(x):
 # --- report and rendering -----------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_report_dict_is_strict_json():
     data = formats_report(["1e-8", "nan", "-inf", "1e39"]).to_dict()
     text = json.dumps(data, allow_nan=False)
@@ -324,6 +337,7 @@ def row(text: str, name: str, table: int) -> str:
     return next(line for line in bodies[table] if line.startswith(f"{name} "))
 
 
+@pytest.mark.fast
 def test_facts_table_fits_100_columns():
     text = rendered([])
     assert "…" not in text and max(map(len, text.splitlines())) <= 100
@@ -332,10 +346,12 @@ def test_facts_table_fits_100_columns():
     assert "torch's cast turns values that round beyond ±448 into ±448, and ±inf into ±448" in text
 
 
+@pytest.mark.fast
 def test_every_status_has_words():
     assert set(STATUS_WORDS) == set(STATUSES)
 
 
+@pytest.mark.fast
 def test_value_table_rows():
     text = rendered(["448"])
     cells = [c.strip() for c in row(text, "fp8e4m3", 1).split("│")]
@@ -347,6 +363,7 @@ def test_value_table_rows():
     assert row(text, "fp8e4m3fnuz", 1).split("│")[1].strip() == "0"
 
 
+@pytest.mark.fast
 def test_negative_values_reach_formats_also_after_debug(capsys):
     from ampscope.cli import main
 
@@ -354,6 +371,7 @@ def test_negative_values_reach_formats_also_after_debug(capsys):
     assert '"-inf"' in capsys.readouterr().out
 
 
+@pytest.mark.fast
 def test_the_measured_table_is_what_this_torch_answers():
     """`ampscope formats` without values reads format_table.MEASURED (no torch import) when the
     installed torch is the build it was measured on: each row must be finfo's figures and the

@@ -12,6 +12,8 @@ from ampscope import hardware
 from ampscope.errors import AmpscopeError
 from ampscope.hardware import GiB, by_name, describe, lookup, mfu, peak_flops
 
+pytestmark = pytest.mark.fast
+
 # Strings `torch.cuda.get_device_name()` returns, and the entry each must find.
 DEVICE_NAMES = [
     ("NVIDIA H100 80GB HBM3", "h100"),

@@ -81,6 +81,7 @@ def test_transformers_warnings_are_held_back_on_a_run_that_works(tmp_path, capfd
     assert transformers.utils.logging.is_progress_bar_enabled()  # switched back on
 
 
+@pytest.mark.fast
 def test_the_transformers_logger_level_is_put_back(tmp_path):
     logger = logging.getLogger("transformers")
     before = logger.level
@@ -92,6 +93,7 @@ def test_the_transformers_logger_level_is_put_back(tmp_path):
         logger.setLevel(before)
 
 
+@pytest.mark.fast
 def test_a_binary_config_json_is_one_line(tmp_path):
     folder = tmp_path / "b"
     folder.mkdir()
@@ -101,6 +103,7 @@ def test_a_binary_config_json_is_one_line(tmp_path):
         resolve(f"hf:{folder}")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("header", [b"\xff" * 8 + b"junk", (20).to_bytes(8, "little") + b"{}"])
 def test_a_damaged_safetensors_file_says_what_to_do(tmp_path, header):
     folder = folder_with_config(tmp_path / "s")
@@ -118,6 +121,7 @@ def shard_outside(tmp_path):
     return outside / "x.bin"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["../elsewhere/x.bin", "{abs}", "sub/../../elsewhere/x.bin"])
 def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, monkeypatch, name):
     target = shard_outside(tmp_path)
@@ -132,6 +136,7 @@ def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path, monkeyp
     assert opened == []  # refused before anything was read
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("index", [True, False])
 def test_a_symlink_out_of_the_folder_is_refused(tmp_path, index):
     target = shard_outside(tmp_path)
@@ -144,6 +149,7 @@ def test_a_symlink_out_of_the_folder_is_refused(tmp_path, index):
         resolve(f"hf:{folder}")
 
 
+@pytest.mark.fast
 def test_a_hub_cache_snapshot_linking_to_its_blobs_loads(tmp_path):
     """How the Hugging Face cache stores files: snapshots/REV/NAME -> ../../blobs/HASH."""
     repo = tmp_path / "models--tiny"
@@ -156,6 +162,7 @@ def test_a_hub_cache_snapshot_linking_to_its_blobs_loads(tmp_path):
     assert all(torch.equal(state[k], got[k]) for k in state)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text", ["{not json", '{"weight_map": [1]}', "[]", '{"other": 1}'])
 def test_a_malformed_index_is_one_line(tmp_path, text):
     folder = folder_with_config(tmp_path / "i")
@@ -164,6 +171,7 @@ def test_a_malformed_index_is_one_line(tmp_path, text):
         resolve(f"hf:{folder}")
 
 
+@pytest.mark.fast
 def test_a_safetensors_index_out_of_the_folder_is_refused(tmp_path):
     folder = folder_with_config(tmp_path / "t")
     safetensors_torch.save_file(tiny_state(), str(tmp_path / "x.safetensors"))

@@ -13,6 +13,8 @@ from torch import nn
 import ampscope
 from ampscope.errors import AmpscopeError
 
+pytestmark = pytest.mark.fast
+
 
 class ConvNet(nn.Module):
     def __init__(self):

@@ -270,6 +270,7 @@ def test_diff_of_trace_files_validates(capsys, tmp_path):
     assert document["summary"]["identical"] is False
 
 
+@pytest.mark.fast
 def test_trace_setting_of_capture_is_as_run():
     """ampscope.capture (and ampscope run) observes its setting: any device, emulated or not,
     no canonical name, and the matmul precision as set (the CLI's settings allow less)."""
@@ -298,6 +299,7 @@ def test_every_schema_is_valid_and_tested():
         assert "schema" in schema["required"]
 
 
+@pytest.mark.fast
 def test_shared_definitions_are_the_same_in_every_file():
     seen: dict[str, tuple[str, dict]] = {}
     for name in schemas.names():

@@ -79,6 +79,7 @@ def test_cli_matrix_json(capsys):
     assert lm_head["differs"] == [False, True]
 
 
+@pytest.mark.fast
 def test_cli_matrix_bad_setting(capsys):
     code = main(["matrix", "gpt2-tiny", "--settings", "fp32,fp33"])
     err = capsys.readouterr().err
@@ -109,6 +110,7 @@ def test_opt_125m_per_layer_dtypes_in_the_four_classic_settings():
     assert summary["gradients"] == ("float32", "bfloat16", "float32", "bfloat16")
 
 
+@pytest.mark.fast
 def test_a_failing_setting_becomes_a_column_that_says_why():
     """A model whose head is bf16 on purpose: under fp32 (no autocast) its matmul refuses
     mixed dtypes; the other settings are kept and the failure is recorded."""

@@ -152,6 +152,7 @@ def test_autocast_casts_are_their_own_category_and_weight_casts_are_saved(gpt2_t
     assert {s.dtype for s in weight_casts} == {"bfloat16"}
 
 
+@pytest.mark.fast
 def test_a_forward_pass_saves_nothing_and_makes_no_gradient():
     t = ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", workload="forward", seq=8)
     categories = {s.category for s in t.storages}
@@ -272,6 +273,7 @@ def test_korthikanti_formula_from_the_attention_shapes(gpt2_train):
     assert "L=2, s=8, b=2, h=64, a=2" in full.formula
 
 
+@pytest.mark.fast
 def test_memory_report_renders_as_saved():
     out = io.StringIO()
     Console(file=out, width=100, color_system=None, legacy_windows=False).print(

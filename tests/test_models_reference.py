@@ -32,6 +32,7 @@ def _train_batch(lm, batch: int, seq: int) -> dict[str, torch.Tensor]:
 # --- sizes -------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("family", "preset"), ALL_PRESETS)
 def test_every_preset_builds_on_meta(family, preset):
     lm = family.load(preset, device="meta")
@@ -43,6 +44,7 @@ def test_every_preset_builds_on_meta(family, preset):
     assert lm.num_parameters > 0
 
 
+@pytest.mark.fast
 def test_gpt2_parameter_count_counts_tied_weights_once():
     lm = gpt2.load("gpt2", device="meta")
     assert lm.num_parameters == 124_439_808
@@ -59,6 +61,7 @@ def test_gpt2_medium_parameter_count():
     )
 
 
+@pytest.mark.fast
 def test_nanochat_d20_parameter_count_by_hand():
     # depth 20: C = 64*20 = 1280, 10 heads of 128, kv heads = heads, V = 2**16.
     V, L, C = 2**16, 20, 1280

@@ -134,6 +134,7 @@ def test_list_models_covers_builtins_and_zoo():
     assert len(infos) == len(list_models())  # each model listed once
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["gpt2-tiny", "nanochat-tiny"])
 def test_builtins_resolve_on_cpu(name):
     loaded = resolve(name)
@@ -167,6 +168,7 @@ def test_unknown_name_without_close_match():
         resolve("zzzzzz")
 
 
+@pytest.mark.fast
 def test_zoo_name_typo():
     with pytest.raises(AmpscopeError, match="did you mean 'llama-3-8b'"):
         resolve("llama3-8b", device="meta")
@@ -349,6 +351,7 @@ def test_factory_module_from_working_directory(factory_dir):
     assert loaded.loss(batch).isfinite()
 
 
+@pytest.mark.fast
 def test_factory_builds_on_the_requested_device_keeping_ties(factory_dir):
     module_name = factory_dir("ampscope_test_factory_meta")
     plain = resolve(f"{module_name}:build", device="meta")
@@ -372,6 +375,7 @@ def test_factory_hf_model_gets_hf_adapter(factory_dir):
     assert loaded.family == "hf" and loaded.input_name == "input_ids"
 
 
+@pytest.mark.fast
 def test_factory_errors(factory_dir):
     module_name = factory_dir("ampscope_test_factory_errors")
     with pytest.raises(

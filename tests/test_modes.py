@@ -3,6 +3,7 @@ handler while a `torch.compile`d model runs under it, without PyTorch's per-op w
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ class _Small(nn.Module):
         return self.b(torch.relu(self.a(x))).sum()
 
 
+@pytest.mark.fast
 def test_the_op_recorder_handler_is_not_wrapped_by_pytorch():
     handler = OpRecorder.__dict__["__torch_dispatch__"]
     assert handler.__code__.co_filename.endswith("recorders/ops.py")  # not torch's wrapper

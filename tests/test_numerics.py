@@ -63,6 +63,7 @@ def test_divergence_by_hand():
     assert divergence(r, r).exact and divergence(r, r).cosine == pytest.approx(1.0)
 
 
+@pytest.mark.fast
 def test_range_against_formats_by_hand():
     # 1e5 > fp16 max 65504; 1e-8 < 2^-25 (half fp16's smallest subnormal) flushes to zero;
     # 1e-6 lies between that and fp16's smallest normal 2^-14: subnormal; 1.0 is fine.

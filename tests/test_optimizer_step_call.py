@@ -12,6 +12,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 import ampscope
 from ampscope.records import Trace
 
+pytestmark = pytest.mark.fast
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)

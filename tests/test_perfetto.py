@@ -131,6 +131,7 @@ def test_cli_writes_the_timeline_of_the_traced_step(tmp_path, capsys):
     assert len(_slices(written, "op")) == len(again.ops)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [
     (["trace", "gpt2-tiny", "--perfetto", "/no/such/folder/t.json"], "no folder /no/such/folder"),
     (["trace", "gpt2-tiny", "--perfetto", "-"], "--perfetto writes a file"),

@@ -48,6 +48,7 @@ def test_cuda_quiz_matches_the_builds_own_cuda_autocast(dtype):
         state.restore()
 
 
+@pytest.mark.fast
 def test_policy_lists_ops_with_categories(capsys):
     data = _json(capsys, "policy", "--device", "cuda", "--dtype", "bf16", "--op", "softmax")
     assert data["schema"] == "ampscope.policy/1" and data["device"] == "cuda"
@@ -58,6 +59,7 @@ def test_policy_lists_ops_with_categories(capsys):
     assert categories == expected | dict.fromkeys(named, "fp32_set_opt_dtype")
 
 
+@pytest.mark.fast
 def test_compare_cpu_cuda_shows_where_they_differ(capsys):
     data = _json(capsys, "policy", "--compare", "cpu", "cuda", "--dtype", "bf16")
     rows = {o["op"]: (o["cpu"], o["cuda"]) for o in data["ops"]}

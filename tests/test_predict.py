@@ -88,6 +88,7 @@ def test_nanochat_without_autocast_on_cuda_fails_as_it_would_there():
                            predict=predict)
 
 
+@pytest.mark.fast
 def test_predict_keeps_the_users_model_exactly(gpt2_tiny):
     module = gpt2_tiny.module
     before = {n: (p, p.data, p.data_ptr(), p.dtype) for n, p in module.named_parameters()}
@@ -120,6 +121,7 @@ def test_llama_3_8b_trains_in_predict_mode_with_its_real_shapes():
     assert sum(m.type == "LlamaDecoderLayer" and m.phase == "forward" for m in t.modules) == 32
 
 
+@pytest.mark.fast
 def test_code_that_reads_values_gets_one_line_in_predict_mode():
     class Branchy(nn.Module):
         def __init__(self):

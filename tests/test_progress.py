@@ -12,6 +12,7 @@ from ampscope.cli import common, main
 from ampscope.recorders import progress
 
 
+@pytest.mark.fast
 def test_reports_follow_the_recorded_ops_and_their_phases():
     reports: list[tuple[int, str]] = []
     with progress.reporting(lambda ops, phase: reports.append((ops, phase)), every=40):
@@ -27,6 +28,7 @@ def test_reports_follow_the_recorded_ops_and_their_phases():
     assert set(counts) == {n for n in range(1, len(trace.ops) + 1) if n % 40 == 0} | changes | {1}
 
 
+@pytest.mark.fast
 def test_no_report_outside_reporting_and_a_bad_interval_is_refused():
     assert progress.listener() is None
     with pytest.raises(ValueError, match="at least 1"), progress.reporting(lambda o, p: None, every=0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from ampscope.analysis.findings import derive_findings
@@ -15,6 +16,8 @@ from ampscope.analysis.summary import trace_summary
 from ampscope.records import InputRecord, ModelInfo, OpCall, ParameterRecord, Trace
 from ampscope.render.text import render_trace
 from tests.helpers import BF16, F32, blocks, check, setting_record
+
+pytestmark = pytest.mark.fast
 
 
 def toy_trace() -> Trace:

@@ -153,6 +153,7 @@ def test_a_block_with_a_hook_is_not_replayed():
     assert not alike(blocks)
 
 
+@pytest.mark.fast
 def test_calls_with_other_inputs_run_and_the_rest_replay():
     # Every second block also gets a tensor (nanochat's value embeddings on alternate layers):
     # those calls do not match block 1's and run; the trace is still the full one.
@@ -192,6 +193,7 @@ def test_a_block_unlike_its_recorded_twin_makes_the_whole_step_run_again():
     assert scaled == {"blocks.2"}
 
 
+@pytest.mark.fast
 def test_blocks_get_their_own_forward_back(gpt2_tiny):
     model = Stack()
     ampscope.trace(model, {"x": torch.randn(2, 4, 16)}, workload=_train(model), predict=True)
@@ -201,6 +203,7 @@ def test_blocks_get_their_own_forward_back(gpt2_tiny):
     assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
+@pytest.mark.fast
 def test_a_real_run_replays_nothing():
     model = Stack()
     trace = ampscope.trace(model, {"x": torch.randn(2, 4, 16)}, workload=_train(model),

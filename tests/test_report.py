@@ -123,6 +123,7 @@ def test_report_loads_nothing(run):
     assert "default-src 'none'" in html  # the browser refuses any load besides
 
 
+@pytest.mark.fast
 def test_the_url_check_sees_loads():
     page = ('<img src="https://cdn.example/x.png"><link href="http://a/b.css">'
             '<style>@import "x.css"; p { background: url( "//host/y.png") }</style>'
@@ -337,6 +338,7 @@ def test_a_script_payload_is_escaped_everywhere_it_appears(tmp_path):
     assert SCRIPT in findings and "m<script>.py:14" in findings  # the module and the file
 
 
+@pytest.mark.fast
 def test_the_templates_ship_with_the_package():
     """Every template the report renders is package data of the wheel (pyproject.toml)."""
     from pathlib import Path

@@ -179,6 +179,7 @@ def test_cli_run_shows_the_report_after_the_scripts_output(capsys, data):
     assert out.index("iter 0: loss") < out.index("Tensors by dtype")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [
     (["run", "no/such/train.py"], "no script at no/such/train.py"),
     (["run", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
@@ -190,6 +191,7 @@ def test_cli_run_bad_input_is_one_line(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.fast
 def test_a_script_that_raises_before_any_step(tmp_path, capsys):
     script = tmp_path / "broken.py"
     script.write_text("import torch\nx = torch.ones(2)\nraise ValueError('bad config')\n")
@@ -198,6 +200,7 @@ def test_a_script_that_raises_before_any_step(tmp_path, capsys):
     assert "broken.py raised ValueError at broken.py:3: bad config" in err
 
 
+@pytest.mark.fast
 def test_a_script_that_runs_no_model(tmp_path):
     script = tmp_path / "idle.py"
     script.write_text("import torch\nprint(torch.ones(2).sum())\n")

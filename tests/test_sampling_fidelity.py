@@ -4,10 +4,13 @@ model.forward(...) directly. The trace must show what a device runs: the decompo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import ampscope
+
+pytestmark = pytest.mark.fast
 
 
 class CachedLM(nn.Module):

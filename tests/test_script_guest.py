@@ -67,6 +67,7 @@ def test_a_stopped_scripts_log_is_complete_and_its_atexit_handlers_run(tmp_path,
     assert logging.getLogger().handlers == handlers  # the script's handler did not stay here
 
 
+@pytest.mark.fast
 def test_the_report_lists_the_files_the_script_wrote(tmp_path):
     (tmp_path / "old.pt").write_bytes(b"old")
     path = script(tmp_path, """
@@ -151,6 +152,7 @@ def test_a_dataloader_with_worker_processes_runs_as_usual(tmp_path):
     assert trace.notes[0] == "train.py was stopped after its second optimizer step."
 
 
+@pytest.mark.fast
 def test_the_callers_process_is_as_it_was_after_a_script_changed_it(tmp_path, monkeypatch):
     """Everything a training script commonly sets for its process comes back, whether the
     script finished or raised; and the same script runs twice in one process."""
@@ -241,6 +243,7 @@ def test_json_on_stdout_is_not_mixed_with_a_subprocess_output(tmp_path):
     assert "from a subprocess" in done.stderr and "from the script" in done.stderr
 
 
+@pytest.mark.fast
 def test_a_syntax_error_names_the_scripts_line(tmp_path, capsys):
     path = tmp_path / "train.py"
     path.write_text("import torch\n\nx = (1,\n")

@@ -9,6 +9,8 @@ from ampscope.errors import AmpscopeError
 from ampscope.precision import GRAMMAR, GlobalState, applied, parse_setting, resolve_device
 from ampscope.precision.matmul import matmul_precision
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize(
     ("text", "name", "params", "amp", "matmul"),

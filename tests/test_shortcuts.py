@@ -37,6 +37,7 @@ def test_item_of_a_fake_constant_reads_its_value(fake):
     assert answer(aten._local_scalar_dense.default, (step,), {}) == 3.0 == step.item()
 
 
+@pytest.mark.fast
 def test_detach_aliases_its_input_as_fake_mode_does(fake):
     x = torch.empty(6, 8, requires_grad=True)[1:, 2:]
     mine = answer(aten.detach.default, (x,), {})
@@ -46,6 +47,7 @@ def test_detach_aliases_its_input_as_fake_mode_does(fake):
     assert not mine.requires_grad
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("shape", "size"), [((16, 8), [2, 8, 8]), ((16, 8), [128]),
                                              ((1, 16, 8), [16, 8])])
 def test_an_unsafe_view_aliases_its_input_as_fake_mode_does(fake, shape, size):
@@ -117,6 +119,7 @@ def test_a_step_with_shortcuts_records_what_the_step_without_does(monkeypatch):
     assert reached["zeros_like.default"] == 0
 
 
+@pytest.mark.fast
 def test_shortcut_results_are_fake_tensors_of_the_run(fake):
     x = torch.empty(4, 4)
     made = answer(aten.detach.default, (x,), {})
@@ -161,6 +164,7 @@ def _lifted_lives(lifted: torch.Tensor) -> tuple:
             lifted.constant is None, expanded.constant is None)
 
 
+@pytest.mark.fast
 def test_a_lifted_scalar_lives_on_as_fake_mode_s_own(fake):
     """An in-place update returns the lifted tensor itself, a view shares its storage, and a
     view that fake mode stops following stops it following the tensor: as for FakeTensorMode's
@@ -173,6 +177,7 @@ def test_a_lifted_scalar_lives_on_as_fake_mode_s_own(fake):
     assert truth[:3] == (True, 3.0, 6.0)
 
 
+@pytest.mark.fast
 def test_lifted_tensors_of_every_kind_match_fake_mode(fake):
     """Scalars of other dtypes lift to what FakeTensorMode makes, value included; a tensor
     with more than one element (fake mode makes no constant of it) or with autograd,

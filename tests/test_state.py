@@ -107,6 +107,7 @@ def user_model():
     torch.set_float32_matmul_precision("highest")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("setting", ["fp32", "bf16", "fp32+amp-bf16", "fp32+tf32"])
 @pytest.mark.parametrize("workload", ["train", "forward", "generate"])
 def test_state_is_unchanged_after_a_trace(user_model, setting, workload):
@@ -205,6 +206,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("predict", [False, True])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_state_is_unchanged_when_a_script_fails(tmp_path, fault, predict):
@@ -360,3 +362,19 @@ def test_the_collector_runs_only_in_a_real_step_and_comes_back_as_it_was(enabled
     finally:
         (gc.enable if was_enabled else gc.disable)()
     assert seen == [enabled and not predict]
+
+
+def test_the_state_check_sees_a_replacement_left_in_place():
+    """The check the tests above rely on: an attribute replaced through ampscope.patches and
+    not put back shows, and is gone once undone."""
+    from ampscope import patches
+
+    before = torch_state()
+    undo = patches.patch(torch.cuda, "is_available", lambda: True)
+    try:
+        changed = state_differences(before, torch_state())
+        assert any(line.startswith("patches_active") for line in changed)
+        assert any(line.startswith("cuda_api") for line in changed)
+    finally:
+        undo()
+    assert state_differences(before, torch_state()) == []

@@ -26,6 +26,7 @@ def step():
     return ampscope.trace("gpt2-tiny", setting="fp32+amp-bf16", workload="train", seq=8)
 
 
+@pytest.mark.fast
 def test_ops_frame_has_one_row_per_op_with_its_dtypes(step):
     df = step.to_dataframe("ops")
     assert len(df) == len(step.ops)
@@ -43,6 +44,7 @@ def test_ops_frame_has_one_row_per_op_with_its_dtypes(step):
     assert df["autocast_cast"].sum() == sum(o.autocast_cast for o in step.ops) > 0
 
 
+@pytest.mark.fast
 def test_modules_frame_keeps_each_calls_output_dtype(step):
     df = step.to_dataframe("modules")
     assert list(df.columns)[:4] == ["index", "phase", "module", "type"]
@@ -55,6 +57,7 @@ def test_modules_frame_keeps_each_calls_output_dtype(step):
     assert lm_head.out_shapes == "1x8x512"
 
 
+@pytest.mark.fast
 def test_tensors_frame_counts_every_parameter_byte_once(step):
     df = step.to_dataframe("tensors")
     params = df[df.role == "parameter"]
@@ -68,6 +71,7 @@ def test_tensors_frame_counts_every_parameter_byte_once(step):
                             "output"}
 
 
+@pytest.mark.fast
 def test_memory_frame_matches_the_report(step):
     report = memory_report(step)
     df = report.to_dataframe()
@@ -76,6 +80,7 @@ def test_memory_frame_matches_the_report(step):
     assert df["allocated_storages"].sum() == len(step.storages)
 
 
+@pytest.mark.fast
 def test_flop_frame_totals_the_report_without_the_optimizer(step):
     report = flop_report(step, tokens=8)
     df = report.to_dataframe()
@@ -83,6 +88,7 @@ def test_flop_frame_totals_the_report_without_the_optimizer(step):
     assert (df["total"] == df["repeats"] * (df["forward"] + df["backward"])).all()
 
 
+@pytest.mark.fast
 def test_matrix_frame_has_an_in_out_and_matmul_column_per_setting(step):
     fp32 = ampscope.trace("gpt2-tiny", setting="fp32", workload="train", seq=8)
     result = build_matrix([fp32, step])
@@ -94,6 +100,7 @@ def test_matrix_frame_has_an_in_out_and_matmul_column_per_setting(step):
     assert row["fp32 matmul"] is None  # no fp8 setting: the matmul is in the dtypes shown
 
 
+@pytest.mark.fast
 def test_csv_and_dataframe_have_the_same_columns_and_values(step):
     t = step.table("ops")
     read = pd.read_csv(io.StringIO(t.to_csv()), keep_default_na=False)
@@ -104,11 +111,13 @@ def test_csv_and_dataframe_have_the_same_columns_and_values(step):
     assert read["source"].tolist() == frame["source"].fillna("").tolist()
 
 
+@pytest.mark.fast
 def test_unknown_kind_is_refused(step):
     with pytest.raises(ValueError, match="no table 'op'.*ops, modules, tensors"):
         step.to_dataframe("op")
 
 
+@pytest.mark.fast
 def test_without_pandas_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas now raises ImportError
     with pytest.raises(AmpscopeError, match=r"pip install 'ampscope\[pandas\]'"):
@@ -143,6 +152,7 @@ def test_cli_csv_to_stdout_is_the_only_output(capsys):
     assert "Peak" not in out  # no rendering after the CSV
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [
     (["flops", "gpt2-tiny", "--csv", "-", "--json", "-"], "would both write to stdout"),
     (["matrix", "gpt2-tiny", "--csv", "/no/such/folder/m.csv"], "no folder /no/such/folder"),
@@ -153,6 +163,7 @@ def test_csv_bad_paths_are_refused_before_the_run(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.fast
 def test_csv_with_distributed_is_refused_not_ignored(capsys):
     assert main(["memory", "gpt2-tiny", "--distributed", "ddp", "--csv", "m.csv"]) == 2
     err = capsys.readouterr().err

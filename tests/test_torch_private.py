@@ -12,7 +12,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import ampscope
+
+pytestmark = pytest.mark.fast
 
 SRC = Path(ampscope.__file__).parent
 LAYER = SRC / "torchcompat"

@@ -46,6 +46,7 @@ def tiny(**changes) -> TrainConfig:
 
 # --- tokenizers -------------------------------------------------------------------------------
 
+@pytest.mark.fast
 def test_byte_tokenizer_round_trips_any_text():
     text = "naïve café — 東京\n\ttabs"
     ids = BYTE_TOKENIZER.encode(text)
@@ -88,6 +89,7 @@ def test_auto_tokenizer_picks_gpt2_when_it_fits():
 
 # --- data, schedule, optimizer -------------------------------------------------------------
 
+@pytest.mark.fast
 def test_loader_targets_are_inputs_shifted_by_one_and_it_wraps():
     tokens = torch.arange(20, dtype=torch.int32)
     loader = DataLoaderLite(tokens, batch=2, seq=4)
@@ -106,6 +108,7 @@ def test_split_is_contiguous_and_refuses_too_little_text():
         split(torch.arange(100), 0.1, batch=4, seq=4, source="t")
 
 
+@pytest.mark.fast
 def test_lr_warms_up_linearly_then_decays_to_the_minimum():
     c = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, steps=110)
     assert lr_at(0, c) == pytest.approx(0.1) and lr_at(9, c) == pytest.approx(1.0)
@@ -116,6 +119,7 @@ def test_lr_warms_up_linearly_then_decays_to_the_minimum():
     assert lr_at(25, linear) == pytest.approx(0.75)
 
 
+@pytest.mark.fast
 def test_weight_decay_applies_to_2d_parameters_only(gpt2_tiny):
     opt = configure_optimizer(gpt2_tiny.module, TrainConfig(weight_decay=0.1), "cpu")
     decay, no_decay = opt.param_groups
@@ -125,6 +129,7 @@ def test_weight_decay_applies_to_2d_parameters_only(gpt2_tiny):
     assert len(decay["params"]) + len(no_decay["params"]) == len(every)
 
 
+@pytest.mark.fast
 def test_flops_per_token_uses_the_models_estimate_else_6n(gpt2_tiny):
     flops, formula = flops_per_token(gpt2_tiny.module, 32)
     assert flops == gpt2_tiny.module.estimate_flops(32) and "estimate_flops" in formula
@@ -161,6 +166,7 @@ def test_resume_continues_the_same_run_bit_for_bit(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.fast
 def test_resume_refuses_a_different_run(tmp_path):
     pytest.importorskip("safetensors")
     train(tiny(steps=2, out=str(tmp_path)))
@@ -183,6 +189,7 @@ def test_fp16_autocast_trains_with_a_grad_scaler(tmp_path):
     assert ckpt.read(tmp_path).scaler["scale"] > 1  # the scaler's state is checkpointed
 
 
+@pytest.mark.fast
 def test_nanochat_trains_and_samples():
     result = train(tiny(model="nanochat-tiny", steps=2, eval_every=0, sample_tokens=8))
     assert result.sample is not None and len(result.steps) == 2

@@ -41,6 +41,7 @@ def exact_trace():
     return ampscope.trace("gpt2-tiny", **OPTIONS, exact=True)
 
 
+@pytest.mark.fast
 def test_the_exact_path_takes_no_trick(monkeypatch):
     with tricks.exact_path():
         assert not any(tricks.enabled(t) for t in tricks.Trick)
@@ -62,6 +63,7 @@ def test_a_changed_signature_turns_the_cache_trick_off_and_the_trace_is_exact(
     assert_same_trace(ampscope.trace("gpt2-tiny", **OPTIONS), exact_trace)
 
 
+@pytest.mark.fast
 def test_a_missing_detail_turns_its_tricks_off_and_the_trace_is_exact(
         monkeypatch, detect_again, exact_trace):
     # The cache's entry class, hidden from the layer as a release without it would (torch's own
@@ -76,6 +78,7 @@ def test_a_missing_detail_turns_its_tricks_off_and_the_trace_is_exact(
     assert_same_trace(ampscope.trace("gpt2-tiny", **OPTIONS), exact_trace)
 
 
+@pytest.mark.fast
 def test_a_trick_that_behaves_differently_is_found_out_by_its_probe(monkeypatch, detect_again):
     # The key builder works but its keys are never found again (torch's own cache then
     # misses every time: slower, still right); the trick's probe notices.

@@ -110,6 +110,7 @@ def test_import_time_dtype_sees_the_virtual_device(models):
     assert torch.bfloat16 == importlib.import_module(models).COMPUTE_DTYPE
 
 
+@pytest.mark.fast
 def test_import_time_dtype_on_the_cpu(models):
     import importlib
 
@@ -118,6 +119,7 @@ def test_import_time_dtype_on_the_cpu(models):
     assert module_out(t, "fc") == "float32"
 
 
+@pytest.mark.fast
 def test_autocast_disabled_region_in_model_code_runs_uncast(models):
     t = ampscope.trace(f"{models}:build", setting="cuda:fp32+amp-bf16", seq=8,
                        workload="forward")
@@ -129,6 +131,7 @@ def test_autocast_disabled_region_in_model_code_runs_uncast(models):
     assert module_out(t, "head") == "bfloat16"
 
 
+@pytest.mark.fast
 def test_virtual_device_answers_and_restores():
     before = (torch.cuda.is_available(), torch.compile, torch.is_autocast_enabled,
               nn.Parameter.__new__, torch.amp.autocast_mode.autocast.__init__)
@@ -167,6 +170,7 @@ def test_virtual_device_answers_and_restores():
     assert model.weight.device.type == "cpu"  # the tensors really were on the CPU
 
 
+@pytest.mark.fast
 def test_cuda_memory_calls_read_the_storage_tracker():
     model = nn.Linear(256, 256)  # 256 KiB of float32 weight, 1 KiB of bias
 
@@ -185,6 +189,7 @@ def test_cuda_memory_calls_read_the_storage_tracker():
     assert seen["peak"] >= seen["live"]
 
 
+@pytest.mark.fast
 def test_capture_on_a_virtual_device_around_your_own_loop():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     with ampscope.capture(model, device="cuda") as t:
@@ -203,6 +208,7 @@ def test_capture_on_a_virtual_device_around_your_own_loop():
     assert next(model.parameters()).device.type == "cpu"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("predict", [False, True])
 def test_tensors_are_on_the_virtual_device_also_when_predicted(predict):
     """A fake tensor answers `.device` in Python (FakeTensor.device), not through a torch
@@ -236,6 +242,7 @@ class _Norm(torch.nn.Module):
         return torch.norm(self.proj(x), p=2, dim=-1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("predict", [False, None])
 def test_device_branches_in_pytorchs_own_python_code_take_the_targets_path(predict):
     """torch.norm, written in Python, skips its linalg path on MPS (it reads input.device inside
@@ -267,6 +274,7 @@ def virtual_cuda():
         yield vd
 
 
+@pytest.mark.fast
 def test_torch_accelerator_answers_as_one_cuda_device(virtual_cuda):
     """What a single-GPU CUDA machine answers, on a CPU build (which says "no accelerator")
     and on a CUDA build without a GPU (which fails in the driver) alike."""
@@ -284,6 +292,7 @@ def test_torch_accelerator_answers_as_one_cuda_device(virtual_cuda):
     assert "synchronize" in virtual_cuda.used
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(not _has("set_device_index", "device_index"),
                     reason="torch.accelerator.set_device_index and device_index arrived in 2.8")
 def test_torch_accelerator_device_switches_are_to_the_one_device(virtual_cuda):
@@ -303,6 +312,7 @@ def _train_step(optimizer_class, **options) -> torch.Tensor:
     return model.weight.detach() - before
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("options", [{}, {"foreach": True}, {"fused": True}],
                          ids=["default", "foreach", "fused"])
 @pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.AdamW])
@@ -312,6 +322,7 @@ def test_optimizer_steps_on_emulated_cuda(virtual_cuda, optimizer_class, options
     assert _train_step(optimizer_class, **options).abs().min() > 0  # every weight moved
 
 
+@pytest.mark.fast
 def test_grad_scaler_step_on_emulated_cuda(virtual_cuda):
     model = nn.Linear(4, 4).to("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
@@ -341,6 +352,7 @@ def test_pinned_dataloader_on_emulated_cuda(virtual_cuda, workers, recwarn):
     assert not [w for w in recwarn if "pin_memory" in str(w.message)]
 
 
+@pytest.mark.fast
 def test_checkpointing_on_emulated_cuda_leaves_no_cached_device():
     from ampscope.torchcompat import devices
 
@@ -355,6 +367,7 @@ def test_checkpointing_on_emulated_cuda_leaves_no_cached_device():
     assert (vars(slot[0])[slot[1]] if slot else None) == before
 
 
+@pytest.mark.fast
 def test_ipc_collect_is_refused_by_name():
     """A call that cannot be emulated fails with the one-line refusal naming it (a CUDA build
     without a GPU would otherwise run it as a silent no-op)."""
@@ -368,6 +381,7 @@ def test_ipc_collect_is_refused_by_name():
                        workload=step)
 
 
+@pytest.mark.fast
 def test_torch_accelerator_is_restored():
     names = [n for n in dir(ACCELERATOR) if not n.startswith("_")]
     before = {n: getattr(ACCELERATOR, n) for n in names}
@@ -382,6 +396,7 @@ def test_torch_accelerator_is_restored():
             ACCELERATOR.device_count(), torch.cuda.is_available()) == answers
 
 
+@pytest.mark.fast
 def test_the_private_details_it_uses_are_found_on_this_torch():
     from ampscope.torchcompat import devices
 

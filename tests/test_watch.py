@@ -125,6 +125,7 @@ def test_a_loop_that_raises_in_step_n_is_cleaned_up_by_the_with_block():
     assert installed_hooks(model, optimizer) == before
 
 
+@pytest.mark.fast
 def test_watch_refuses_bad_arguments_at_once(tmp_path):
     model, optimizer = model_and_optimizer()
     with pytest.raises(ampscope.AmpscopeError, match="step must be a positive integer"):
@@ -190,6 +191,7 @@ def test_hf_callback_traces_step_2_of_a_trainer_run_into_its_output_dir(tmp_path
     assert (out / "ampscope-step2.html").read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.mark.fast
 def test_hf_callback_leaves_nothing_installed_when_step_n_raises(tmp_path):
     """A Trainer callback is not told of an exception: train() is wrapped so that the recorders
     come off however it ends."""

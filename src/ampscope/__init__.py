@@ -71,15 +71,18 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the names, eagerly
     from ampscope.api import (
         capture,
         findings,
-        fit,
         flops,
         matrix,
         memory,
         numerics,
         policy,
         trace,
-        watch,
     )
+
+    # From their own modules: ampscope.api.fit and ampscope.api.watch are modules as well as
+    # functions, and mypy reads the package's name as the module.
+    from ampscope.api.fit import fit
+    from ampscope.api.watch import watch
     from ampscope.errors import AmpscopeError
     from ampscope.models.base import LoadedModel
     from ampscope.precision import Setting, parse_setting

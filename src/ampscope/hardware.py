@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypedDict
 
 from ampscope.errors import AmpscopeError
 
@@ -480,6 +481,20 @@ def _table_text(path: Path, where: str) -> str | None:
             raise AmpscopeError(f"cannot read the hardware table {path}: {e}") from None
 
 
+class _Figures(TypedDict):
+    """The fields of an `Accelerator` that a user's entry sets or inherits (`_user_entry`): typed
+    apart from `name` so that they can be passed to `Accelerator` and `replace` alike."""
+
+    peak_flops: Mapping[str, float]
+    memory_bytes: int | None
+    bandwidth_bytes_per_s: float | None
+    sources: Mapping[str, str]
+    patterns: tuple[str, ...]
+    title: str
+    tf32_matmuls: bool
+    multiprocessors: int | None
+
+
 def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) -> Accelerator:
     where = f"{path}: [{name}]"
     if not isinstance(entry, dict):
@@ -504,9 +519,10 @@ def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) 
     if base is None and (memory is None or not peaks):
         raise AmpscopeError(f"{where}: a new accelerator needs memory and peak_flops")
     given = [*(f for f in ("memory", "bandwidth") if f in entry), *peaks]
-    figures = {
+    # (A new accelerator, base None, has a memory: refused above otherwise.)
+    figures: _Figures = {
         "peak_flops": {**(base.peak_flops if base else {}), **peaks},
-        "memory_bytes": memory if memory is not None else base.memory_bytes,
+        "memory_bytes": memory if memory is not None or base is None else base.memory_bytes,
         "bandwidth_bytes_per_s": bandwidth if bandwidth is not None or base is None
         else base.bandwidth_bytes_per_s,
         "sources": {**(base.sources if base else {}), **dict.fromkeys(given, str(path))},

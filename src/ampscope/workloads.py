@@ -16,6 +16,7 @@ from torch import nn
 
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.patches import patched
 from ampscope.precision import Setting
 from ampscope.precision.emulation import foreach_by_default
 from ampscope.torchcompat.dispatch import no_torch_function
@@ -109,7 +110,8 @@ def make_optimizer(name: str, params: list[nn.Parameter], *,
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the children of the largest ModuleList (transformer.h, layers)."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    largest = max(lists, key=len) if lists else None
+    return list(largest) if largest is not None else []
 
 
 @contextlib.contextmanager
@@ -123,23 +125,15 @@ def checkpointed(lm: LoadedModel) -> Iterator[None]:
     if not blocks:
         raise AmpscopeError(f"activation checkpointing wraps each block of {lm.name}'s largest "
                             "ModuleList, and it has none")
-    saved = [b.__dict__.get("forward") for b in blocks]
-
     def wrapped(forward: Callable) -> Callable:
         def run(*args, **kwargs):
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return run
 
-    try:
+    with contextlib.ExitStack() as stack:
         for b in blocks:
-            b.forward = wrapped(b.forward)
+            stack.enter_context(patched(b, "forward", wrapped(b.forward)))
         yield
-    finally:
-        for b, own in zip(blocks, saved, strict=True):
-            if own is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = own
 
 
 def _optimizer_choice(setting: Setting, impl: str | None) -> dict:

@@ -149,6 +149,7 @@ def _cause(o: OpCall, out: str, call: FunctionCall | None, explicit: bool, round
             return "autocast-policy", "lower-precision list"
         return "autocast-policy", "float32 list" if out == "float32" else "promote list"
     if explicit:
+        assert call is not None  # (explicit: the op ran under a call to a cast function)
         return "explicit-cast", call.func
     named = [(n, m.dtype) for m, n in zip(o.inputs, o.input_names, strict=False)
              if n is not None and m.dtype in FLOATS]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ampscope.analysis.flow import collapse_blocks, dtypes
 from ampscope.analysis.fp8 import fp8_module_notes
-from ampscope.records import SettingRecord, Trace, module_label
+from ampscope.records import ModuleCall, SettingRecord, Trace, module_label
 from ampscope.records.table import Table, table
 
 # (in dtypes, out dtypes, matmul): what a module did under one setting; None: not run. `matmul`
@@ -100,9 +100,9 @@ class Matrix:
         return self.table().to_dataframe()
 
 
-def _first_step(trace: Trace) -> list:
+def _first_step(trace: Trace) -> list[ModuleCall]:
     """Forward module calls of the first call of the model (sampling calls it once a token)."""
-    calls = []
+    calls: list[ModuleCall] = []
     for c in trace.modules:
         if c.phase != "forward":
             continue

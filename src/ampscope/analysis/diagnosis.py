@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ampscope.records import FailedCall, module_label
 
@@ -25,7 +26,7 @@ class Diagnosis:
         return "\n".join((self.summary, *self.lines))
 
 
-def is_dtype_mismatch(failure: FailedCall | None) -> bool:
+def is_dtype_mismatch(failure: FailedCall | None) -> TypeGuard[FailedCall]:
     if failure is None or not _MISMATCH.search(failure.error):
         return False
     return len({a.dtype for a in failure.arguments if a.dtype in _FLOATS}) > 1

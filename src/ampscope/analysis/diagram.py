@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ampscope.analysis.flow import split_block
+from ampscope.analysis.flow import block_parts, split_block
 from ampscope.analysis.fp8 import fp8_matmul_note, fp8_modules
 from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, Trace
 
@@ -157,17 +157,18 @@ def _collapse(sections: list[DiagramSection]) -> list[DiagramSection]:
         if not run:
             return
         first, last = run[0], run[-1]
+        assert first.block is not None and last.block is not None  # (run holds blocks only)
         label = first.block
         if len(run) > 1:
-            container = split_block(first.block)[0]
-            label = (f"{container}.{split_block(first.block)[1]}–{split_block(last.block)[1]}"
+            container = block_parts(first.block)[0]
+            label = (f"{container}.{block_parts(first.block)[1]}–{block_parts(last.block)[1]}"
                      f"  (× {len(run)}, drawn once)")
         out.append(DiagramSection(first.block, label, first.steps))
         run.clear()
 
     for s in sections:
         same = run and s.block and run[-1].block and \
-            split_block(s.block)[0] == split_block(run[-1].block)[0] and \
+            block_parts(s.block)[0] == block_parts(run[-1].block)[0] and \
             [_relative(x, s.block) for x in s.steps] == [_relative(x, run[-1].block)
                                                          for x in run[-1].steps]
         if not same:

@@ -264,6 +264,7 @@ def _module_changes(a: Sequence[ModuleCall], b: Sequence[ModuleCall]) -> tuple[M
         for key in _merge_keys(list(ka), list(kb)):
             ca, cb = ka.get(key), kb.get(key)
             call = ca or cb
+            assert call is not None  # (a merged key is a key of one side or both)
             if not steps or (phase == "forward" and call.depth == 0):
                 steps.append([])
             sa, sb = _side(ca), _side(cb)

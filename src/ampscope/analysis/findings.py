@@ -7,6 +7,7 @@ names), and carries the kind of cause behind it.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import cast
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
 from ampscope.analysis.flow import FlowRow, collapse_blocks
@@ -131,11 +132,12 @@ def _parameter_cast_clauses(trace: Trace, changes: list[DtypeChange]) -> list[st
     casts = [c for c in by_cause(changes, "autocast-policy")
              if c.input_names and c.input_names[0] and c.module in types]
     clauses = []
-    for (type_, _src, dst), group_ in group(casts, lambda c: (types[c.module], c.inputs[0],
-                                                              c.output)).items():
+    # (Each of `casts` has a module of `types` and a named first input: filtered above.)
+    for (type_, _src, dst), group_ in group(casts, lambda c: (types[cast(str, c.module)],
+                                                              c.inputs[0], c.output)).items():
         of_type = {n for n, t in types.items() if t == type_}
         parts = []
-        leaves = group(group_, lambda c: c.input_names[0].rsplit(".", 1)[-1])
+        leaves = group(group_, lambda c: cast(str, c.input_names[0]).rsplit(".", 1)[-1])
         for leaf in sorted(leaves, key=lambda leaf: leaf != "weight"):  # weights first
             cast_modules = {c.module for c in leaves[leaf]}
             having = {n for n in of_type if f"{n}.{leaf}" in owned} | cast_modules

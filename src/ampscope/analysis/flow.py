@@ -11,13 +11,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from dataclasses import Field, dataclass, replace
+from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
 from ampscope.records.fp8 import is_fp8_cast, short_fp8
 
 R = TypeVar("R")
+
+
+class Collapsible(Protocol):
+    """What `collapse_blocks` merges: a dataclass row with a name and a repeat count (FlowRow,
+    a matrix row), so that it can `replace` both."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def repeats(self) -> int: ...
+
+
+Row = TypeVar("Row", bound=Collapsible)
 
 # The first dotted segment that is a number splits a name into container, index and rest.
 _BLOCK = re.compile(r"^(?P<container>(?:[^.]+\.)*?[^.]+)\.(?P<index>\d+)(?P<rest>(?:\..+)?)$")
@@ -53,6 +69,13 @@ def split_block(name: str) -> tuple[str, int, str] | None:
     return m["container"], int(m["index"]), m["rest"]
 
 
+def block_parts(name: str) -> tuple[str, int, str]:
+    """`split_block` of a name known to be a block's, or a block member's."""
+    parts = split_block(name)
+    assert parts is not None, name
+    return parts
+
+
 def _steps(calls: Sequence[ModuleCall]) -> list[list[ModuleCall]]:
     """Split forward module calls into steps, one per call of the outermost module."""
     steps: list[list[ModuleCall]] = []
@@ -68,13 +91,22 @@ def flow_key(row: FlowRow) -> tuple:
     return (row.kind, row.inputs, row.outputs, row.note)
 
 
-def collapse_blocks(rows: list[R], key: Callable[[R], tuple] = flow_key) -> list[R]:
+@overload
+def collapse_blocks(rows: list[FlowRow]) -> list[FlowRow]: ...
+
+
+@overload
+def collapse_blocks(rows: list[Row], key: Callable[[Row], tuple]) -> list[Row]: ...
+
+
+# (The default key is for FlowRows, as the first overload says; other rows pass their own.)
+def collapse_blocks(rows: list[Row], key: Callable[[Any], tuple] = flow_key) -> list[Row]:
     """Merge runs of consecutive, identical blocks of one container into ranged rows.
 
     Rows are any dataclass with `name` and `repeats` (FlowRow, a matrix row); `key` gives
     what must be equal, besides the name within the block, for blocks to merge.
     """
-    out: list[R] = []
+    out: list[Row] = []
     i = 0
     while i < len(rows):
         head = split_block(rows[i].name)
@@ -84,7 +116,7 @@ def collapse_blocks(rows: list[R], key: Callable[[R], tuple] = flow_key) -> list
             continue
         container = head[0]
         # Gather the blocks of this container that follow one another: [(index, rows)]
-        blocks: list[tuple[int, list[R]]] = []
+        blocks: list[tuple[int, list[Row]]] = []
         j = i
         while j < len(rows):
             parts = split_block(rows[j].name)
@@ -99,12 +131,12 @@ def collapse_blocks(rows: list[R], key: Callable[[R], tuple] = flow_key) -> list
     return out
 
 
-def _merge_identical(container: str, blocks: list[tuple[int, list[R]]],
-                     key: Callable[[R], tuple]) -> list[R]:
-    def signature(block: list[R]) -> tuple:
-        return tuple((split_block(r.name)[2], key(r)) for r in block)
+def _merge_identical(container: str, blocks: list[tuple[int, list[Row]]],
+                     key: Callable[[Row], tuple]) -> list[Row]:
+    def signature(block: list[Row]) -> tuple:
+        return tuple((block_parts(r.name)[2], key(r)) for r in block)
 
-    out: list[R] = []
+    out: list[Row] = []
     k = 0
     while k < len(blocks):
         first, rows = blocks[k]
@@ -122,7 +154,7 @@ def _merge_identical(container: str, blocks: list[tuple[int, list[R]]],
         low, high = sorted((first, blocks[last][0]))
         label = f"{low}–{high}" if count > 1 else str(first)
         for r in rows:
-            rest = split_block(r.name)[2]
+            rest = block_parts(r.name)[2]
             out.append(replace(r, name=f"{container}.{label}{rest}", repeats=r.repeats * count))
         k = last + 1
     return out

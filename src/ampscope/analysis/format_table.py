@@ -166,7 +166,7 @@ def limits(name: str, finfo_max: float, finfo_smallest_normal: float,
         top = 2 ** layout.exponent - 2 - layout.bias  # the all-ones exponent is inf/NaN
         return _Limits(math.ldexp(2.0 - eps, top), math.ldexp(1.0, 1 - layout.bias), eps,
                        "definition", (layout.note,))
-    notes = (layout.note,) if layout.note else ()
+    notes: tuple[str, ...] = (layout.note,) if layout.note else ()
     if finfo_eps != eps:
         notes += (f"torch.finfo gives eps {finfo_eps:g}, but with {layout.mantissa} mantissa bits "
                   f"the gap after 1.0 is {eps:g}, shown here",)

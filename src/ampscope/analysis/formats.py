@@ -36,6 +36,7 @@ import math
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from functools import cache
+from typing import cast
 
 import torch
 
@@ -93,7 +94,8 @@ def encode(name: str, x: float) -> int:
         return _round_to_tf32(encode("float32", x))
     t = torch.tensor(x, dtype=torch.float64).to(getattr(torch, name))
     bits = 8 * t.element_size()
-    return t.view(_INT_VIEW[bits]).item() & ((1 << bits) - 1)
+    # (An integer tensor's item() is an int.)
+    return cast(int, t.view(_INT_VIEW[bits]).item()) & ((1 << bits) - 1)
 
 
 def decode(name: str, raw: int) -> float:
@@ -209,14 +211,16 @@ def store(text: str, name: str) -> Stored:
     x, exact = parse_value(text)
     raw = encode(name, x)
     q = decode(name, raw)
-    finite = exact is not None and math.isfinite(q)
+    # The exact value to measure q against: none for inf and NaN, or where q is not finite.
+    finite = exact if exact is not None and math.isfinite(q) else None
     nearest = None
-    if finite:
-        error = abs(Fraction(q) - exact)
-        nearest = all(abs(Fraction(v) - exact) >= error for v in neighbours(name, raw))
+    if finite is not None:
+        error = abs(Fraction(q) - finite)
+        nearest = all(abs(Fraction(v) - finite) >= error for v in neighbours(name, raw))
     return Stored(format=name, value=q, bits=bit_groups(raw, LAYOUTS[name]),
                   status=_status(x, exact, q, _limits(name)),
-                  relative_error=_relative(exact, q) if finite else None, nearest=nearest)
+                  relative_error=_relative(finite, q) if finite is not None else None,
+                  nearest=nearest)
 
 
 def formats_report(values: list[str] | tuple[str, ...] = (),

@@ -122,7 +122,8 @@ def roles_in_words(roles: dict[tuple[str, str], Counter]) -> str:
     """Which operands were cast to which format, by phase: "inputs and weights to
     float8_e4m3fn in forward; output gradients to float8_e5m2, weights and inputs again to
     float8_e4m3fn in backward"."""
-    parts, seen = [], set()
+    parts: list[str] = []
+    seen: set[str] = set()  # the roles cast in an earlier phase
     for phase in ("forward", "backward"):
         by_format: dict[str, list[str]] = {}
         for (p, role), formats in roles.items():

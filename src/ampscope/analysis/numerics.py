@@ -121,7 +121,8 @@ class CastRange(_Shares):
 
 def cast_ranges(casts: list[CastValues]) -> list[CastRange]:
     """The casts summed by layer, phase, role and format, in the order they first ran."""
-    rows: dict[tuple, list[CastValues]] = {}
+    # (module, phase, role, dtype, granularity): CastRange's first fields.
+    rows: dict[tuple[str, str, str, str, str], list[CastValues]] = {}
     for c in casts:
         granularity = "tensorwise" if c.scales == 1 else "rowwise"
         key = (c.module or "", c.phase, c.role or "other", c.dtype, granularity)

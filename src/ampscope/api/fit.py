@@ -148,6 +148,8 @@ def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | 
     if accelerator is None:
         raise AmpscopeError("give the GPU (--gpu h100; `ampscope fit --help` lists them) or its "
                             "memory (--memory 80GiB)")
+    # (The table's accelerators all have their memory: built in, or a user's, new or inherited.)
+    assert accelerator.memory_bytes is not None
     return accelerator.memory_bytes, accelerator.name, f"hardware.py: {accelerator.title}"
 
 
@@ -199,7 +201,7 @@ def _longest_seq(lm: LoadedModel, fits: Callable[[int], bool]) -> int | None:
 
 def _variants(lm: LoadedModel, base: Setting) -> list[tuple[str, str, Setting, dict]]:
     """(name, how to ask for it, its setting, its run options) of each change to try."""
-    out = []
+    out: list[tuple[str, str, Setting, dict]] = []
     if base.param_dtype != torch.bfloat16:
         pure = resolved(on_device("bf16", base.device))
         out.append(("bf16 weights", f"-s {pure.name}", pure, {}))

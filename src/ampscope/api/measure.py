@@ -60,14 +60,14 @@ def measure_step(model: str | nn.Module | LoadedModel, *, setting: str | Setting
     import statistics
     import time
 
-    options = RunOptions(**options)
+    run_options = RunOptions(**options)
     setting = resolved(setting)
     if setting.emulated:
         raise AmpscopeError(
             f"cannot time {setting.name} here: this machine has no {setting.device}; "
             "give the measured step time with --step-time SECONDS"
         )
-    lm, data = real_step(model, setting, options)
+    lm, data = real_step(model, setting, run_options)
     cuda = setting.device == "cuda"
     times = []
     for i in range(repeats + 1):
@@ -75,7 +75,7 @@ def measure_step(model: str | nn.Module | LoadedModel, *, setting: str | Setting
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            workloads.run(lm, data, setting, options)
+            workloads.run(lm, data, setting, run_options)
             if cuda:
                 torch.cuda.synchronize()
             if i:  # the first run warms up allocators and kernels
@@ -88,17 +88,17 @@ def measure_peak_memory(model: str | nn.Module | LoadedModel, *,
     """The step's peak on this machine's real device, counted as the prediction counts it: the
     step's own copies of the weights and the batch, plus the most bytes the step allocated on
     top of them (see precision.applied: the step works on its own copies of the weights)."""
-    options = RunOptions(**options)  # its fields, as for `trace`
+    run_options = RunOptions(**options)  # its fields, as for `trace`
     setting = peak_to_measure(setting)
-    lm, data = real_step(model, setting, options)
+    lm, data = real_step(model, setting, run_options)
     if setting.device == "cpu":
-        return _cpu_peak(lm, data, setting, options)
+        return _cpu_peak(lm, data, setting, run_options)
     input_bytes = _storage_bytes(data.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with applied(setting, lm.module):
-        workloads.run(lm, data, setting, options)
+        workloads.run(lm, data, setting, run_options)
         torch.cuda.synchronize()
     return MeasuredPeak(
         device=torch.cuda.get_device_name(),
@@ -137,8 +137,12 @@ def _cpu_peak(lm: LoadedModel, data: Batch, setting: Setting,
             with _fd2_silenced():
                 prof.stop()
     # The events torch's own parser reads (torch.autograd.profiler_util): one "[memory]" event
-    # per allocation (+bytes) and free (-bytes), each with its time.
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+    # per allocation (+bytes) and free (-bytes), each with its time. (nbytes: a method of the
+    # C++ event that torch's stub of _KinetoEvent leaves out.)
+    profiler = prof.profiler
+    assert profiler is not None and profiler.kineto_results is not None  # (set by stop())
+    events = sorted((e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
+                    for e in profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     live = peak = 0
     for _, nbytes in events:

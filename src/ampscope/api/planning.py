@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -96,6 +97,7 @@ def inputs_in_param_dtype(data: Batch, setting: Setting) -> tuple[Batch, list[st
 def _call(module: nn.Module, batch: Batch):
     """The forward called with the batch: by name where the forward has those parameters,
     else in order (a lone tensor named `idx` for a forward that takes `x`)."""
+    names: Mapping[str, inspect.Parameter]
     try:
         names = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):

@@ -92,6 +92,7 @@ def flops(
         result = trace(model, inputs, **options)
     report = flop_report(result, tokens=tokens_of(result))
     if measure:
+        assert not isinstance(model, Trace)  # (refused above: a Trace cannot be measured)
         step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
     if step_time is not None:
         report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),

@@ -41,7 +41,7 @@ from ampscope.precision.predict import (
 )
 from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.repeats import ReplayDoubt
-from ampscope.recorders.session import Capture
+from ampscope.recorders.session import Capture, CaptureOptions
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
 from ampscope.tricks import exact, exact_path
@@ -170,14 +170,15 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
         if inputs is not None:
             data, cast = inputs_in_param_dtype(data, setting)
             if cast:
+                assert setting.param_dtype is not None  # (inputs are cast to that dtype only)
                 notes.append(f"Float inputs {', '.join(cast)} were cast to "
                              f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
                              f"script would under {setting.name} (no autocast to do it).")
                 log.info("%s", notes[-1])
-        capture = Capture(lm.module, model_name=lm.name, setting=setting.record(),
-                          workload=workload_name,
-                          op_check=check_matmul_dtypes if fake is not None else None,
-                          replay_blocks=fake is not None and not options.exact)
+        capture = Capture(lm.module, CaptureOptions(
+            model_name=lm.name, setting=setting.record(), workload=workload_name,
+            op_check=check_matmul_dtypes if fake is not None else None,
+            replay_blocks=fake is not None and not options.exact))
         try:
             with predicting(fake) if fake is not None else gc_enabled(collecting):
                 run_data = fake_batch(data, fake) if fake is not None else data
@@ -314,13 +315,13 @@ def capture(model: nn.Module, *, name: str | None = None,
     With `device` ("cuda", "mps", "xpu") on a machine that lacks it, the code inside runs on
     the virtual device: it sees that device, and its autocast follows that device's policy.
     """
-    recorder = Capture(model, model_name=name, workload="custom", findings=derive_findings,
-                       explain_failure=_explain)
+    if device is not None and device not in DEVICES:
+        raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    recorder = Capture(model, CaptureOptions(model_name=name, workload="custom",
+                                             findings=derive_findings, explain_failure=_explain,
+                                             device=device))
     if device is None:
         return recorder
-    if device not in DEVICES:
-        raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
-    recorder.device = device
     if device_available(device):
         return recorder
     return _on_virtual_device(recorder, device)

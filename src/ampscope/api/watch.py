@@ -9,8 +9,8 @@ the `capture` recorders; after it nothing at all.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from ampscope.api.tracing import capture
 from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, write_atomic
+from ampscope.recorders.session import Capture
 from ampscope.records import Trace
 from ampscope.torchcompat import optim
 
@@ -63,11 +64,11 @@ class Watch:
         self.trace: Trace | None = None
         self.steps = 0
         self.files: list[Path] = []
-        self._recorder = None  # the capture() around step N while it runs
+        self._recorder: Capture | None = None  # the capture() around step N while it runs
         self._optimizer: torch.optim.Optimizer | None = None
         self._counter: RemovableHandle | None = None  # the optimizer post-hook counting steps
         self._finder: RemovableHandle | None = None  # with no optimizer given: finds it
-        self._unfinished: list[tuple[RemovableHandle, OrderedDict]] = []
+        self._unfinished: list[tuple[RemovableHandle, optim.HookDict]] = []
         if optimizer is not None:
             self._bind(optimizer)
         else:
@@ -98,7 +99,7 @@ class Watch:
                 self._remove(self._counter, optim.step_post_hooks(optimizer))
                 self._counter = None
 
-    def _remove(self, handle: RemovableHandle | None, hooks: OrderedDict) -> None:
+    def _remove(self, handle: RemovableHandle | None, hooks: optim.HookDict) -> None:
         """Remove one of this Watch's hooks from inside a hook call. Torch runs each dict's hooks
         by iterating over it, and an OrderedDict's iterator fails on the next entry when one was
         removed; an iterator that has handed out its last entry is done and checks nothing.
@@ -124,11 +125,14 @@ class Watch:
     # -- step N
     def _begin(self) -> None:
         log.info("ampscope.watch: tracing optimizer step %d", self.step)
-        self._recorder = capture(self.model, name=self.name)
+        # Without a device, capture() returns its Capture recorder itself: its .trace is read
+        # once it has exited.
+        self._recorder = cast(Capture, capture(self.model, name=self.name))
         self._recorder.__enter__()
 
     def _end(self) -> None:
         recorder, self._recorder = self._recorder, None
+        assert recorder is not None  # (step N's end comes after its _begin)
         recorder.__exit__(None, None, None)
         self.trace = recorder.trace
         self.trace.notes.insert(0, f"Optimizer step {self.step} of the training loop, watched as "
@@ -143,13 +147,15 @@ class Watch:
         from ampscope.api.reports import flops, memory
         from ampscope.render.html import report_html
 
-        traces = [self.trace]
-        page = report_html(traces, build_matrix(traces), memory=[memory(self.trace)],
-                           flops=[flops(self.trace)])
+        trace, out = self.trace, self.out
+        assert trace is not None and out is not None  # (_end calls this with both set)
+        traces = [trace]
+        page = report_html(traces, build_matrix(traces), memory=[memory(trace)],
+                           flops=[flops(trace)])
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            stem = self.out / f"ampscope-step{self.step}"
-            self.trace.to_json(stem.with_suffix(".json"))
+            out.mkdir(parents=True, exist_ok=True)
+            stem = out / f"ampscope-step{self.step}"
+            trace.to_json(stem.with_suffix(".json"))
             self.files.append(stem.with_suffix(".json"))
             write_atomic(stem.with_suffix(".html"), page)
             self.files.append(stem.with_suffix(".html"))

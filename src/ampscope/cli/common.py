@@ -8,7 +8,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from ampscope.errors import AmpscopeError
 from ampscope.files import write_atomic
@@ -89,7 +89,7 @@ def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable
 
 
 # The real stdout while a command with `--json -` runs with user code's prints sent to stderr.
-json_stream = None
+json_stream: TextIO | None = None
 
 
 def _write_json(text: str, path: str) -> None:

@@ -8,6 +8,7 @@ the short comment that says what the example shows.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "": (
@@ -89,7 +90,7 @@ def epilog(command: str) -> str:
 
 
 def add_examples(parser: argparse.ArgumentParser,
-                 commands: dict[str, argparse.ArgumentParser]) -> None:
+                 commands: Mapping[str, argparse.ArgumentParser]) -> None:
     """Give the top-level parser and every command in EXAMPLES their examples, printed as
     written (RawDescriptionHelpFormatter keeps the lines and their alignment)."""
     for name, p in {"": parser, **commands}.items():

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
-from ampscope.recorders.session import Capture
+from ampscope.recorders.session import Capture, CaptureOptions
 from ampscope.records import SettingRecord, Trace, dtype_name
 from ampscope.torchcompat.distributed import storage_id
 
@@ -91,8 +91,8 @@ class DistributedCapture:
         self.model = model
         # DDP's wrapper runs the model's own forward: names without "module." read better.
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        self._capture = Capture(inner, model_name=name, setting=setting, workload=workload,
-                                op_check=op_check)
+        self._capture = Capture(inner, CaptureOptions(model_name=name, setting=setting,
+                                                      workload=workload, op_check=op_check))
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallel = parallel or Parallel(_strategy_of(model), self.world_size)
@@ -108,31 +108,23 @@ class DistributedCapture:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
 
-    def _start(self) -> None:
-        self._hook = register_optimizer_step_post_hook(self._on_step)
-        self._capture._start()
-
-    def _stop(self) -> None:
-        try:
-            self._capture._stop()
-        finally:
-            self._hook.remove()
-
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Record the body; leaves the report unfinished (call `finish`)."""
-        self._start()
+        hook = register_optimizer_step_post_hook(self._on_step)
         try:
-            yield
+            with self._capture.recording():
+                yield
         finally:
-            self._stop()
+            hook.remove()
 
     def __enter__(self) -> DistributedCapture:
-        self._start()
+        self._recording = contextlib.ExitStack()
+        self._recording.enter_context(self.recording())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._stop()
+        self._recording.close()
         if exc_type is None:
             self.finish()
 

@@ -115,7 +115,7 @@ def _guard(trainer: Trainer | None, callback: AmpscopeCallback) -> None:
                 each.close()
 
     setattr(trainer, _GUARDED, closers)
-    trainer.train = guarded_train
+    trainer.train = guarded_train  # type: ignore[method-assign]  # on this Trainer only
 
 
 def _torch_optimizer(optimizer):

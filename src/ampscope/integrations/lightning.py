@@ -8,11 +8,15 @@ the trace and its HTML report into the run's log folder.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-try:
+if TYPE_CHECKING:  # one of the two for the checker: the same class, in two packages
     from lightning.pytorch.callbacks import Callback
-except ImportError:  # the standalone package
-    from pytorch_lightning.callbacks import Callback
+else:
+    try:
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:  # the standalone package
+        from pytorch_lightning.callbacks import Callback
 
 from ampscope.api.watch import Watch, watch
 from ampscope.records import Trace

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,17 @@ from ampscope.quiet import loggers_quiet
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    class _CausalLM(Protocol):
+        """What ampscope uses of the transformers causal LM (an AutoModelForCausalLM class)
+        that `hf_loaded_model` wraps, typed as an nn.Module where it is passed around: its
+        config, its loss_type, and `generate`, which returns the ids (a LongTensor) unless
+        asked for a dict (return_dict_in_generate, never asked here)."""
+
+        config: PretrainedConfig
+        loss_type: str | None
+
+        def generate(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor: ...
 
 # The attention kernel every HF model is built with: the same one nanoGPT and nanochat call.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -318,7 +329,7 @@ def _read_config(config_file: Path) -> PretrainedConfig:
             config = transformers.AutoConfig.for_model(model_type, **config_dict)
     except ValueError as e:  # unknown model_type
         raise AmpscopeError(f"{config_file}: {_first_line(e)}") from e
-    config._attn_implementation = ATTN_IMPLEMENTATION
+    config._attn_implementation = ATTN_IMPLEMENTATION  # noqa: SLF001 - transformers' setting
     return config
 
 
@@ -444,14 +455,15 @@ def hf_generate(
     `max_new_tokens` tokens (a random model samples its eos token now and then).
     """
     del generator
-    vocab_size = module.config.vocab_size
-    return module.generate(
+    model = cast("_CausalLM", module)
+    vocab_size = model.config.vocab_size
+    return model.generate(
         idx,
         attention_mask=torch.ones_like(idx),  # no padding; also silences HF's warning
         max_new_tokens=max_new_tokens,
         do_sample=True,
         top_k=50,
-        pad_token_id=_valid_token_id(module.config, vocab_size),
+        pad_token_id=_valid_token_id(model.config, vocab_size),
         eos_token_id=None,
     )
 
@@ -461,12 +473,13 @@ def hf_loaded_model(module: nn.Module, *, name: str, built_here: bool = True) ->
 
     A model the user passed in (`built_here=False`) is not touched at all.
     """
-    config = module.config
+    model = cast("_CausalLM", module)
+    config = model.config
     # transformers 5 derives the loss from the class name; for GPT2LMHeadModel that fails and
     # every first loss logs "`loss_type=None` ... unrecognized. Using the default loss:
     # `ForCausalLMLoss`". Name that default up front on models we built: same loss, no log.
     if built_here and getattr(module, "loss_type", "") is None:
-        module.loss_type = "ForCausalLM"
+        model.loss_type = "ForCausalLM"
     return LoadedModel(
         name=name,
         module=module,

@@ -33,6 +33,7 @@ import mmap
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -196,19 +197,21 @@ def gguf_config(path: Path) -> PretrainedConfig:
 def _quiet_gguf_progress() -> Iterator[None]:
     """Silence the tqdm bar ("Converting and de-quantizing GGUF tensors...") that transformers'
     GGUF loader draws on stderr outside its own progress-bar switch."""
+    loader: ModuleType | None
     try:
         from transformers import modeling_gguf_pytorch_utils as loader
     except ImportError:  # another transformers version: nothing to silence
         loader = None
     bar = getattr(loader, "tqdm", None)
-    if bar is None:
+    if loader is None or bar is None:  # (no loader has no bar either)
         yield
         return
-    loader.tqdm = functools.partial(bar, disable=True)
+    # A monkeypatch, of a name the loader module imported: ModuleType declares no such attribute.
+    loader.tqdm = functools.partial(bar, disable=True)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        loader.tqdm = bar
+        loader.tqdm = bar  # type: ignore[attr-defined]
 
 
 def load(*, device: str | torch.device = "cpu") -> LoadedModel:

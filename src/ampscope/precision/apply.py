@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from ampscope.precision.emulation import Emulation
 from ampscope.precision.predict import fake_like, fake_parameter
 from ampscope.precision.setting import Setting
 from ampscope.torchcompat import modules as module_state
+
+if TYPE_CHECKING:
+    from ampscope.torchcompat.fake import FakeTensor
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -165,12 +169,13 @@ def _working_copies(model: nn.Module, setting: Setting, state: ModelState, fake=
     thousands of modules).
     """
     params = [p for p, *_ in state.params]
-    convert = setting.param_dtype is not None and \
-        main_dtype(model, params) not in (None, setting.param_dtype)
+    # The dtype that floating-point copies are converted to; None: no conversion.
+    convert = setting.param_dtype if setting.param_dtype is not None and \
+        main_dtype(model, params) not in (None, setting.param_dtype) else None
     device = torch.device(setting.run_device)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        dtype = setting.param_dtype if convert and t.is_floating_point() else t.dtype
+        dtype = convert if convert is not None and t.is_floating_point() else t.dtype
         if fake is not None:
             return fake_like(t, fake, dtype=dtype, device=device)
         return t.detach().to(device=device, dtype=dtype, copy=True)
@@ -185,7 +190,8 @@ def _working_copies(model: nn.Module, setting: Setting, state: ModelState, fake=
         replacements: dict[int, nn.Parameter] = {}
         for m, name, p in state.slots:
             if id(p) not in replacements:
-                replacements[id(p)] = fake_parameter(copy(p), p.requires_grad)
+                # (With a mode, copy makes fake tensors.)
+                replacements[id(p)] = fake_parameter(cast("FakeTensor", copy(p)), p.requires_grad)
             module_state.parameters(m)[name] = replacements[id(p)]
     for m, name, b in state.buffers:
         module_state.buffers(m)[name] = copy(b)
@@ -194,13 +200,15 @@ def _working_copies(model: nn.Module, setting: Setting, state: ModelState, fake=
 def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Setting) -> None:
     """torchao's fp8 training conversion of the run's model: emulated (fp8 values, matmuls in
     higher precision) on the CPU and on an emulated device, real on a GPU that has fp8 matmuls."""
+    recipe = setting.fp8
+    assert recipe is not None  # (called for an fp8 setting only)
     emulate = setting.run_device == "cpu"
     fp8.check_device(setting.device, emulated=setting.emulated)
-    fp8.check_cpu_autocast(setting.name, setting.fp8,
+    fp8.check_cpu_autocast(setting.name, recipe,
                            cpu_autocast=setting.device == "cpu" and setting.autocast_dtype is not None)
-    names = stack.enter_context(fp8.converted(model, setting.fp8, emulate=emulate))
+    names = stack.enter_context(fp8.converted(model, recipe, emulate=emulate))
     log.info("Converted %d Linear layers to torchao Float8Linear (recipe %s%s)", len(names),
-             setting.fp8, ", emulated" if emulate else "")
+             recipe, ", emulated" if emulate else "")
 
 
 @contextlib.contextmanager
@@ -231,6 +239,7 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
                      setting.matmul_precision,
                      f"; {setting.device} emulated on the CPU" if setting.emulated else "")
             if model is not None:
+                assert model_state is not None  # (saved above, as there is a model)
                 # Before the emulation's modes: a copy is no norm and no autocast region, and
                 # each mode would see every copy made (1,446 for a 70B model's parameters).
                 _working_copies(model, setting, model_state, fake)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -105,11 +106,18 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.stride is None:
-            strides, n = [], 1
+            strides: list[int] = []
+            n = 1
             for size in reversed(self.shape):
                 strides.insert(0, n)
                 n *= max(size, 1)
             object.__setattr__(self, "stride", tuple(strides))
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """`stride`, which is never None once constructed (contiguous when none was given)."""
+        assert self.stride is not None  # (__post_init__ fills it in)
+        return self.stride
 
     @classmethod
     def of(cls, t: torch.Tensor | TensorSpec) -> TensorSpec:
@@ -117,7 +125,10 @@ class TensorSpec:
             return t
         if t.is_nested:
             raise NotImplementedError("nested tensors are not emulated")
-        return cls(tuple(t.shape), t.dtype, tuple(t.stride()), t.storage_offset(), t.requires_grad)
+        # torch types an offset as int | SymInt, and sizes and strides as int, though all are
+        # SymInts together under symbolic shapes: the offset is read as the sizes are.
+        offset = cast(int, t.storage_offset())
+        return cls(tuple(t.shape), t.dtype, tuple(t.stride()), offset, t.requires_grad)
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,7 @@ def choose_backend(
     mask = None if attn_mask is None else TensorSpec.of(attn_mask)
     needs_grad = grad_enabled and (q.requires_grad or k.requires_grad or v.requires_grad)
     call = _Call(q, k, v, mask, dropout_p, is_causal, enable_gqa, needs_grad, target, flags)
-    reasons = []
+    reasons: list[str] = []
     for backend in _priority(target, flags):
         if backend == "math":
             reason = None if flags.math else "math attention has been runtime disabled."
@@ -223,8 +234,8 @@ def _dense_reason(c: _Call, ignore_singleton: bool, gqa: bool, same_kv_heads: bo
     q, k, v = c.q, c.k, c.v
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return "all fused kernels do not support zero seq_len_q or seq_len_kv."
-    last_ok = all(t.stride[-1] == 1 for t in (q, k, v)) or (ignore_singleton and q.shape[-1] == 1)
-    if not last_ok or (c.mask is not None and c.mask.stride[-1] != 1):
+    last_ok = all(t.strides[-1] == 1 for t in (q, k, v)) or (ignore_singleton and q.shape[-1] == 1)
+    if not last_ok or (c.mask is not None and c.mask.strides[-1] != 1):
         return "all fused kernels require the last dimension of the inputs to have stride 1."
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         return "query, key and value must have the same batch size."
@@ -265,6 +276,7 @@ def _cudnn_reason(c: _Call) -> str | None:
 
 def _cudnn_mask_shape_ok(c: _Call) -> bool:  # check_attn_mask_shape
     m, (b, h, seq_q, _), seq_k = c.mask, c.q.shape, c.k.shape[2]
+    assert m is not None  # (asked only where there is a mask)
     if m.requires_grad or len(m.shape) not in (2, 4):
         return False
     ok = m.shape[-2] in (seq_q, 1) and m.shape[-1] in (seq_k, 1)

@@ -136,7 +136,7 @@ class DeviceMode(TorchFunctionMode):
             return device.type == getter.removeprefix("is_")
         if func == _DATA_SET:  # param.data = moved: the parameter is where its data is
             out = func(*args, **kwargs)
-            self._tagged_like_value(args[0], args[1])
+            self.tag_like_value(args[0], args[1])
             return out
         if func is _TensorBase.get_device:
             return -1 if args[0] in self.on_cpu else 0
@@ -263,7 +263,7 @@ class DeviceMode(TorchFunctionMode):
 
         return property(device, original.fset)
 
-    def _tagged_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
+    def tag_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
         if value in self.on_cpu:
             self.on_cpu.add(t)
         else:

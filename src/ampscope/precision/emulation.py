@@ -281,6 +281,12 @@ def autocast_region(dtype: torch.dtype) -> Iterator[None]:
             _active.clear_cache()
 
 
+def clear_active_cache() -> None:
+    """Empty the emulated cast cache of the emulation in force, if one is."""
+    if _active is not None:
+        _active.clear_cache()
+
+
 def foreach_by_default(device: str) -> bool:
     """Whether PyTorch's optimizers pick their `_foreach_*` implementation on `device` (they do
     on CUDA, and fall back to a per-parameter loop on the CPU)."""

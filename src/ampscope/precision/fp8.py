@@ -144,7 +144,7 @@ def _inductor_patch_state() -> tuple | None:
     except Exception:  # torchao's internals moved: nothing of ours to restore
         return None
     return TritonOverrides, TritonOverrides.__dict__.get("minimum"), \
-        TritonOverrides.__dict__.get("maximum"), patch, patch._PATCHED
+        TritonOverrides.__dict__.get("maximum"), patch, patch._PATCHED  # noqa: SLF001 - torchao's flag
 
 
 def _restore_inductor_patch(state: tuple | None) -> None:
@@ -154,7 +154,7 @@ def _restore_inductor_patch(state: tuple | None) -> None:
     for name, value in (("minimum", minimum), ("maximum", maximum)):
         if value is not None:
             setattr(overrides, name, value)
-    patch._PATCHED = patched
+    patch._PATCHED = patched  # noqa: SLF001 - torchao's own flag, put back as it was
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ _LEGACY = {"ieee": "highest", "tf32": "high"}
 
 
 def _backend(path: str):
-    obj = torch.backends
+    obj: object = torch.backends  # then a backend module, or its op's settings object
     for part in filter(None, path.split(".")):
         obj = getattr(obj, part, None)
         if obj is None:

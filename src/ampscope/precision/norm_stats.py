@@ -145,8 +145,8 @@ class TargetNormStats(UncompiledDispatchMode):
         """The saved statistics in the dtypes the CPU's forward kernel gives them, which its
         backward kernel expects (eps and momentum change no dtype: any value serves)."""
         kernel = target_dtypes(backward.forward, backward.forward_args(args), "cpu")
-        args = list(args)
+        values = list(args)
         for arg, output in backward.stats:
-            if isinstance(args[arg], torch.Tensor) and args[arg].dtype != kernel[output]:
-                args[arg] = args[arg].to(kernel[output])
-        return tuple(args)
+            if isinstance(values[arg], torch.Tensor) and values[arg].dtype != kernel[output]:
+                values[arg] = values[arg].to(kernel[output])
+        return tuple(values)

@@ -189,7 +189,7 @@ _fresh: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, tuple]] \
 
 
 def fake_like(t: torch.Tensor, mode: FakeTensorMode, *, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+              device: torch.device) -> FakeTensor:
     """A fake tensor with `t`'s shape and strides, in `dtype` on `device` (no storage)."""
     return new_fake(mode, tuple(t.shape), tuple(t.stride()), dtype, device)
 

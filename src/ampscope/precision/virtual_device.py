@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ampscope import hardware
+from ampscope.patches import patched
 from ampscope.precision import emulation
 from ampscope.precision.device_mode import DeviceMode
 from ampscope.precision.setting import default_autocast_dtype
@@ -188,7 +189,7 @@ class VirtualDevice:
     def place_like(self, t: torch.Tensor, like: torch.Tensor) -> None:
         """`t` is where `like` is, as user code sees it: a stand-in ampscope made for `like`
         without a torch function call (a predicted script's fake weight for a real one)."""
-        self.mode._tagged_like_value(t, like)
+        self.mode.tag_like_value(t, like)
 
     # -- what is patched
     def _patches(self) -> list[tuple[object, str, object]]:
@@ -408,8 +409,7 @@ def _clearing(original: Callable) -> Callable:
 
     def clear_autocast_cache() -> None:
         original()
-        if emulation._active is not None:
-            emulation._active.clear_cache()
+        emulation.clear_active_cache()
 
     return clear_autocast_cache
 
@@ -424,20 +424,3 @@ def _translating(fn: Callable, target: str) -> Callable:
 
     translated.__name__ = getattr(fn, "__name__", "translated")
     return translated
-
-
-@contextlib.contextmanager
-def patched(owner: object, name: str, value: object) -> Iterator[None]:
-    """`owner.name` set to `value` for the body, and put back as it was (a class's own entry,
-    a staticmethod `__new__` included, or removed when the class had none of its own)."""
-    missing = object()
-    old = owner.__dict__.get(name, missing) if isinstance(owner, (type, types.ModuleType)) \
-        else getattr(owner, name, missing)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if old is missing:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, old)

@@ -2,11 +2,23 @@
 
 - `session.py`: `Capture`, every recorder at once around one run → a `Trace`;
 - `modules.py`: module calls (forward and backward) and the phase clock;
-- `ops.py`: user-level calls (a TorchFunctionMode) and aten ops (a TorchDispatchMode);
+- `functions.py`: user-level calls (a TorchFunctionMode), above autocast;
+- `ops.py`: the aten ops that ran (a TorchDispatchMode), below autocast and autograd;
 - `memory.py`: every storage's birth, death and saved-for-backward flag;
 - `flops.py`: FLOPs per aten op; `inventory.py`: parameters, buffers, optimizer state;
-- `values.py`: values for numerics; `source.py`: the user's file:line; `tensors.py`: metadata;
+- `values.py`: values for numerics; `source.py`: the user's file:line; `tensors.py`: tensor
+  metadata (`meta_of`, `tensor_key`);
 - `progress.py`: how far a run has got, told to a callback the caller sets.
+
+The speed tricks of a predicted run (ampscope.tricks; each has an exact path):
+
+- `repeats.py`: identical blocks recorded twice and replayed for the others, with `alike.py`
+  (which blocks are identical), `blockio.py` (what a block call takes and leaves) and
+  `windows.py` (one recorded block call's records, appended again under another block's names,
+  through the recorders' public methods);
+- `foreach.py`: foreach ops dispatched over one list entry of each kind;
+- `shortcuts.py`: per-parameter ops FakeTensorMode never caches, answered as it would;
+- `fake_cache.py`: other ops answered from FakeTensorMode's own cache, by a cheaper key.
 
 Recorders emit records (`ampscope.records`) and nothing else: findings and diagnoses are
 computed from the records by the analysis layer, never here.

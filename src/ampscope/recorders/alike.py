@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampscope.recorders.tensors import tensor_key
 from ampscope.torchcompat import modules as module_state
 
 MIN_BLOCKS = 5  # two recorded at each end and at least one replayed
@@ -33,7 +34,7 @@ def _value_key(value: Any) -> Any:
     if isinstance(value, (tuple, list)) and all(isinstance(v, PLAIN_VALUES) for v in value):
         return (type(value), tuple(value))
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape), tuple(value.stride()))
+        return ("tensor", tensor_key(value))
     if isinstance(value, functools.partial):  # an activation made per layer: gelu(tanh)
         return ("partial", _value_key(value.func), tuple(map(_value_key, value.args)),
                 tuple(sorted((k, _value_key(v)) for k, v in value.keywords.items())))
@@ -58,8 +59,7 @@ def _structure(block: nn.Module) -> list[tuple] | None:
         out.append((rel, "class", type(m)))
         for kind, named in (("parameter", module_state.parameters(m)), ("buffer", module_state.buffers(m))):
             for key, t in named.items():
-                out.append((rel, kind, key, None if t is None else (
-                    type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.requires_grad)))
+                out.append((rel, kind, key, None if t is None else tensor_key(t)))
         for key, value in m.__dict__.items():
             if key not in fields:
                 out.append((rel, "attribute", key, _value_key(value)))

@@ -139,6 +139,17 @@ class StorageTracker:
         self._logging -= 1
         return len(self.log)
 
+    # -- the storages recorded so far, for the replay engine (recorders/windows.py)
+    def created_count(self) -> int:
+        return len(self._seen)
+
+    def created_between(self, start: int, end: int) -> list:
+        return self._seen[start:end]
+
+    def live_keys(self):
+        """The keys (ids of storage objects) of the storages alive now, as a set-like view."""
+        return self._live.keys()
+
     def entry_of(self, tensor: torch.Tensor):
         """The entry of a live tensor's storage, None when it has not been seen."""
         storage = storage_of(tensor)

@@ -23,6 +23,7 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from ampscope.patches import patch
 from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, TensorMeta
 from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
@@ -119,9 +120,9 @@ class _BackwardStart:
         with no_torch_function():  # as `_quiet`
             tracker = self.tracker()
             if tracker is not None:
-                call = OpenCall(len(tracker._calls), self.name, self.type, "backward",
+                call = OpenCall(tracker.call_count(), self.name, self.type, "backward",
                                 self.depth, metas(grad))
-                tracker._open_backward(call, self.enter)
+                tracker.open_backward(call, self.enter)
 
 
 class _BackwardEnd:
@@ -136,7 +137,7 @@ class _BackwardEnd:
         with no_torch_function():  # as `_quiet`
             tracker = self.tracker()
             if tracker is not None:
-                tracker._close_backward(self.name, grads)
+                tracker.close_backward(self.name, grads)
 
 
 class ModuleTracker:
@@ -166,6 +167,25 @@ class ModuleTracker:
         self._names.update(names)
 
     # -- queries used while ops run
+    # -- the calls recorded so far, for the replay engine (recorders/windows.py)
+    def call_count(self) -> int:
+        return len(self._calls)
+
+    def calls_between(self, start: int, end: int) -> list[OpenCall]:
+        return self._calls[start:end]
+
+    def add_call(self, name: str, type_: str, phase: str, depth: int, inputs: tuple,
+                 outputs: tuple) -> OpenCall:
+        """Append a call that ran no hook: a replayed block's module call, already closed."""
+        call = OpenCall(len(self._calls), name, type_, phase, depth, inputs)
+        call.outputs = outputs
+        self._calls.append(call)
+        return call
+
+    def innermost_forward(self) -> OpenCall | None:
+        """The innermost module call running in the forward pass, None outside any."""
+        return self._forward_stack[-1] if self._forward_stack else None
+
     def current(self) -> str | None:
         """Qualified name of the innermost running module; None outside any module."""
         stack = self._backward_stack if in_backward() else self._forward_stack
@@ -187,7 +207,6 @@ class ModuleTracker:
         what undoes it."""
         tracker = self
         original = module.forward
-        had_own = "forward" in module.__dict__
 
         @functools.wraps(original)  # its signature names the model's inputs
         def forward(*args, **kwargs):
@@ -205,15 +224,7 @@ class ModuleTracker:
             tracker._forward_post(module, args, kwargs, output)
             return output
 
-        module.forward = forward
-
-        def undo() -> None:
-            if had_own:
-                module.forward = original
-            else:
-                module.__dict__.pop("forward", None)
-
-        return undo
+        return patch(module, "forward", forward)
 
     def enter_running(self, module: nn.Module,
                       on_call: Callable[[nn.Module, tuple, dict], None] | None = None) -> bool:
@@ -332,7 +343,8 @@ class ModuleTracker:
     def _backward_end_hook(self, module: nn.Module) -> _BackwardEnd:
         return _BackwardEnd(weakref.ref(self), self._name(module))
 
-    def _open_backward(self, call: OpenCall, enter: bool) -> None:
+    def open_backward(self, call: OpenCall, enter: bool) -> None:
+        """A module's backward call begins (its output's gradient arrived)."""
         self._queue_end_of_backward()
         self._calls.append(call)
         if not enter:
@@ -346,7 +358,8 @@ class ModuleTracker:
             position -= 1
         stack.insert(position, call)
 
-    def _close_backward(self, name: str, grads) -> None:
+    def close_backward(self, name: str, grads) -> None:
+        """Module `name`'s backward call ends with its inputs' gradients `grads`."""
         for i in range(len(self._backward_stack) - 1, -1, -1):
             call = self._backward_stack[i]
             if call.name == name:

@@ -38,14 +38,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampscope.patches import patch
 from ampscope.recorders.alike import PLAIN_VALUES, attribute_ids, repeated_runs
-from ampscope.recorders.memory import StorageTracker, saved_tensors, storage_of
+from ampscope.recorders.blockio import (
+    grad_and_autocast_state,
+    is_fake,
+    plain_spec,
+    saved_storages,
+    shared_with_first,
+)
+from ampscope.recorders.memory import StorageTracker, storage_of
 from ampscope.recorders.modules import ModuleTracker
-from ampscope.recorders.tensors import described, fake_from, no_torch_function
+from ampscope.recorders.tensors import described, fake_from, no_torch_function, tensor_key
 from ampscope.recorders.windows import Window
-from ampscope.torchcompat.autograd import graph_task_id, reads_saved_raw, saving_through_hooks
-from ampscope.torchcompat.dispatch import pytree, pytree_children
-from ampscope.torchcompat.fake import FakeTensor
+from ampscope.torchcompat.autograd import graph_task_id
+from ampscope.torchcompat.dispatch import pytree
 
 
 class ReplayDoubt(Exception):
@@ -115,17 +122,6 @@ class _Backward:
         self.normalized: tuple = ()
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device,
-            t.requires_grad, t.grad_fn is None, type(t))
-
-
-def _state() -> tuple:
-    return (torch.is_grad_enabled(),
-            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                  for d in ("cpu", "cuda")))
-
-
 class _Run:
     """One run of identical blocks, its forwards wrapped for recording or replaying."""
 
@@ -143,13 +139,13 @@ class _Run:
         def forward(*args, **kwargs):
             return run.call(k, original, args, kwargs)
 
-        block.forward = forward
-        return lambda: block.__dict__.pop("forward", None)
+        return patch(block, "forward", forward)
 
     def call(self, k: int, original: Callable, args: tuple, kwargs: dict):
         tracker = self.replay.tracker
-        stack = tracker._forward_stack
-        if not stack or stack[-1].module_id != id(self.blocks[k]) or graph_task_id() != -1:
+        innermost = tracker.innermost_forward()
+        if innermost is None or innermost.module_id != id(self.blocks[k]) or \
+                graph_task_id() != -1:
             return original(*args, **kwargs)  # called as .forward(...), or inside a backward
         if k == 0:
             self.current = _Pass()
@@ -180,9 +176,9 @@ class _Run:
         with _bookkeeping(self.names[k]), no_torch_function():
             leaves, spec = pytree.tree_flatten((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            fake = all(_is_fake(t) for t in tensors) and tensors
+            fake = all(is_fake(t) for t in tensors) and tensors
             inputs = [replay.storages.entry_of(t) for t in tensors]
-            state = _state()
+            state = grad_and_autocast_state()
             attributes = attribute_ids(block)
         with _bookkeeping(self.names[k]):
             window = Window(replay, self.names[k])
@@ -209,7 +205,7 @@ class _Run:
                     tensors: list, inputs: list, out, state: tuple) -> _Forward | None:
         replay = self.replay
         out_leaves, out_spec = pytree.tree_flatten(out)
-        if not _plain_spec(spec) or not _plain_spec(out_spec):
+        if not plain_spec(spec) or not plain_spec(out_spec):
             return None
         outputs = []
         descriptions: list = []
@@ -235,18 +231,18 @@ class _Run:
             input_frees.append((input_of[id(e)], e.freed - window.r0))
         if not window.is_own(replay, forward=True):
             return None
-        shared = _shared(tensors, p.first_inputs)
-        keys = [_tensor_key(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+        shared = shared_with_first(tensors, p.first_inputs)
+        keys = [tensor_key(t) if isinstance(t, torch.Tensor) else t for t in leaves]
         if any(not isinstance(t, (torch.Tensor, *PLAIN_VALUES)) for t in leaves):
             return None  # an object argument (a cache) the block may change
         # What its autograd graph saved from outside it: a replayed twin saves the same (for
         # the storages' `saved` flags and lifetimes), or the window is not used.
         # (Only storages the tracker knows: a Python scalar autograd saves as a tensor made
         # without an op is no memory the trace counts.)
-        found = _saved_storages(out, tensors)
+        found = saved_storages(out, tensors)
         if found is None:
             return None
-        saved = (found & replay.storages._live.keys()) - {e.key for e in made}
+        saved = (found & replay.storages.live_keys()) - {e.key for e in made}
         held = [*tensors, *self.blocks[k].parameters(), *self.blocks[k].buffers()]
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
@@ -289,7 +285,7 @@ class _Run:
                     window = state["window"]
                     window.close(self_.replay)
                     with _bookkeeping(prefix), no_torch_function():
-                        self_._backward_of(p, k, window, state, wanted, params, recorded)
+                        self_.backward_of(p, k, window, state, wanted, params, recorded)
             return hook
 
         for i, t in enumerate(outputs):
@@ -297,7 +293,7 @@ class _Run:
         for i, t in enumerate(needing):
             t.register_hook(left(i))
 
-    def _backward_of(self, p: _Pass, k: int, window: Window, state: dict, wanted: int,
+    def backward_of(self, p: _Pass, k: int, window: Window, state: dict, wanted: int,
                      params: list, recorded: _Forward) -> None:
         replay = self.replay
         grad_in = {id(entry): ("grad_in", i) for i, (entry, _) in state["grad_in"].items()
@@ -349,13 +345,13 @@ class _Run:
             tensors = []
             for leaf, key in zip(leaves, template.leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
-                    if not _is_fake(leaf) or _tensor_key(leaf) != key:
+                    if not is_fake(leaf) or tensor_key(leaf) != key:
                         return _NOT_REPLAYED
                     tensors.append(leaf)
                 elif not isinstance(leaf, PLAIN_VALUES) or leaf != key or type(leaf) is not type(key):
                     return _NOT_REPLAYED
-            shared = _shared(tensors, p.first_inputs)
-            if shared != template.shared or _state() != template.state:
+            shared = shared_with_first(tensors, p.first_inputs)
+            if shared != template.shared or grad_and_autocast_state() != template.state:
                 return _NOT_REPLAYED
             block = self.blocks[k]
             params = list(block.parameters())
@@ -465,52 +461,6 @@ class _Replayed(torch.autograd.Function):
         by_param = [g for q, g in zip(context.all_params, grad_params, strict=True)
                     if id(q) in trainable]
         return (None, *grad_inputs[:context.needing], *by_param)
-
-
-# -- helpers
-
-
-def _plain_spec(spec) -> bool:
-    """Whether a pytree structure is made of tuples, lists and dicts only (an object that
-    pytree knows how to flatten, a cache, may be changed by the block)."""
-    return spec.type in (None, tuple, list, dict) and all(
-        _plain_spec(c) for c in pytree_children(spec))
-
-
-def _shared(tensors: list, first: list[weakref.ref]) -> list[bool]:
-    """Per tensor: whether block 0 was given the very same tensor (a rotary table, a mask)."""
-    given = [r() for r in first]
-    return [any(t is g for g in given) for t in tensors]
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)
-
-
-def _saved_storages(out, inputs: list) -> set[int] | None:
-    """Ids of the storages the autograd graph behind `out` saved, down to the block's inputs;
-    None where they cannot be read without running saved-tensor hooks (checkpointing's, on a
-    torch that can only unpack saved tensors).
-
-    The nodes are held while walked: a node's Python object may be made anew on each access
-    (torch before 2.13 keeps none), so an id is only a node's while the node is held."""
-    if not reads_saved_raw() and saving_through_hooks():
-        return None
-    stop = {id(n): n for n in (t.grad_fn for t in inputs) if n is not None}
-    found: set[int] = set()
-    seen: dict[int, object] = {}
-    stack = [t.grad_fn for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or id(node) in stop:
-            continue
-        seen[id(node)] = node
-        for t in saved_tensors(node):
-            s = storage_of(t)
-            if s is not None:
-                found.add(id(s))
-        stack.extend(n for n, _ in node.next_functions)
-    return found
 
 
 class BlockReplay:

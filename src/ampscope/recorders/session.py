@@ -8,6 +8,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,9 +19,10 @@ from torch.optim.optimizer import (
 
 from ampscope.precision.matmul import matmul_precision
 from ampscope.recorders import inventory
+from ampscope.recorders.functions import FunctionRecorder, InferenceAsNoGrad
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
-from ampscope.recorders.ops import FunctionRecorder, InferenceAsNoGrad, OpRecorder
+from ampscope.recorders.ops import OpRecorder
 from ampscope.recorders.repeats import BlockReplay, ReplayDoubt
 from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
@@ -91,6 +93,44 @@ def _step_name(optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}.step"
 
 
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How a `Capture` records, fixed when it is made.
+
+    `findings` and `explain_failure` are given by the API (they are analysis, which capture
+    does not import): the first fills `trace.findings` when a `with` block ends, the second
+    turns the call that raised into a note under the user's traceback. `op_check` sees every
+    aten op before it runs (predict mode's matmul dtype check).
+
+    `replay_blocks` (for a run on fake tensors) records repeated identical blocks once and
+    replays the others (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned
+    out unsound, or when another speed trick failed during the run (the caller runs it again on
+    the exact path). `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors
+    over one list entry of each kind (recorders/foreach.py), answers per-parameter ops
+    FakeTensorMode never caches without it (recorders/shortcuts.py) and others from its cache
+    (recorders/fake_cache.py); a trick that fails is then off for the rest of the run, its op
+    run the exact way, and the trace says so. Each trick is used only where this torch build
+    has what it needs and the exact path is not asked for (ampscope.tricks).
+
+    For a script's run: `candidates`, the modules it makes (filled by the runner as the script
+    runs), to find its model by a parameter when it never calls a module, only
+    `module.forward(...)`; `on_model_forward`, called as each forward pass of the model begins
+    (the runner bounds a run that never steps with it; it may raise to stop the run).
+    `device`: on a virtual device, the device the run is on."""
+
+    model_name: str | None = None
+    setting: SettingRecord | None = None
+    workload: str = "custom"
+    op_check: Callable[[OpOverload, tuple], None] | None = None
+    findings: Callable[[Trace], list[Finding]] | None = None
+    explain_failure: Callable[[FailedCall | None], str | None] | None = None
+    replay_blocks: bool = False
+    thin: bool | None = None
+    on_model_forward: Callable[[], None] | None = None
+    candidates: weakref.WeakSet[nn.Module] | None = None
+    device: str | None = None
+
+
 class Capture:
     """Records whatever runs inside `with Capture(model) as trace:`.
 
@@ -98,38 +138,22 @@ class Capture:
     hooks and modes are removed on exit, also when the block raised.
     """
 
-    def __init__(self, model: nn.Module | None, *, model_name: str | None = None,
-                 setting: SettingRecord | None = None, workload: str = "custom",
-                 op_check: Callable[[OpOverload, tuple], None] | None = None,
-                 findings: Callable[[Trace], list[Finding]] | None = None,
-                 explain_failure: Callable[[FailedCall | None], str | None] | None = None,
-                 replay_blocks: bool = False, thin: bool | None = None,
-                 on_model_forward: Callable[[], None] | None = None) -> None:
-        """`findings` and `explain_failure` are given by the API (they are analysis, which
-        capture does not import): the first fills `trace.findings` when a `with` block ends,
-        the second turns the call that raised into a note under the user's traceback.
-
-        With `model=None` (a script run by `ampscope run`), the first module called outside
-        any other becomes the model, with everything it holds. `replay_blocks` (for a run on
-        fake tensors) records repeated identical blocks once and replays the others
-        (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned out unsound, or
-        when another speed trick failed during the run (the caller runs it again on the exact
-        path). `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors over one
-        list entry of each kind (recorders/foreach.py), answers per-parameter ops FakeTensorMode
-        never caches without it (recorders/shortcuts.py) and others from its cache
-        (recorders/fake_cache.py); a trick that fails is then off for the rest of the run, its
-        op run the exact way, and the trace says so. Each trick is used only where this torch
-        build has what it needs and the exact path is not asked for (ampscope.tricks)."""
+    def __init__(self, model: nn.Module | None, options: CaptureOptions | None = None) -> None:
+        """`model=None` (a script run by `ampscope run`): the first module called outside any
+        other becomes the model, with everything it holds. `options` says the rest
+        (`CaptureOptions`)."""
+        options = options or CaptureOptions()
+        self.options = options
+        model_name, setting, workload = options.model_name, options.setting, options.workload
+        replay_blocks, thin = options.replay_blocks, options.thin
         self.model = model
-        self._op_check = op_check  # see OpRecorder.check
+        self._op_check = options.op_check  # see OpRecorder.check
         self._setting = setting
-        self._findings = findings
-        self._explain_failure = explain_failure
+        self._findings = options.findings
+        self._explain_failure = options.explain_failure
         self._model_name = model_name
-        # For a script: the modules it made (set by the runner), to find its model by a
-        # parameter when it never calls a module, only module.forward(...).
-        self.candidates: weakref.WeakSet[nn.Module] | None = None
-        self.device: str | None = None  # for capture() on a virtual device: the device it is
+        self.candidates = options.candidates
+        self.device = options.device
         self.trace = Trace(
             model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
             setting=setting or UNKNOWN_SETTING, workload=workload,
@@ -145,9 +169,7 @@ class Capture:
         self._replay_blocks = replay_blocks and enabled(Trick.REPLAY)
         self._thin = replay_blocks if thin is None else thin
         self._replay: BlockReplay | None = None
-        # Called as each forward pass of the model begins (a script's runner bounds a run
-        # that never steps with it); it may raise to stop the run.
-        self._on_model_forward = on_model_forward
+        self._on_model_forward = options.on_model_forward
 
     # -- recorders
     def _start(self) -> None:
@@ -274,7 +296,7 @@ class Capture:
         self.trace.model = ModelInfo(self._model_name or type(root).__name__,
                                      type(root).__name__, 0)
         self._watch(root)
-        if not self._tracker._forward_stack:  # its forward(...) runs now, called directly
+        if self._tracker.innermost_forward() is None:  # its forward(...) runs now, called directly
             self._tracker.enter_running(root, self._on_model_call)
 
     def _on_root_forward(self) -> None:
@@ -324,6 +346,11 @@ class Capture:
 
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
+
+    def name_registries(self) -> list[dict[int, tuple[weakref.ref, str]]]:
+        """The recorders' weak references to the tensors they name, by id (a predicted
+        script's `model.to()` must drop and restore them around each swap: script/predicted.py)."""
+        return [self._names, self._functions.origins]
 
     def memory_now(self) -> tuple[int, int]:
         """Bytes live now and at most so far in the run, in 512-byte blocks (for a virtual

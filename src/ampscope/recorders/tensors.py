@@ -94,6 +94,16 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
 _PLAIN = {torch.Tensor, torch.nn.Parameter, FakeTensor}
 
 
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors interchangeable to the replay of repeated blocks (a block's
+    arguments, parameters, buffers and tensor attributes): class, dtype, shape, stride, storage
+    offset, device, whether it wants a gradient and whether autograd made it. The one key for
+    that question; the foreach and fake-cache tricks key fake tensors as FakeTensorMode's own
+    cache does instead (recorders/foreach.py, recorders/fake_cache.py), by its fields."""
+    return (type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device,
+            t.requires_grad, t.grad_fn is None)
+
+
 def described(t: torch.Tensor) -> tuple:
     """What a fake tensor standing for `t` needs: (shape, stride, dtype, device, requires_grad)."""
     return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad

@@ -5,11 +5,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ampscope.recorders.memory import StorageTracker
-from ampscope.recorders.modules import ModuleTracker, OpenCall
+from ampscope.recorders.modules import ModuleTracker
 from ampscope.records import FUNCTION_ROW, OP_ROW
+
+if TYPE_CHECKING:  # the op recorder's module imports the replay engine's users
+    from ampscope.recorders.functions import FunctionRecorder
+    from ampscope.recorders.ops import OpRecorder
 
 # The fields a window reads or changes in the rows it copies (records.OP_ROW, FUNCTION_ROW).
 _INDEX, _MODULE, _CALLER, _NAMES = (OP_ROW.at(f) for f in ("index", "module", "caller",
@@ -19,11 +23,14 @@ _F_INDEX, _F_MODULE = FUNCTION_ROW.at("index"), FUNCTION_ROW.at("module")
 
 
 class Recorders(Protocol):
-    """The capture's recorders a window reads and appends to."""
+    """The capture's recorders a window reads and appends to, through their public methods
+    only: the rows (`rows`, records.OP_ROW/FUNCTION_ROW), the module calls
+    (`call_count`, `calls_between`, `add_call`) and the storages (`created_count`,
+    `created_between`, `start_log`/`stop_log`, `replayed`, `made_by_replay`, `date_free`)."""
 
     tracker: ModuleTracker
-    functions: object  # recorders.ops.FunctionRecorder
-    ops: object  # recorders.ops.OpRecorder
+    functions: FunctionRecorder
+    ops: OpRecorder
     storages: StorageTracker
 
 
@@ -54,26 +61,26 @@ class Window:
         self.prefix = prefix
         self.r0 = len(replay.ops.rows)
         self.f0 = len(replay.functions.rows)
-        self.c0 = len(replay.tracker._calls)
-        self.s0 = len(replay.storages._seen)
+        self.c0 = replay.tracker.call_count()
+        self.s0 = replay.storages.created_count()
         self.log0 = replay.storages.start_log()
         self.r1 = self.f1 = self.c1 = self.s1 = self.log1 = 0
 
     def close(self, replay: Recorders) -> None:
         self.r1 = len(replay.ops.rows)
         self.f1 = len(replay.functions.rows)
-        self.c1 = len(replay.tracker._calls)
-        self.s1 = len(replay.storages._seen)
+        self.c1 = replay.tracker.call_count()
+        self.s1 = replay.storages.created_count()
         self.log1 = replay.storages.stop_log()
         # The calls of its modules; not its own (opened by the module tracker's hooks, which
         # may run before or after the window's) nor the next block's backward, opened by the
         # same gradient that closes this one.
         children = self.prefix + "."
-        self.calls = [c for c in replay.tracker._calls[self.c0:self.c1]
+        self.calls = [c for c in replay.tracker.calls_between(self.c0, self.c1)
                       if c.name.startswith(children)]
 
     def created(self, replay: Recorders) -> list:
-        return replay.storages._seen[self.s0:self.s1]
+        return replay.storages.created_between(self.s0, self.s1)
 
     def external_frees(self, replay: Recorders) -> list:
         """Storages made before the window and freed in it, with the op index they were
@@ -142,9 +149,7 @@ class Window:
             functions.rows.append(FUNCTION_ROW.replace(
                 r, index=r[_F_INDEX] + shift_f, module=rename(r[_F_MODULE]), step=step))
         for c in window.calls:
-            call = OpenCall(len(tracker._calls), rename(c.name), c.type, c.phase, c.depth, c.inputs)
-            call.outputs = c.outputs
-            tracker._calls.append(call)
+            tracker.add_call(rename(c.name), c.type, c.phase, c.depth, c.inputs, c.outputs)
         rows = ops.rows
         shift = r_start - window.r0
         for r in rows[window.r0:window.r1]:
@@ -167,6 +172,5 @@ class Window:
         for entry, offset in pins:
             if entry is not None:
                 storages.date_free(entry, r_start + offset)
-        if ops._progress is not None:
-            ops._progress.op(len(rows), rows[-1][_PHASE] if rows else "forward")
+        ops.report_progress(len(rows), rows[-1][_PHASE] if rows else "forward")
         return made

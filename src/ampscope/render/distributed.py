@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from ampscope.distributed.report import DistributedReport, summarize
 from ampscope.render.style import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 _CATEGORIES = ("parameter", "gradient", "optimizer_state")
 
@@ -43,8 +48,10 @@ def render_distributed(report: DistributedReport) -> RenderableType:
 
     comms = Table(title=f"Collectives of rank {report.ranks[0].rank} in one step",
                   title_justify="left", show_edge=False)
-    for col, justify in (("collective", "left"), ("phase", "left"), ("dtype", "left"),
-                         ("calls", "right"), ("payload", "right"), ("sent (ring)", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("collective", "left"), ("phase", "left"), ("dtype", "left"), ("calls", "right"),
+        ("payload", "right"), ("sent (ring)", "right"))
+    for col, justify in columns:
         comms.add_column(col, justify=justify)
     rows = summarize(report.ranks[0].collectives)
     for row in rows:

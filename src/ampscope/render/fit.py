@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.fit import FitReport, Probe
 from ampscope.render.style import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 def probe_line(probe: Probe) -> Text:
@@ -45,10 +50,11 @@ def render_fit(report: FitReport) -> RenderableType:
     parts: list[RenderableType] = [head, Text(""), title, shares]
     if report.variants:
         room = Table(show_edge=False)
-        for column, justify in [("change", "left"), ("how", "left"),
-                                (f"peak at {report.batch}", "right"), ("saved", "right"),
-                                ("largest batch", "right"), ("its peak", "right")]:
-            room.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        columns: list[tuple[str, JustifyMethod]] = [
+            ("change", "left"), ("how", "left"), (f"peak at {report.batch}", "right"),
+            ("saved", "right"), ("largest batch", "right"), ("its peak", "right")]
+        for column, justify in columns:
+            room.add_column(column, justify=justify, no_wrap=True)
         for v in report.variants:
             room.add_row(v.name, v.change, format_bytes(v.peak_at_limit),
                          format_bytes(v.saved_bytes), str(v.batch) if v.batch else "none",

@@ -52,8 +52,10 @@ def render_flops(report: FlopReport) -> RenderableType:
 
     modules = Table(title="By module (own ops, per block)", title_justify="left", show_edge=False)
     for col in ("module", "×", "forward", "backward", "dtype"):
+        # overflow None: the cell's text decides (rich's annotation leaves None out, its
+        # ConsoleOptions and Text take it).
         modules.add_column(col, justify="left" if col in ("module", "dtype") else "right",
-                           overflow="fold" if col == "module" else None)
+                           overflow="fold" if col == "module" else None)  # type: ignore[arg-type]
     for r in report.rows:
         modules.add_row(r.name, str(r.repeats), human(r.forward), human(r.backward),
                         dtype_text([r.dtype], short=False))

@@ -72,9 +72,9 @@ def render_matrix(matrix: Matrix) -> RenderableType:
     summary.add_column("")
     for name in names:
         summary.add_column(name)
-    for row in matrix.summary:
-        summary.add_row(row.what, *(Text(v + MARK, style=DIFFERS) if d else Text(v)
-                                    for v, d in zip(row.values, row.differs, strict=True)))
+    for total in matrix.summary:
+        summary.add_row(total.what, *(Text(v + MARK, style=DIFFERS) if d else Text(v)
+                                      for v, d in zip(total.values, total.differs, strict=True)))
     parts: list[RenderableType] = [header, Text(), modules, Text(), summary]
     for name, why in matrix.failures:
         parts.append(Text.assemble((f"{name} fails: ", "bold red"), why))

@@ -9,7 +9,7 @@ from rich.text import Text
 
 from ampscope.analysis.memory import MemoryReport, MemoryRow
 from ampscope.records import module_label
-from ampscope.render.style import dtype_text, format_bytes, short_op
+from ampscope.render.style import ColumnOptions, dtype_text, format_bytes, short_op
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 _PHASE_STYLES = {"forward": "green", "backward": "magenta", "optimizer": "yellow"}
@@ -37,9 +37,11 @@ def peak_line(report: MemoryReport) -> Text:
 def breakdown_table(report: MemoryReport) -> Table:
     """Category × dtype: what is live at the peak beside everything the step allocated."""
     table = Table(title="Memory by category and dtype", title_justify="left", show_edge=False)
-    for col, kw in [("category", {}), ("dtype", {}), ("at peak", {"justify": "right"}),
-                    ("storages", {"justify": "right"}), ("allocated", {"justify": "right"}),
-                    ("storages ", {"justify": "right"})]:
+    columns: list[tuple[str, ColumnOptions]] = [
+        ("category", {}), ("dtype", {}), ("at peak", {"justify": "right"}),
+        ("storages", {"justify": "right"}), ("allocated", {"justify": "right"}),
+        ("storages ", {"justify": "right"})]
+    for col, kw in columns:
         table.add_column(col, **kw)
     peak: dict[tuple[str, str], MemoryRow] = {(r.category, r.dtype): r for r in report.at_peak}
     for r in report.allocated:
@@ -65,10 +67,12 @@ def shared_text(report: MemoryReport) -> Text:
 def estimates_table(report: MemoryReport) -> Table:
     table = Table(title="Formulas beside the counted bytes", title_justify="left",
                   show_edge=False)
-    for col, kw in [("formula", {"overflow": "fold", "ratio": 3}),
-                    ("estimate", {"justify": "right"}),
-                    ("counted", {"justify": "right", "ratio": 1}),
-                    ("note", {"style": "dim", "overflow": "fold", "ratio": 3})]:
+    columns: list[tuple[str, ColumnOptions]] = [
+        ("formula", {"overflow": "fold", "ratio": 3}),
+        ("estimate", {"justify": "right"}),
+        ("counted", {"justify": "right", "ratio": 1}),
+        ("note", {"style": "dim", "overflow": "fold", "ratio": 3})]
+    for col, kw in columns:
         table.add_column(col, **kw)
     for e in report.estimates:
         label = Text(e.label, style="bold")
@@ -108,8 +112,10 @@ def timeline_text(report: MemoryReport) -> Text:
 def largest_table(report: MemoryReport) -> Table:
     table = Table(title="Largest storages live at the peak", title_justify="left",
                   show_edge=False)
-    for col, kw in [("bytes", {"justify": "right"}), ("category", {}), ("dtype", {}),
-                    ("shape", {}), ("what", {"overflow": "fold"})]:
+    columns: list[tuple[str, ColumnOptions]] = [
+        ("bytes", {"justify": "right"}), ("category", {}), ("dtype", {}), ("shape", {}),
+        ("what", {"overflow": "fold"})]
+    for col, kw in columns:
         table.add_column(col, **kw)
     for s in report.largest_at_peak:
         what = ", ".join(s.names) if s.names else (

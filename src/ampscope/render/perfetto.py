@@ -71,10 +71,11 @@ def module_spans(trace: Trace) -> list[dict]:
     types = {m.name: m.type for m in trace.modules}
     events: list[dict] = []
     stack: list[tuple[str, int]] = []  # (module, first op index)
-    phase = None
+    phase: str | None = None
 
     def close(down_to: int, end: int) -> None:
         while len(stack) > down_to:
+            assert phase is not None  # (a span opens once the first op has set the phase)
             name, start = stack.pop()
             events.append({"ph": "X", "name": module_label(name), "cat": "module", "ts": start,
                            "dur": end - start, "pid": PID, "tid": TIDS.get(phase, 1),

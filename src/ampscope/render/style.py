@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypedDict
+
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod, OverflowMethod
 
 DTYPE_STYLES = {
     "float64": "blue", "float32": "green", "bfloat16": "cyan", "float16": "magenta",
@@ -14,6 +19,15 @@ SHORT_DTYPES = {
     "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2",
     "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
 }
+
+
+class ColumnOptions(TypedDict, total=False):
+    """The keyword arguments of rich's `Table.add_column` that tables give column by column."""
+
+    justify: JustifyMethod
+    overflow: OverflowMethod
+    ratio: int
+    style: str
 
 
 def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Text:

@@ -10,7 +10,7 @@ from ampscope.analysis.flow import FlowRow
 from ampscope.analysis.summary import DtypeCount, TraceSummary
 from ampscope.records import Finding
 from ampscope.render.diagram import render_diagram
-from ampscope.render.style import dtype_text, short_op
+from ampscope.render.style import ColumnOptions, dtype_text, short_op
 
 
 def header(summary: TraceSummary) -> Text:
@@ -34,9 +34,10 @@ def header(summary: TraceSummary) -> Text:
 
 def inventory_table(rows: list[DtypeCount]) -> Table:
     table = Table(title="Tensors by dtype", title_justify="left", show_edge=False)
-    for col, kw in [("category", {}), ("dtype", {}), ("tensors", {"justify": "right"}),
-                    ("elements", {"justify": "right"}), ("MB", {"justify": "right"}),
-                    ("which", {})]:
+    columns: list[tuple[str, ColumnOptions]] = [
+        ("category", {}), ("dtype", {}), ("tensors", {"justify": "right"}),
+        ("elements", {"justify": "right"}), ("MB", {"justify": "right"}), ("which", {})]
+    for col, kw in columns:
         table.add_column(col, **kw)
     for row in rows:
         table.add_row(row.category, dtype_text([row.dtype], short=False), str(row.tensors),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -49,7 +49,7 @@ from ampscope.precision import DEVICES, default_autocast_dtype, device_available
 from ampscope.precision.emulation import Emulation, device_api_error
 from ampscope.precision.predict import check_matmul_dtypes, data_dependent, fake_mode
 from ampscope.precision.virtual_device import VirtualDevice
-from ampscope.recorders.session import Capture
+from ampscope.recorders.session import Capture, CaptureOptions
 from ampscope.records import Trace
 from ampscope.script.ending import Ending, ScriptExited, exit_code
 from ampscope.script.files import ScriptFiles, watched
@@ -108,37 +108,102 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
         saved.restore()
 
 
-def _run_here(label: str, run, *, device: str | None, steps: int, predict: bool,
-              virtual: bool | None, max_forwards: int) -> Trace:
+def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
+              predict: bool, virtual: bool | None, max_forwards: int) -> Trace:
     emulated = device is not None and (not device_available(device) if virtual is None
                                        else virtual)
-    taken = forwards = 0
+    script = _ScriptRun(label, steps=steps, max_forwards=max_forwards, predict=predict,
+                        device=device, emulated=emulated)
+    try:
+        with contextlib.ExitStack() as stack:
+            script.enter(stack)
+            script.run(run)
+    except (AmpscopeError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise _script_error(e, label, script.capture, device if emulated else None,
+                            predict) from e
+    return script.trace()
 
-    def count_step(optimizer, args, kwargs) -> None:
-        nonlocal taken, forwards
-        taken += 1
-        forwards = 0
-        if taken >= steps:
+
+class _ScriptRun:
+    """One script's run in this process: what counts its steps and forward passes, what it runs
+    under, how it ended, and the trace it leaves."""
+
+    def __init__(self, label: str, *, steps: int, max_forwards: int, predict: bool,
+                 device: str | None, emulated: bool) -> None:
+        self.label, self.steps, self.max_forwards, self.predict = label, steps, max_forwards, \
+            predict
+        self.taken = self.forwards = 0
+        self.stopped: str | None = None  # "steps", or "bound" (max_forwards)
+        self.exited: int | None = None  # the status of an os._exit the script called
+        self.device = device
+        self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
+        self.capture = Capture(None, CaptureOptions(
+            workload="script", findings=derive_findings, thin=predict,
+            on_model_forward=self._count_forward, candidates=self.made, device=device,
+            op_check=check_matmul_dtypes if predict else None))
+        self.target = VirtualDevice(device) if emulated and device is not None else None
+        self.fake = fake_mode() if predict else None
+        self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
+        self.files = ScriptFiles(predict)
+        self.ending = Ending()
+
+    def _count_step(self, optimizer, args, kwargs) -> None:
+        self.taken += 1
+        self.forwards = 0
+        if self.taken >= self.steps:
             raise _StopScript
 
-    def count_forward() -> None:
-        nonlocal forwards
-        forwards += 1
-        if max_forwards and forwards > max_forwards:
+    def _count_forward(self) -> None:
+        self.forwards += 1
+        if self.max_forwards and self.forwards > self.max_forwards:
             raise _StopScript
 
-    capture = Capture(None, model_name=None, workload="script", findings=derive_findings,
-                      thin=predict, on_model_forward=count_forward)
-    capture.device = device
-    target = VirtualDevice(device) if emulated and device is not None else None
-    fake = fake_mode() if predict else None
-    if fake is not None:
-        capture._op_check = check_matmul_dtypes
-    values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
-    files = ScriptFiles(predict)
-    ending = Ending()
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        """Everything the script runs under, innermost last."""
+        target, fake, device = self.target, self.fake, self.device
+        if target is not None:
+            assert device is not None
+            stack.enter_context(Emulation(device, default_autocast_dtype(device)))
+        if fake is not None:
+            stack.enter_context(fake_model(fake, target))
+        stack.enter_context(made_modules(self.made))
+        stack.enter_context(self.capture.recording())
+        stack.callback(register_optimizer_step_post_hook(self._count_step).remove)
+        if target is not None:
+            stack.enter_context(target.active(memory=self.capture.memory_now))
+        if fake is not None:
+            stack.enter_context(swappable(self.capture, target, fake))
+            stack.enter_context(fake_values(self.values_read))
+        stack.enter_context(watched(self.files))
+        stack.enter_context(self.ending.watching())
 
-    def run_guarded() -> None:
+    def run(self, run: Callable[[], None]) -> None:
+        """The script, to its end or its stop; then its end as the interpreter would make it
+        (os._exit skips it all)."""
+        label, steps = self.label, self.steps
+        handlers = _log_handlers()
+        try:
+            self._guarded(run)
+        except _StopScript:
+            self.stopped = "bound" if self.forwards > self.max_forwards > 0 else "steps"
+        except ScriptExited as e:
+            self.exited = e.code
+            if e.code != 0:
+                raise AmpscopeError(f"{label} ended its process with os._exit({e.code}) "
+                                    f"before its {nth(steps)} optimizer step") from None
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise AmpscopeError(f"{label} exited with status {e.code} before its "
+                                    f"{nth(steps)} optimizer step") from e
+        finally:
+            if self.exited is None:
+                self.ending.run_handlers()
+                _close_log_handlers(handlers)
+            self.files.close_what_is_open()
+
+    def _guarded(self, run: Callable[[], None]) -> None:
         leaving: BaseException | None = None
         try:
             run()
@@ -146,77 +211,43 @@ def _run_here(label: str, run, *, device: str | None, steps: int, predict: bool,
             leaving = e
             raise
         finally:  # a process the script forked goes no further than its script
-            ending.leave_if_forked(exit_code(leaving))
+            self.ending.leave_if_forked(exit_code(leaving))
 
-    stopped = exited = None
-    try:
-        with contextlib.ExitStack() as stack:
-            if target is not None:
-                assert device is not None
-                stack.enter_context(Emulation(device, default_autocast_dtype(device)))
-            if fake is not None:
-                stack.enter_context(fake_model(fake, target))
-            capture.candidates = weakref.WeakSet()
-            stack.enter_context(made_modules(capture.candidates))
-            stack.enter_context(capture.recording())
-            stack.callback(register_optimizer_step_post_hook(count_step).remove)
-            if target is not None:
-                stack.enter_context(target.active(memory=capture.memory_now))
-            if fake is not None:
-                stack.enter_context(swappable(capture, target, fake))
-                stack.enter_context(fake_values(values_read))
-            stack.enter_context(watched(files))
-            stack.enter_context(ending.watching())
-            handlers = _log_handlers()
-            try:
-                run_guarded()
-            except _StopScript:
-                stopped = "bound" if forwards > max_forwards > 0 else "steps"
-            except ScriptExited as e:
-                exited = e.code
-                if e.code != 0:
-                    raise AmpscopeError(f"{label} ended its process with os._exit({e.code}) "
-                                        f"before its {nth(steps)} optimizer step") from None
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    raise AmpscopeError(f"{label} exited with status {e.code} before its "
-                                        f"{nth(steps)} optimizer step") from e
-            finally:  # as the interpreter ends the script's process (os._exit skips it all)
-                if exited is None:
-                    ending.run_handlers()
-                    _close_log_handlers(handlers)
-                files.close_what_is_open()
-    except (AmpscopeError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        raise _script_error(e, label, capture, device if emulated else None, predict) from e
-    if capture.model is None:
-        raise AmpscopeError(f"nothing was captured: {label} ran no nn.Module (call your model "
-                            "in the script, or trace it with `ampscope trace package.module:"
-                            "factory`)")
-    result = capture.finish()
-    result.mode = "predict" if predict else "run"
-    result.workload = "train" if taken else "forward"
-    notes = [_ending(label, stopped, exited, taken, max_forwards)]
-    passes = forward_passes(result)
-    if taken and passes > taken:
-        notes.append(f"The model ran {passes} forward passes for {plural(taken, 'optimizer step')} "
-                     f"(gradient accumulation): each pass is its own forward and backward phase "
-                     "in the trace; counts and tokens cover them all.")
-    if predict:
-        notes.append("Predicted: every parameter and buffer became a fake tensor as the model "
-                     "was built, so no weight was kept in memory; the data stayed real.")
-    for line in dict.fromkeys(values_read):
-        notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has no "
-                     "values).")
-    notes += files.notes()
-    for note in notes:
-        log.info("%s", note)
-    if target is not None:
-        notes += target.notes()
-    result.notes = notes + result.notes
-    result.findings = derive_findings(result)
-    return result
+    def trace(self) -> Trace:
+        """What the script's model did, with the notes that say how the run went."""
+        if self.capture.model is None:
+            raise AmpscopeError(f"nothing was captured: {self.label} ran no nn.Module (call "
+                                "your model in the script, or trace it with `ampscope trace "
+                                "package.module:factory`)")
+        result = self.capture.finish()
+        result.mode = "predict" if self.predict else "run"
+        result.workload = "train" if self.taken else "forward"
+        notes = self._notes(result)
+        for note in notes:
+            log.info("%s", note)
+        if self.target is not None:
+            notes += self.target.notes()
+        result.notes = notes + result.notes
+        result.findings = derive_findings(result)
+        return result
+
+    def _notes(self, result: Trace) -> list[str]:
+        taken = self.taken
+        notes = [_ending(self.label, self.stopped, self.exited, taken, self.max_forwards)]
+        passes = forward_passes(result)
+        if taken and passes > taken:
+            notes.append(f"The model ran {passes} forward passes for "
+                         f"{plural(taken, 'optimizer step')} (gradient accumulation): each pass "
+                         "is its own forward and backward phase in the trace; counts and tokens "
+                         "cover them all.")
+        if self.predict:
+            notes.append("Predicted: every parameter and buffer became a fake tensor as the "
+                         "model was built, so no weight was kept in memory; the data stayed "
+                         "real.")
+        for line in dict.fromkeys(self.values_read):
+            notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has "
+                         "no values).")
+        return notes + self.files.notes()
 
 
 def _ending(label: str, stopped: str | None, exited: int | None, taken: int,

@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
+from ampscope.patches import patched
+
 # os._exit as the interpreter has it, before a run replaced it.
 _real_exit = os._exit
 
@@ -46,8 +48,6 @@ class Ending:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        register, unregister = atexit.register, atexit.unregister
-
         def register_(func, *args, **kwargs):
             self.handlers.append((func, args, kwargs))
             return func
@@ -60,11 +60,9 @@ class Ending:
                 raise ScriptExited(int(code))
             _real_exit(code)
 
-        atexit.register, atexit.unregister, os._exit = register_, unregister_, exit_
-        try:
+        with patched(atexit, "register", register_), patched(atexit, "unregister", unregister_), \
+                patched(os, "_exit", exit_):
             yield
-        finally:
-            atexit.register, atexit.unregister, os._exit = register, unregister, _real_exit
 
     def run_handlers(self) -> None:
         """The script's atexit handlers, last registered first; one that raises is reported on

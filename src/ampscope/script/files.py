@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ampscope.nested import tensors_in
+from ampscope.patches import patched
 from ampscope.recorders.source import user_source
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -177,7 +178,7 @@ def watched(files: ScriptFiles) -> Iterator[None]:
             if module is not None and callable(getattr(module, name, None)):
                 saver = _watched_saver(files, shown, getattr(module, name),
                                        obj_at, obj_kw, path_at, path_kw)
-                stack.enter_context(_replaced(module, name, saver))
+                stack.enter_context(patched(module, name, saver))
         yield
 
 
@@ -201,16 +202,6 @@ def _importable(name: str, predict: bool):
 
 
 @contextlib.contextmanager
-def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-@contextlib.contextmanager
 def _watched_open(files: ScriptFiles) -> Iterator[None]:
     """`open` (builtins and io, which pathlib and os.fdopen call) noting what it writes and
     keeping each file object it returns."""
@@ -225,7 +216,7 @@ def _watched_open(files: ScriptFiles) -> Iterator[None]:
             files.opened.add(f)
         return f
 
-    with _replaced(builtins, "open", open_), _replaced(io, "open", open_):
+    with patched(builtins, "open", open_), patched(io, "open", open_):
         yield
 
 

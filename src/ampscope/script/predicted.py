@@ -10,8 +10,9 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
+from ampscope.patches import patched
 from ampscope.precision.predict import foreach_defaults_as_real, gc_paused, quiet_fake_tensor_log
-from ampscope.precision.virtual_device import VirtualDevice, patched
+from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
 from ampscope.torchcompat.dispatch import no_torch_function
@@ -29,11 +30,8 @@ def made_modules(made: weakref.WeakSet) -> Iterator[None]:
         original(self, *args, **kwargs)
         made.add(self)
 
-    torch.nn.Module.__init__ = __init__
-    try:
+    with patched(torch.nn.Module, "__init__", __init__):
         yield
-    finally:
-        torch.nn.Module.__init__ = original
 
 
 @contextlib.contextmanager
@@ -119,7 +117,7 @@ def swappable(capture: Capture, virtual: VirtualDevice | None,
     import torch.utils
 
     original = torch.utils.swap_tensors
-    registries = [capture._names, capture._functions.origins]
+    registries = capture.name_registries()
     on_cpu = virtual.mode.on_cpu if virtual is not None else None
     converter = fake.fake_tensor_converter.meta_converter
     memos = [converter.tensor_memo]
@@ -144,8 +142,5 @@ def swappable(capture: Capture, virtual: VirtualDevice | None,
             if tags[0]:
                 on_cpu.add(t2)
 
-    torch.utils.swap_tensors = swap_tensors
-    try:
+    with patched(torch.utils, "swap_tensors", swap_tensors):
         yield
-    finally:
-        torch.utils.swap_tensors = original

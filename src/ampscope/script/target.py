@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ampscope.errors import AmpscopeError
+from ampscope.patches import patched
 
 
 def nth(n: int) -> str:
@@ -68,15 +69,14 @@ def script_argv(argv: list[str], first_path: str) -> Iterator[None]:
     """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back, and
     the modules the script imported from its own folder are forgotten, so the next run
     imports them again (their import-time device checks included)."""
-    saved_argv, saved_path, saved_modules = sys.argv[:], sys.path[:], set(sys.modules)
+    saved_path, saved_modules = sys.path[:], set(sys.modules)
     folder = os.path.abspath(first_path) + os.sep
     installed = _installed()
-    sys.argv = argv
     sys.path.insert(0, first_path)
     try:
-        yield
+        with patched(sys, "argv", argv):
+            yield
     finally:
-        sys.argv[:] = saved_argv
         sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:
             path = os.path.abspath(getattr(sys.modules[name], "__file__", None) or "")

@@ -18,7 +18,8 @@ def compress_hook(dtype: torch.dtype, bucket):
     """DDP's compression hook body: all-reduce the bucket in `dtype`, then copy back."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import _compress_hook
 
-    return _compress_hook(dtype, None, bucket)
+    # None is the default group: torch's body handles it, its annotation says ProcessGroup only.
+    return _compress_hook(dtype, None, bucket)  # type: ignore[arg-type]
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -20,6 +20,7 @@ import functools
 import inspect
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch._prims_common import compute_required_storage_length
@@ -33,6 +34,9 @@ from torch._subclasses.fake_tensor import (
 
 from ampscope.torchcompat.dispatch import modes_off
 from ampscope.torchcompat.features import Feature
+
+if TYPE_CHECKING:  # this build's key and entry classes: opaque objects to the callers
+    from torch._subclasses.fake_tensor import _DispatchCacheKey, _DispatchCacheValidEntry
 
 __all__ = [
     "FakeTensor", "FakeTensorConfig", "FakeTensorMode", "cache_api", "clone_wrap",
@@ -94,15 +98,17 @@ class CacheAPI:
     def entry(self, key: object) -> object | None:
         """The valid entry the class-wide cache holds for `key`, or None (read from the class
         each time: a test or a tool may give the class a new cache)."""
-        found = FakeTensorMode.cache.get(key)
+        found = FakeTensorMode.cache.get(cast("_DispatchCacheKey", key))
         return found if isinstance(found, self.valid_entry) else None
 
     def output(self, mode: FakeTensorMode, entry: object, key: object, func, args):
         """The op's results made from `entry`, as a cache hit makes them."""
         state = self.key_state(None)
+        valid, cache_key = cast("_DispatchCacheValidEntry", entry), cast("_DispatchCacheKey", key)
         if self.takes_func:
-            return mode._output_from_cache_entry(state, entry, key, func, args)
-        return mode._output_from_cache_entry(state, entry, key, args)
+            return mode._output_from_cache_entry(state, valid, cache_key, func, args)
+        # Later releases' signature, without func (mypy reads the installed torch's, with it).
+        return mode._output_from_cache_entry(state, valid, cache_key, args)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)

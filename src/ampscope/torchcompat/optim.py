@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.optim.optimizer as _optimizer
@@ -21,7 +22,7 @@ def foreach_supported_types() -> list[list[type]]:
     """Every list of tensor classes torch consults for its foreach default (one or two)."""
     import torch.utils._foreach_utils as foreach_utils
 
-    found = []
+    found: list[list[type]] = []
     for module in (_optimizer, foreach_utils):
         types = getattr(module, "_foreach_supported_types", None)
         if isinstance(types, list) and all(t is not types for t in found):
@@ -36,12 +37,16 @@ def foreach_devices() -> tuple[str, ...]:
     return tuple(supported()) if supported is not None else ("cuda",)
 
 
-def global_step_pre_hooks() -> OrderedDict:
+# A hook dict, by handle id (an OrderedDict at run time); hooks of any signature.
+HookDict = dict[int, Callable[..., Any]]
+
+
+def global_step_pre_hooks() -> HookDict:
     """The dict `register_optimizer_step_pre_hook` adds to."""
     return _optimizer._global_optimizer_pre_hooks
 
 
-def step_post_hooks(optimizer: torch.optim.Optimizer) -> OrderedDict:
+def step_post_hooks(optimizer: torch.optim.Optimizer) -> HookDict:
     """The dict `optimizer.register_step_post_hook` adds to."""
     return optimizer._optimizer_step_post_hooks
 

@@ -240,4 +240,5 @@ def _set_speedups(report: BenchReport) -> None:
     base = next((r for r in ran if r.name == "fp32"), ran[0])
     report.baseline = base.name
     for r in ran:
+        assert base.ms_per_step is not None and r.ms_per_step is not None  # (every rung that ran)
         r.speedup = base.ms_per_step / r.ms_per_step

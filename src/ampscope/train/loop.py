@@ -28,10 +28,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
 
+from ampscope import hardware
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, applied, main_dtype, parse_setting, resolve_device
@@ -242,11 +244,187 @@ def train(config: TrainConfig, *, resume: str | None = None,
     losses, throughput and a sample. `log` is called after every step and evaluation;
     `on_start` once everything is checked and built, before the first step (a header printed
     there never precedes a one-line error about the options)."""
-    # -- the setting, the device and the model --------------------------------------------------
-    from ampscope.models import registry
+    run = _Run.prepare(config, resume)
+    result = run.result
 
-    setting = training_setting(config.setting)
-    device = setting.device
+    def record(entry: StepLog | EvalLog) -> None:
+        if isinstance(entry, StepLog):
+            result.steps.append(entry)
+        else:
+            result.evals.append(entry)
+        if log is not None:
+            log(entry)
+
+    # -- the loop ------------------------------------------------------------------------------
+    if on_start is not None:
+        on_start()
+    setting, device = run.setting, run.device
+    with applied(setting), attention_kernel(config.attention):
+        start = run.restore()
+        measure.reset_peak_memory(device)
+        run.model.train()
+        if start == 0:
+            record(EvalLog(0, run.evaluate()))
+        for step in range(start, config.steps):
+            record(run.step(step))
+            done = step + 1
+            last = done == config.steps
+            if last or (config.eval_every and done % config.eval_every == 0):
+                record(EvalLog(done, run.evaluate()))
+            if config.out and (last or (config.save_every and done % config.save_every == 0)):
+                run.save_checkpoint(done)
+
+        result.peak_memory, result.memory_kind = measure.peak_memory(device)
+        if config.sample_tokens:
+            result.sample, unknown = _sample(run.lm, run.tokenizer, config, setting, device)
+            if unknown:
+                run.notes.append(f"the sample drew {unknown} id(s) past the tokenizer's "
+                                 f"{run.tokenizer.vocab_size:,}, which stand for no text: left "
+                                 "out")
+    return result
+
+
+@dataclass
+class _Run:
+    """One training run, checked and built: the model, the data, the optimizer, and the
+    figures every step reports against."""
+
+    config: TrainConfig
+    setting: Setting
+    device: str
+    lm: LoadedModel
+    run_lm: LoadedModel  # the compiled module with --compile, sharing `lm`'s parameters
+    saved: checkpoint.Checkpoint | None
+    notes: list[str]
+    tokenizer: Tokenizer
+    grad_accum: int
+    train_loader: DataLoaderLite
+    val_loader: DataLoaderLite
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    compute_dtype: torch.dtype
+    accelerator: hardware.Accelerator | None  # None: MFU n/a (measure.accelerator)
+    result: TrainResult
+
+    @property
+    def model(self) -> nn.Module:
+        return self.lm.module
+
+    @classmethod
+    def prepare(cls, config: TrainConfig, resume: str | None) -> _Run:
+        setting = training_setting(config.setting)
+        notes: list[str] = []
+        saved = _checked(config, resume, notes)
+        lm, params = _built(config, setting, notes)
+        device = setting.device
+        # -- data: tokens, a train/validation split, and the loaders ----------------------------
+        tokenizer, why = choose_tokenizer(config.tokenizer, lm.name, lm.vocab_size)
+        notes.append(why)
+        B, T = config.batch, config.seq
+        source = config.data or DEFAULT_CORPUS
+        parts = split(load_tokens(config.data, tokenizer), config.val_fraction, B, T, source)
+        total_batch = config.total_batch or B * T
+        if total_batch % (B * T):
+            raise AmpscopeError(f"--total-batch {total_batch} is not a multiple of batch × seq "
+                                f"= {B * T}")
+        # -- optimizer, loss scaling, compilation -----------------------------------------------
+        model = lm.module
+        optimizer = configure_optimizer(model, config, device)
+        scaler = _scaler(setting, params, notes)
+        if setting.matmul_precision == "high" and device != "cuda":
+            notes.append(f"TF32 is a CUDA Tensor Core mode; on {device} it changes little or "
+                         "nothing")
+        # The compiled module shares its parameters with `model`; checkpoints read `model` (its
+        # state-dict names have no `_orig_mod.` prefix).
+        # (torch.compile of a module gives an OptimizedModule, a module itself.)
+        run_lm = (dataclasses.replace(lm, module=cast(nn.Module, torch.compile(model)))
+                  if config.compile else lm)
+        flops_per_token, formula = measure.flops_per_token(model, T)
+        for note in notes:  # the choices made for this run (tokenizer, dtype, fallbacks), for -v
+            decisions.info("%s", note)
+        result = TrainResult(
+            config=config, setting=setting.to_dict(), device_name=measure.device_name(device),
+            parameters=lm.num_parameters, tokenizer=tokenizer.name, data=source,
+            train_tokens=len(parts.train), val_tokens=len(parts.val),
+            tokens_per_step=total_batch, grad_accum=total_batch // (B * T),
+            flops_per_token=flops_per_token, flops_formula=formula, notes=notes)
+        return cls(config, setting, device, lm, run_lm, saved, notes, tokenizer,
+                   total_batch // (B * T), DataLoaderLite(parts.train, B, T),
+                   DataLoaderLite(parts.val, B, T), optimizer, scaler,
+                   setting.autocast_dtype or params,  # what the matmuls run in
+                   measure.accelerator(device), result)
+
+    def restore(self) -> int:
+        """Seed a new run, or put a resumed one back where its checkpoint left it: weights,
+        moments, scaler, RNG, then the data position and the history. The step it starts at."""
+        saved, result = self.saved, self.result
+        if saved is None:
+            torch.manual_seed(self.config.seed)
+            return 0
+        checkpoint.restore(saved, model=self.model, optimizer=self.optimizer,
+                           scaler=self.scaler)
+        self.train_loader.position = saved.loader["position"]
+        self.train_loader.epoch = saved.loader["epoch"]
+        result.start_step = saved.step
+        result.steps = [StepLog(**s) for s in saved.history["steps"]]
+        result.evals = [EvalLog(**e) for e in saved.history["evals"]]
+        return saved.step
+
+    def evaluate(self) -> float:
+        return evaluate(self.run_lm, self.val_loader, self.config.eval_batches, self.setting,
+                        self.device)
+
+    def step(self, step: int) -> StepLog:
+        """One optimizer step over `grad_accum` micro-batches, timed."""
+        config, device, optimizer, scaler = self.config, self.device, self.optimizer, self.scaler
+        measure.synchronize(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_accum = torch.zeros((), device=device)
+        for _ in range(self.grad_accum):
+            x, y = self.train_loader.next_batch()
+            batch = _batch(self.lm, x.to(device), y.to(device))
+            with self.setting.autocast():
+                loss = self.run_lm.loss(batch)
+            # Gradients add up over micro-batches: divide so that they average instead,
+            # as one big batch of total_batch tokens would.
+            loss = loss / self.grad_accum
+            loss_accum += loss.detach().float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        lr = lr_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient is inf or nan
+            scaler.update()
+        else:
+            optimizer.step()
+        measure.synchronize(device)
+        seconds = time.perf_counter() - t0
+        tokens = self.result.tokens_per_step
+        return StepLog(
+            step=step + 1, loss=loss_accum.item(), lr=lr, grad_norm=norm.item(),
+            seconds=seconds, tokens_per_s=tokens / seconds,
+            mfu=measure.mfu(self.result.flops_per_token * tokens, self.compute_dtype, seconds,
+                            self.accelerator, self.setting.matmul_precision))
+
+    def save_checkpoint(self, step: int) -> None:
+        config, result = self.config, self.result
+        assert config.out is not None  # (saved only into an out folder)
+        path = checkpoint.save(
+            checkpoint.checkpoint_dir(config.out, step), model=self.model,
+            optimizer=self.optimizer, scaler=self.scaler, step=step,
+            loader=self.train_loader.state(), config=config.to_dict(),
+            history={"steps": [dataclasses.asdict(s) for s in result.steps],
+                     "evals": [dataclasses.asdict(e) for e in result.evals]})
+        result.checkpoint = str(path)
+
+
+def _checked(config: TrainConfig, resume: str | None, notes: list[str]):
+    """The options checked before anything is built; the checkpoint to resume from, if any."""
     if config.decay not in DECAYS:
         raise AmpscopeError(f"unknown decay {config.decay!r}; choose {' or '.join(DECAYS)}")
     if config.attention not in ATTENTION:
@@ -255,13 +433,22 @@ def train(config: TrainConfig, *, resume: str | None = None,
     RunOptions("train", batch=config.batch, seq=config.seq)  # checked as every run's are
     if min(config.steps, config.eval_batches) < 1:
         raise AmpscopeError("steps and eval batches must be positive")
-    notes: list[str] = []
     saved = checkpoint.read(resume) if resume is not None else None
     if saved is not None:
         _check_resume(saved.config, config, notes)
         if saved.step >= config.steps:
             raise AmpscopeError(f"the checkpoint is at step {saved.step} and this run ends at "
                                 f"step {config.steps}: give a larger --steps to go on")
+    return saved
+
+
+def _built(config: TrainConfig, setting: Setting, notes: list[str]
+           ) -> tuple[LoadedModel, torch.dtype]:
+    """The model, in the setting's parameter dtype, if it fits here with its gradients and
+    AdamW's moments; and that dtype."""
+    from ampscope.models import registry
+
+    device = setting.device
     lm = registry.resolve(config.model, device=device, seed=config.seed)
     model = lm.module
     if config.seq > lm.max_seq_len:
@@ -269,139 +456,25 @@ def train(config: TrainConfig, *, resume: str | None = None,
                             f"{lm.max_seq_len}")
     notes += _to_param_dtype(model, setting.param_dtype)
     params = setting.param_dtype or main_dtype(model) or torch.float32  # native: the model's
-    itemsize = params.itemsize
     shortfall = registry.memory_needed_message(
-        lm.name, lm.num_parameters, bytes_per_parameter=3 * itemsize, device=device,
+        lm.name, lm.num_parameters, bytes_per_parameter=3 * params.itemsize, device=device,
         what=f"for gradients and AdamW's two moments in {dtype_name(params)}")
     if shortfall:
         raise AmpscopeError(shortfall)
+    return lm, params
 
-    # -- data: tokens, a train/validation split, and the loaders --------------------------------
-    tokenizer, why = choose_tokenizer(config.tokenizer, lm.name, lm.vocab_size)
-    notes.append(why)
-    B, T = config.batch, config.seq
-    source = config.data or DEFAULT_CORPUS
-    parts = split(load_tokens(config.data, tokenizer), config.val_fraction, B, T, source)
-    total_batch = config.total_batch or B * T
-    if total_batch % (B * T):
-        raise AmpscopeError(f"--total-batch {total_batch} is not a multiple of batch × seq "
-                            f"= {B * T}")
-    grad_accum = total_batch // (B * T)  # micro-batches per optimizer step
-    train_loader = DataLoaderLite(parts.train, B, T)
-    val_loader = DataLoaderLite(parts.val, B, T)
 
-    # -- optimizer, loss scaling, compilation ---------------------------------------------------
-    optimizer = configure_optimizer(model, config, device)
-    # fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. The scaler multiplies the
-    # loss (so every gradient) by a large factor and divides it out before the update, skipping
-    # steps whose gradients overflowed. bf16 has fp32's exponent range and needs none. Pure
-    # fp16 parameters cannot be unscaled in place (GradScaler refuses fp16 gradients).
-    use_scaler = setting.autocast_dtype == torch.float16 and params != torch.float16
-    scaler = torch.amp.GradScaler(device) if use_scaler else None
+def _scaler(setting: Setting, params: torch.dtype, notes: list[str]
+            ) -> torch.amp.GradScaler | None:
+    """fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. The scaler multiplies the
+    loss (so every gradient) by a large factor and divides it out before the update, skipping
+    steps whose gradients overflowed. bf16 has fp32's exponent range and needs none. Pure fp16
+    parameters cannot be unscaled in place (GradScaler refuses fp16 gradients)."""
     if params == torch.float16:
         notes.append("fp16 parameters train without loss scaling: small gradients may "
                      "underflow; fp32+amp-fp16 is the usual recipe")
-    if setting.matmul_precision == "high" and device != "cuda":
-        notes.append(f"TF32 is a CUDA Tensor Core mode; on {device} it changes little or nothing")
-    # The compiled module shares its parameters with `model`; checkpoints read `model` (its
-    # state-dict names have no `_orig_mod.` prefix).
-    run_lm = dataclasses.replace(lm, module=torch.compile(model)) if config.compile else lm
-    flops_per_token, formula = measure.flops_per_token(model, T)
-    tokens_per_step = total_batch
-    acc = measure.accelerator(device)
-    compute_dtype = setting.autocast_dtype or params  # what the matmuls run in
-    for note in notes:  # the choices made for this run (tokenizer, dtype, fallbacks), for -v
-        decisions.info("%s", note)
-
-    result = TrainResult(
-        config=config, setting=setting.to_dict(), device_name=measure.device_name(device),
-        parameters=lm.num_parameters, tokenizer=tokenizer.name, data=source,
-        train_tokens=len(parts.train), val_tokens=len(parts.val),
-        tokens_per_step=tokens_per_step, grad_accum=grad_accum,
-        flops_per_token=flops_per_token, flops_formula=formula, notes=notes)
-
-    def record(entry: StepLog | EvalLog) -> None:
-        (result.steps if isinstance(entry, StepLog) else result.evals).append(entry)
-        if log is not None:
-            log(entry)
-
-    def save_checkpoint(step: int) -> None:
-        path = checkpoint.save(
-            checkpoint.checkpoint_dir(config.out, step), model=model, optimizer=optimizer,
-            scaler=scaler, step=step, loader=train_loader.state(), config=config.to_dict(),
-            history={"steps": [dataclasses.asdict(s) for s in result.steps],
-                     "evals": [dataclasses.asdict(e) for e in result.evals]})
-        result.checkpoint = str(path)
-
-    # -- the loop ------------------------------------------------------------------------------
-    if on_start is not None:
-        on_start()
-    with applied(setting), attention_kernel(config.attention):
-        start = 0
-        if saved is None:
-            torch.manual_seed(config.seed)
-        else:  # weights, moments, scaler, RNG, then the data position and the history
-            checkpoint.restore(saved, model=model, optimizer=optimizer, scaler=scaler)
-            start = saved.step
-            train_loader.position = saved.loader["position"]
-            train_loader.epoch = saved.loader["epoch"]
-            result.start_step = start
-            result.steps = [StepLog(**s) for s in saved.history["steps"]]
-            result.evals = [EvalLog(**e) for e in saved.history["evals"]]
-        measure.reset_peak_memory(device)
-        model.train()
-        if start == 0:
-            record(EvalLog(0, evaluate(run_lm, val_loader, config.eval_batches, setting, device)))
-
-        for step in range(start, config.steps):
-            measure.synchronize(device)
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_accum = torch.zeros((), device=device)
-            for _ in range(grad_accum):
-                x, y = train_loader.next_batch()
-                batch = _batch(lm, x.to(device), y.to(device))
-                with setting.autocast():
-                    loss = run_lm.loss(batch)
-                # Gradients add up over micro-batches: divide so that they average instead,
-                # as one big batch of total_batch tokens would.
-                loss = loss / grad_accum
-                loss_accum += loss.detach().float()
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            lr = lr_at(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if scaler is not None:
-                scaler.step(optimizer)  # skipped when a gradient is inf or nan
-                scaler.update()
-            else:
-                optimizer.step()
-            measure.synchronize(device)
-            seconds = time.perf_counter() - t0
-            done = step + 1
-            record(StepLog(
-                step=done, loss=loss_accum.item(), lr=lr, grad_norm=norm.item(), seconds=seconds,
-                tokens_per_s=tokens_per_step / seconds,
-                mfu=measure.mfu(flops_per_token * tokens_per_step, compute_dtype, seconds, acc,
-                                setting.matmul_precision)))
-
-            last = done == config.steps
-            if last or (config.eval_every and done % config.eval_every == 0):
-                record(EvalLog(done, evaluate(run_lm, val_loader, config.eval_batches, setting,
-                                              device)))
-            if config.out and (last or (config.save_every and done % config.save_every == 0)):
-                save_checkpoint(done)
-
-        result.peak_memory, result.memory_kind = measure.peak_memory(device)
-        if config.sample_tokens:
-            result.sample, unknown = _sample(lm, tokenizer, config, setting, device)
-            if unknown:
-                notes.append(f"the sample drew {unknown} id(s) past the tokenizer's "
-                             f"{tokenizer.vocab_size:,}, which stand for no text: left out")
-    return result
+    use_scaler = setting.autocast_dtype == torch.float16 and params != torch.float16
+    return torch.amp.GradScaler(setting.device) if use_scaler else None
 
 
 def _sample(lm: LoadedModel, tokenizer: Tokenizer, config: TrainConfig, setting: Setting,

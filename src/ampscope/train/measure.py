@@ -86,8 +86,9 @@ def flops_per_token(module: nn.Module, seq: int) -> tuple[int, str]:
     return 6 * n, "6·N (no attention term)"
 
 
-def mfu(flops: float, dtype: torch.dtype, seconds: float, acc: hardware.Accelerator | None,
-        matmul_precision: str) -> float | None:
-    """Model FLOPs utilisation of one step whose matmuls all ran in `dtype`."""
+def mfu(flops: float, dtype: torch.dtype | None, seconds: float,
+        acc: hardware.Accelerator | None, matmul_precision: str) -> float | None:
+    """Model FLOPs utilisation of one step whose matmuls all ran in `dtype`. A dtype of None
+    (a native setting's, as the bench gives it) has no peak: None, as for any unknown peak."""
     name = str(dtype).removeprefix("torch.")
     return hardware.mfu({name: flops}, seconds, acc, matmul_precision)

@@ -24,7 +24,7 @@ import functools
 import importlib.util
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from ampscope.errors import AmpscopeError
 
@@ -43,6 +43,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    # Hashable (by identity, as any object): the data module caches encodings per tokenizer.
+    def __hash__(self) -> int: ...
 
 
 class ByteTokenizer:
@@ -95,7 +98,8 @@ class GPT2Tokenizer:
         self.vocab_size = len(self._ids)  # 50257
         lines = Path(vocab_bpe).read_text(encoding="utf-8").splitlines()
         # The first line is a version header; each other line is one merge, best first.
-        merges = [tuple(line.split()) for line in lines[1:] if line.strip()]
+        # (Two symbols per line, the pair that merges: the file's format.)
+        merges = [cast("tuple[str, str]", tuple(line.split())) for line in lines[1:] if line.strip()]
         self._ranks: dict[tuple[str, str], int] = {pair: r for r, pair in enumerate(merges)}
         self._byte_to_char = byte_symbols()
         self._char_to_byte = {c: b for b, c in self._byte_to_char.items()}

@@ -1,0 +1,361 @@
+"""The command line's arguments: one parser, a function per command. Nothing here imports
+torch: `--help`, `--version` and argument errors answer at once."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import NoReturn
+
+from ampscope.cli.examples import add_examples
+from ampscope.cli.fit import add_fit_parser
+from ampscope.cli.hardware import add_hardware_arguments
+from ampscope.cli.train import add_bench_parser, add_train_parser
+from ampscope.defaults import (
+    DEFAULT_MATRIX_SETTINGS,
+    DEFAULT_MODEL,
+    DEFAULT_NUMERICS_SETTINGS,
+    DEFAULT_SETTING,
+    MAX_FORWARDS,
+)
+
+
+class _UsageError(Exception):
+    """What argparse would print under its usage block before exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse answers a bad command line with its whole usage block and an exit: here, one
+    line that names the command's --help instead, and `main` returns 2 (subparsers are made of
+    this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# A model made by the user's own factory keeps the parameter dtypes it chose (its own bf16
+# embedding, say), as in the user's training script; the built-in models take the usual fp32.
+_SETTING_DEFAULT = (f"default: {DEFAULT_SETTING}; native+amp-bf16, every parameter as the "
+                    "model made it, for a package.module:factory")
+
+
+def default_setting(model: str) -> str:
+    """The setting a command runs `model` under when none is given."""
+    factory = ":" in model and not model.startswith("hf:")
+    return "native+amp-bf16" if factory else DEFAULT_SETTING
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ampscope",
+        description="Which precision does every tensor of a PyTorch model really run in?",
+    )
+    parser.add_argument("--version", action=_Version,
+                        help="show ampscope's version and exit (with -v: the torch build and "
+                             "which speed tricks it allows)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command")
+    _add_trace(sub)
+    _add_run(sub)
+    _add_matrix(sub)
+    _add_report(sub)
+    _add_diff(sub)
+    _add_memory(sub)
+    _add_flops(sub)
+    _add_numerics(sub)
+    _add_formats(sub)
+    _add_policy(sub)
+    add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
+    add_bench_parser(sub)  # ampscope bench: the precision ladder
+    add_fit_parser(sub)  # ampscope fit: the largest batch that fits a GPU (cli/fit.py)
+    _add_models(sub)
+    add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
+    _add_verbose(parser, sub.choices)
+    return parser
+
+
+def _add_trace(sub) -> None:
+    trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
+    _add_model_argument(trace)
+    trace.add_argument("--setting", "-s", help=f"precision setting, e.g. fp32, bf16, "
+                       f"fp32+amp-bf16, native+amp-bf16, fp32+tf32 ({_SETTING_DEFAULT})")
+    _add_run_arguments(trace)
+    trace.add_argument("--ops", action="store_true", help="add the op-level listing")
+    trace.add_argument("--diagram", action="store_true",
+                       help="draw the dtype flow of one forward pass, one block drawn once")
+    _add_export_arguments(trace, csv="the modules table (with --ops: the ops)", perfetto=True)
+    _add_distributed_arguments(trace)
+
+
+def _add_run(sub) -> None:
+    run = sub.add_parser(
+        "run", help="run your own script, unmodified, and trace its model (on a device this "
+                    "machine lacks, a virtual one)",
+        description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
+                    "after --steps optimizer steps, and trace the model it runs.")
+    run.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                     help="the device the script should see; one this machine lacks is virtual "
+                          "(default: this machine's)")
+    run.add_argument("--steps", type=int, default=1,
+                     help="stop after this many optimizer steps (default: %(default)s)")
+    run.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
+                     help="stop a script that runs N forward passes of its model without an "
+                          "optimizer step (a sampler, a loop that never steps); 0: no bound "
+                          "(default: %(default)s)")
+    run.add_argument("--predict", action="store_true",
+                     help="every weight becomes a fake tensor as the model registers it: any "
+                          "size, no memory (the data stays real)")
+    run.add_argument("--exact", action="store_true",
+                     help="with --predict: every speed trick off (same result, slower)")
+    run.add_argument("-m", dest="module", action="store_true",
+                     help="TARGET is a module name, run as `python -m TARGET`")
+    run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
+    run.add_argument("--ops", action="store_true", help="add the op-level listing")
+    run.add_argument("--diagram", action="store_true",
+                     help="draw the dtype flow of one forward pass")
+    run.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout: "
+                                                    "the script's prints go to stderr)")
+    run.add_argument("--memory", action="store_true",
+                     help="add the memory report of the captured steps")
+    run.add_argument("--flops", action="store_true",
+                     help="add the FLOP count of the captured steps")
+    run.add_argument("--report", metavar="PATH",
+                     help="also write the HTML report of the run (findings, dtype flow, "
+                          "memory, FLOPs)")
+    _add_export_arguments(run, csv="the modules table (with --ops: the ops)", perfetto=True)
+    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                     help=argparse.SUPPRESS)
+    run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="the script's own arguments ('--' first if they could be read as "
+                          "ampscope's)")
+
+
+def _add_matrix(sub) -> None:
+    matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
+    _add_model_argument(matrix)
+    matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(matrix)
+    _add_export_arguments(matrix, csv="the modules table")
+
+
+def _add_report(sub) -> None:
+    report = sub.add_parser("report", help="one self-contained HTML page: findings, dtype flow, "
+                                           "settings matrix, memory and FLOPs")
+    _add_model_argument(report)
+    report.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
+                        help="comma-separated settings (default: %(default)s)")
+    _add_run_arguments(report)
+    report.add_argument("--numerics", action="store_true",
+                        help="add each setting's divergence from an fp64 run, layer by layer "
+                             "(real runs of the forward or train workload)")
+    report.add_argument("--output", "-o", default="report.html", metavar="PATH",
+                        help="the HTML file to write (default: %(default)s)")
+
+
+def _add_diff(sub) -> None:
+    diff = sub.add_parser("diff", help="what changed dtype between two traces or two settings")
+    diff.add_argument("a", help="a trace JSON file (from --json), or a setting")
+    diff.add_argument("b", help="a trace JSON file, or a setting")
+    diff.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                      help="model to trace when A and B are settings (default: %(default)s)")
+    _add_run_arguments(diff)
+    diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
+
+
+def _add_memory(sub) -> None:
+    memory = sub.add_parser("memory", help="every byte of one step by category and dtype; the "
+                                           "peak and where it happens")
+    _add_model_argument(memory)
+    memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
+    _add_run_arguments(memory)
+    memory.add_argument("--measure", action="store_true",
+                        help="also run the step untraced and show its measured peak beside "
+                             "the prediction (a real CUDA device or the CPU)")
+    _add_export_arguments(memory, csv="bytes by category and dtype")
+    _add_distributed_arguments(memory)
+
+
+def _add_flops(sub) -> None:
+    flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
+    _add_model_argument(flops)
+    flops.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
+    _add_run_arguments(flops)
+    timing = flops.add_mutually_exclusive_group()
+    timing.add_argument("--step-time", type=float, metavar="SECONDS",
+                        help="measured wall time of one step, for throughput and MFU")
+    timing.add_argument("--measure", action="store_true",
+                        help="time the untraced step on this machine (a real device only)")
+    add_hardware_arguments(flops, memory=False,
+                           gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
+                                    "(default: this machine's GPU; h100 for emulated cuda)")
+    _add_export_arguments(flops, csv="FLOPs by module")
+
+
+def _add_numerics(sub) -> None:
+    numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
+                                               "high-precision reference, layer by layer")
+    _add_model_argument(numerics)
+    numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
+                          help="comma-separated settings (default: %(default)s)")
+    numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
+                          help="the setting every other is compared with (default: %(default)s)")
+    numerics.add_argument("--workload", "-w", default="forward", choices=["forward", "train"],
+                          help="train adds the loss's and the gradients' divergence "
+                               "(default: %(default)s)")
+    numerics.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    numerics.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    numerics.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                          help="device of every setting without a DEVICE: prefix (emulated "
+                               "when absent: CUDA's dtypes, the CPU's kernels)")
+    numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
+    numerics.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    numerics.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=argparse.SUPPRESS)
+
+
+def _add_formats(sub) -> None:
+    formats = sub.add_parser("formats", help="number formats: range, eps, and how each stores "
+                                             "given values")
+    formats.add_argument("values", nargs="*", metavar="VALUE",
+                         help="decimal values to store in every format, e.g. 1e-8 65504 0.1 nan "
+                              "-inf")
+    formats.add_argument("--json", metavar="PATH",
+                         help="write the result as JSON ('-' for stdout)")
+    formats.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+
+def _add_policy(sub) -> None:
+    policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
+    policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
+                        help="device whose policy to show (default: %(default)s)")
+    policy.add_argument("--dtype", choices=["bf16", "fp16"],
+                        help="autocast dtype (default: the device's own default)")
+    policy.add_argument("--op", metavar="NAME", help="only ops whose name contains NAME")
+    policy.add_argument("--compare", nargs=2, metavar=("DEV1", "DEV2"),
+                        help="only the ops where two devices' policies differ")
+    policy.add_argument("--quiz", action="store_true",
+                        help="what x.sum(), x.mean(), softmax, ... return on cpu, cuda and mps")
+    policy.add_argument("--history", action="store_true",
+                        help="how the device's policy changed in earlier PyTorch releases, for "
+                             "the ops GPT-style models call (with the pull request of each)")
+    policy.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+
+def _add_models(sub) -> None:
+    models = sub.add_parser("models", help="list the built-in models and the HF zoo")
+    models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
+    models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+
+class _Version(argparse.Action):
+    """--version, with the version read only when asked (importlib.metadata is slow to load)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import ampscope
+
+        print(f"{parser.prog} {ampscope.__version__}")
+        parser.exit()
+
+
+_GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
+
+
+def _add_verbose(parser: argparse.ArgumentParser,
+                 commands: Mapping[str, argparse.ArgumentParser]) -> None:
+    """-v/--verbose on the top level and on every command (as --debug: either place)."""
+    help_text = "show the decisions ampscope makes (predicted or real, emulated, fallbacks)"
+    parser.add_argument("-v", "--verbose", action="store_true", help=help_text)
+    for command in commands.values():
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help=help_text)
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model spec: a name from `ampscope models`, hf:PATH, or "
+                             "package.module:factory (default: %(default)s)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every command that runs a model takes: the workload and its size, and --json."""
+    parser.add_argument("--workload", "-w", default="train",
+                        choices=["train", "forward", "generate"], help="default: %(default)s")
+    parser.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
+    parser.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                        help="optimizer of the train step (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=4,
+                        help="tokens sampled by the generate workload (default: %(default)s)")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="train: recompute each block's activations in backward "
+                             "(torch.utils.checkpoint around every repeated block)")
+    parser.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"],
+                        help="how the optimizer updates its parameters (default: PyTorch's "
+                             "choice on the device: foreach on cuda)")
+    parser.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+                        help="device of every setting without a DEVICE: prefix; a device this "
+                             "machine lacks is emulated on the CPU")
+    parser.add_argument("--predict", action=argparse.BooleanOptionalAction, default=None,
+                        help="run on fake tensors: no memory, any model size (the default, "
+                             "unless the model reads a tensor's value)")
+    parser.add_argument("--real", dest="predict", action="store_false",
+                        help="run the step on real tensors (as --no-predict)")
+    parser.add_argument("--exact", "--every-block", dest="exact", action="store_true",
+                        help="predicted: take the exact path, every speed trick off: dispatch "
+                             "every repeated block, foreach entry and op instead of replaying "
+                             "identical ones and answering known ones (same result, slower)")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser, *, csv: str,
+                          perfetto: bool = False) -> None:
+    """--csv (the table a command prints) and --perfetto (the step as a timeline)."""
+    parser.add_argument("--csv", metavar="PATH",
+                        help=f"write {csv} as CSV ('-' for stdout)")
+    if perfetto:
+        parser.add_argument("--perfetto", metavar="PATH",
+                            help="write the step as a timeline for ui.perfetto.dev or "
+                                 "chrome://tracing (Trace Event JSON)")
+
+
+def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--distributed", choices=["ddp", "fsdp"],
+                        help="run the train step under DDP or FSDP2 on --nproc ranks (real "
+                             "processes; with --predict, rank 0 of N on a fake process group)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: 2)")
+    parser.add_argument("--mp-policy", metavar="POLICY",
+                        help="FSDP2 MixedPrecisionPolicy, e.g. param=bf16,reduce=fp32 "
+                             "(DDP: reduce= only, a compress hook)")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds a real distributed run may take (default: 120)")
+
+
+def _values_after_dashes(argv: list[str]) -> list[str]:
+    """`ampscope formats -inf -1e-8`: argparse reads "-inf" and "-1e-8" as unknown options (it
+    only knows plain negative numbers like -2), so move the values behind a "--"."""
+    leading = ([a for a in argv[:argv.index("formats")] if a in _GLOBAL_FLAGS]
+               if "formats" in argv else [])
+    if argv[len(leading):len(leading) + 1] != ["formats"] or "--" in argv:
+        return argv
+    options, values, rest = [*leading], [], iter(argv[len(leading) + 1:])
+    for arg in rest:
+        if arg == "--json":
+            options += [arg, next(rest, "")]
+        elif arg.startswith("--") or arg in ("-h", "-v"):
+            options.append(arg)
+        else:
+            values.append(arg)
+    global_options = [o for o in options if o in leading]
+    options = options[len(global_options):]
+    return [*global_options, "formats", *options, "--", *values]

@@ -1,0 +1,109 @@
+"""Every attribute ampscope replaces for the length of a run, through one place.
+
+A run changes code that is not its own: `torch.cuda.is_available` on the virtual device,
+`nn.Module.__init__` and `torch.save` while a script runs, a block's `forward` while its twins
+are replayed, `torch.inference_mode`'s entry while a step is recorded. Each such change is made
+here, by `patched(owner, name, value)` (a context manager) or `patch(...)` (which returns what
+undoes it), so that:
+
+- every change is undone the way it was made: an attribute the owner had itself (a module's
+  function, a class's method) is set back; one it only inherited (an instance's `forward`, found
+  on its class) is deleted again, so the class's shows through as before;
+- `active()` lists the changes in force now: none once a run has ended, which the tests check
+  after runs that fail in every way (tests/test_state.py);
+- `changed()` lists every attribute ampscope ever replaced in this process that is not what it
+  was before the first replacement: empty whenever no run is in progress, which the tests'
+  state check asserts.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class Patch:
+    """One replaced attribute, while it is replaced."""
+
+    owner: object
+    name: str
+    value: object
+    original: object
+    own: bool  # whether the owner held the attribute itself (else: inherited, or missing)
+
+    def __repr__(self) -> str:
+        return f"Patch({_label(self.owner)}.{self.name})"
+
+
+_active: list[Patch] = []
+_MISSING = object()
+# (id(owner), name) -> (owner, name, the owner's own value before ampscope first replaced it,
+# or _MISSING where it had none of its own). Owners are modules and classes, which live as long
+# as the process, and the instances whose `forward` a run wrapped, kept alive by this entry.
+_touched: dict[tuple[int, str], tuple[object, str, object]] = {}
+
+
+def patch(owner: object, name: str, value: object) -> Callable[[], None]:
+    """Replace `owner.name` with `value` now; returns what puts it back (call it once)."""
+    held = _own_attributes(owner)
+    own = held is not None and name in held
+    original = held[name] if own and held is not None else getattr(owner, name, _MISSING)
+    entry = Patch(owner, name, value, original, own)
+    _touched.setdefault((id(owner), name), (owner, name, original if own else _MISSING))
+    setattr(owner, name, value)
+    _active.append(entry)
+
+    def undo() -> None:
+        if entry not in _active:
+            return  # undone already
+        _active.remove(entry)
+        if own:
+            setattr(owner, name, original)
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, name)
+
+    return undo
+
+
+@contextlib.contextmanager
+def patched(owner: object, name: str, value: object) -> Iterator[None]:
+    """`owner.name` is `value` while the body runs, and as it was after, also when it raised."""
+    undo = patch(owner, name, value)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def active() -> list[Patch]:
+    """The replacements in force now, oldest first."""
+    return list(_active)
+
+
+def changed() -> list[str]:
+    """`owner.name` for each attribute ever replaced here whose own value is not the one it
+    had before (empty when every run has put back what it replaced)."""
+    found = []
+    for owner, name, original in _touched.values():
+        held = _own_attributes(owner)
+        now = held.get(name, _MISSING) if held is not None else _MISSING
+        if now is not original:
+            found.append(f"{_label(owner)}.{name}")
+    return found
+
+
+def _label(owner: object) -> str:
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or \
+        type(owner).__name__
+
+
+def _own_attributes(owner: object) -> dict | None:
+    try:
+        return vars(owner)
+    except TypeError:  # an object without a __dict__ (slots): only inherited attributes
+        return None
