@@ -150,3 +150,22 @@ def test_every_replacement_of_others_code_goes_through_the_patch_registry():
             if (rel, target) not in _NOT_PATCHES:
                 found.append(f"{rel}:{line} {target}")
     assert not found, found
+
+
+def test_modules_and_functions_stay_small():
+    """A module a reader can hold in mind (at most 500 lines) and functions that fit a screen
+    or two (at most 80 lines): split by what the parts do when one grows past it."""
+    import ast
+
+    long_files, long_functions = [], []
+    for path in sorted((ROOT / "src" / "ampscope").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(ROOT / "src")
+        if text.count("\n") > 500:
+            long_files.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    assert not long_files and not long_functions, long_files + long_functions

@@ -69,43 +69,12 @@ def fit(
         setting = on_device(setting, "cuda")
     base = resolved(setting)
     lm = _built(model, base)
-    probes: list[Probe] = []
-    notes: list[str] = []
-    reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
-
-    def run(variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
-        """One predicted step, as `memory(..., predict=True)` runs it; its ops' names and
-        phases are kept for the search's guesses."""
-        key = (variant, batch, t)
-        if key not in reports:
-            result = trace(lm, setting=s, batch=batch, seq=t, optimizer=optimizer,
-                           predict=True, **options)
-            report = memory_report(result)
-            peak = compared_peak(report)
-            probe = Probe(variant, batch, t, peak, peak <= budget, report.peak.phase)
-            probes.append(probe)
-            if on_probe is not None:
-                on_probe(probe)
-            reports[key] = report, [o.op for o in result.ops], [o.phase for o in result.ops]
-        return reports[key][0]
-
-    def search(variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:
-        def point(batch: int) -> Point:
-            report = run(variant, s, batch, t, **options)
-            _, ops, phases = reports[variant, batch, t]
-            return Point(batch, compared_peak(report) <= budget, report.live_bytes, ops, phases)
-
-        batch, closed = largest(point, budget, start=start, max_probes=max_probes, limit=limit)
-        if not closed:
-            notes.append(f"{variant}: stopped after {max_probes} probes; batch {batch} fits, "
-                         "a larger one may too")
-        return batch
-
+    probing = _Probing(lm, budget, optimizer, max_probes, on_probe)
     seq_auto = seq == "auto"
     if seq_auto:
-        t = _longest_seq(lm, lambda t: compared_peak(run(AS_GIVEN, base, 1, t)) <= budget)
+        t = _longest_seq(lm, lambda t: compared_peak(probing.run(AS_GIVEN, base, 1, t)) <= budget)
         if t is None:
-            raise AmpscopeError(_no_fit(lm.name, base, budget, source, probes))
+            raise AmpscopeError(_no_fit(lm.name, base, budget, source, probing.probes))
     elif isinstance(seq, int) and not isinstance(seq, bool) and seq > 0:
         if seq > lm.max_seq_len:
             raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")
@@ -114,30 +83,80 @@ def fit(
         raise AmpscopeError(f"seq must be a positive integer or 'auto', not {seq!r}")
     # A budget larger than any batch needs (--memory 1e30) would have the search extrapolate to
     # batches no run takes; it stops at this limit instead, and says so.
-    limit, why = _batch_limit(t)
-    batch = search(AS_GIVEN, base, t)
+    probing.limit, why = _batch_limit(t)
+    batch = probing.search(AS_GIVEN, base, t)
     if batch is None:
-        raise AmpscopeError(_no_fit(lm.name, base, budget, source, probes))
-    at_limit = run(AS_GIVEN, base, batch, t)
+        raise AmpscopeError(_no_fit(lm.name, base, budget, source, probing.probes))
+    at_limit = probing.run(AS_GIVEN, base, batch, t)
     peak = compared_peak(at_limit)
-    found: list[Variant] = []
-    if variants:
-        for name, change, s, options in _variants(lm, base):
-            there = compared_peak(run(name, s, batch, t, **options))
-            own = search(name, s, t, start=batch, **options)
-            found.append(Variant(name, change, there, peak - there, own,
-                                 compared_peak(run(name, s, own, t, **options)) if own else None))
-        notes.append(_FSDP_NOTE)
+    found = probing.variants(base, batch, t, peak) if variants else []
+    notes = probing.notes
     reached = [name for name, b in [(AS_GIVEN, batch), *((v.name, v.batch) for v in found)]
-               if b == limit]
+               if b == probing.limit]
     if reached:
-        notes.insert(0, f"{', '.join(reached)}: every batch up to {limit:,} fits in "
+        notes.insert(0, f"{', '.join(reached)}: every batch up to {probing.limit:,} fits in "
                         f"{format_bytes(budget)}; fit probes no larger batch: {why}")
     return FitReport(
         model=lm.name, accelerator=accelerator, memory_bytes=budget, memory_source=source,
         setting=base.name, optimizer=optimizer, seq=t, seq_auto=seq_auto, batch=batch,
         peak_bytes=peak, peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
-        probes=probes, variants=found, notes=notes, batch_limit=limit)
+        probes=probing.probes, variants=found, notes=notes, batch_limit=probing.limit)
+
+
+class _Probing:
+    """The predicted runs of one search: each (variant, batch, seq) run once, in order."""
+
+    def __init__(self, lm: LoadedModel, budget: int, optimizer: str, max_probes: int,
+                 on_probe: Callable[[Probe], None] | None) -> None:
+        self.lm, self.budget, self.optimizer = lm, budget, optimizer
+        self.max_probes, self.on_probe = max_probes, on_probe
+        self.probes: list[Probe] = []
+        self.notes: list[str] = []
+        self.limit: int | None = None  # the largest batch probed (_batch_limit)
+        self._reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
+
+    def run(self, variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
+        """One predicted step, as `memory(..., predict=True)` runs it; its ops' names and
+        phases are kept for the search's guesses."""
+        key = (variant, batch, t)
+        if key not in self._reports:
+            result = trace(self.lm, setting=s, batch=batch, seq=t, optimizer=self.optimizer,
+                           predict=True, **options)
+            report = memory_report(result)
+            peak = compared_peak(report)
+            probe = Probe(variant, batch, t, peak, peak <= self.budget, report.peak.phase)
+            self.probes.append(probe)
+            if self.on_probe is not None:
+                self.on_probe(probe)
+            self._reports[key] = report, [o.op for o in result.ops], [o.phase for o in result.ops]
+        return self._reports[key][0]
+
+    def search(self, variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:
+        """The largest batch of `variant` whose predicted peak fits, from `start`."""
+        def point(batch: int) -> Point:
+            report = self.run(variant, s, batch, t, **options)
+            _, ops, phases = self._reports[variant, batch, t]
+            return Point(batch, compared_peak(report) <= self.budget, report.live_bytes, ops,
+                         phases)
+
+        batch, closed = largest(point, self.budget, start=start, max_probes=self.max_probes,
+                                limit=self.limit)
+        if not closed:
+            self.notes.append(f"{variant}: stopped after {self.max_probes} probes; batch {batch} "
+                              "fits, a larger one may too")
+        return batch
+
+    def variants(self, base: Setting, batch: int, t: int, peak: int) -> list[Variant]:
+        """Each change that could buy room, run at `batch`, and its own largest batch."""
+        found = []
+        for name, change, s, options in _variants(self.lm, base):
+            there = compared_peak(self.run(name, s, batch, t, **options))
+            own = self.search(name, s, t, start=batch, **options)
+            found.append(Variant(name, change, there, peak - there, own,
+                                 compared_peak(self.run(name, s, own, t, **options))
+                                 if own else None))
+        self.notes.append(_FSDP_NOTE)
+        return found
 
 
 def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | None, str]:

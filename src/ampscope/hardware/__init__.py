@@ -1,0 +1,25 @@
+"""Accelerators: peak FLOP/s, memory and bandwidth, every figure sourced.
+
+- `known.py`: the built-in table `KNOWN` (and its conventions), `peak_flops`, `mfu`,
+  `describe`;
+- `user.py`: the user's own figures (a TOML table merged over `KNOWN`: `table()`;
+  `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name` in the merged table.
+
+Nothing here imports torch: the command line reads it before any command runs.
+"""
+
+from ampscope.hardware.known import *  # noqa: F403 - the table's entries, by name
+from ampscope.hardware.known import __all__ as _known
+from ampscope.hardware.user import (
+    DTYPE_ALIASES,
+    by_name,
+    lookup,
+    parse_peak_flops,
+    parse_size,
+    table,
+    user_table_path,
+    with_figures,
+)
+
+__all__ = [*_known, "DTYPE_ALIASES", "by_name", "lookup", "parse_peak_flops", "parse_size",
+           "table", "user_table_path", "with_figures"]
