@@ -169,3 +169,18 @@ def test_modules_and_functions_stay_small():
                 if lines > 80:
                     long_functions.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
     assert not long_files and not long_functions, long_files + long_functions
+
+
+def test_every_package_docstring_names_its_files():
+    """A package's docstring is its table of contents: every module in it is named there
+    (`name.py`), so a reader finds where each thing lives without opening them all."""
+    import ast
+
+    missing = []
+    for init in sorted((ROOT / "src" / "ampscope").rglob("__init__.py")):
+        package = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        for module in sorted(package.glob("*.py")):
+            if module.name != "__init__.py" and module.name not in doc:
+                missing.append(f"{package.relative_to(ROOT / 'src')}: {module.name}")
+    assert not missing, missing

@@ -10,6 +10,14 @@
 The names below are imported on first use (PEP 562): `import ampscope` alone imports no torch,
 so the command line answers `--help`, `--version` and argument errors in a fraction of the
 second that importing torch takes.
+
+The packages, in their layers (docs/architecture.md): `cli/` and `integrations/`; `api/` and
+`script/`; `render/`; `analysis/`, `train/`, `distributed/`; `recorders/` and `workloads.py`;
+`precision/` and `models/`; `records/`, `hardware/`, `schemas/`, `nested.py` (the tensors in
+nested arguments) and `tricks.py` (the speed tricks and their one switch); at the bottom
+`errors.py` (`AmpscopeError`), `files.py` (atomic writes), `defaults.py` (what `--help` shows),
+`quiet.py` (other libraries' log lines held back), `patches.py` (every attribute a run replaces)
+and `torchcompat/` (every private torch detail). `__main__.py`: `python -m ampscope`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,19 @@
+"""Reports from records: pure functions from a `Trace` (or several) to a report with
+`to_dict()`, the JSON the CLI writes. Nothing here runs a model or imports a recorder.
+
+- `summary.py`: `TraceSummary`, what the terminal shows of a trace, and its dtype inventory;
+- `flow.py`: the dtype flow through modules and ops, repeated blocks collapsed;
+- `diagram.py`: the dtype flow of one forward pass as a chain of steps;
+- `findings.py`: the short list of dtype facts; `causes.py`: why each tensor changed dtype;
+- `diagnosis.py`: a dtype mismatch explained, with its fixes;
+- `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces;
+- `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
+- `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;
+- `numerics.py`: `NumericsReport`, divergence from a reference and ranges;
+- `autocast.py`: `PolicyReport`, autocast policies side by side;
+- `policy_versions.py`: the finding that says when dtypes depend on the PyTorch release;
+- `formats.py`: number formats and how they store a value, with `format_table.py` (their facts
+  as plain data, read without torch);
+- `fp8.py`: what an fp8 training step did; `fit.py`: the search and report of `ampscope fit`.
+"""
+

@@ -4,6 +4,11 @@
     ampscope.distributed.launch("gpt2-tiny", Parallel("fsdp", 2, param_dtype=torch.bfloat16))
     ampscope.distributed.predict("llama-3-70b", Parallel("fsdp", 64, ...))
 
+- `capture.py`: capture on every rank, gathered on rank 0;
+- `launch.py`: one step on N real processes, or rank 0 of N predicted;
+- `step.py`: one rank's train step under DDP or FSDP2; `parallel.py`: the strategy and its
+  mixed-precision policy; `report.py`: what crossed the network and what each rank held.
+
 See docs/distributed.md.
 """
 

@@ -1,5 +1,13 @@
 """Models ampscope can build from a spec string; see `registry` for the spec grammar.
 
+- `registry.py`: the spec grammar (`gpt2`, `llama-3.2-1b`, `hf:./ckpt`, `pkg.mod:factory`) and
+  the memory guard;
+- `base.py`: `LoadedModel`, what a workload needs to drive a model;
+- `catalog.py`: what `ampscope models` lists, as data (read without importing torch);
+- `gpt2.py`, `nanochat.py`: the built-in reference GPTs, one readable file each;
+- `hf.py`: Hugging Face causal LMs (the zoo from configs, local checkpoints);
+- `smollm2.py`: SmolLM2-135M with its real weights.
+
 The names below are imported on first use: `catalog` (what `ampscope models` lists) is read
 without importing torch.
 """

@@ -4,9 +4,13 @@ Records are frozen dataclasses of names, dtypes, shapes and source locations —
 tensors or modules — so a trace keeps no activation alive and can be saved, compared and
 analysed without the model:
 
-- `records/tensors.py`: what one capture sees (module calls, op calls, tensors, storages);
+- `records/tensors.py`: what one capture sees (module calls, op calls, tensors, storages), and
+  `RowLayout`, a record's fields by name while a recorder keeps it as a row;
 - `records/setting.py`: the setting a trace ran under, as data;
-- `records/trace.py`: `Trace`, everything one capture saw, and its JSON form.
+- `records/trace.py`: `Trace`, everything one capture saw, and its JSON form;
+- `records/table.py`: `Table`, the one tabular form (DataFrame, CSV); `records/trace_table.py`:
+  a trace's ops, modules and tensors as tables;
+- `records/fp8.py`: the fp8 casts of a step and their scales, read off the op records.
 
 Nothing here imports another ampscope layer.
 """

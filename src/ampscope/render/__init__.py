@@ -1,0 +1,11 @@
+"""Views: they read reports and compute nothing.
+
+- terminal (rich): `text.py` (a trace), `memory.py`, `flops.py`, `numerics.py`, `matrix.py`,
+  `diff.py`, `diagram.py`, `autocast.py`, `formats.py`, `models.py`, `fit.py`, `train.py`,
+  `distributed.py`, with `style.py` (dtype names and colours, byte counts);
+- HTML: `html.py` (the report page and notebook fragments), `plots.py` (matplotlib figures as
+  SVG), `flowgraph.py` (the dtype flow as SVG), `templating.py` (the jinja2 environment of the
+  templates in `templates/`);
+- `perfetto.py`: the step as a Trace Event timeline; `notebook.py`: Jupyter display.
+"""
+

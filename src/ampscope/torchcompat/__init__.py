@@ -18,6 +18,14 @@ underscored ATen ops (`ops.py`: `aten._to_copy`, the fused attention kernels), a
 that live under private module paths but are the supported way to write a dispatch mode or a
 fake-tensor tool (`TorchDispatchMode`, `FakeTensorMode`, `FakeTensor`, `OpOverload`, …),
 re-exported so that a move between modules is fixed once.
+
+The modules: `features.py` (what this build offers, for `ampscope --version -v`),
+`dispatch.py` (modes and their stack), `dynamo.py` (TorchDynamo kept out), `fake.py`
+(FakeTensor internals the speed tricks use), `autograd.py` (the engine's state),
+`optim.py` (optimizers' lists and hooks), `modules.py` (nn.Module's own dicts),
+`ops.py` (underscored ATen ops), `devices.py` (what the virtual device needs),
+`attention.py` (the SDPA switches), `policy.py` (dispatcher details of autocast policies),
+`flops.py` (torch's FLOP formulas), `distributed.py`, `inductor.py`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
     result = train(TrainConfig(model="gpt2-tiny", setting="fp32+amp-bf16", steps=200))
     result.evals[-1].val_loss, result.steps[-1].tokens_per_s, result.sample
 
+- `loop.py`: the trainer, one loop readable top to bottom; `bench.py`: the ladder;
+- `data.py`: the embedded corpus, the split and the loader; `tokenizer.py`: GPT-2's BPE or bytes;
+- `checkpoint.py`: safetensors checkpoints that resume bit for bit;
+- `measure.py`: wall time, peak memory, FLOPs and MFU of a step.
+
 See docs/training.md.
 """
 
