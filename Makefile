@@ -44,7 +44,7 @@ test-fast: $(STAMP)
 docs-check: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests/test_docs.py
 
-# ruff, the layer contract and the type check (each also run by `make test`).
+# ruff, the layer contract and the type check (the last two also run by `make test`).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
