@@ -1,5 +1,5 @@
 """The type check: mypy over src/ampscope, as [tool.mypy] in pyproject.toml configures it
-(strictness, and the modules it leaves out for now), passes.
+(its strictness), passes.
 
 The mypy of this environment (the dev extra pins it) runs from the repository root. Its cache is
 the repository's .mypy_cache (git-ignored), as for a `mypy` typed there: a cold run takes about

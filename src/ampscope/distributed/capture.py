@@ -39,7 +39,7 @@ def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Hel
     """Bytes this rank holds in parameters, gradients and optimizer state, by dtype. A storage
     counts once (tied weights, views)."""
     held: Held = {}
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int | torch.SymInt]] = set()  # (storage, offset)
 
     def add(category: str, t: torch.Tensor) -> None:
         t = local(t)
@@ -141,6 +141,7 @@ class DistributedCapture:
             dist.gather_object(mine.to_dict(), gathered, dst=0)
             if self.rank != 0:
                 return None
+            assert gathered is not None  # rank 0's: a list, filled by gather_object
             ranks = [RankReport.from_dict(d) for d in gathered]
         self.report = DistributedReport(
             model=trace.model.name, parameters=trace.model.parameters, setting=trace.setting,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,7 +24,9 @@ from ampscope.torchcompat import devices
 from ampscope.torchcompat.dispatch import no_torch_function
 from ampscope.torchcompat.fake import FakeTensor
 
-_TensorBase = devices.tensor_base()
+# Any: its members are read as the descriptors they are (`.device.__get__`), which torch's stubs,
+# declaring them as instance attributes, do not describe.
+_TensorBase: Any = devices.tensor_base()
 _GETTERS = {  # attribute reads that say where a tensor is
     _TensorBase.device.__get__: "device",
     _TensorBase.is_cuda.__get__: "is_cuda",
@@ -70,6 +72,15 @@ class _CpuTags:
     def discard(self, t: torch.Tensor) -> bool:
         """Untag `t` (its weak reference goes with it); whether it was tagged."""
         return self._tags.pop(t, None) is not None
+
+
+class _Getter(Protocol):
+    """A property that has a getter (`FakeTensor.device`): `property`'s own type allows none."""
+
+    @property
+    def fget(self) -> Callable[[Any], Any]: ...
+    @property
+    def fset(self) -> Callable[[Any, Any], None] | None: ...
 
 
 class DeviceMode(TorchFunctionMode):
@@ -243,7 +254,7 @@ class DeviceMode(TorchFunctionMode):
 
         return property(device)
 
-    def fake_device(self, original: property) -> property:
+    def fake_device(self, original: _Getter) -> property:
         """`FakeTensor.device`, which a fake tensor answers in Python without a torch function
         call: answered from the tag, as the TensorBase getter is (also inside a PyTorch Python
         function the mode handed on, as `tensor_device` does), except to PyTorch's private

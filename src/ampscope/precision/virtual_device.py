@@ -32,6 +32,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -54,7 +55,8 @@ class _Properties:
 
     def __init__(self, accelerator: hardware.Accelerator, capability: tuple[int, int]) -> None:
         self.name = accelerator.title
-        self.total_memory = accelerator.memory_bytes
+        # Memory None is only a command line's accelerator: `hardware.by_name`'s always have it.
+        self.total_memory = cast(int, accelerator.memory_bytes)
         self.major, self.minor = capability
         self.multi_processor_count = accelerator.multiprocessors or 0
         self.is_integrated = False
@@ -240,8 +242,8 @@ class VirtualDevice:
                 (backend, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
                 (backend, "set_rng_state", lambda state, device="cuda": None),
                 (backend, "mem_get_info",
-                 lambda device=None: (accelerator.memory_bytes - self._live(),
-                                      accelerator.memory_bytes)),
+                 lambda device=None: (cast(int, accelerator.memory_bytes) - self._live(),
+                                      accelerator.memory_bytes)),  # by_name's: never None
                 # Profiler ranges mark nothing here.
                 (backend.nvtx, "range_push", lambda msg: 0),
                 (backend.nvtx, "range_pop", lambda: 0),
@@ -282,7 +284,8 @@ class VirtualDevice:
             "max_memory_reserved": lambda device=None: self._peak(),
             "reset_peak_memory_stats": lambda device=None: self._reset_peak(),
             "get_memory_info": lambda device=None: (
-                self.accelerator.memory_bytes - self._live(), self.accelerator.memory_bytes),
+                cast(int, self.accelerator.memory_bytes) - self._live(),  # by_name's: never None
+                self.accelerator.memory_bytes),
         }
         accelerator = getattr(torch, "accelerator", None)  # since 2.6
         if accelerator is None:

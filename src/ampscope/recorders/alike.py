@@ -14,7 +14,7 @@ import functools
 import inspect
 import re
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -102,10 +102,11 @@ def alike(blocks: list[nn.Module], first_index: int = 0,
         structures = [_structure(b) for b in blocks]
     if any(s is None for s in structures):
         return False
-    first = structures[0]
-    if any(len(s) != len(first) for s in structures):
+    known = cast("list[list[tuple]]", structures)  # none of them None: checked just above
+    first = known[0]
+    if any(len(s) != len(first) for s in known):
         return False
-    for entries in zip(*structures, strict=True):
+    for entries in zip(*known, strict=True):
         if all(e == entries[0] for e in entries):
             continue
         where, kind, key = entries[0][0], entries[0][1], entries[0][2]

@@ -5,6 +5,7 @@ autocast state it ran under, and the storages its autograd graph saved."""
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from ampscope.recorders.memory import saved_tensors, storage_of
 from ampscope.torchcompat.autograd import reads_saved_raw, saving_through_hooks
 from ampscope.torchcompat.dispatch import pytree, pytree_children
 from ampscope.torchcompat.fake import FakeTensor
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
 
 
 def grad_and_autocast_state() -> tuple:
@@ -51,7 +55,8 @@ def saved_storages(out, inputs: list) -> set[int] | None:
     stop = {id(n): n for n in (t.grad_fn for t in inputs) if n is not None}
     found: set[int] = set()
     seen: dict[int, object] = {}
-    stack = [t.grad_fn for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
+    stack: list[Node | None] = [t.grad_fn for t in pytree.tree_flatten(out)[0]
+                                if isinstance(t, torch.Tensor) and t.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stop:

@@ -31,6 +31,8 @@ any other kind of argument always goes through the modes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ampscope.precision.predict import new_fake
@@ -49,19 +51,21 @@ from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode, PlainOutput
 
 _VALUES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
                      torch.layout, torch.memory_format})
-_UNCACHED = object()  # a key FakeTensorMode keeps no entry for: always dispatched
-_UNKNOWN = object()
+# Sentinels, typed Any as they stand where other types are declared.
+_UNCACHED: Any = object()  # a key FakeTensorMode keeps no entry for: always dispatched
+_UNKNOWN: Any = object()  # this build's dispatch cache, not looked up yet
 
 
 class CachedAnswers:
     """FakeTensorMode's cache entries learned in one run, by the cheaper key."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, object] = {}
+        # Per key: a PlainOutput, (entry, FakeTensorMode's key), or _UNCACHED.
+        self._entries: dict[tuple, PlainOutput | tuple[object, object]] = {}
         # This build's dispatch cache, as the trick expects it: looked up on the first call (a
         # real run never calls, and never detects it); tricks.py turns the trick off where it
         # is None.
-        self._api: fake.CacheAPI | None | object = _UNKNOWN
+        self._api: fake.CacheAPI | None = _UNKNOWN
 
     def call(self, func: OpOverload, args: tuple, kwargs: dict):
         """The op's result, or NOT_THINNED (as foreach's) where it has to be dispatched."""

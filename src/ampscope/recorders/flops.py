@@ -15,10 +15,12 @@ Every count follows PyTorch's convention: a multiply-add is 2 FLOPs, elementwise
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ampscope.torchcompat import flops as torch_flops
-from ampscope.torchcompat.dispatch import OpOverload, op_schema
+from ampscope.torchcompat.dispatch import OpOverload, OpOverloadPacket, op_schema
 
 aten = torch.ops.aten
 
@@ -51,10 +53,10 @@ def _attention_backward(grad_out, query, key, value, *args, **kwargs) -> int:
     return _sdpa_backward(_shape(query), _shape(key), _shape(value))
 
 
-def _own_formulas() -> dict:
+def _own_formulas() -> dict[OpOverloadPacket, Callable[..., int]]:
     """The fused attention ops, whose first arguments are (query, key, value), and their
     backwards ((grad_out, query, key, value)), with ampscope's formulas for them."""
-    own = {}
+    own: dict[OpOverloadPacket, Callable[..., int]] = {}
     for kernel in ("flash_attention", "efficient_attention", "cudnn_attention",
                    "flash_attention_for_cpu"):
         name = f"_scaled_dot_product_{kernel}"
@@ -114,6 +116,7 @@ class _Formula:
         self.names = [a.name for a in op_schema(func).arguments] if self.attention else []
 
     def counts(self, args: tuple, kwargs: dict, out) -> tuple[int, int]:
+        assert self.count is not None  # `formula` keeps only formulas with a count
         if self.extra:
             flops = int(self.count(*args, **kwargs))
         else:

@@ -96,7 +96,7 @@ def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
 def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
     """The first entry of each kind, and for every other entry the kept entry it is like."""
     kept: list[int] = []
-    first: dict[tuple, int] = {}
+    first: dict[object, int] = {}  # by kind (`_kind`'s tuple)
     twin: dict[int, int] = {}
     with no_torch_function():
         for i, entry in enumerate(zip(*lists, strict=True)):
@@ -122,7 +122,7 @@ def _kind(entry: tuple) -> tuple | object | None:
     entry's arguments it is the same object as (x, grad, grad), and each other value. None for
     an entry holding a fake constant (fake mode follows its value: always run it), `_NOT_FAKE`
     for one holding a tensor that is not fake."""
-    key = []
+    key: list[tuple] = []
     for at, v in enumerate(entry):
         if isinstance(v, torch.Tensor):
             if not isinstance(v, FakeTensor):

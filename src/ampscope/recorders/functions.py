@@ -15,6 +15,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -48,7 +49,9 @@ from ampscope.torchcompat.dispatch import (
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
-PENDING = object()  # a call's source line not looked up yet
+# A call's source line not looked up yet. Typed Any: a sentinel kept where a source line
+# (str | None) is declared.
+PENDING: Any = object()
 _PRIM_DEVICE = torch.ops.prim.device.default
 _graph_task_id = graph_task_id  # -1 outside a backward pass
 
@@ -159,7 +162,7 @@ class FunctionRecorder(TorchFunctionMode):
         self.current: int | None = None
         self.current_is_cast = False
         self.current_autocast: str | None = None
-        self.current_source: str | None | object = None
+        self.current_source: str | None = None  # or PENDING
         self.current_frame: FrameType | None = None
         self.current_phase: str | None = None
         # While a PyTorch optimizer steps (`step_begin`): the recorder's place on the mode stack,

@@ -7,7 +7,7 @@ parameters (wte/lm_head) are listed once, under their first name, with the other
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ def optimizer_state(
     return from_rows(OptimizerStateRecord, rows)
 
 
-def named_tensors(named: dict[str, object], role: str | None = None) -> list[InputRecord]:
+def named_tensors(named: Mapping[str, object], role: str | None = None) -> list[InputRecord]:
     """Records for named model inputs or outputs; `role` None means infer input/target."""
     records = []
     for name, value in named.items():

@@ -63,6 +63,16 @@ class _Storage(weakref.ref):
 
     __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names",
                  "dated", "followers")
+    key: int  # id() of the storage object
+    nbytes: int
+    meta: TensorMeta
+    created: int | None  # None: before the step
+    freed: int | None
+    saved: bool
+    category: str | None
+    names: list[str]
+    dated: int | None
+    followers: list[_Replayed] | None
 
 
 class _Replayed:
@@ -70,6 +80,13 @@ class _Replayed:
     storage `leader` that a recorded block made (whose `saved` it shares)."""
 
     __slots__ = ("nbytes", "meta", "created", "freed", "category", "names", "leader")
+    nbytes: int
+    meta: TensorMeta
+    created: int
+    freed: int | None
+    category: str | None
+    names: list[str]
+    leader: _Storage
 
     def __init__(self, leader: _Storage, created: int, freed: int | None) -> None:
         self.nbytes, self.meta, self.leader = leader.nbytes, leader.meta, leader
@@ -82,10 +99,10 @@ class _Replayed:
 
 
 class StorageTracker:
-    def __init__(self, ops: list) -> None:
+    def __init__(self, ops: list[tuple]) -> None:
         self._ops = ops  # the OpRecorder's rows: their count dates a free
         self._live: dict[int, _Storage] = {}  # id(storage object) -> entry, while it lives
-        self._seen: list[_Storage] = []
+        self._seen: list[_Storage | _Replayed] = []
         # The autograd nodes walked in the backward pass now running (id -> node), and its id.
         self._walked: dict[int, object] = {}
         self._graph_task = -1
@@ -263,7 +280,7 @@ class StorageTracker:
     def records(self, ops: list[OpCall]) -> list[StorageRecord]:
         """One record per storage seen, in the order first seen; then forget them all (the
         weak references go, so no callback runs after this)."""
-        rows = []
+        rows: list[tuple] = []
         append = rows.append
         fp8 = fp8_casts(ops)
         fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8

@@ -13,7 +13,8 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from types import FrameType
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def _running_forward(module: nn.Module):
 
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
     found = None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code and frame.f_locals.get(code.co_varnames[0]) is module:
             found = frame
@@ -55,7 +56,8 @@ def _running_forward(module: nn.Module):
     return found
 
 
-def _on_gradients(tensors: list[torch.Tensor], hook: Callable, mode: str) -> None:
+def _on_gradients(tensors: list[torch.Tensor], hook: Callable,
+                  mode: Literal["all", "any"]) -> None:
     """`register_multi_grad_hook(tensors, hook, mode=mode)`. For one tensor (most module calls)
     the tensor's own hook does the same for less than half the cost: autograd runs it once per
     backward pass, as either mode would (their lock and per-pass counts serve several tensors;

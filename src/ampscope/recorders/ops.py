@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -223,7 +224,8 @@ class OpRecorder(UncompiledDispatchMode):
 
     def _names_of(self, inputs: list[torch.Tensor]) -> tuple[str | None, ...]:
         """The parameter or buffer name of each input, None for the others."""
-        found = tuple(map(self._names.get, map(id, inputs)))
+        # Each (weak reference, name) or None; Any: with no name among them it is returned as is.
+        found: tuple[Any, ...] = tuple(map(self._names.get, map(id, inputs)))
         if not any(found):  # no parameter or buffer among them (most ops): a shared tuple
             return _NONES[len(found)] if len(found) < len(_NONES) else found
         return tuple(entry[1] if entry is not None and entry[0]() is t else None

@@ -44,6 +44,9 @@ class Reporter:
     """The op recorder's side: told of each op, calls back when due."""
 
     __slots__ = ("callback", "every", "phase")
+    callback: Callback
+    every: int
+    phase: str | None  # the phase last reported, None before the first op
 
     def __init__(self, callback: Callback, every: int) -> None:
         self.callback, self.every, self.phase = callback, every, None

@@ -401,6 +401,8 @@ class _Replayed(torch.autograd.Function):
     def _forward(ctx, context: _Context, tensors: tuple):
         run, p, k = context.run, context.p, context.k
         template = p.forward
+        # (_replay_forward checked the template; the tensors go at the end of this forward)
+        assert template is not None and context.tensors is not None
         replay = run.replay
         prefix = run.names[k]
         with no_torch_function():
@@ -440,6 +442,7 @@ class _Replayed(torch.autograd.Function):
             raise ReplayDoubt(f"{run.names[k]}'s backward has no recorded twin to replay")
         with no_torch_function():
             like = grad_outputs[0] if grad_outputs else None
+            assert like is not None  # autograd runs a backward only for outputs: one grad each
             grad_inputs = [None if d is None else fake_from(like, d) for d in template.grad_inputs]
             grad_params = [None if d is None else fake_from(like, d) for d in template.grad_params]
             real = {("grad_in", i): g for i, g in enumerate(grad_inputs) if g is not None}

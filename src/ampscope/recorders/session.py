@@ -7,8 +7,9 @@ import inspect
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -347,9 +348,10 @@ class Capture:
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
 
-    def name_registries(self) -> list[dict[int, tuple[weakref.ref, str]]]:
+    def name_registries(self) -> list[dict[int, tuple[weakref.ref, Any]]]:
         """The recorders' weak references to the tensors they name, by id (a predicted
-        script's `model.to()` must drop and restore them around each swap: script/predicted.py)."""
+        script's `model.to()` must drop and restore them around each swap: script/predicted.py).
+        Each with its own kind of name (Any): a str, or also a call's row index."""
         return [self._names, self._functions.origins]
 
     def memory_now(self) -> tuple[int, int]:
@@ -390,7 +392,7 @@ class Capture:
 
     def _observed_setting(self) -> SettingRecord:
         """For `capture()` around user code: the setting as the run showed it."""
-        model = self.model
+        model = cast(nn.Module, self.model)  # known by now: `finish` runs on a model
         counts: dict[torch.dtype, int] = {}
         device = "cpu"
         for p in model.parameters():
@@ -407,7 +409,7 @@ class Capture:
                              autocast_dtype=autocast, matmul_precision=self._matmul_precision,
                              torch=torch.__version__)
 
-    def _storage_records(self, outputs: dict[str, object], names: dict[int, list[str]],
+    def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records. `names`:
         the parameters' (`inventory.parameter_names`); `params`: the model's parameters."""
@@ -416,8 +418,8 @@ class Capture:
             if p.grad is not None:
                 storages.register(p.grad, "gradient", names[id(p)][0] + ".grad")
         for optimizer in self._optimizers:
-            for p, state in optimizer.state.items():
-                param = names.get(id(p), ["<not in model>"])[0]
+            for q, state in optimizer.state.items():
+                param = names.get(id(q), ["<not in model>"])[0]
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         storages.register(value, "optimizer_state", f"{param}:{key}")
@@ -429,7 +431,9 @@ class Capture:
     def finish(self, inputs: dict[str, torch.Tensor] | None = None,
                outputs: dict[str, torch.Tensor] | None = None) -> Trace:
         """Fill the trace from the recorders and the model's current tensors."""
-        model, trace = self.model, self.trace
+        # The model is known by now: given, or adopted while the script ran (a script run that
+        # called none stops before this: script/__init__.py).
+        model, trace = cast(nn.Module, self.model), self.trace
         if self._replay is not None:
             self._replay.check()
         if self._ops.fallbacks and self._rerun_on_doubt:

@@ -109,7 +109,7 @@ def described(t: torch.Tensor) -> tuple:
     return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad
 
 
-def fake_from(like: torch.Tensor, description: tuple) -> torch.Tensor:
+def fake_from(like: FakeTensor, description: tuple) -> FakeTensor:
     """A new fake tensor as `described`, made in `like`'s fake mode with no recorder or other
     mode seeing it (a replayed block's output, a thinned foreach op's result)."""
     shape, stride, dtype, device, _ = description

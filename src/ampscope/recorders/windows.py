@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker
@@ -34,7 +33,18 @@ class Recorders(Protocol):
     storages: StorageTracker
 
 
-def renamer(old: str, new: str) -> Callable[[str | None], str | None]:
+class Renamer(Protocol):
+    """What `renamer` returns: a name's new name, a str for a str and None for None."""
+
+    @overload
+    def __call__(self, name: str, /) -> str: ...
+    @overload
+    def __call__(self, name: None, /) -> None: ...
+    @overload
+    def __call__(self, name: str | None, /) -> str | None: ...
+
+
+def renamer(old: str, new: str) -> Renamer:
     """Names under `old` (a module, its submodules and parameters) as the same names under
     `new`; other names as they are. Each name is worked out once: a block's few hundred
     records name a dozen modules and parameters over and over."""
@@ -44,13 +54,15 @@ def renamer(old: str, new: str) -> Callable[[str | None], str | None]:
     def rename(name: str | None) -> str | None:
         found = done.get(name, _MISSING)
         if found is _MISSING:
+            assert name is not None  # None is in `done` from the start: only a str is missing
             found = done[name] = new + name[len(old):] if name.startswith(dotted) else name
         return found
 
-    return rename
+    # A str's new name is a str (and None's None), which the one signature above cannot say.
+    return cast(Renamer, rename)
 
 
-_MISSING = object()
+_MISSING: Any = object()  # Any: a sentinel `done.get` returns in place of a `str | None`
 
 
 class Window:

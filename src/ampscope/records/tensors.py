@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -279,7 +279,7 @@ def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
               "    return records\n")
     scope = {"new": object.__new__, "blank": blank, "cls": cls}
     exec(source, scope)  # noqa: S102 - the source is made here, from the class's own fields
-    return scope["build"]
+    return cast("Callable[[Iterable[tuple]], list]", scope["build"])  # `build`, defined above
 
 
 # The rows the op recorder keeps (recorders/ops.py) and the replay engine copies

@@ -255,7 +255,8 @@ def _held(tensors: list) -> tuple[int, dict[str, int]]:
     """Bytes of the storages `tensors` hold, each storage once (tied weights share one), in
     total and by dtype."""
     seen: dict[int, object] = {}  # storage objects kept alive so their ids stay theirs
-    total, by_dtype = 0, {}
+    total = 0
+    by_dtype: dict[str, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
         if id(storage) in seen:

@@ -20,8 +20,9 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -96,7 +97,7 @@ class ProcessState:
     environ: dict[str, str]
     streams: tuple[object, object, object]
     signals: dict[int, object] = field(default_factory=dict)
-    warning_filters: list = field(default_factory=list)
+    warning_filters: Sequence[tuple] = field(default_factory=list)
     showwarning: object = None
     excepthook: object = None
     root_handlers: list[logging.Handler] = field(default_factory=list)
@@ -168,8 +169,9 @@ class ProcessState:
             for key, value in self.environ.items():
                 if os.environ.get(key) != value:
                     os.environ[key] = value
-        sys.stdin, sys.stdout, sys.stderr = self.streams  # type: ignore[assignment]
-        warnings.filters[:] = self.warning_filters
+        sys.stdin, sys.stdout, sys.stderr = self.streams
+        # warnings.filters is a list, which typeshed types as a Sequence (not to be mutated).
+        cast(list, warnings.filters)[:] = self.warning_filters
         warnings.showwarning = self.showwarning  # type: ignore[assignment]
         sys.excepthook = self.excepthook  # type: ignore[assignment]
         if threading.current_thread() is threading.main_thread():

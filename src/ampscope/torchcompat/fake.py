@@ -20,7 +20,7 @@ import functools
 import inspect
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, cast, final
 
 import torch
 from torch._prims_common import compute_required_storage_length
@@ -111,6 +111,7 @@ class CacheAPI:
         return mode._output_from_cache_entry(state, valid, cache_key, args)  # type: ignore[call-arg]
 
 
+@final  # (none derives from it: `type(x) is PlainOutput` tells it from the other answers)
 @dataclass(frozen=True)
 class PlainOutput:
     """An entry whose answer is one new tensor of plain metadata, on a storage of its own."""
