@@ -284,3 +284,24 @@ def test_torch_level_calls_are_named_as_user_code_spells_them():
     assert func_name(torch.mm) == "torch.mm"  # not torch.spmm
     assert func_name(torch.nn.functional.linear) == "torch.nn.functional.linear"
     assert func_name(torch.Tensor.float) == "Tensor.float"
+
+
+def test_phases_and_categories_are_named_and_read_as_their_strings():
+    """Records carry `Phase` and `StorageCategory` members; each is its string for every reader
+    (==, dict keys, f-strings, JSON, CSV), and a document read back carries members again."""
+    import json
+
+    from ampscope.records import Phase, StorageCategory, Trace
+
+    t = ampscope.trace("gpt2-tiny", seq=8, setting="fp32", predict=True)
+    phases = {o.phase for o in t.ops}
+    assert phases == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
+    assert all(type(o.phase) is Phase for o in t.ops)
+    assert all(type(s.category) is StorageCategory for s in t.storages)
+    assert {"forward": 1}[Phase.FORWARD] == 1 and f"{Phase.BACKWARD}" == "backward"
+    document = json.loads(t.to_json())
+    assert {o["phase"] for o in document["ops"]} == {"forward", "backward", "optimizer"}
+    back = Trace.from_dict(document)
+    assert [o.phase for o in back.ops] == [o.phase for o in t.ops]
+    assert all(type(o.phase) is Phase for o in back.ops)
+    assert "forward" in t.table("ops").to_csv().splitlines()[1].split(",")

@@ -95,7 +95,7 @@ def dominant(report: MemoryReport) -> list[Share]:
     for row in report.at_peak:
         by[row.category] = by.get(row.category, 0) + row.bytes
     total = sum(by.values()) or 1
-    order = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
+    order: dict[str, int] = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
     labels = dict(CATEGORY_LABELS)
     if report.peak.phase == "optimizer":
         labels["temporary"] = "optimizer temporaries"

@@ -216,7 +216,7 @@ def breakdown(storages: Iterable[StorageRecord]) -> list[MemoryRow]:
         cell = cells.setdefault((s.category, s.dtype), [0, 0])
         cell[0] += s.nbytes
         cell[1] += 1
-    order = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
+    order: dict[str, int] = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
     return sorted((MemoryRow(c, d, b, n) for (c, d), (b, n) in cells.items()),
                   key=lambda r: (order.get(r.category, len(order)), -r.bytes, r.dtype))
 

@@ -37,6 +37,7 @@ from ampscope.records import (
     ArgumentOrigin,
     FailedCall,
     FunctionCall,
+    Phase,
     dtype_name,
     module_label,
 )
@@ -203,7 +204,7 @@ class FunctionRecorder(TorchFunctionMode):
         # inside an autocast region: the step counts as an explicit cast for its ops.
         self.current, self.current_is_cast = index, True
         self.current_autocast, self.current_source = _autocast_dtype(device), source_from(frame)
-        self.current_frame, self.current_phase = frame, "optimizer"
+        self.current_frame, self.current_phase = frame, Phase.OPTIMIZER
         self._step_name = name
 
     def step_end(self) -> None:
@@ -218,7 +219,7 @@ class FunctionRecorder(TorchFunctionMode):
          self.current_frame, self.current_phase) = self._step_outer
         if self.ops_seen != self._step_ops_before:
             self.rows.append((index, self._step_name, self._tracker.current_in(False),
-                              "optimizer", (), (), source, autocast, self.step))
+                              Phase.OPTIMIZER, (), (), source, autocast, self.step))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -243,7 +244,7 @@ class FunctionRecorder(TorchFunctionMode):
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
         backward = _graph_task_id() != -1
-        phase = "backward" if backward or name in BACKWARD_CALLS else self._phase.now()
+        phase = Phase.BACKWARD if backward or name in BACKWARD_CALLS else self._phase.now()
         module = self._tracker.current_in(backward)
         outer_phase, self.current_phase = self.current_phase, phase
         self.current, self.current_is_cast = index, name in EXPLICIT_CASTS

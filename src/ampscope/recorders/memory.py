@@ -41,7 +41,14 @@ import weakref
 import torch
 
 from ampscope.recorders.tensors import meta_of
-from ampscope.records import STORAGE_CATEGORIES, OpCall, StorageRecord, TensorMeta, from_rows
+from ampscope.records import (
+    STORAGE_CATEGORIES,
+    OpCall,
+    StorageCategory,
+    StorageRecord,
+    TensorMeta,
+    from_rows,
+)
 from ampscope.records.fp8 import fp8_casts
 from ampscope.torchcompat.autograd import (
     UnreadableSaved,
@@ -52,7 +59,8 @@ from ampscope.torchcompat.autograd import (
 )
 
 # Identity before the step, identity at the end, origin, lifetime.
-_RANK = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
+_RANK: dict[str, int] = {c: i for i, c in enumerate(STORAGE_CATEGORIES)}
+_ACTIVATION, _TEMPORARY = StorageCategory.ACTIVATION, StorageCategory.TEMPORARY
 
 
 class _Storage(weakref.ref):
@@ -219,7 +227,7 @@ class StorageTracker:
         if entry is None:
             entry = self._entry(storage, meta_of(tensor), None)
         if entry.category is None or _RANK[category] < _RANK[entry.category]:
-            entry.category = category
+            entry.category = StorageCategory(category)
         entry.names.append(name)
 
     def on_op(self, index: int, outputs: list[torch.Tensor], metas: tuple[TensorMeta, ...],
@@ -283,7 +291,7 @@ class StorageTracker:
         rows: list[tuple] = []
         append = rows.append
         fp8 = fp8_casts(ops)
-        fp8_made = {c.op: "fp8_cast" for c in fp8} | {c.scale_op: "fp8_scale" for c in fp8
+        fp8_made = {c.op: StorageCategory.FP8_CAST for c in fp8} | {c.scale_op: StorageCategory.FP8_SCALE for c in fp8
                                                       if c.scale_op is not None}
         for i, entry in enumerate(self._seen):
             created, category, saved, names, meta = (entry.created, entry.category, entry.saved,
@@ -291,17 +299,17 @@ class StorageTracker:
             if created is None:
                 module = phase = name = None
                 if category is None:
-                    category = "activation" if saved else "temporary"
+                    category = _ACTIVATION if saved else _TEMPORARY
             else:
                 op = ops[created]
                 module, phase, name = op.module, op.phase, op.op
                 if category is None:
                     if op.autocast_cast:
-                        category = "autocast_cast"
+                        category = StorageCategory.AUTOCAST_CAST
                     elif created in fp8_made:
                         category = fp8_made[created]
                     else:
-                        category = "activation" if saved else "temporary"
+                        category = _ACTIVATION if saved else _TEMPORARY
             append((i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
                     tuple(dict.fromkeys(names)) if names else (), module, phase, name, saved))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []

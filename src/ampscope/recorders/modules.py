@@ -26,7 +26,7 @@ from torch.nn.modules.module import (
 
 from ampscope.patches import patch
 from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
-from ampscope.records import ModuleCall, TensorMeta
+from ampscope.records import ModuleCall, Phase, TensorMeta
 from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
 from ampscope.torchcompat.modules import drop_global_forward_hook
 
@@ -83,7 +83,7 @@ def _quiet(hook: Callable) -> Callable:
 
 
 class PhaseClock(Protocol):
-    def now(self) -> str: ...
+    def now(self) -> Phase: ...
 
 
 class OpenCall:
@@ -91,7 +91,7 @@ class OpenCall:
 
     __slots__ = ("index", "name", "type", "phase", "depth", "inputs", "outputs", "module_id")
 
-    def __init__(self, index: int, name: str, type_: str, phase: str, depth: int, inputs):
+    def __init__(self, index: int, name: str, type_: str, phase: Phase, depth: int, inputs):
         self.index, self.name, self.type, self.phase = index, name, type_, phase
         self.depth, self.inputs = depth, inputs
         self.outputs: tuple[TensorMeta, ...] = ()
@@ -122,7 +122,7 @@ class _BackwardStart:
         with no_torch_function():  # as `_quiet`
             tracker = self.tracker()
             if tracker is not None:
-                call = OpenCall(tracker.call_count(), self.name, self.type, "backward",
+                call = OpenCall(tracker.call_count(), self.name, self.type, Phase.BACKWARD,
                                 self.depth, metas(grad))
                 tracker.open_backward(call, self.enter)
 
@@ -176,7 +176,7 @@ class ModuleTracker:
     def calls_between(self, start: int, end: int) -> list[OpenCall]:
         return self._calls[start:end]
 
-    def add_call(self, name: str, type_: str, phase: str, depth: int, inputs: tuple,
+    def add_call(self, name: str, type_: str, phase: Phase, depth: int, inputs: tuple,
                  outputs: tuple) -> OpenCall:
         """Append a call that ran no hook: a replayed block's module call, already closed."""
         call = OpenCall(len(self._calls), name, type_, phase, depth, inputs)
@@ -290,7 +290,7 @@ class ModuleTracker:
         name = self._name(module)
         if name == "" and not self._forward_stack and self.on_root_forward is not None:
             self.on_root_forward()
-        phase = self.phase.now() if self.phase is not None else "forward"
+        phase = self.phase.now() if self.phase is not None else Phase.FORWARD
         call = OpenCall(
             len(self._calls), name, type(module).__name__, phase,
             len(self._forward_stack), metas(args),

@@ -32,6 +32,7 @@ from ampscope.recorders.tensors import (
 from ampscope.records import (
     OP_ROW,
     OpCall,
+    Phase,
 )
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
@@ -157,7 +158,7 @@ class OpRecorder(UncompiledDispatchMode):
             grad_fn = node = None
             if backward or functions.current_phase == "backward":
                 # (not yet in the engine: the gradient seed of loss.backward())
-                phase, caller, autocast_cast = "backward", None, False
+                phase, caller, autocast_cast = Phase.BACKWARD, None, False
                 node = current_autograd_node()
                 if node is not None:
                     grad_fn = node.name()

@@ -31,6 +31,7 @@ from ampscope.records import (
     FailedCall,
     Finding,
     ModelInfo,
+    Phase,
     SettingRecord,
     StorageRecord,
     Trace,
@@ -56,12 +57,12 @@ class _PhaseClock:
         self.after_backward = False
         self.in_optimizer_step = False
 
-    def now(self) -> str:
+    def now(self) -> Phase:
         if in_backward():
-            return "backward"
+            return Phase.BACKWARD
         if self.in_optimizer_step or self.after_backward:
-            return "optimizer"
-        return "forward"
+            return Phase.OPTIMIZER
+        return Phase.FORWARD
 
 
 _signatures: dict[Callable, inspect.Signature] = {}

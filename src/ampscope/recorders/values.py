@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ampscope.recorders.modules import ModuleTracker, in_backward
-from ampscope.records import dtype_name
+from ampscope.records import Phase, dtype_name
 from ampscope.records.fp8 import FP8_DTYPES, GemmRoles
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -156,7 +156,7 @@ class _Fp8Casts(TorchDispatchMode):
         self._bits[bits.untyped_storage().data_ptr()] = (len(self._out), bits)
         self._out.append(CastValues(
             module=self._tracker.current_in(backward),
-            phase="backward" if backward else "forward",
+            phase=Phase.BACKWARD if backward else Phase.FORWARD,
             dtype=dtype_name(bits.dtype), scales=scale.numel(), numel=x.numel(),
             nonzero=int(nonzero.sum()),
             saturated=int(((x * scale).abs() > fmax).sum()),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker
-from ampscope.records import FUNCTION_ROW, OP_ROW
+from ampscope.records import FUNCTION_ROW, OP_ROW, Phase
 
 if TYPE_CHECKING:  # the op recorder's module imports the replay engine's users
     from ampscope.recorders.functions import FunctionRecorder
@@ -184,5 +184,5 @@ class Window:
         for entry, offset in pins:
             if entry is not None:
                 storages.date_free(entry, r_start + offset)
-        ops.report_progress(len(rows), rows[-1][_PHASE] if rows else "forward")
+        ops.report_progress(len(rows), rows[-1][_PHASE] if rows else Phase.FORWARD)
         return made

@@ -35,6 +35,7 @@ from ampscope.records.tensors import (
     ParameterRecord,
     Phase,
     RowLayout,
+    StorageCategory,
     StorageRecord,
     TensorMeta,
     dtype_name,
@@ -47,6 +48,6 @@ __all__ = [
     "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
     "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
     "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
-    "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
+    "StorageCategory", "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
     "FUNCTION_ROW", "OP_ROW", "RowLayout",
 ]

@@ -7,14 +7,34 @@ analysed without the model. Dtypes are torch names without the `torch.` prefix.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Generic, TypeVar, cast
 
 import torch
 
-Phase = str  # "forward", "backward" or "optimizer" (sampling steps are "forward")
-PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer")
+
+class _Named(str, enum.Enum):
+    """A name from a fixed set that is also the string itself: `Phase.FORWARD == "forward"`,
+    it hashes as the string (a dict keyed by "forward" finds it), prints and formats as the
+    string, and JSON writes it as the string, so records, reports and documents read as if it
+    were one. A document read back holds members too (`Trace.from_dict`)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__  # type: ignore[assignment]
+    __hash__ = str.__hash__
+
+
+class Phase(_Named):
+    """The part of a step an op, call or storage belongs to (sampling steps are forward)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
 
 
 # User-level calls that change dtype on purpose, as `capture.ops.func_name` spells them. A cast
@@ -184,9 +204,23 @@ class FailedCall:
     error: str  # "RuntimeError: mat1 and mat2 must have the same dtype, ..."
 
 
-# What a storage is, in the precedence recorders/memory.py applies (first match wins).
-STORAGE_CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "output",
-                      "autocast_cast", "fp8_cast", "fp8_scale", "activation", "temporary")
+class StorageCategory(_Named):
+    """What a storage is, in the precedence recorders/memory.py applies (first match wins)."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    OUTPUT = "output"
+    AUTOCAST_CAST = "autocast_cast"
+    FP8_CAST = "fp8_cast"
+    FP8_SCALE = "fp8_scale"
+    ACTIVATION = "activation"
+    TEMPORARY = "temporary"
+
+
+STORAGE_CATEGORIES: tuple[StorageCategory, ...] = tuple(StorageCategory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +235,7 @@ class StorageRecord:
     shape: tuple[int, ...]  # of that tensor
     created: int | None  # index of the op that made it; None: it existed before the step
     freed: int | None  # index of the last op it was live through; None: live at the end
-    category: str  # one of STORAGE_CATEGORIES
+    category: StorageCategory
     names: tuple[str, ...] = ()  # "transformer.wte.weight", "lm_head.weight"; ".grad", ":exp_avg"
     module: str | None = None  # where it was made, as OpCall.module
     phase: Phase | None = None

@@ -23,6 +23,8 @@ from ampscope.records.tensors import (
     OpCall,
     OptimizerStateRecord,
     ParameterRecord,
+    Phase,
+    StorageCategory,
     StorageRecord,
     TensorMeta,
 )
@@ -126,12 +128,12 @@ class Trace:
             setting=SettingRecord.from_dict(data["setting"]),
             workload=data["workload"],
             modules=[
-                ModuleCall(i, m["name"], m["type"], m["phase"], m.get("depth", 0),
+                ModuleCall(i, m["name"], m["type"], Phase(m["phase"]), m.get("depth", 0),
                            _metas(m["in"], m.get("in_shapes")), _metas(m["out"], m.get("out_shapes")))
                 for i, m in enumerate(data["modules"])
             ],
             ops=[
-                OpCall(i, o["op"], o.get("module"), o["phase"], _metas(o["in"], o.get("in_shapes")),
+                OpCall(i, o["op"], o.get("module"), Phase(o["phase"]), _metas(o["in"], o.get("in_shapes")),
                        _metas(o["out"], o.get("out_shapes")), o.get("autocast_cast", False),
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
@@ -140,7 +142,7 @@ class Trace:
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
-                FunctionCall(c.get("index", i), c["func"], c["module"], c["phase"],
+                FunctionCall(c.get("index", i), c["func"], c["module"], Phase(c["phase"]),
                              _metas(c["in"], c.get("in_shapes")), _metas(c["out"], c.get("out_shapes")),
                              c.get("source"), c.get("autocast"), c.get("step", 0))
                 for i, c in enumerate(data.get("calls", []))
@@ -170,8 +172,10 @@ class Trace:
             mode=data.get("mode", "run"),
             notes=list(data.get("notes", [])),
             storages=[StorageRecord(s.get("id", i), s["nbytes"], s["dtype"], tuple(s.get("shape", ())),
-                                    s.get("created"), s.get("freed"), s.get("category", "temporary"),
-                                    tuple(s.get("names", ())), s.get("module"), s.get("phase"),
+                                    s.get("created"), s.get("freed"),
+                                    StorageCategory(s.get("category", "temporary")),
+                                    tuple(s.get("names", ())), s.get("module"),
+                                    Phase(s["phase"]) if s.get("phase") else None,
                                     s.get("op"), s.get("saved", False))
                       for i, s in enumerate(data.get("storages", []))],
         )

@@ -26,7 +26,7 @@ from ampscope.records import PHASES, STORAGE_CATEGORIES, OpCall, Trace, module_l
 from ampscope.render.style import short_op
 
 PID = 1
-TIDS = {phase: i + 1 for i, phase in enumerate(PHASES)}
+TIDS: dict[str, int] = {phase: i + 1 for i, phase in enumerate(PHASES)}
 
 
 def _meta(name: str, tid: int, args: dict) -> dict:
