@@ -305,3 +305,21 @@ def test_phases_and_categories_are_named_and_read_as_their_strings():
     assert [o.phase for o in back.ops] == [o.phase for o in t.ops]
     assert all(type(o.phase) is Phase for o in back.ops)
     assert "forward" in t.table("ops").to_csv().splitlines()[1].split(",")
+
+
+def test_a_row_replacer_gives_what_replace_gives():
+    """records.RowLayout.replacer (the replay's hot loop) and replace (the plain way) agree,
+    field for field, on an OpCall row; an unknown field is refused."""
+    from ampscope.records import OP_ROW, OpCall, TensorMeta
+
+    meta = (TensorMeta("float32", (2, 3)),)
+    row = (5, "aten.mm.default", "h.0.attn", "forward", meta, meta, False, 3, "m.py:1",
+           ("h.0.attn.weight",), None, 12, 12, ())
+    assert len(row) == len(OP_ROW.fields)
+    fast = OP_ROW.replacer("index", "module", "caller", "input_names")
+    changed = fast(row, 9, "h.1.attn", None, ("h.1.attn.weight",))
+    assert changed == OP_ROW.replace(row, index=9, module="h.1.attn", caller=None,
+                                     input_names=("h.1.attn.weight",))
+    assert OpCall(*changed).module == "h.1.attn" and OpCall(*changed).op == row[1]
+    with pytest.raises(KeyError):
+        OP_ROW.replacer("nosuch")

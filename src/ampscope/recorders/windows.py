@@ -19,6 +19,9 @@ _INDEX, _MODULE, _CALLER, _NAMES = (OP_ROW.at(f) for f in ("index", "module", "c
                                                            "input_names"))
 _PHASE = OP_ROW.at("phase")
 _F_INDEX, _F_MODULE = FUNCTION_ROW.at("index"), FUNCTION_ROW.at("module")
+# A row copied under another block's names (`append_renamed`), these fields changed.
+_copy_op = OP_ROW.replacer("index", "module", "caller", "input_names")
+_copy_call = FUNCTION_ROW.replacer("index", "module", "step")
 
 
 class Recorders(Protocol):
@@ -158,18 +161,16 @@ class Window:
         shift_f = f_start - window.f0
         step = functions.step
         for r in functions.rows[window.f0:window.f1]:
-            functions.rows.append(FUNCTION_ROW.replace(
-                r, index=r[_F_INDEX] + shift_f, module=rename(r[_F_MODULE]), step=step))
+            functions.rows.append(_copy_call(r, r[_F_INDEX] + shift_f, rename(r[_F_MODULE]), step))
         for c in window.calls:
             tracker.add_call(rename(c.name), c.type, c.phase, c.depth, c.inputs, c.outputs)
         rows = ops.rows
         shift = r_start - window.r0
         for r in rows[window.r0:window.r1]:
             caller, names = r[_CALLER], r[_NAMES]
-            rows.append(OP_ROW.replace(
-                r, index=r[_INDEX] + shift, module=rename(r[_MODULE]),
-                caller=None if caller is None else caller + shift_f,
-                input_names=tuple(map(rename, names)) if any(names) else names))
+            rows.append(_copy_op(r, r[_INDEX] + shift, rename(r[_MODULE]),
+                                 None if caller is None else caller + shift_f,
+                                 tuple(map(rename, names)) if any(names) else names))
         functions.ops_seen += window.r1 - window.r0
         made = []
         for e, fate in zip(window.created(replay), fates, strict=True):
