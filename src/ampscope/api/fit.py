@@ -56,7 +56,7 @@ def fit(
     on_probe: Callable[[Probe], None] | None = None,
 ) -> FitReport:
     """The largest micro-batch of a train step whose predicted peak fits `gpu`'s memory (from
-    hardware.py) or `memory_size` ("80GiB", or bytes); with `seq="auto"`, first the longest
+    hardware/known.py) or `memory_size` ("80GiB", or bytes); with `seq="auto"`, first the longest
     power-of-two sequence (up to the model's context) that fits at batch 1.
 
     A setting without a device runs on CUDA when `gpu` is given. With `variants`, each change

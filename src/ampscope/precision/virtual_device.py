@@ -11,7 +11,7 @@ would, for the duration of a `with` block, and undoes every change on exit:
   backing device and answers `tensor.device`, `.is_cuda`, `.get_device()` as the target;
 - `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*`, which torch's own
   optimizers, DataLoader and checkpointing ask, answer as one device of the emulated GPU:
-  available, its name, capability and memory from `hardware.py`; `synchronize` and events
+  available, its name, capability and memory from `hardware/known.py`; `synchronize` and events
   return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
 - `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
