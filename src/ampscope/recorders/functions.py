@@ -3,9 +3,9 @@ above autocast (`FunctionRecorder`, a TorchFunctionMode), and `torch.inference_m
 run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`).
 
 The op recorder (recorders/ops.py) reads the call in progress from the `FunctionRecorder` it is
-given (`current`, `current_is_cast`, `current_autocast`, `current_source`, `current_phase`,
-`source_now()`): an aten `_to_copy` is an autocast cast when it runs inside a user-level call
-that is not itself a cast while autocast is on.
+given at construction, through the `UserCalls` protocol, the whole channel between the two: an
+aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself a
+cast while autocast is on.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -138,6 +138,22 @@ def _put_back_on_stack(mode: TorchFunctionMode, depth: int) -> None:
     push_function_mode(mode)
     for m in reversed(above):
         push_function_mode(m)
+
+
+class UserCalls(Protocol):
+    """What the op recorder (recorders/ops.py) reads of the user-level call in progress, and
+    the two things it tells back: the whole channel between the two recorders, which the
+    `FunctionRecorder` it is given at construction provides."""
+
+    current: int | None  # the row of the call in progress; None outside any
+    current_is_cast: bool  # that call is itself a cast (x.float(), .to(dtype))
+    current_autocast: str | None  # autocast's dtype when that call started
+    current_source: Any  # its file:line, or PENDING until looked up (`source_now`)
+    current_phase: str | None
+    op_log: list[tuple] | None  # the op recorder's rows (casts a call made are unmarked there)
+    ops_seen: int  # aten ops recorded so far, counted by the op recorder
+
+    def source_now(self) -> str | None: ...
 
 
 class FunctionRecorder(TorchFunctionMode):

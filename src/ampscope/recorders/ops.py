@@ -19,7 +19,7 @@ from ampscope.recorders import fake_cache, foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
 from ampscope.recorders.functions import PENDING as _PENDING
-from ampscope.recorders.functions import FunctionRecorder
+from ampscope.recorders.functions import UserCalls
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.tensors import (
@@ -86,7 +86,7 @@ _NONES = tuple((None,) * n for n in range(16))
 _graph_task_id = graph_task_id  # -1 outside a backward pass
 
 class OpRecorder(UncompiledDispatchMode):
-    def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: FunctionRecorder,
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: UserCalls,
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
         # One row per recorded op (records.OP_ROW); `records()` makes them OpCalls.
