@@ -28,6 +28,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast as cast_type
 
 import torch
 
@@ -116,9 +117,11 @@ class TargetAutocast:
 
     def _kernel(self, rule: OpPolicy, op: OpOverload) -> Callable:
         schema_names = [a.name for a in op_schema(op).arguments]
-        dtype_index = schema_names.index("dtype") if "dtype" in schema_names else None
-        dtype_positional = dtype_index is not None and not op_schema(op).arguments[dtype_index].kwarg_only
-        redirect = op_overload(rule.redirect) if rule.redirect else None
+        # Where `dtype` stands among the positional arguments (-1: it is keyword-only or none).
+        dtype_index = schema_names.index("dtype") if "dtype" in schema_names else -1
+        dtype_positional = dtype_index >= 0 and not op_schema(op).arguments[dtype_index].kwarg_only
+        # The op an `append_dtype` rule calls instead (its rules always name one).
+        redirect = cast_type(OpOverload, op_overload(rule.redirect) if rule.redirect else None)
         cast = self._cast
 
         def cast_values(kwargs: dict, dtype: torch.dtype) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 
@@ -11,8 +12,14 @@ from ampscope.torchcompat.features import Feature
 
 # The id of the backward pass running on this thread, -1 outside one (read on every op).
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+class AutogradNode(Protocol):
+    """What the recorders read of an autograd node: its name ("AddmmBackward0")."""
+
+    def name(self) -> str: ...
+
+
 # The autograd node whose backward is running (None outside one).
-current_autograd_node: Callable[[], object] = torch._C._current_autograd_node
+current_autograd_node: Callable[[], AutogradNode | None] = torch._C._current_autograd_node
 
 
 def queue_engine_callback(callback: Callable[[], None]) -> None:
