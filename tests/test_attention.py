@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampscope.precision.attention_choice import (
+from ampscope.runtime.attention_choice import (
     A100,
     H100,
     CudaTarget,
@@ -19,7 +19,7 @@ from ampscope.precision.attention_choice import (
     TensorSpec,
     choose_backend,
 )
-from ampscope.precision.attention_kernels import cuda_attention
+from ampscope.runtime.attention_kernels import cuda_attention
 
 BF16 = torch.bfloat16
 aten = torch.ops.aten

@@ -18,15 +18,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampscope
 from ampscope.errors import AmpscopeError
 from ampscope.precision import GlobalState, parse_setting, resolve_device
-from ampscope.precision.autocast_policy import default_autocast_dtype, read_policy, registered_ops
-from ampscope.precision.emulation import (
+from ampscope.precision.policy_history import applies, changes
+from ampscope.runtime.autocast_policy import default_autocast_dtype, read_policy, registered_ops
+from ampscope.runtime.emulation import (
     Emulation,
     TargetAutocast,
     TargetKernels,
     autocast_region,
     fused_on,
 )
-from ampscope.precision.policy_history import applies, changes
 from ampscope.torchcompat.policy import has_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="emulation needs no CUDA")
@@ -197,7 +197,7 @@ def test_emulated_kernels_do_what_cuda_autocast_does(name, x_dtype, dtype):
 def test_fused_rms_norm_kernels_compute_what_the_composite_does():
     """The CPU kernels standing in for the device's fused RMSNorm: the forward is the op's own
     composite; the backward, derived by hand, equals autograd through that composite."""
-    from ampscope.precision.emulation import _fused_rms_norm, _fused_rms_norm_backward
+    from ampscope.runtime.emulation import _fused_rms_norm, _fused_rms_norm_backward
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 8, requires_grad=True)
@@ -370,7 +370,7 @@ def _layer_norm_args(dtype):
 
 
 def test_norm_statistics_dtypes_are_read_from_pytorchs_fake_implementations():
-    from ampscope.precision.norm_stats import target_dtypes
+    from ampscope.runtime.norm_stats import target_dtypes
 
     aten = torch.ops.aten
     args = _layer_norm_args(torch.bfloat16)

@@ -14,10 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscope
-from ampscope.precision.norm_stats import TargetNormStats
 from ampscope.recorders import fake_cache
 from ampscope.recorders.fake_cache import CachedAnswers
 from ampscope.recorders.foreach import NOT_THINNED
+from ampscope.runtime.norm_stats import TargetNormStats
 from tests.helpers import REPLAY_NOTE, assert_same_trace
 
 aten = torch.ops.aten

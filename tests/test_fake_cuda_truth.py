@@ -40,7 +40,7 @@ from ampscope.models import registry
 from ampscope.models.base import LoadedModel
 from ampscope.precision import GlobalState, parse_setting
 from ampscope.precision.apply import main_dtype
-from ampscope.precision.attention_kernels import cuda_attention
+from ampscope.runtime.attention_kernels import cuda_attention
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or torch.backends.mps.is_available(),

@@ -83,8 +83,8 @@ def test_every_listed_change_agrees_with_this_build():
     pull request that made it."""
     import re
 
-    from ampscope.precision.autocast_policy import read_policy
     from ampscope.precision.policy_history import applies, changes
+    from ampscope.runtime.autocast_policy import read_policy
 
     assert changes()
     for change in changes():
@@ -157,7 +157,7 @@ def test_a_trace_says_when_its_dtypes_depend_on_the_release():
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_every_overload_of_the_builds_policy_is_classified(device):
-    from ampscope.precision.autocast_policy import read_policy
+    from ampscope.runtime.autocast_policy import read_policy
 
     policy = read_policy(device, torch.bfloat16)
     assert policy
@@ -167,7 +167,7 @@ def test_every_overload_of_the_builds_policy_is_classified(device):
 def test_named_dimension_overloads_follow_their_positional_twins():
     """Releases before 2.13 list overloads taking a named dimension (`softmax.Dimname`) for
     CUDA autocast; each is probed like any other and gets its twin's category."""
-    from ampscope.precision.autocast_policy import read_policy, registered_ops
+    from ampscope.runtime.autocast_policy import read_policy, registered_ops
 
     named = [n for n in registered_ops("cuda") if "imname" in n or ".names_" in n]
     if not named:

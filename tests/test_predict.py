@@ -194,7 +194,7 @@ def test_foreach_defaults_count_a_fake_tensor_as_the_tensor_it_stands_for():
     from torch.optim.optimizer import _default_to_fused_or_foreach
     from torch.utils import _foreach_utils
 
-    from ampscope.precision.predict import foreach_defaults_as_real
+    from ampscope.runtime.predict import foreach_defaults_as_real
 
     with FakeTensorMode():
         p = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
@@ -217,7 +217,7 @@ def test_new_fake_tensors_are_those_fake_mode_makes():
     the mode's ops."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from ampscope.precision.predict import new_fake
+    from ampscope.runtime.predict import new_fake
 
     mode = FakeTensorMode()
     for shape, stride, dtype in [((4, 4), (4, 1), torch.float32),

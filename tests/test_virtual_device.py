@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import ampscope
-from ampscope.precision.emulation import Emulation
-from ampscope.precision.virtual_device import VirtualDevice
+from ampscope.runtime.emulation import Emulation
+from ampscope.runtime.virtual_device import VirtualDevice
 
 MODELS = '''
 import torch

@@ -13,7 +13,7 @@ second that importing torch takes.
 
 The packages, in their layers (docs/architecture.md): `cli/` and `integrations/`; `api/` and
 `script/`; `render/`; `analysis/`, `train/`, `distributed/`; `recorders/` and `workloads.py`;
-`precision/` and `models/`; `records/`, `hardware/`, `schemas/`, `nested.py` (the tensors in
+`precision/` and `models/`; `runtime/` (a run as on another device, or predicted); `records/`, `hardware/`, `schemas/`, `nested.py` (the tensors in
 nested arguments) and `tricks.py` (the speed tricks and their one switch); at the bottom
 `errors.py` (`AmpscopeError`), `files.py` (atomic writes), `defaults.py` (what `--help` shows),
 `quiet.py` (other libraries' log lines held back), `patches.py` (every attribute a run replaces)

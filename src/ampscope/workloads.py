@@ -18,7 +18,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.patches import patched
 from ampscope.precision import Setting
-from ampscope.precision.emulation import foreach_by_default
+from ampscope.runtime.emulation import foreach_by_default
 from ampscope.torchcompat.dispatch import no_torch_function
 
 WORKLOADS = ("train", "forward", "generate")

@@ -1,6 +1,6 @@
 """Autocast policies side by side: what each category means, and where two devices differ.
 
-The policies themselves are read from the build (precision/autocast_policy.py); this module only arranges
+The policies themselves are read from the build (runtime/autocast_policy.py); this module only arranges
 them for people.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ampscope.precision.autocast_policy import OpPolicy
 from ampscope.precision.policy_history import PolicyChange
+from ampscope.runtime.autocast_policy import OpPolicy
 
 SCHEMA = "ampscope.policy/1"
 

@@ -31,8 +31,8 @@ from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
-from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.render.style import format_bytes
+from ampscope.runtime.virtual_device import VirtualDevice
 
 AS_GIVEN = "as given"
 # The most real memory the token ids of a batch the search picks may take (`_batch_limit`):

@@ -120,7 +120,7 @@ def _cpu_peak(lm: LoadedModel, data: Batch, setting: Setting,
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ampscope.precision.predict import gc_paused
+    from ampscope.runtime.predict import gc_paused
 
     # Garbage from before the step, collected during it, would be a free the profiler never
     # saw allocated: it lowers the replayed peak, and torch warns on stderr about it.

@@ -18,8 +18,8 @@ from ampscope.precision import (
     parse_setting,
     resolve_device,
 )
-from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.records import dtype_name
+from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.workloads import RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.

@@ -31,10 +31,10 @@ from ampscope.precision import (
     default_autocast_dtype,
     policy_history,
 )
-from ampscope.precision.autocast_policy import read_policy
 from ampscope.precision.quiz import quiz as run_quiz
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import Finding, SettingRecord, Trace, dtype_name
+from ampscope.runtime.autocast_policy import read_policy
 from ampscope.workloads import RunOptions
 
 

@@ -28,8 +28,12 @@ from ampscope.precision import (
     default_autocast_dtype,
     device_available,
 )
-from ampscope.precision.emulation import Emulation, device_api_error
-from ampscope.precision.predict import (
+from ampscope.recorders.repeats import ReplayDoubt
+from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.records import Trace, dtype_name
+from ampscope.render.style import format_bytes
+from ampscope.runtime.emulation import Emulation, device_api_error
+from ampscope.runtime.predict import (
     check_matmul_dtypes,
     data_dependent,
     fake_batch,
@@ -39,11 +43,7 @@ from ampscope.precision.predict import (
     predicting,
     value_needed_error,
 )
-from ampscope.precision.virtual_device import VirtualDevice
-from ampscope.recorders.repeats import ReplayDoubt
-from ampscope.recorders.session import Capture, CaptureOptions
-from ampscope.records import Trace, dtype_name
-from ampscope.render.style import format_bytes
+from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.tricks import exact, exact_path
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 

@@ -145,7 +145,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
 
     from ampscope.distributed.step import rank_step
     from ampscope.models import registry
-    from ampscope.precision.predict import fake_mode
+    from ampscope.runtime.predict import fake_mode
     from ampscope.torchcompat.distributed import fake_store
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)

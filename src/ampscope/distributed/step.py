@@ -20,8 +20,8 @@ from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, applied
-from ampscope.precision.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.records import dtype_name
+from ampscope.runtime.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.torchcompat.distributed import compress_hook
 
 

@@ -172,7 +172,7 @@ def _no_init(on_meta: bool) -> contextlib.AbstractContextManager:
     """Weight initialisation skipped on the meta device, where there are no values to set.
 
     transformers skips it itself when it sees the meta device, but a predicted run builds its
-    model on the virtual device (precision/virtual_device.py), which reports the device the run
+    model on the virtual device (runtime/virtual_device.py), which reports the device the run
     stands for: every `normal_` and `kaiming_uniform_` would then be dispatched, for nothing
     (a fifth of a 70B predicted step)."""
     if not on_meta:

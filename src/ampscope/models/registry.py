@@ -221,7 +221,7 @@ def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
     device-dependent choices (nanochat's bf16 embedding on CUDA) for it. `build_device` is the
     device a factory (`package.module:factory`) builds on and its model is moved to, when it
     differs from `device`: the emulated device, while a virtual device
-    (precision/virtual_device.py) makes it stand on `device`, so the factory's own device
+    (runtime/virtual_device.py) makes it stand on `device`, so the factory's own device
     branches are taken as on the target.
 
     Raises AmpscopeError (one line, with what to do) for unknown names, unreadable paths,

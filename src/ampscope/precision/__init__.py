@@ -1,22 +1,15 @@
-"""Running under a setting: what a precision setting is, and everything that makes a run behave
-as it would on the setting's device.
+"""Precision settings: what a setting is, and applying it to a model and torch's global state.
 
 - `setting.py`: the setting grammar (`cuda:fp32+amp-bf16`) and `Setting`;
 - `apply.py`: applying a setting to a model and torch's global state, and undoing it exactly;
 - `matmul.py`: float32 matmul precision (TF32), saved and restored exactly;
-- `autocast_policy.py`: the autocast policy of any device, read from the installed build;
 - `policy_history.py`: how autocast policies changed between PyTorch releases;
-- `emulation.py`: another device's autocast on CPU tensors (`--device cuda` without a GPU);
-- `attention_choice.py` / `attention_kernels.py`: which SDPA backend a GPU would pick, and its
-  ops run on CPU tensors;
-- `norm_stats.py`: normalization statistics in the dtypes the target device keeps them;
-- `virtual_device.py`: the emulated device's API (`torch.cuda`, `torch.accelerator`,
-  autocast), with `device_mode.py` (tensors that report the target device);
-- `predict.py`: predict mode, the run on fake tensors;
 - `fp8.py`: torchao's fp8 training recipes, applied and undone;
 - `quiz.py`: what common expressions return under each device's autocast.
 
-This layer sits above `records` and beside `models`; the recorders and the workloads use it.
+What makes a run behave as on the setting's device (the emulation, the virtual device, predict
+mode, the autocast policy read from the build) is in `ampscope.runtime`, the layer below. This
+layer sits beside `models`; the recorders and the workloads use it.
 """
 
 from ampscope.precision.apply import AUTOCAST_DEVICES, GlobalState, ModelState, applied, main_dtype

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ampscope.precision import fp8, matmul
-from ampscope.precision.emulation import Emulation
-from ampscope.precision.predict import fake_like, fake_parameter
 from ampscope.precision.setting import Setting
+from ampscope.runtime.emulation import Emulation
+from ampscope.runtime.predict import fake_like, fake_parameter
 from ampscope.torchcompat import modules as module_state
 
 if TYPE_CHECKING:

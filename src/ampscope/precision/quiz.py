@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from ampscope.precision.emulation import TargetAutocast, autocast_region
 from ampscope.records import dtype_name
+from ampscope.runtime.emulation import TargetAutocast, autocast_region
 
 # --- quiz ---------------------------------------------------------------------------------
 QUIZ: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -34,7 +34,7 @@ def quiz(device: str, dtype: torch.dtype) -> dict[str, dict[str, str]]:
     """What comes out of each QUIZ expression under `device`'s autocast with `dtype`, for an
     input in `dtype` and one in float32: {expression: {input dtype: output dtype}}.
 
-    Run for real on the CPU, and through the emulation (precision/emulation.py) for other
+    Run for real on the CPU, and through the emulation (runtime/emulation.py) for other
     devices, so the answers are the installed build's."""
     answers: dict[str, dict[str, str]] = {}
     inputs = {dtype_name(t): torch.rand(4, 4, dtype=t) + 0.5 for t in (dtype, torch.float32)}

@@ -22,10 +22,10 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.precision import fp8
-from ampscope.precision.autocast_policy import default_autocast_dtype as read_default
-from ampscope.precision.autocast_policy import registered_ops
-from ampscope.precision.emulation import autocast_region
 from ampscope.records import SettingRecord, dtype_name
+from ampscope.runtime.autocast_policy import autocast_dtype_for as default_autocast_dtype
+from ampscope.runtime.autocast_policy import registered_ops
+from ampscope.runtime.emulation import autocast_region
 
 DTYPES: dict[str, torch.dtype] = {
     "fp64": torch.float64,
@@ -195,8 +195,3 @@ def resolve_device(setting: Setting) -> Setting:
     return replace(setting, emulated=True)
 
 
-def default_autocast_dtype(device: str) -> torch.dtype:
-    try:
-        return read_default(device)
-    except (RuntimeError, ValueError):
-        return torch.bfloat16

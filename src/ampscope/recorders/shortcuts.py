@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ampscope.precision.predict import new_fake, wrap_fake
 from ampscope.recorders.foreach import NOT_THINNED
 from ampscope.recorders.tensors import no_torch_function
+from ampscope.runtime.predict import new_fake, wrap_fake
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import OpOverload, active_fake_mode, no_dispatch
 from ampscope.torchcompat.fake import (

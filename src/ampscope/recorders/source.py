@@ -24,7 +24,7 @@ _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
 # The virtual device (its function mode, and the torch.cuda and autocast answers it patches in)
 # sits between user code and the recorders: a call passes through it as through PyTorch's own
 # dispatch.
-_PASS_THROUGH = frozenset({_CONTEXTLIB, *(os.path.join(_AMPSCOPE_DIR, "precision", f)
+_PASS_THROUGH = frozenset({_CONTEXTLIB, *(os.path.join(_AMPSCOPE_DIR, "runtime", f)
                                           for f in ("virtual_device.py", "device_mode.py"))})
 
 TORCH, AMPSCOPE, USER = 0, 1, 2

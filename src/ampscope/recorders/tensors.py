@@ -11,8 +11,8 @@ import operator
 import torch
 
 from ampscope.nested import tensors_in, walk
-from ampscope.precision.predict import new_fake
 from ampscope.records import TensorMeta, dtype_name
+from ampscope.runtime.predict import new_fake
 from ampscope.torchcompat.dispatch import is_traceable_wrapper_subclass, no_torch_function
 from ampscope.torchcompat.fake import FakeTensor
 

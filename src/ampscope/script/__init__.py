@@ -6,7 +6,7 @@ outside any other as the model. After `steps` optimizer steps the run is stopped
 exception the script's own `except Exception:` cannot catch, so its later code (more steps,
 evaluation, checkpointing) never runs; a script that never steps is stopped after
 `max_forwards` forward passes of its model. On a device this machine lacks, the script runs on
-the virtual device (precision/virtual_device.py), so its device checks, `torch.cuda` calls and
+the virtual device (runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
 `torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
 tensors: its model is never materialised, whatever its size.
 
@@ -46,11 +46,11 @@ from ampscope.analysis.summary import forward_passes
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.precision import DEVICES, default_autocast_dtype, device_available
-from ampscope.precision.emulation import Emulation, device_api_error
-from ampscope.precision.predict import check_matmul_dtypes, data_dependent, fake_mode
-from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture, CaptureOptions
 from ampscope.records import Trace
+from ampscope.runtime.emulation import Emulation, device_api_error
+from ampscope.runtime.predict import check_matmul_dtypes, data_dependent, fake_mode
+from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.script.ending import Ending, ScriptExited, exit_code
 from ampscope.script.files import ScriptFiles, watched
 from ampscope.script.predicted import fake_model, fake_values, made_modules, swappable

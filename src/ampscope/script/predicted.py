@@ -11,10 +11,10 @@ import weakref
 from collections.abc import Iterator
 
 from ampscope.patches import patched
-from ampscope.precision.predict import foreach_defaults_as_real, gc_paused, quiet_fake_tensor_log
-from ampscope.precision.virtual_device import VirtualDevice
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
+from ampscope.runtime.predict import foreach_defaults_as_real, gc_paused, quiet_fake_tensor_log
+from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.torchcompat.dispatch import no_torch_function
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 

@@ -1,4 +1,4 @@
-"""The private PyTorch details the virtual device (precision/virtual_device.py) uses.
+"""The private PyTorch details the virtual device (runtime/virtual_device.py) uses.
 
 An emulated GPU run answers device questions from Python: it must see a tensor's attribute
 getters and moves as the C++ tensor type defines them, parse `.to(...)` arguments as torch

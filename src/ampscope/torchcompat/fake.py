@@ -9,7 +9,7 @@ reason in `features()`) where it does not:
 - the dispatch cache (`cache_api()`): FakeTensorMode's cache of op results' metadata, its key
   builder and the function that makes results from an entry (recorders/fake_cache.py);
 - cloning a fake tensor's attributes (`clone_wrap`): a new fake tensor made as the C++
-  subclass with the attributes `FakeTensor.__new__` set on an earlier one (precision/predict.py);
+  subclass with the attributes `FakeTensor.__new__` set on an earlier one (runtime/predict.py);
 - the converter's memos (`remember_constant`): entering a fake constant in the books the
   converter keeps of its own conversions (recorders/shortcuts.py).
 """

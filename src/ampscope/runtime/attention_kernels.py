@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ampscope.precision.attention_choice import (
+from ampscope.runtime.attention_choice import (
     H100,
     AttentionChoice,
     CudaTarget,

@@ -82,6 +82,15 @@ def default_autocast_dtype(device: str) -> torch.dtype:
     return result[0]
 
 
+def autocast_dtype_for(device: str) -> torch.dtype:
+    """`default_autocast_dtype`, or bfloat16 where this build cannot say (a device type it
+    does not know)."""
+    try:
+        return default_autocast_dtype(device)
+    except (RuntimeError, ValueError):
+        return torch.bfloat16
+
+
 # --- probing -----------------------------------------------------------------------------
 
 

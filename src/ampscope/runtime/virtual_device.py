@@ -16,7 +16,7 @@ would, for the duration of a `with` block, and undoes every change on exit:
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
 - `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
   `enabled=False` regions included, drive the CPU autocast whose kernels the emulation replaced
-  with the target's (precision/emulation.py); `torch.is_autocast_enabled("cuda")` reads it;
+  with the target's (runtime/emulation.py); `torch.is_autocast_enabled("cuda")` reads it;
 - `torch.compile(fn)` returns `fn`: the run is eager, and says so.
 
 What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL, `torch.cuda.ipc_collect`)
@@ -38,9 +38,9 @@ import torch
 
 from ampscope import hardware
 from ampscope.patches import patched
-from ampscope.precision import emulation
-from ampscope.precision.device_mode import DeviceMode
-from ampscope.precision.setting import default_autocast_dtype
+from ampscope.runtime import emulation
+from ampscope.runtime.autocast_policy import autocast_dtype_for
+from ampscope.runtime.device_mode import DeviceMode
 from ampscope.torchcompat import devices
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -329,7 +329,7 @@ class VirtualDevice:
                      cache_enabled=None):
             if device_type == target:
                 if dtype is None:
-                    dtype = default_autocast_dtype(target)
+                    dtype = autocast_dtype_for(target)
                 device_type = "cpu"
             original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 

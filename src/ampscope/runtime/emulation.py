@@ -33,7 +33,7 @@ from typing import cast as cast_type
 import torch
 
 from ampscope.errors import AmpscopeError
-from ampscope.precision.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.runtime.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
@@ -315,8 +315,8 @@ class Emulation:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Emulation:
-        from ampscope.precision.attention_kernels import cuda_attention
-        from ampscope.precision.norm_stats import TargetNormStats
+        from ampscope.runtime.attention_kernels import cuda_attention
+        from ampscope.runtime.norm_stats import TargetNormStats
 
         with self._stack as stack:
             stack.enter_context(TargetKernels(self.device))
@@ -335,7 +335,7 @@ class Emulation:
         """What the run assumed, in plain words, for the trace's notes. `forward_ops`, the names
         of the forward ops the trace recorded, count the attention calls: a replayed block's
         among them, which chose no kernel of its own (recorders/repeats.py)."""
-        from ampscope.precision.attention_choice import H100
+        from ampscope.runtime.attention_choice import H100
 
         notes = [
             f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "
