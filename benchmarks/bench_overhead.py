@@ -36,8 +36,8 @@ from ampscope import workloads
 from ampscope.api import load
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, applied, parse_setting
-from ampscope.precision.predict import gc_paused
 from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.runtime.predict import gc_paused
 
 OPTIONS = workloads.RunOptions("train", optimizer="adamw")
 

@@ -37,7 +37,7 @@ import ampscope
 from ampscope.analysis.flops import flop_report
 from ampscope.analysis.memory import memory_report
 from ampscope.models import hf
-from ampscope.precision.predict import gc_paused
+from ampscope.runtime.predict import gc_paused
 
 
 def bare_step(name: str, seq: int) -> None:
