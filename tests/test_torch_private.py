@@ -10,9 +10,12 @@ neither ampscope's own nor on the short allowlist of the layer's docstring.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import ampscope
 
@@ -96,7 +99,41 @@ def private_uses(source: str, own: set[str]) -> list[tuple[int, str]]:
               and isinstance(node.args[1].value, str) and _private(node.args[1].value)
               and node.args[1].value not in known):
             found.append((node.lineno, ast.unparse(node)))
+    found += _private_names_in_strings(tree)
     return sorted(found)
+
+
+# A private torch module path written out ("torch.utils._pytree", a logger's name).
+_PRIVATE_PATH = re.compile(r"\btorch(\.[A-Za-z0-9_]+)*\._[A-Za-z]")
+
+
+@functools.cache
+def _private_aten_names() -> tuple[str, ...]:
+    """Every registered ATen op whose name starts with an underscore ("_to_copy")."""
+    return tuple(sorted({n.removeprefix("aten::") for n in torch._C._dispatch_get_all_op_names()
+                         if n.startswith("aten::_")}))
+
+
+def _names_private_op(text: str) -> bool:
+    """Whether a string names an underscored ATen op, or begins the name of one
+    ("aten._to_copy.default", "aten::_fused_rms_norm", "_scaled_dot_product_", "_foreach_")."""
+    name = text.removeprefix("aten::").removeprefix("aten.").split(".")[0]
+    return len(name) >= 5 and name.startswith("_") and \
+        any(op.startswith(name) for op in _private_aten_names())
+
+
+def _private_names_in_strings(tree: ast.Module) -> list[tuple[int, str]]:
+    """String literals (not docstrings) that name a private torch module or ATen op: a detail
+    reached by name is reached all the same."""
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+                  and isinstance(node.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                id(node) not in docstrings and \
+                (_PRIVATE_PATH.search(node.value) or _names_private_op(node.value)):
+            found.append((node.lineno, repr(node.value)))
+    return found
 
 
 def _root(node: ast.Attribute) -> ast.expr:
@@ -137,6 +174,10 @@ torch.ops.aten._unsafe_view.default
 self._mine
 module._parameters
 op._schema
+logging.getLogger("torch._subclasses.fake_tensor")
+registry["aten::_fused_rms_norm"] = kernel
+name.startswith("_foreach_")
+"""A docstring may name torch._C."""
 '''
     found = [what for _, what in private_uses(source, own={"_mine"})]
     assert found == [
@@ -151,6 +192,9 @@ op._schema
         "torch.ops.aten._unsafe_view",
         "module._parameters",
         "op._schema",
+        "'torch._subclasses.fake_tensor'",
+        "'aten::_fused_rms_norm'",
+        "'_foreach_'",
     ]
 
 

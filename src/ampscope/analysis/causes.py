@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ampscope.records import EXPLICIT_CASTS, FunctionCall, OpCall, Trace
+from ampscope.torchcompat.ops import TO_COPY_NAME
 
 FLOATS = frozenset({"float64", "float32", "bfloat16", "float16"})
 CAUSES = ("autocast-policy", "explicit-cast", "parameter-dtype", "buffer-dtype", "type-promotion",
           "op-defined")
-_CAST_OP = "aten._to_copy.default"
+_CAST_OP = TO_COPY_NAME
 
 K = TypeVar("K", bound=Hashable)
 

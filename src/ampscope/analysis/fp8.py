@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ampscope.analysis.flow import FlowRow, collapse_blocks
 from ampscope.records import Finding, Trace
 from ampscope.records.fp8 import DIM_MULTIPLE, GemmRoles, fp8_casts, short_fp8
+from ampscope.torchcompat.ops import TO_COPY_NAME
 
 FP8_CAUSE = "fp8-training"
 
@@ -65,7 +66,7 @@ def fp8_step(trace: Trace) -> Fp8Step | None:
     # (a tied lm_head's weight is listed under its embedding: `tied_to`)
     odd = {name: weights[name] for name in linear
            if name in weights and any(d % DIM_MULTIPLE for d in weights[name])}
-    helper = sum(1 for o in trace.ops if o.op == "aten._to_copy.default"
+    helper = sum(1 for o in trace.ops if o.op == TO_COPY_NAME
                  and o.module in converted and o.index not in cast_ops)
     return Fp8Step(
         converted=list(converted), linear=linear, matmuls=matmuls,

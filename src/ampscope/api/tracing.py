@@ -44,6 +44,7 @@ from ampscope.runtime.predict import (
     value_needed_error,
 )
 from ampscope.runtime.virtual_device import VirtualDevice
+from ampscope.torchcompat.ops import AMP_UPDATE_SCALE_NAME
 from ampscope.tricks import exact, exact_path
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
@@ -210,7 +211,7 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
                      "explicitly, where a real run without padding passes is_causal=True and no "
                      "mask: the predicted step has the mask's ops and storage (--real for the "
                      "real step's).")
-    if predict and any(o.op == "aten._amp_update_scale_.default" for o in result.ops):
+    if predict and any(o.op == AMP_UPDATE_SCALE_NAME for o in result.ops):
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
         log.info("%s", notes[-1])

@@ -28,6 +28,7 @@ from torch import nn
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.quiet import loggers_quiet
+from ampscope.torchcompat.ops import PYTREE_LOGGER
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -269,7 +270,7 @@ def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
 
 # transformers' own loggers, and torchao's, which transformers imports while it builds (a CPU
 # build of it says it cannot load its CUDA kernels; torch warns about one of its enums).
-_NOISY = ("transformers", "torchao", "torch.utils._pytree")
+_NOISY = ("transformers", "torchao", PYTREE_LOGGER)
 
 
 def _torchao_quietly() -> None:

@@ -22,6 +22,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.quiet import loggers_quiet
 from ampscope.records.fp8 import DIM_MULTIPLE
 from ampscope.torchcompat.inductor import triton_overrides
+from ampscope.torchcompat.ops import PYTREE_LOGGER
 
 INSTALL = "pip install 'ampscope[fp8]' (torchao==0.18.0, installed with --no-deps)"
 
@@ -32,7 +33,7 @@ def _quiet_import(name: str) -> ModuleType:
     reach the user's terminal as noise."""
     import importlib
 
-    with loggers_quiet("torchao", "torch.utils._pytree"):
+    with loggers_quiet("torchao", PYTREE_LOGGER):
         return importlib.import_module(name)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ampscope.torchcompat import flops as torch_flops
 from ampscope.torchcompat.dispatch import OpOverload, OpOverloadPacket, op_schema
+from ampscope.torchcompat.ops import SDPA_FLASH_FOR_CPU_NAMES, SDPA_OP_NAMES
 
 aten = torch.ops.aten
 
@@ -57,13 +58,12 @@ def _own_formulas() -> dict[OpOverloadPacket, Callable[..., int]]:
     """The fused attention ops, whose first arguments are (query, key, value), and their
     backwards ((grad_out, query, key, value)), with ampscope's formulas for them."""
     own: dict[OpOverloadPacket, Callable[..., int]] = {}
-    for kernel in ("flash_attention", "efficient_attention", "cudnn_attention",
-                   "flash_attention_for_cpu"):
-        name = f"_scaled_dot_product_{kernel}"
-        if hasattr(aten, name):
-            own[getattr(aten, name)] = _attention
-        if hasattr(aten, name + "_backward"):
-            own[getattr(aten, name + "_backward")] = _attention_backward
+    names = [SDPA_OP_NAMES[b] for b in ("flash", "efficient", "cudnn")]
+    for forward, backward in [*names, SDPA_FLASH_FOR_CPU_NAMES]:
+        if hasattr(aten, forward):
+            own[getattr(aten, forward)] = _attention
+        if backward is not None and hasattr(aten, backward):
+            own[getattr(aten, backward)] = _attention_backward
     return own
 
 

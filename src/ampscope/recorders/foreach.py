@@ -24,6 +24,7 @@ import torch
 from ampscope.recorders.tensors import described, fake_from, no_torch_function
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.fake import FakeTensor, required_storage_length
+from ampscope.torchcompat.ops import FOREACH_PREFIX
 
 NOT_THINNED = object()
 
@@ -53,7 +54,7 @@ _shapes: dict[int, _Shape] = {}
 
 
 def is_foreach(func: OpOverload) -> bool:
-    return func.__name__.startswith("_foreach_")
+    return func.__name__.startswith(FOREACH_PREFIX)
 
 
 def thinned_call(func: OpOverload, args: tuple, kwargs: dict):

@@ -47,6 +47,7 @@ from ampscope.torchcompat.dispatch import (
     pop_function_mode,
     push_function_mode,
 )
+from ampscope.torchcompat.ops import TENSOR_BASE_PREFIX
 
 # Calls that run a backward pass: they and the ops they dispatch belong to the backward phase.
 BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
@@ -71,7 +72,7 @@ def func_name(func: Callable) -> str:
             # PyTorch's own lookup names some functions by another (torch.mm as torch.spmm),
             # and knows others (torch._foreach_norm) only by the class that holds them
             name = f"torch.{own}"
-        name = name.replace("torch.Tensor.", "Tensor.").replace("torch._C.TensorBase.", "Tensor.")
+        name = name.replace("torch.Tensor.", "Tensor.").replace(TENSOR_BASE_PREFIX, "Tensor.")
         if name.startswith("TensorBase."):
             name = "Tensor." + name[len("TensorBase."):]
         _name_cache[func] = name

@@ -44,6 +44,7 @@ from typing import cast
 import torch
 
 from ampscope.torchcompat import attention as sdp
+from ampscope.torchcompat.ops import SDPA_OP_NAMES
 
 aten = torch.ops.aten
 
@@ -141,11 +142,7 @@ class AttentionChoice:
     reasons: tuple[str, ...]
 
 
-_OPS = {  # forward and backward op of each backend
-    backend: (f"_scaled_dot_product_{backend}_attention",
-              f"_scaled_dot_product_{backend}_attention_backward")
-    for backend in ("cudnn", "flash", "efficient")
-} | {"math": ("_scaled_dot_product_attention_math", None)}
+_OPS = SDPA_OP_NAMES  # forward and backward op of each backend
 
 
 @dataclass(frozen=True)

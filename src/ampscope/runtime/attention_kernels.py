@@ -24,6 +24,7 @@ from ampscope.runtime.attention_choice import (
     choose_backend,
 )
 from ampscope.torchcompat import ops as private_ops
+from ampscope.torchcompat.ops import SDPA_OP_NAMES
 from ampscope.torchcompat.policy import destroy_library, no_autocast
 
 aten = torch.ops.aten
@@ -170,12 +171,11 @@ def _cudnn_bwd(grad, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, m
 
 
 _CPU_KERNELS = {
-    "_scaled_dot_product_flash_attention": _flash_fwd,
-    "_scaled_dot_product_flash_attention_backward": _flash_bwd,
-    "_scaled_dot_product_efficient_attention": _efficient_fwd,
-    "_scaled_dot_product_efficient_attention_backward": _efficient_bwd,
-    "_scaled_dot_product_cudnn_attention": _cudnn_fwd,
-    "_scaled_dot_product_cudnn_attention_backward": _cudnn_bwd,
+    name: kernel
+    for backend, kernels in (("flash", (_flash_fwd, _flash_bwd)),
+                             ("efficient", (_efficient_fwd, _efficient_bwd)),
+                             ("cudnn", (_cudnn_fwd, _cudnn_bwd)))
+    for name, kernel in zip(SDPA_OP_NAMES[backend], kernels, strict=True)
 }
 
 

@@ -38,6 +38,7 @@ from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
+from ampscope.torchcompat.ops import FUSED_RMS_NORM_NAMES
 from ampscope.torchcompat.policy import destroy_library, no_autocast
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -229,8 +230,8 @@ def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, ou
 # op -> its CPU kernel, for ops a device may run as one kernel where the CPU decomposes them;
 # the backward op that op's autograd formula calls is listed with it.
 FUSED_KERNELS: dict[str, Callable] = {
-    "aten::_fused_rms_norm": _fused_rms_norm,
-    "aten::_fused_rms_norm_backward": _fused_rms_norm_backward,
+    FUSED_RMS_NORM_NAMES[0]: _fused_rms_norm,
+    FUSED_RMS_NORM_NAMES[1]: _fused_rms_norm_backward,
 }
 
 

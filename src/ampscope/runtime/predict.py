@@ -25,6 +25,7 @@ from ampscope.quiet import loggers_quiet
 from ampscope.torchcompat import fake, optim
 from ampscope.torchcompat.dispatch import OpOverload, is_traceable_wrapper_subclass, modes_off
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorConfig, FakeTensorMode
+from ampscope.torchcompat.ops import FAKE_TENSOR_LOGGER
 from ampscope.tricks import Trick, enabled
 
 
@@ -91,7 +92,7 @@ def check_matmul_dtypes(func: OpOverload, args: tuple) -> None:
 def quiet_fake_tensor_log() -> Iterator[None]:
     """FakeTensor logs a traceback at ERROR before re-raising a failing meta kernel; ampscope
     reports the error itself, in one line."""
-    with loggers_quiet("torch._subclasses.fake_tensor", level=logging.CRITICAL):
+    with loggers_quiet(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
         yield
 
 

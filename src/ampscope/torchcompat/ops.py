@@ -1,8 +1,10 @@
 """The ATen operators with an underscored name that ampscope names in its code.
 
 A leading underscore marks an ATen op as internal to PyTorch: its schema may change between
-releases. Every such op ampscope refers to is named here, once; the records keep only their
-names as strings (`"aten._to_copy.default"`).
+releases. Every such op ampscope refers to is named here, once, as the op and, where ampscope
+matches or registers by name, as its name (`TO_COPY_NAME`: the records keep ops as strings).
+So are the names of torch's private modules ampscope quiets the loggers of.
+tests/test_torch_private.py fails on such a name written anywhere else.
 """
 
 from __future__ import annotations
@@ -26,3 +28,27 @@ SDPA_CUDNN = _aten._scaled_dot_product_cudnn_attention
 SDPA_FLASH = _aten._scaled_dot_product_flash_attention
 SDPA_EFFICIENT = _aten._scaled_dot_product_efficient_attention
 SDPA_MATH = _aten._scaled_dot_product_attention_math
+
+# The same ops by name, where ampscope matches or registers by name: the records keep an op as
+# `str(op)` ("aten._to_copy.default"), a dispatcher registration names it "aten::_fused_rms_norm".
+TO_COPY_NAME = str(TO_COPY)
+FUSED_RMS_NORM_NAMES = ("aten::_fused_rms_norm", "aten::_fused_rms_norm_backward")
+# Each scaled_dot_product_attention backend's forward and backward op (math: its backward is
+# that of the ops it decomposes into), and flash attention's CPU kernel, by name.
+SDPA_OP_NAMES: dict[str, tuple[str, str | None]] = {
+    backend: (f"_scaled_dot_product_{backend}_attention",
+              f"_scaled_dot_product_{backend}_attention_backward")
+    for backend in ("cudnn", "flash", "efficient")
+} | {"math": ("_scaled_dot_product_attention_math", None)}
+SDPA_FLASH_FOR_CPU_NAMES = ("_scaled_dot_product_flash_attention_for_cpu",
+                            "_scaled_dot_product_flash_attention_for_cpu_backward")
+# GradScaler's update of its scale, which reads whether a gradient was inf or NaN.
+AMP_UPDATE_SCALE_NAME = "aten._amp_update_scale_.default"
+# The optimizers' multi-tensor ops all begin so (`_foreach_add_`, `_foreach_sqrt`).
+FOREACH_PREFIX = "_foreach_"
+
+# Loggers of torch's private modules whose lines ampscope holds back while it uses them.
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+PYTREE_LOGGER = "torch.utils._pytree"
+# How `torch.overrides.resolve_name` names a method of the C++ tensor type.
+TENSOR_BASE_PREFIX = "torch._C.TensorBase."
