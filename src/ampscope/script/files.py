@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from ampscope.nested import tensors_in
 from ampscope.patches import patched
 from ampscope.recorders.source import user_source
+from ampscope.render.style import format_bytes
 from ampscope.torchcompat.fake import FakeTensor
 
 # Savers that write tensors to a path from C or Rust, unseen by `open`: (module, function,
@@ -104,10 +105,10 @@ class ScriptFiles:
     def notes(self) -> list[str]:
         lines = []
         for s in self.skipped:
-            dtypes = ", ".join(f"{d} {_size(n)}" for d, n in
+            dtypes = ", ".join(f"{d} {format_bytes(n)}" for d, n in
                                sorted(s.by_dtype.items(), key=lambda kv: -kv[1]))
             at = f" at {s.where}" if s.where else ""
-            lines.append(f"{s.call}{at} was not written: it held {_size(s.nbytes)} of fake "
+            lines.append(f"{s.call}{at} was not written: it held {format_bytes(s.nbytes)} of fake "
                          f"tensors ({dtypes}), which have no values (predict mode); a file "
                          "already there was left as it was.")
         # A temporary file the script (or a library) removed again is not listed.
@@ -126,13 +127,6 @@ def _count(n: int) -> str:
 def _shown(path: str, cwd: str) -> str:
     relative = os.path.relpath(path, cwd)
     return path if relative.startswith(os.pardir) else relative
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 # Folders of caches that libraries keep on the script's behalf (compiled kernels, bytecode):
