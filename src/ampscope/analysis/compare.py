@@ -4,12 +4,16 @@ The traces of one model and workload under several settings are aligned on the m
 their first step (module names do not depend on the setting), so a cell holds what that module
 did in that setting; a cell that differs from the first setting's is marked. Below the modules,
 the whole-run facts: inputs, outputs, parameters, gradients, optimizer state, autocast casts.
+
+The first setting asked for is the baseline even when it fails: its column says so, and no
+other setting's cell is compared with anything (`differs` is None), rather than with the
+second setting's cells as if that were the first.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ampscope.analysis.flow import collapse_blocks, dtypes
 from ampscope.analysis.fp8 import fp8_module_notes
@@ -31,10 +35,14 @@ class MatrixRow:
     depth: int
     cells: tuple[Cell, ...]  # one per setting
     repeats: int = 1
+    compared: bool = True  # False: the baseline (first setting asked for) failed
 
     @property
-    def differs(self) -> tuple[bool, ...]:
-        """Per setting: does its cell differ from the first setting's?"""
+    def differs(self) -> tuple[bool | None, ...]:
+        """Per setting: does its cell differ from the first setting's? None where the first
+        setting failed: there is nothing to compare with."""
+        if not self.compared:
+            return (None,) * len(self.cells)
         return tuple(cell != self.cells[0] for cell in self.cells)
 
 
@@ -42,9 +50,12 @@ class MatrixRow:
 class SummaryRow:
     what: str  # "inputs", "loss", "parameters", "gradients", "optimizer state", ...
     values: tuple[str, ...]  # one per setting
+    compared: bool = True  # as MatrixRow.compared
 
     @property
-    def differs(self) -> tuple[bool, ...]:
+    def differs(self) -> tuple[bool | None, ...]:
+        if not self.compared:
+            return (None,) * len(self.values)
         return tuple(v != self.values[0] for v in self.values)
 
 
@@ -56,10 +67,28 @@ class Matrix:
     rows: tuple[MatrixRow, ...]
     summary: tuple[SummaryRow, ...]
     failures: tuple[tuple[str, str], ...] = ()  # (setting, why it failed): no trace, no cells
+    # Every setting's name in the order asked, the failed ones included; empty: the traced
+    # settings, then the failed ones.
+    order: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The settings that ran (one per cell of a row)."""
         return tuple(s.name for s in self.settings)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every setting, in the order asked: the views' columns."""
+        return self.order or (*self.names, *(name for name, _ in self.failures))
+
+    @property
+    def baseline(self) -> str:
+        """The setting the others are compared with: the first one asked for."""
+        return self.columns[0]
+
+    @property
+    def baseline_failed(self) -> bool:
+        return any(name == self.baseline for name, _ in self.failures)
 
     def to_dict(self) -> dict:
         def cell(c: Cell) -> dict | None:
@@ -77,6 +106,7 @@ class Matrix:
             "summary": [{"what": s.what, "values": list(s.values), "differs": list(s.differs)}
                         for s in self.summary],
             "failures": [{"setting": name, "error": why} for name, why in self.failures],
+            "baseline": {"setting": self.baseline, "failed": self.baseline_failed},
         }
 
     def table(self) -> Table:
@@ -165,16 +195,22 @@ def _summary(traces: list[Trace]) -> list[SummaryRow]:
     return [r for r in rows if any(v != "—" for v in r.values)]
 
 
-def build_matrix(traces: list[Trace], failures: tuple[tuple[str, str], ...] = ()) -> Matrix:
-    """The side-by-side view of traces of one model and workload under several settings."""
+def build_matrix(traces: list[Trace], failures: tuple[tuple[str, str], ...] = (),
+                 order: tuple[str, ...] = ()) -> Matrix:
+    """The side-by-side view of traces of one model and workload under several settings.
+    `order`: every setting's name in the order asked (its first is the baseline, also when it
+    is among the `failures`); empty: the traces' order."""
     if not traces:
         raise ValueError("build_matrix needs at least one trace")
     first = traces[0]
+    failed = {name for name, _ in failures}
+    compared = not order or order[0] not in failed
     return Matrix(
         model=first.model.name,
         workload=first.workload,
         settings=tuple(t.setting for t in traces),
-        rows=tuple(_module_rows(traces)),
-        summary=tuple(_summary(traces)),
+        rows=tuple(replace(r, compared=compared) for r in _module_rows(traces)),
+        summary=tuple(replace(r, compared=compared) for r in _summary(traces)),
         failures=tuple(failures),
+        order=tuple(order),
     )

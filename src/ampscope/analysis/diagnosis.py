@@ -1,19 +1,15 @@
 """Explaining a dtype mismatch: where it happened, what each argument was and where it came
-from, and the usual fixes. Pure: reads the `FailedCall` the capture recorded."""
+from, and the usual fixes. Pure: reads the `FailedCall` the capture recorded. In a predicted
+run, the error it quotes is the real kernel's, not the fake kernel's (runtime/predict.py,
+`real_kernel_error`): what the real run would print."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TypeGuard
 
 from ampscope.records import FailedCall, module_label
 
-# How PyTorch words a dtype mismatch (matmul, linear, addmm, index ops, conv, ...).
-_MISMATCH = re.compile(
-    r"same dtype|expected scalar type|dtype mismatch|must have the same|"
-    r"expected (both|all) .*dtype|Input type .* and (weight|bias) type|found dtype|"
-    r"expected .*(Float|Half|BFloat16|Double)", re.I)
 _FLOATS = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -27,7 +23,12 @@ class Diagnosis:
 
 
 def is_dtype_mismatch(failure: FailedCall | None) -> TypeGuard[FailedCall]:
-    if failure is None or not _MISMATCH.search(failure.error):
+    # How PyTorch words a dtype mismatch: the same words a predicted run recognises when it
+    # asks the real kernel for its own (runtime/predict.py; imported here, as it imports torch,
+    # which the view of a child process's failure does not need otherwise).
+    from ampscope.runtime.predict import DTYPE_MISMATCH
+
+    if failure is None or not DTYPE_MISMATCH.search(failure.error):
         return False
     return len({a.dtype for a in failure.arguments if a.dtype in _FLOATS}) > 1
 

@@ -156,15 +156,80 @@ def _quantity(cast: int, having: int, total: int, type_: str) -> str:
     return f"{cast} of {having} {type_}s"
 
 
-def autocast_policy_findings(changes: list[DtypeChange]) -> list[Finding]:
-    """One finding per user-level function autocast cast for: which dtype, which list."""
+def autocast_policy_findings(changes: list[DtypeChange],
+                             trace: Trace | None = None) -> list[Finding]:
+    """One finding per user-level function autocast cast for: which dtype, which list.
+
+    Autocast casts for an ATen op, which may be one of several a function runs: on CUDA,
+    cross_entropy's log_softmax takes its input's dtype and only its nll_loss is on the float32
+    list (on the CPU, cross_entropy itself is). Where the function's other ops ran in another
+    dtype (the recorded ops of `trace` tell), the finding names the op the cast was for and
+    those others, so that it agrees with the ops listed."""
+    by_call = _compute_ops_by_call(trace) if trace is not None else {}
     findings = []
     for (function, out, list_), cs in group(by_cause(changes, "autocast-policy"),
                                             lambda c: (c.function, c.output, c.detail)).items():
-        findings.append(Finding(
-            f"{function} runs in {out} under autocast: autocast policy ({list_}; "
-            f"{plural(len(cs), 'cast')}{_where(cs)}).", "autocast-policy", cs[0].source))
+        casts = f"{plural(len(cs), 'cast')}{_where(cs)}"
+        targets, others = _cast_targets(cs, out, trace, by_call)
+        if not others or not targets:
+            text = f"{function} runs in {out} under autocast: autocast policy ({list_}; {casts})."
+        else:
+            ran = "; ".join(f"its {'/'.join(ops)} {'run' if len(ops) > 1 else 'runs'} in {d}"
+                            for d, ops in others.items())
+            text = (f"{function}'s {'/'.join(targets)} {'run' if len(targets) > 1 else 'runs'} "
+                    f"in {out} under autocast: autocast policy ({list_}; {casts}); {ran}.")
+        findings.append(Finding(text, "autocast-policy", cs[0].source))
     return findings
+
+
+# ATen ops that move, view or make data and compute nothing: the dtype they run in is their
+# input's (or their argument's), so they do not say what dtype a function computes in. By
+# name without leading underscores (`unsafe_view` stands for the private view op too).
+_MOVES_DATA = frozenset({
+    "view", "unsafe_view", "reshape", "reshape_alias", "t", "transpose", "permute", "expand",
+    "squeeze", "unsqueeze", "slice", "select", "as_strided", "alias", "detach", "clone",
+    "contiguous", "to_copy", "copy_", "unbind", "split", "split_with_sizes", "narrow",
+    "flatten", "unflatten", "lift_fresh", "empty", "empty_like", "zeros", "zeros_like", "ones",
+    "ones_like", "full", "full_like", "fill_", "zero_", "new_empty", "new_zeros", "new_ones",
+})
+
+
+def _op_name(op: str) -> str:
+    """"aten.nll_loss_forward.default" -> "nll_loss_forward"."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 2 else op
+
+
+def _compute_ops_by_call(trace: Trace) -> dict[int, list]:
+    """Forward ops that compute something, by the user-level call they ran under."""
+    by_call: dict[int, list] = defaultdict(list)
+    for o in trace.ops:
+        if (o.phase == "forward" and o.caller is not None and not o.autocast_cast
+                and _op_name(o.op).lstrip("_") not in _MOVES_DATA):
+            by_call[o.caller].append(o)
+    return by_call
+
+
+def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace | None,
+                  by_call: dict[int, list]) -> tuple[list[str], dict[str, list[str]]]:
+    """The ops autocast's casts in `cs` were for (the first computing op after each cast, in
+    its call), and the call's other computing ops that ran in another dtype, by dtype."""
+    if trace is None:
+        return [], {}
+    ops = {o.index: o for o in trace.ops}
+    targets: dict[str, None] = {}
+    others: dict[str, dict[str, None]] = defaultdict(dict)
+    for c in cs:
+        cast_op = ops[c.op_index]
+        computing = by_call.get(cast_op.caller, []) if cast_op.caller is not None else []
+        after = next((o for o in computing if o.index > c.op_index), None)
+        if after is not None:
+            targets[_op_name(after.op)] = None
+        for o in computing:
+            ran = next((m.dtype for m in o.outputs if m.dtype in FLOATS), None)
+            if ran is not None and ran != out:
+                others[ran][_op_name(o.op)] = None
+    return list(targets), {d: list(names) for d, names in others.items()}
 
 
 def type_promotion_findings(changes: list[DtypeChange]) -> list[Finding]:
@@ -360,7 +425,7 @@ def derive_findings(trace: Trace) -> list[Finding]:
         *tensor_dtype_findings(changes),
         *explicit_cast_findings(trace),
         *autocast_cast_findings(trace, changes),
-        *autocast_policy_findings(changes),
+        *autocast_policy_findings(changes, trace),
         *policy_version_findings(trace),
         *fp8_findings(trace),
         *type_promotion_findings(changes),

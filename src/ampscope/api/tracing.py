@@ -299,7 +299,7 @@ def matrix(
     if not traces:
         assert first_error is not None
         raise first_error
-    return build_matrix(traces, tuple(failures)), traces
+    return build_matrix(traces, tuple(failures), tuple(s.name for s in parsed)), traces
 
 
 def _why(e: Exception) -> str:

@@ -48,33 +48,37 @@ def render_matrix(matrix: Matrix) -> RenderableType:
     header = Text()
     header.append(matrix.model, style="bold")
     header.append(f"  workload {matrix.workload}  ")
-    header.append(f"{len(names)} settings; ", style="dim")
-    header.append("highlighted", style=DIFFERS)
-    header.append(f" and *: differs from {names[0]}", style="dim")
+    header.append(f"{len(matrix.columns)} settings; ", style="dim")
+    if matrix.baseline_failed:  # the first setting stays the baseline: nothing to compare with
+        header.append(f"{matrix.baseline} failed: no cell is compared", style="dim")
+    else:
+        header.append("highlighted", style=DIFFERS)
+        header.append(f" and *: differs from {matrix.baseline}", style="dim")
 
     modules = Table(title="Modules, forward pass: in → out", title_justify="left",
                     show_edge=False)
     # Module names get room first; on a narrow terminal a cell wraps inside its column.
     modules.add_column("module", overflow="fold", min_width=14)
     modules.add_column("type", overflow="ellipsis", max_width=10)
-    for name in names:
+    for name in matrix.columns:  # in the order asked; a setting that failed says so
         modules.add_column(name)
-    for name, _ in matrix.failures:  # a setting that failed: its column says so
-        modules.add_column(name)
+    ran = {name: i for i, name in enumerate(names)}
     labels = short_names([(row.name, row.depth) for row in matrix.rows])
-    failed = [Text("fails (below)", style="bold red")] * len(matrix.failures)
     for i, (label, row) in enumerate(zip(labels, matrix.rows, strict=True)):
-        modules.add_row(Text(label), row.kind,
-                        *(_cell(c, d) for c, d in zip(row.cells, row.differs, strict=True)),
-                        *(failed if i == 0 else [Text("")] * len(failed)))
+        cells = [_cell(row.cells[ran[name]], bool(row.differs[ran[name]])) if name in ran
+                 else Text("fails (below)", style="bold red") if i == 0 else Text("")
+                 for name in matrix.columns]
+        modules.add_row(Text(label), row.kind, *cells)
 
     summary = Table(title="Whole run", title_justify="left", show_edge=False)
     summary.add_column("")
-    for name in names:
+    for name in matrix.columns:
         summary.add_column(name)
     for total in matrix.summary:
-        summary.add_row(total.what, *(Text(v + MARK, style=DIFFERS) if d else Text(v)
-                                      for v, d in zip(total.values, total.differs, strict=True)))
+        summary.add_row(total.what, *(
+            (Text(total.values[ran[name]] + MARK, style=DIFFERS) if total.differs[ran[name]]
+             else Text(total.values[ran[name]])) if name in ran else Text("—", style="dim")
+            for name in matrix.columns))
     parts: list[RenderableType] = [header, Text(), modules, Text(), summary]
     for name, why in matrix.failures:
         parts.append(Text.assemble((f"{name} fails: ", "bold red"), why))

@@ -13,8 +13,11 @@ early stopping in a sampler, GradScaler's check for infinities) has nothing to r
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
+import math
+import re
 import weakref
 from collections.abc import Iterator
 
@@ -22,17 +25,41 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.quiet import loggers_quiet
+from ampscope.runtime.norm_stats import TargetNormStats
 from ampscope.torchcompat import fake, optim
-from ampscope.torchcompat.dispatch import OpOverload, is_traceable_wrapper_subclass, modes_off
+from ampscope.torchcompat.dispatch import (
+    OpOverload,
+    dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+    modes_off,
+)
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorConfig, FakeTensorMode
 from ampscope.torchcompat.ops import FAKE_TENSOR_LOGGER
+from ampscope.torchcompat.policy import no_autocast
 from ampscope.tricks import Trick, enabled
 
 
 def fake_mode() -> FakeTensorMode:
     # Real tensors the model keeps outside its parameters and buffers (a cached mask, a
     # constant) are converted on use rather than refused.
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return PredictMode(allow_non_fake_inputs=True)
+
+
+class PredictMode(FakeTensorMode):
+    """A predicted run's FakeTensorMode: where a fake implementation refuses a call for its
+    dtypes, the error is the real kernel's, in its words (`real_kernel_error`): the user reads
+    what the real run would print, not what PyTorch's meta kernels say instead."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except RuntimeError as e:
+            if not DTYPE_MISMATCH.search(str(e)):
+                raise
+            real = real_kernel_error(func, args, kwargs or {})
+            if real is None:  # the kernel runs these dtypes, or the question has no answer
+                raise
+            raise real from e
 
 
 @contextlib.contextmanager
@@ -64,28 +91,134 @@ def gc_enabled(enabled: bool) -> Iterator[None]:
 
 
 aten = torch.ops.aten
-# (op, positions of the two matrix operands): the CPU and CUDA kernels refuse operands of two
-# dtypes ("expected m1 and m2 to have the same dtype"), their meta kernels do not check.
-_MATMULS = {
-    aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
-    aten.baddbmm.default: (1, 2), aten.mv.default: (0, 1), aten.addmv.default: (1, 2),
-    aten.dot.default: (0, 1), aten.addbmm.default: (1, 2),
-}
+# Matmuls: the CPU and CUDA kernels refuse operands of two dtypes, their meta kernels (what a
+# fake run has) do not check.
+_MATMULS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mv.default, aten.addmv.default, aten.dot.default, aten.addbmm.default,
+})
+
+# How PyTorch words a dtype mismatch (matmul, linear, addmm, index ops, conv, norms, ...), in
+# the real kernels' words and in the fake ones'.
+DTYPE_MISMATCH = re.compile(
+    r"same dtype|expected scalar type|dtype mismatch|must have the same|same type as|"
+    r"expected (both|all) .*dtype|Input type .* and (weight|bias) type|found dtype|dtypes match|"
+    r"mixed dtype|expected .*(Float|Half|BFloat16|Double)", re.I)
 
 
 def check_matmul_dtypes(func: OpOverload, args: tuple) -> None:
-    """Raise, as a real kernel would, when a matmul's two operands differ in dtype (an
-    `OpRecorder.check`: one more Python mode would cost a tenth of a large fake run)."""
-    operands = _MATMULS.get(func)
-    if operands is not None:
-        a, b = (args[i] for i in operands)
-        # A wrapper subclass (a float8 training tensor) runs the op by its own rules, on the
-        # data it holds: no kernel sees the dtypes it shows.
-        if a.dtype != b.dtype and not (is_traceable_wrapper_subclass(a)
-                                       or is_traceable_wrapper_subclass(b)):
-            raise RuntimeError(
-                f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}"
-            )
+    """Raise, as the real kernel would, when a matmul's operands differ in dtype: with the real
+    kernel's own words (`real_kernel_error`). An `OpRecorder.check`: one more Python mode would
+    cost a tenth of a large fake run."""
+    if func not in _MATMULS:
+        return
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # A wrapper subclass (a float8 training tensor) runs the op by its own rules, on the data
+    # it holds: no kernel sees the dtypes it shows.
+    if len({t.dtype for t in tensors}) > 1 and not any(map(is_traceable_wrapper_subclass,
+                                                           tensors)):
+        error = real_kernel_error(func, args, {})
+        if error is not None:
+            raise error
+
+
+def real_kernel_error(func: OpOverload, args: tuple, kwargs: dict) -> RuntimeError | None:
+    """What the real kernel raises for a call with these arguments' dtypes, or None when it
+    runs (or the question has no answer here). The call runs on tiny real CPU tensors of the
+    same dtypes; on a fake CUDA tensor, an error whose CUDA wording differs (known from
+    PyTorch's CUDA source: `_CUDA_WORDS`) is given in those words."""
+    device = _device_of_run(args)
+    try:
+        key = (func, _signature(args), _signature(tuple(kwargs.items())))
+        message = _real_error(*key)
+    except (TypeError, ValueError):  # an argument this cannot copy (a generator, a symbol)
+        return None
+    if message is None:
+        return None
+    words = _CUDA_WORDS.get(func) if device == "cuda" else None
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    return RuntimeError(words(*dtypes) if words is not None else message)
+
+
+def _device_of_run(args: tuple) -> str:
+    """The device the run stands for: an emulation's (its norm-statistics mode names it; its
+    fake tensors live on the CPU below the virtual device), else the arguments' own."""
+    for mode in dispatch_mode_stack():
+        if isinstance(mode, TargetNormStats) and mode.device is not None:
+            return mode.device
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+
+
+# The CUDA kernel's words where they differ from the CPU kernel's for the same dtypes. `mm` on
+# the CPU checks in `addmm_impl_cpu_` ("expected m1 and m2 ..."); on CUDA in
+# `addmm_out_cuda_impl` (ATen's cuda/Blas.cpp), which prints two `TypeMeta`s.
+_TYPE_META = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16"}
+_CUDA_WORDS = {
+    aten.mm.default: lambda a, b, *_: (
+        "expected mat1 and mat2 to have the same dtype, but got: "
+        f"{_TYPE_META.get(a, str(a))} != {_TYPE_META.get(b, str(b))}"),
+}
+
+
+def _signature(value) -> object:
+    """A call's arguments as a hashable key: each tensor by its dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(int(n) for n in value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device,
+                                           torch.layout, torch.memory_format)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+# A call's arguments larger than this (elements, all tensors together) are not made at their
+# own shapes when the tiny ones do not settle the question.
+_REAL_SIZE_LIMIT = 1 << 16
+
+
+@functools.lru_cache(maxsize=256)
+def _real_error(func: OpOverload, args: tuple, kwargs: tuple) -> str | None:
+    """The real CPU kernel's error for a signature (`_signature`), in its own words. First on
+    tensors of one element each (a kernel checks dtypes before shapes, and every shape is then
+    compatible with every other); when that does not fail on a dtype, on zeros of the call's
+    own shapes, if they are small."""
+    tiny = _run_real(func, args, kwargs, tiny=True)
+    if tiny is None or DTYPE_MISMATCH.search(tiny):
+        return tiny
+    if _elements(args) + _elements(kwargs) > _REAL_SIZE_LIMIT:
+        return None
+    return _run_real(func, args, kwargs, tiny=False)
+
+
+def _run_real(func: OpOverload, args: tuple, kwargs: tuple, *, tiny: bool) -> str | None:
+    with modes_off(), no_autocast("cpu"), torch.no_grad():
+        real_args = _real(args, tiny)
+        real_kwargs = dict(_real(kwargs, tiny))
+        try:
+            func(*real_args, **real_kwargs)
+        except Exception as e:  # noqa: BLE001 - the kernel's refusal is the answer
+            text = str(e).strip()
+            return text.splitlines()[0] if text else type(e).__name__
+    return None
+
+
+def _real(signature, tiny: bool):
+    if isinstance(signature, tuple) and signature[:1] == ("tensor",):
+        _, dtype, shape = signature
+        return torch.zeros((1,) * len(shape) if tiny else shape, dtype=dtype)
+    if isinstance(signature, tuple):
+        return tuple(_real(s, tiny) for s in signature)
+    return signature
+
+
+def _elements(signature) -> int:
+    if isinstance(signature, tuple) and signature[:1] == ("tensor",):
+        return math.prod(signature[2])
+    if isinstance(signature, tuple):
+        return sum(_elements(s) for s in signature)
+    return 0
 
 
 @contextlib.contextmanager
@@ -99,9 +232,23 @@ def quiet_fake_tensor_log() -> Iterator[None]:
 @contextlib.contextmanager
 def predicting(mode: FakeTensorMode) -> Iterator[None]:
     """Everything a fake run needs around it: the fake mode, a quiet log, a paused garbage
-    collector (the dtype checks its meta kernels lack go to the Capture: check_matmul_dtypes)
-    and PyTorch's foreach defaults as for real tensors."""
-    with mode, quiet_fake_tensor_log(), gc_paused(), foreach_defaults_as_real():
+    collector (the dtype checks its meta kernels lack go to the Capture: check_matmul_dtypes),
+    PyTorch's foreach defaults as for real tensors and norm statistics as the kernels keep them."""
+    with mode, quiet_fake_tensor_log(), gc_paused(), foreach_defaults_as_real(), \
+            norm_stats_as_real():
+        yield
+
+
+@contextlib.contextmanager
+def norm_stats_as_real() -> Iterator[None]:
+    """Norm statistics in the dtypes the real kernel of each fake tensor's device keeps them
+    in (runtime/norm_stats.py: PyTorch's fake CPU norms give bf16 statistics where the CPU
+    kernel gives float32 ones). An emulation's own norm-statistics mode, already active, says
+    the same for its device: then nothing is added."""
+    if any(isinstance(m, TargetNormStats) for m in dispatch_mode_stack()):
+        yield
+        return
+    with TargetNormStats(None):
         yield
 
 

@@ -1,0 +1,124 @@
+"""What each forward pass of the model was for: a training micro-step, an evaluation, sampling.
+
+A script calls its model for more than training: it estimates the loss under `torch.no_grad()`
+before its first step, samples a few tokens to show progress, runs a validation batch. Only the
+passes that train belong to the optimizer step: its tokens, its FLOPs, its gradient
+accumulation. A pass is a training pass when the backward pass reaches its output (a hook on
+the output's autograd node fires): the gradients it produces are the ones the optimizer steps
+on. Every other pass ran without a gradient, or its output was never backpropagated: it is a
+sampling pass when a sampling op (`multinomial`, `argmax`, `topk`) ran on the way to the next
+pass, and an evaluation pass otherwise.
+
+In a run that trained, the ops, user-level calls and module calls of the other passes get the
+phase "evaluation" when the run is finished, so that every report that counts the step (FLOPs,
+MFU, tokens, the 6·N·D check, the first forward pass's shapes) counts the training passes only.
+A run that never trained (inference, sampling) keeps its passes in the forward phase.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampscope.recorders.modules import ModuleTracker
+from ampscope.recorders.tensors import no_torch_function, tensors_in
+from ampscope.records import FUNCTION_ROW, OP_ROW, PassKind, PassRecord, Phase
+
+# Ops that turn a pass's output into tokens: a pass followed by one samples.
+_SAMPLING_OPS = frozenset({"aten.multinomial.default", "aten.argmax.default",
+                           "aten.topk.default"})
+_OP_NAME, _OP_PHASE = OP_ROW.at("op"), OP_ROW.at("phase")
+_FUNCTION_PHASE = FUNCTION_ROW.at("phase")
+
+
+class _Backpropagated:
+    """Set when the backward pass reaches a pass's output (a pre-hook of its autograd node).
+    Holds nothing but its flag: autograd keeps the hook as long as the graph lives."""
+
+    __slots__ = ("reached",)
+
+    def __init__(self) -> None:
+        self.reached = False
+
+    def __call__(self, grad_outputs):
+        self.reached = True
+
+
+class _OpenPass:
+    __slots__ = ("grad", "first_op", "first_call", "first_function", "tokens", "backward")
+
+    def __init__(self, grad: bool, first_op: int, first_call: int, first_function: int,
+                 tokens: int) -> None:
+        self.grad, self.first_op, self.first_call, self.first_function = (grad, first_op,
+                                                                          first_call,
+                                                                          first_function)
+        self.tokens = tokens
+        self.backward = _Backpropagated()
+
+
+class PassLog:
+    """The model's forward passes while a run is recorded (the capture session tells it where
+    each begins and ends), classified when the run is finished."""
+
+    def __init__(self, op_rows: list[tuple], function_rows: list[tuple],
+                 tracker: ModuleTracker) -> None:
+        self._ops, self._functions, self._tracker = op_rows, function_rows, tracker
+        self._open: list[_OpenPass] = []
+
+    def begin(self, args: tuple, kwargs: dict, first_call: int) -> None:
+        """The model is called outside any other module: a new pass, whose module call has
+        the index `first_call`."""
+        with no_torch_function():
+            tokens = next((t.numel() for t in tensors_in((args, kwargs))
+                           if not t.is_floating_point() and not t.is_complex()
+                           and t.dtype is not torch.bool), 0)
+        self._open.append(_OpenPass(torch.is_grad_enabled(), len(self._ops), first_call,
+                                    len(self._functions), tokens))
+
+    def end(self, output: object) -> None:
+        """The pass returned `output`: watch whether the backward pass reaches it."""
+        if not self._open or not torch.is_grad_enabled():
+            return
+        hook = self._open[-1].backward
+        with no_torch_function():
+            nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output)
+                     if t.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(hook)
+
+    def records(self) -> list[PassRecord]:
+        """Every pass, classified; relabels the ops and calls of the passes that did not train
+        when some pass did (see the module's docstring). Call once, when the run is over."""
+        ops = self._ops
+        ends = [p.first_op for p in self._open[1:]] + [len(ops)]
+        kinds = []
+        for open_pass, end in zip(self._open, ends, strict=True):
+            if open_pass.backward.reached:
+                kinds.append(PassKind.TRAIN)
+            elif any(ops[i][_OP_NAME] in _SAMPLING_OPS for i in range(open_pass.first_op, end)):
+                kinds.append(PassKind.SAMPLING)
+            else:
+                kinds.append(PassKind.EVALUATION)
+        if PassKind.TRAIN in kinds:
+            self._relabel(kinds, ends)
+        return [PassRecord(kind, p.grad, p.first_op, end, p.tokens)
+                for kind, p, end in zip(kinds, self._open, ends, strict=True)]
+
+    def _relabel(self, kinds: list[PassKind], ends: list[int]) -> None:
+        ops, functions = self._ops, self._functions
+        call_ends = [p.first_call for p in self._open[1:]] + [self._tracker.call_count()]
+        function_ends = [p.first_function for p in self._open[1:]] + [len(functions)]
+        relabel_op = OP_ROW.replacer("phase")
+        relabel_function = FUNCTION_ROW.replacer("phase")
+        for kind, p, end, call_end, function_end in zip(kinds, self._open, ends, call_ends,
+                                                        function_ends, strict=True):
+            if kind is PassKind.TRAIN:
+                continue
+            for i in range(p.first_op, end):
+                if ops[i][_OP_PHASE] == Phase.FORWARD:
+                    ops[i] = relabel_op(ops[i], Phase.EVALUATION)
+            for i in range(p.first_function, function_end):
+                if functions[i][_FUNCTION_PHASE] == Phase.FORWARD:
+                    functions[i] = relabel_function(functions[i], Phase.EVALUATION)
+            for call in self._tracker.calls_between(p.first_call, call_end):
+                if call.phase == Phase.FORWARD:
+                    call.phase = Phase.EVALUATION
