@@ -313,6 +313,7 @@ class Emulation:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.attention: list = []  # AttentionChoice per SDPA call (CUDA only)
+        self.rnn: list = []  # RnnChoice per nn.LSTM/GRU/RNN call (CUDA only)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Emulation:
@@ -326,6 +327,9 @@ class Emulation:
                 stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))
             if self.device == "cuda":
                 self.attention = stack.enter_context(cuda_attention())
+                from ampscope.runtime.rnn_kernels import cuda_rnn
+
+                self.rnn = stack.enter_context(cuda_rnn())
             self._stack = stack.pop_all()
         return self
 
@@ -336,8 +340,6 @@ class Emulation:
         """What the run assumed, in plain words, for the trace's notes. `forward_ops`, the names
         of the forward ops the trace recorded, count the attention calls: a replayed block's
         among them, which chose no kernel of its own (recorders/repeats.py)."""
-        from ampscope.runtime.attention_choice import H100
-
         notes = [
             f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "
             f"read from this PyTorch build ({torch.__version__})."
@@ -346,6 +348,17 @@ class Emulation:
             notes.append(
                 f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {self.device}."
             )
+        notes += self.kernel_notes(forward_ops)
+        for note in notes:
+            log.info("%s", note)
+        return notes
+
+    def kernel_notes(self, forward_ops: Sequence[str]) -> list[str]:
+        """The kernels the emulation chose as the device would (attention, RNNs), or says it
+        could not; `forward_ops` as for `notes`."""
+        from ampscope.runtime.attention_choice import H100
+
+        notes: list[str] = []
         ran_ops = Counter(forward_ops)
         kernels = {f"{c.backend} ({c.forward_op.removesuffix('.default')})": ran_ops[c.forward_op]
                    for c in self.attention}
@@ -362,8 +375,10 @@ class Emulation:
                 f"Attention kernels are the CPU's: ampscope does not model {self.device}'s "
                 "choice of scaled_dot_product_attention kernel."
             )
-        for note in notes:
-            log.info("%s", note)
+        if self.rnn:
+            from ampscope.runtime.rnn_kernels import rnn_notes
+
+            notes += rnn_notes(self.rnn)
         return notes
 
 
