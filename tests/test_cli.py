@@ -143,8 +143,11 @@ def test_a_model_that_raises_gets_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "trace", "broken_model:build", "--seq", "4")
     assert code == 2
-    assert err.strip() == ("ampscope: error while tracing broken_model:build: ValueError: "
-                           "shapes do not match (run with --debug for the traceback)")
+    # The line of the forward's `raise`, counted in the source the test wrote.
+    line = next(i for i, text in enumerate(RAISING_MODEL.splitlines(), 1) if "raise" in text)
+    assert err.strip() == (f"ampscope: error while tracing broken_model:build: ValueError at "
+                           f"broken_model.py:{line}: shapes do not match (run with --debug for "
+                           "the traceback)")
     with pytest.raises(ValueError, match="shapes do not match"):
         main(["--debug", "trace", "broken_model:build", "--seq", "4"])
 

@@ -382,7 +382,11 @@ def test_factory_errors(factory_dir):
         AmpscopeError, match=f"'{module_name}' has no factory 'buidl'; did you mean 'build'"
     ):
         resolve(f"{module_name}:buidl")
-    with pytest.raises(AmpscopeError, match=r"build_broken raised ValueError: no such size$"):
+    # The line of the factory's `raise`, counted in the source the fixture wrote.
+    line = textwrap.dedent(FACTORY_MODULE).splitlines().index('    raise ValueError("no such '
+                                                              'size\\nsecond line")') + 1
+    with pytest.raises(AmpscopeError, match=rf"build_broken raised ValueError at "
+                       rf"{module_name}\.py:{line}: no such size$"):
         resolve(f"{module_name}:build_broken")
     with pytest.raises(AmpscopeError, match="without config.vocab_size and config.block_size"):
         resolve(f"{module_name}:build_without_config")

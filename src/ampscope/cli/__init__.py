@@ -169,7 +169,11 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         if args.debug:
             raise
         where = f" while tracing {args.model}" if getattr(args, "model", None) else ""
-        print(f"ampscope: error{where}: {type(e).__name__}: {one_line(str(e))} "
+        from ampscope.runtime.user_frames import user_line  # torch is loaded by now
+
+        line = user_line(e)  # the model's line that raised
+        at = f" at {line}" if line else ""
+        print(f"ampscope: error{where}: {type(e).__name__}{at}: {one_line(str(e))} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

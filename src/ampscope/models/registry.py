@@ -32,6 +32,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.models import hf, smollm2
 from ampscope.models.base import LoadedModel
 from ampscope.models.catalog import ModelInfo, installed
+from ampscope.runtime.user_frames import user_line
 
 # Built-in families: modules under ampscope.models exposing PRESETS and load(preset, device=).
 BUILTIN_FAMILIES = ("gpt2", "nanochat")
@@ -157,7 +158,10 @@ def _load_factory(spec: str, device: torch.device) -> LoadedModel:
         raise AmpscopeError(f"{spec} called sys.exit({e.code!r}) instead of returning a "
                             "model") from e
     except Exception as e:
-        raise AmpscopeError(f"{spec} raised {_one_line(e)}") from e
+        where = user_line(e)  # the factory's own line, or its model's
+        at = f" at {where}" if where else ""
+        raise AmpscopeError(f"{spec} raised {type(e).__name__}{at}"
+                            f"{_one_line(e).removeprefix(type(e).__name__)}") from e
     if isinstance(built, nn.Module):
         built = wrap_module(built, spec)
     if not isinstance(built, LoadedModel):

@@ -11,8 +11,9 @@ device's API.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -38,9 +39,12 @@ _DATA_SET = _TensorBase.data.__set__
 _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
           if hasattr(_TensorBase, name)}
 _NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
+# Calls that only name a device: handed on with the target's name unchanged (`module.to(
+# torch.device("cuda"))` reads its arguments with the parser, then moves each tensor there).
+_NAMING = frozenset({torch.device, devices.parse_to_function()})
 # Every call DeviceMode answers itself rather than handing on as is.
 _SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_MOVES,
-                      torch.device})
+                      *_NAMING})
 
 
 # Factories that follow the default device (`torch.zeros`, `torch.arange`, ...).
@@ -92,9 +96,13 @@ class DeviceMode(TorchFunctionMode):
         self.backing = torch.device(backing)  # where tensors really are: cpu or meta
         self.on_cpu = _CpuTags()  # tensors the user put on cpu
         self.unsupported: list[str] = []
+        # The storages the torch.load in progress restored on the target, by id (held, so that
+        # their ids stay theirs until it ends): tensors set on them are on the target.
+        self._restored: dict[int, object] = {}
 
     # -- devices as arguments
-    def _is_target(self, device: Any) -> bool:
+    def is_target(self, device: Any) -> bool:
+        """Whether `device` (a torch.device or its name) names the target device."""
         if isinstance(device, torch.device):
             return device.type == self.target
         if isinstance(device, str):
@@ -103,7 +111,7 @@ class DeviceMode(TorchFunctionMode):
 
     def _real(self, device: Any) -> Any:
         """A device argument as the backing device sees it."""
-        return self.backing if self._is_target(device) else device
+        return self.backing if self.is_target(device) else device
 
     def _virtual(self, t: torch.Tensor) -> torch.device:
         return torch.device("cpu") if t in self.on_cpu else torch.device(self.target, 0)
@@ -135,6 +143,8 @@ class DeviceMode(TorchFunctionMode):
                 args = tuple(self._real(a) if isinstance(a, torch.device) else a for a in args)
                 break
         out = func(*args, **kwargs)
+        if self._restored:  # only while a torch.load restores storages on the target
+            self._claim_restored(args)
         self._tag(out, args, kwargs, device)
         return out
 
@@ -155,7 +165,34 @@ class DeviceMode(TorchFunctionMode):
             return args[0] if func is _TensorBase.pin_memory else True
         if func in _MOVES:
             return self._move(func, args, kwargs)
-        return func(*args, **kwargs)  # torch.device: naming a device is not using it
+        return func(*args, **kwargs)  # _NAMING: naming a device is not using it
+
+    def _claim_restored(self, args: tuple) -> None:
+        """During a torch.load: a tensor on a storage it restored on the target is on the
+        target. torch.load makes each tensor on the backing device (`torch.empty(...,
+        device=storage.device)`, tagged) and sets it on its storage with `Tensor.set_`, which
+        no function mode sees; the next call on it (`tensor.requires_grad = ...`, which every
+        rebuild makes) is where the mode learns where it is."""
+        t = args[0] if args else None
+        if not isinstance(t, torch.Tensor) or id(t) not in self.on_cpu.ids:
+            return
+        with no_torch_function():
+            storage = t.untyped_storage()
+        if self._restored.get(id(storage)) is storage:
+            self.on_cpu.discard(t)
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """For a torch.load: the storages it restores on the target are known until it ends."""
+        outer, self._restored = self._restored, {}
+        try:
+            yield
+        finally:
+            self._restored = outer
+
+    def restored_on_target(self, storage: object) -> None:
+        """`storage`, restored on the backing device, stands for one on the target."""
+        self._restored[id(storage)] = storage
 
     def _tag(self, out: Any, args: tuple, kwargs: dict, device: Any) -> None:
         """Results are on the CPU when the call put them there: an explicit CPU device, a

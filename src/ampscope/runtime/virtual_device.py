@@ -38,9 +38,12 @@ import torch
 
 from ampscope import hardware
 from ampscope.patches import patched
-from ampscope.runtime import emulation
+from ampscope.runtime import emulation, workers
 from ampscope.runtime.autocast_policy import autocast_dtype_for
+from ampscope.runtime.compiled import COMPILE_NOTE
+from ampscope.runtime.device_load import load_patches
 from ampscope.runtime.device_mode import DeviceMode
+from ampscope.runtime.device_rng import rng_patches
 from ampscope.torchcompat import devices
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -203,8 +206,6 @@ class VirtualDevice:
             (backend, "init", lambda: None),
             (backend, "synchronize", self._note("synchronize", lambda device=None: None)),
             (backend, "empty_cache", lambda: None),
-            (backend, "manual_seed", lambda seed: None),
-            (backend, "manual_seed_all", lambda seed: None),
             (backend, "memory_allocated", self._note("memory", lambda device=None: self._live())),
             (backend, "max_memory_allocated",
              self._note("memory", lambda device=None: self._peak())),
@@ -239,8 +240,6 @@ class VirtualDevice:
                 (backend, "current_stream", lambda device=None: _Stream()),
                 (backend, "default_stream", lambda device=None: _Stream()),
                 (backend, "stream", lambda stream=None: contextlib.nullcontext()),
-                (backend, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
-                (backend, "set_rng_state", lambda state, device="cuda": None),
                 (backend, "mem_get_info",
                  lambda device=None: (cast(int, accelerator.memory_bytes) - self._live(),
                                       accelerator.memory_bytes)),  # by_name's: never None
@@ -257,7 +256,8 @@ class VirtualDevice:
         elif self.target == "mps":
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
-        return patches + self._accelerator_patches() + self._torch_internal_patches()
+        return (patches + rng_patches(self.target) + load_patches(self.mode)
+                + self._accelerator_patches() + self._torch_internal_patches())
 
     def _accelerator_patches(self) -> list[tuple[object, str, object]]:
         """`torch.accelerator.*`, which torch's own optimizers, DataLoader, checkpointing and
@@ -303,7 +303,7 @@ class VirtualDevice:
                             _defaulting(torch.get_device_module, self.target)))
         pinning = devices.dataloader_pinning()
         if pinning is not None:
-            patches.append((pinning, "pin_memory", lambda data, device=None: data))
+            patches.append((pinning, "pin_memory", workers.pinned(self.mode)))
         return patches
 
     def _note(self, what: str, fn: Callable) -> Callable:
@@ -327,11 +327,20 @@ class VirtualDevice:
 
         def __init__(self, device_type: str, dtype=None, enabled: bool = True,
                      cache_enabled=None):
+            accepted = None
             if device_type == target:
                 if dtype is None:
                     dtype = autocast_dtype_for(target)
                 device_type = "cpu"
+                if target == "cuda" and dtype not in _CPU_AUTOCAST_DTYPES:
+                    # torch's autocast checks the dtype against a list on every device but
+                    # CUDA, which takes float32 too: the CPU's check must not disable the
+                    # region. It is built with a dtype the CPU takes, then given the user's
+                    # (CPU autocast itself runs on any floating dtype it is set to).
+                    accepted, dtype = dtype, _CPU_AUTOCAST_DTYPES[0]
             original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            if accepted is not None:
+                self.fast_dtype = accepted
 
         return __init__
 
@@ -357,9 +366,7 @@ class VirtualDevice:
             f"{self.capability[0]}.{self.capability[1]}): tensors really lived on the CPU."
         ]
         if "compile" in self.used:
-            notes.append("torch.compile was called: the run was eager. Compiled code runs the "
-                         "same dtypes; it fuses elementwise ops and may keep fewer activations "
-                         "for backward.")
+            notes.append(COMPILE_NOTE)
         if "synchronize" in self.used:
             notes.append(f"torch.{self.target}.synchronize() returned at once: the run is "
                          "synchronous on the CPU, and its timings are the CPU's.")
@@ -374,6 +381,9 @@ class VirtualDevice:
             log.info("%s", note)
         return notes
 
+
+# The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
+_CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 # torch.cuda calls a virtual device cannot answer truthfully, which a CUDA build without a GPU
 # would run as silent no-ops (it was never initialized): refused by name instead.

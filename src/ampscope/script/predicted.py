@@ -13,7 +13,12 @@ from collections.abc import Iterator
 from ampscope.patches import patched
 from ampscope.recorders.session import Capture
 from ampscope.recorders.source import user_source
-from ampscope.runtime.predict import foreach_defaults_as_real, gc_paused, quiet_fake_tensor_log
+from ampscope.runtime.predict import (
+    foreach_defaults_as_real,
+    gc_paused,
+    norm_stats_as_real,
+    quiet_fake_tensor_log,
+)
 from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.torchcompat.dispatch import no_torch_function
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
@@ -83,6 +88,7 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
         stack.enter_context(quiet_fake_tensor_log())
         stack.enter_context(gc_paused())
         stack.enter_context(foreach_defaults_as_real())
+        stack.enter_context(norm_stats_as_real())
         yield
 
 
@@ -108,19 +114,19 @@ def fake_values(read: list[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def swappable(capture: Capture, virtual: VirtualDevice | None,
-               fake: FakeTensorMode) -> Iterator[None]:
-    """`model.to(...)` in a fake run: PyTorch swaps each fake parameter with its converted copy
-    (`torch.utils.swap_tensors`), which refuses tensors that have weak references, and the
-    recorders hold weak references to the tensors they name. For each swap, those references
-    are dropped, the swap is made, and they are put back on the same objects (a parameter keeps
-    its name; its device tag follows its new contents)."""
+               fake: FakeTensorMode | None) -> Iterator[None]:
+    """`model.to(...)` in a fake run, or in a real one under
+    `torch.__future__.set_swap_module_params_on_conversion(True)`: PyTorch swaps each parameter
+    with its converted copy (`torch.utils.swap_tensors`), which refuses tensors that have weak
+    references, and the recorders hold weak references to the tensors they name. For each
+    swap, those references are dropped, the swap is made, and they are put back on the same
+    objects (a parameter keeps its name; its device tag follows its new contents)."""
     import torch.utils
 
     original = torch.utils.swap_tensors
     registries = capture.name_registries()
     on_cpu = virtual.mode.on_cpu if virtual is not None else None
-    converter = fake.fake_tensor_converter.meta_converter
-    memos = [converter.tensor_memo]
+    memos = [fake.fake_tensor_converter.meta_converter.tensor_memo] if fake is not None else []
 
     def swap_tensors(t1, t2) -> None:
         # Names only: the popped weak references themselves must die before the swap.

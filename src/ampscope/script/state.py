@@ -67,6 +67,10 @@ def _settings() -> dict[str, tuple[Callable[[], object], Callable[[object], None
     deterministic = getattr(torch.utils, "deterministic", None)
     if deterministic is not None and hasattr(deterministic, "fill_uninitialized_memory"):
         found["fill_uninitialized_memory"] = _flag(deterministic, "fill_uninitialized_memory")
+    future = torch.__future__  # how module.to() converts parameters (swap_tensors, or not)
+    for name in ("overwrite_module_params_on_conversion", "swap_module_params_on_conversion"):
+        if hasattr(future, f"set_{name}"):
+            found[name] = (getattr(future, f"get_{name}"), getattr(future, f"set_{name}"))
     mha = getattr(backends, "mha", None)
     if mha is not None and hasattr(mha, "set_fastpath_enabled"):
         found["mha_fastpath"] = (mha.get_fastpath_enabled, mha.set_fastpath_enabled)

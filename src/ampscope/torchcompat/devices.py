@@ -44,6 +44,12 @@ def parse_to(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtyp
     return _parser()(*args, **kwargs)
 
 
+def parse_to_function() -> Callable[..., tuple]:
+    """The function `parse_to` calls, as torch functions see it (`nn.Module.to` calls it with
+    the user's arguments and moves each tensor to the device it returns)."""
+    return _parser()
+
+
 @functools.cache
 def _constructors_source() -> Callable[[], set] | None:
     module = importlib.import_module("torch.utils._device")
