@@ -9,6 +9,7 @@ undoes it), so that:
 - every change is undone the way it was made: an attribute the owner had itself (a module's
   function, a class's method) is set back; one it only inherited (an instance's `forward`, found
   on its class) is deleted again, so the class's shows through as before;
+- `undo_all()` undoes them all at once, in a forked process that leaves the run;
 - `active()` lists the changes in force now: none once a run has ended, which the tests check
   after runs that fail in every way (tests/test_state.py);
 - `changed()` lists every attribute ampscope ever replaced in this process that is not what it
@@ -61,13 +62,27 @@ def patch(owner: object, name: str, value: object) -> Callable[[], None]:
         if entry not in _active:
             return  # undone already
         _active.remove(entry)
-        if own:
-            setattr(owner, name, original)
-        else:
-            with contextlib.suppress(AttributeError):
-                delattr(owner, name)
+        _put_back(entry)
 
     return undo
+
+
+def _put_back(entry: Patch) -> None:
+    if entry.own:
+        setattr(entry.owner, entry.name, entry.original)
+    else:
+        with contextlib.suppress(AttributeError):
+            delattr(entry.owner, entry.name)
+
+
+def undo_all() -> int:
+    """Undo every replacement in force, newest first; how many. Only for a process forked
+    during a run that leaves it (a DataLoader worker, runtime/workers.py): it never returns to
+    the code that would undo them one by one."""
+    undone = len(_active)
+    while _active:
+        _put_back(_active.pop())
+    return undone
 
 
 @contextlib.contextmanager
