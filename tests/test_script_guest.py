@@ -45,8 +45,9 @@ def script(tmp_path, body: str, name: str = "train.py"):
 
 def test_a_stopped_scripts_log_is_complete_and_its_atexit_handlers_run(tmp_path, capsys):
     """The script writes its log through a buffered file and logging.FileHandler, and registers
-    an atexit handler; `--steps 1` stops it mid-loop. As with `python` at exit, every line
-    written before the stop is on disk, and the handler ran."""
+    an atexit handler; `--steps 1` stops it mid-loop, as the model's second forward pass
+    begins: the loop's next log lines, written before that pass, are written too. As with
+    `python` at exit, every line written before the stop is on disk, and the handler ran."""
     path = script(tmp_path, """
         import atexit, logging, sys
         out = sys.argv[1]
@@ -60,8 +61,8 @@ def test_a_stopped_scripts_log_is_complete_and_its_atexit_handlers_run(tmp_path,
     """)
     handlers = logging.getLogger().handlers[:]
     assert main(["run", "--quiet", str(path), str(tmp_path)]) == 0
-    assert (tmp_path / "log.txt").read_text() == "step 0\n"
-    assert (tmp_path / "logging.txt").read_text() == "INFO:root:step 0\n"
+    assert (tmp_path / "log.txt").read_text() == "step 0\nstep 1\n"
+    assert (tmp_path / "logging.txt").read_text() == "INFO:root:step 0\nINFO:root:step 1\n"
     assert (tmp_path / "atexit.txt").read_text() == "ran"
     assert "was stopped after its first optimizer step" in capsys.readouterr().out
     assert logging.getLogger().handlers == handlers  # the script's handler did not stay here
@@ -149,7 +150,8 @@ def test_a_dataloader_with_worker_processes_runs_as_usual(tmp_path):
             opt.step()
     """)
     trace = ampscope.run_script(str(path), steps=2, in_process=True)
-    assert trace.notes[0] == "train.py was stopped after its second optimizer step."
+    assert trace.notes[0] == ("train.py was stopped after its second optimizer step, as its "
+                              "model's next forward pass began.")
 
 
 @pytest.mark.fast
@@ -224,7 +226,7 @@ def test_the_report_reaches_stdout_though_the_script_swapped_it(tmp_path, capsys
         step()
     """)
     assert main(["run", str(path)]) == 0
-    assert "was stopped after its first optimizer step" in capsys.readouterr().out
+    assert "train.py ran to its end (1 optimizer step)" in capsys.readouterr().out
 
 
 def test_json_on_stdout_is_not_mixed_with_a_subprocess_output(tmp_path):

@@ -122,6 +122,11 @@ def main(argv: list[str]) -> int:
 
     request, result = json.loads(argv[0]), argv[1]
     exact = request.pop("exact", False)
+    # `python -m ampscope.script.child` put the caller's working folder first on this
+    # process's path, where `python SCRIPT` puts none (the script's folder is put there by the
+    # run, and `-m TARGET`'s working folder too): the script sees the path it would see.
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
+        del sys.path[0]
     payload: dict
     try:
         with exact_path() if exact else contextlib.nullcontext():

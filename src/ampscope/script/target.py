@@ -25,16 +25,15 @@ def runner(target: str, argv: Sequence[str], module: bool) -> tuple[str, Callabl
     """What runs the script, and how messages name it; a target that cannot run is refused
     here, before anything else is set up."""
     if module:
-        try:
-            found = importlib.util.find_spec(target)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
+        # `python -m` puts the working folder first on sys.path: a package there is found
+        # whatever the caller's own path holds.
+        folder = os.getcwd()
+        if not _findable(target, folder):
             raise AmpscopeError(f"no module named {target!r} (run from the folder that holds "
                                 "its package, or give a script's path)")
 
         def run_module() -> None:
-            with script_argv([target, *argv], os.getcwd()):
+            with script_argv([target, *argv], folder):
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
 
         return f"python -m {target}", run_module
@@ -53,6 +52,20 @@ def runner(target: str, argv: Sequence[str], module: bool) -> tuple[str, Callabl
     return path.name, run_path
 
 
+def _findable(target: str, folder: str) -> bool:
+    """Whether `python -m target` run in `folder` finds the module. Finding a submodule
+    imports its parent packages: those of the folder are forgotten again, so the run imports
+    them afresh, under the device and modes it runs in. A parent that raises on import counts
+    as found: the run raises it as the script's own error, with its line."""
+    with _first_on_path(folder):
+        try:
+            return importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            return False
+        except Exception:  # noqa: BLE001 - the package's own error, raised again by the run
+            return True
+
+
 def _installed() -> tuple[str, ...]:
     """Folders of installed code: the interpreter's and its environment's packages. A module
     from one of them is never forgotten, even when the environment lies in the script's folder
@@ -69,18 +82,26 @@ def script_argv(argv: list[str], first_path: str) -> Iterator[None]:
     """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back, and
     the modules the script imported from its own folder are forgotten, so the next run
     imports them again (their import-time device checks included)."""
+    with _first_on_path(first_path), patched(sys, "argv", argv):
+        yield
+
+
+@contextlib.contextmanager
+def _first_on_path(first_path: str) -> Iterator[None]:
+    """`first_path` first on `sys.path` for the block; afterwards the path as it was, and the
+    modules imported from that folder in the block forgotten (never installed code, nor
+    ampscope's own: torch's modules must not be imported twice in one process)."""
     saved_path, saved_modules = sys.path[:], set(sys.modules)
     folder = os.path.abspath(first_path) + os.sep
-    installed = _installed()
+    kept = _installed() + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
     sys.path.insert(0, first_path)
     try:
-        with patched(sys, "argv", argv):
-            yield
+        yield
     finally:
         sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:
             path = os.path.abspath(getattr(sys.modules[name], "__file__", None) or "")
-            if path.startswith(folder) and not path.startswith(installed):
+            if path.startswith(folder) and not path.startswith(kept):
                 del sys.modules[name]
 
 

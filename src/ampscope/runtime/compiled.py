@@ -1,0 +1,67 @@
+"""`torch.compile` during a run: the compiled code runs eagerly, and the trace says so.
+
+ampscope records every op as it runs; compiled code would run as fused kernels it cannot see
+(and TorchDynamo compiles nothing while a dispatch mode is active anyway). During a run,
+`torch.compile` returns what it wraps, run as it is, in every form a script writes it: the
+decorator (`@torch.compile`, `@torch.compile(fullgraph=True, mode="max-autotune")`), a
+function (`torch.compile(fn, dynamic=True)`), a module (`torch.compile(model)`, whose result is
+torch's own module wrapper, so `_orig_mod` and its state_dict keys are as the script expects),
+and `model.compile()` (which calls `torch.compile` on the module's call). Every option,
+`fullgraph=True` and `backend=` included, is accepted and has no effect: nothing is compiled.
+Code compiled before the run (a library's `@torch.compile` at import) runs eagerly through the
+capture's compiler stance (torchcompat/dynamo.py `eager_stance`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ampscope.patches import patched
+from ampscope.torchcompat.dynamo import eager_module
+
+# The note a run that compiled something carries.
+COMPILE_NOTE = ("torch.compile was called: the run was eager. Compiled code runs the same "
+                "dtypes; it fuses elementwise ops and may keep fewer activations for backward.")
+
+
+class EagerCompile:
+    """`torch.compile`, replaced for a run. `on_wrapper` is told of each module wrapper it
+    makes (a script's run keeps it from being taken for the model: the model is what it
+    wraps)."""
+
+    def __init__(self, on_wrapper: Callable[[nn.Module], None] | None = None) -> None:
+        self.called = False
+        self.on_wrapper = on_wrapper
+        self._torch_compile = torch.compile  # torch's own, as this object is made
+
+    def compile(self, model=None, **options):
+        """`torch.compile(model, **options)` as the run answers it: `model`, eager."""
+        self.called = True
+        if model is None:  # @torch.compile(...) as a decorator factory
+            return lambda fn: self.compile(fn, **options)
+        if isinstance(model, nn.Module):
+            wrapper = eager_module(model, self._torch_compile)
+            if wrapper is not model and self.on_wrapper is not None:
+                self.on_wrapper(wrapper)
+            return wrapper
+        if not callable(model):
+            return self._torch_compile(model, **options)  # torch's own error for it
+
+        @functools.wraps(model)
+        def compiled(*args, **kwargs):
+            return model(*args, **kwargs)
+
+        return compiled
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with patched(torch, "compile", self.compile):
+            yield
+
+    def notes(self) -> list[str]:
+        return [COMPILE_NOTE] if self.called else []
