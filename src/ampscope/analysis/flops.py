@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from ampscope import hardware
 from ampscope.analysis.flow import collapse_blocks
 from ampscope.analysis.summary import numel
-from ampscope.records import OpCall, SettingRecord, Trace, module_label
+from ampscope.records import OpCall, PassKind, Phase, SettingRecord, Trace, module_label
 from ampscope.records.table import Table, table
 
 SCHEMA = "ampscope.flops/1"
@@ -74,6 +74,9 @@ class FlopReport:
     conventions: list[Convention] = field(default_factory=list)
     attention: AttentionShape | None = None
     utilization: Utilization | None = None  # with a step time: throughput and MFU
+    # FLOPs of a training run's evaluation and sampling passes (recorders/passes.py): counted
+    # apart, outside `total`, the conventions and MFU, which are the step's.
+    evaluation: int = 0
 
     @property
     def total(self) -> int:
@@ -95,6 +98,7 @@ class FlopReport:
             "conventions": [asdict(c) for c in self.conventions],
             "modules": [asdict(r) for r in self.rows],
             "utilization": asdict(self.utilization) if self.utilization else None,
+            "evaluation": self.evaluation,
         }
 
     def table(self) -> Table:
@@ -124,8 +128,9 @@ def matmul_dtype(op: OpCall) -> str:
 
 
 def attention_shape(trace: Trace) -> AttentionShape | None:
-    """L, H, Q, T from the attention ops of the first forward pass."""
-    first_step = _first_forward(trace.ops)
+    """L, H, Q, T from the attention ops of the first forward pass (the first training pass
+    of a run that trained)."""
+    first_step = _first_forward(trace)
     calls = [o for o in first_step if "attention" in o.op and o.flops and len(o.inputs[0].shape) == 4]
     if not calls:
         return None
@@ -133,8 +138,12 @@ def attention_shape(trace: Trace) -> AttentionShape | None:
     return AttentionShape(len(calls), heads, head_dim, seq)
 
 
-def _first_forward(ops: list[OpCall]) -> list[OpCall]:
+def _first_forward(trace: Trace) -> list[OpCall]:
     """Ops of the first forward pass (a generate trace has one per sampled token)."""
+    ops = trace.ops
+    train = next((p for p in trace.passes if p.kind == PassKind.TRAIN), None)
+    if train is not None:
+        ops = ops[train.first_op:train.end_op]
     out: list[OpCall] = []
     for o in ops:
         if o.phase != "forward":
@@ -148,7 +157,7 @@ def _first_forward(ops: list[OpCall]) -> list[OpCall]:
 def _rows(trace: Trace) -> list[FlopRow]:
     per_module: dict[str, dict] = {}
     for o in trace.ops:
-        if not o.flops or o.phase == "optimizer":
+        if not o.flops or o.phase not in ("forward", "backward"):
             continue
         row = per_module.setdefault(module_label(o.module),
                                     {"forward": 0, "backward": 0, "dtype": matmul_dtype(o)})
@@ -160,15 +169,16 @@ def _rows(trace: Trace) -> list[FlopRow]:
 def flop_report(trace: Trace, *, tokens: int) -> FlopReport:
     """Counted FLOPs of the traced step by phase, dtype and module, and the conventions."""
     by_phase = {p: sum(o.flops for o in trace.ops if o.phase == p) for p in PHASES}
+    step = [o for o in trace.ops if o.flops and o.phase in PHASES]
     by_dtype: dict[str, int] = {}
-    for o in trace.ops:
-        if o.flops:
-            by_dtype[matmul_dtype(o)] = by_dtype.get(matmul_dtype(o), 0) + o.flops
+    for o in step:
+        by_dtype[matmul_dtype(o)] = by_dtype.get(matmul_dtype(o), 0) + o.flops
     report = FlopReport(
         model=trace.model.name, setting=trace.setting, workload=trace.workload, tokens=tokens,
-        by_phase=by_phase, by_dtype=by_dtype, causal=sum(o.flops_causal for o in trace.ops),
+        by_phase=by_phase, by_dtype=by_dtype, causal=sum(o.flops_causal for o in step),
         mode=trace.mode,
         rows=_rows(trace), attention=attention_shape(trace),
+        evaluation=sum(o.flops for o in trace.ops if o.phase == Phase.EVALUATION),
     )
     report.conventions = conventions(trace, report)
     return report

@@ -11,7 +11,7 @@ import torch
 from ampscope.analysis.diagram import Diagram, build_diagram
 from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
 from ampscope.analysis.fp8 import fp8_module_notes
-from ampscope.records import Finding, ModelInfo, SettingRecord, Trace
+from ampscope.records import Finding, ModelInfo, PassKind, Phase, SettingRecord, Trace
 
 
 @cache
@@ -57,20 +57,62 @@ def _count(category: str, items: list[tuple[str, tuple[int, ...], str]]) -> list
 
 
 def forward_passes(trace: Trace) -> int:
-    """How many times the model itself was called forward: 1 for one step, more for a script
-    traced over several optimizer steps or with gradient accumulation (micro-steps)."""
+    """How many times the model itself was called forward in the traced step: 1 for one step,
+    more for a script traced over several optimizer steps or with gradient accumulation
+    (micro-steps). In a run that trained, only its training passes count: its evaluation and
+    sampling passes are not part of the step (recorders/passes.py)."""
+    train = [p for p in trace.passes if p.kind == PassKind.TRAIN]
+    if train:
+        return len(train)
     return max(1, sum(1 for m in trace.modules if m.depth == 0 and m.name == ""
                       and m.phase == "forward"))
 
 
 def tokens_of(trace: Trace) -> int:
     """Tokens the traced steps processed: the elements of the model's integer input (batch ×
-    sequence), once per forward pass of a training run (the input is recorded at the first)."""
+    sequence), once per forward pass of a training run (its training passes only, each with
+    its own input where they were recorded)."""
+    train = [p for p in trace.passes if p.kind == PassKind.TRAIN]
+    if train and trace.workload == "train" and all(p.tokens for p in train):
+        return sum(p.tokens for p in train)
     for record in trace.inputs:
         if record.role == "input" and record.dtype.startswith(("int", "uint")):
             passes = forward_passes(trace) if trace.workload == "train" else 1
             return numel(record.shape) * passes
     return 0
+
+
+def evaluation_passes(trace: Trace) -> dict[str, int]:
+    """The passes of a run that trained which were not training passes, by kind
+    ("evaluation", "sampling"): none in a run that did not train."""
+    if not any(p.kind == PassKind.TRAIN for p in trace.passes):
+        return {}
+    counts: dict[str, int] = {}
+    for p in trace.passes:
+        if p.kind != PassKind.TRAIN:
+            counts[p.kind] = counts.get(p.kind, 0) + 1
+    return counts
+
+
+def pass_notes(trace: Trace, steps: int) -> list[str]:
+    """What a run's forward passes were, in words: gradient accumulation where its training
+    passes outnumber its `steps` optimizer steps, and the passes that were not part of a step."""
+    notes = []
+    passes = forward_passes(trace)
+    if steps and passes > steps:
+        step_text = "an optimizer step" if steps == 1 else f"{steps} optimizer steps"
+        notes.append(f"The model ran {passes} training passes for {step_text} (gradient "
+                     "accumulation): each pass is its own forward and backward phase in the "
+                     "trace; counts and tokens cover them all.")
+    others = evaluation_passes(trace)
+    if others:
+        kinds = " and ".join(f"{n} {kind} pass{'es' if n > 1 else ''}"
+                             for kind, n in others.items())
+        flops = sum(o.flops for o in trace.ops if o.phase == Phase.EVALUATION)
+        notes.append(f"It also ran {kinds} (no gradient reached them): their ops are in the "
+                     f"evaluation phase ({flops:,} FLOPs), outside the step's tokens, FLOPs "
+                     "and MFU.")
+    return notes
 
 
 def dtype_inventory(trace: Trace) -> list[DtypeCount]:

@@ -100,26 +100,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_script(args.target, script_args, module=args.module, device=args.device,
                             steps=args.steps, predict=args.predict,
                             max_forwards=args.max_forwards, in_process=True)
+    timed = args.step_time is not None
     memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
-                                  flops=args.flops or bool(args.report))
+                                  flops=args.flops or timed or bool(args.report),
+                                  step_time=args.step_time, gpu=args.accelerator)
     if args.report:
         _write_report(args.report, [result], memory=memory, flops=flops)
     extra = []
     if args.memory:
         from ampscope.render.memory import render_memory
         extra += [render_memory(r) for r in memory]
-    if args.flops:
+    if args.flops or timed:
         from ampscope.render.flops import render_flops
         extra += [render_flops(r) for r in flops]
     return _show_trace(args, result, extra=extra)
 
 
-def _step_reports(result, *, memory: bool, flops: bool) -> tuple[list, list]:
-    """The memory and FLOP reports of a finished trace, those asked for."""
+def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,
+                  gpu=None) -> tuple[list, list]:
+    """The memory and FLOP reports of a finished trace, those asked for (the FLOPs with
+    throughput and MFU for a step time)."""
     from ampscope.api import flops as flop_count
     from ampscope.api import memory as memory_of
 
-    return ([memory_of(result)] if memory else []), ([flop_count(result)] if flops else [])
+    return (([memory_of(result)] if memory else []),
+            ([flop_count(result, step_time=step_time, gpu=gpu)] if flops else []))
 
 
 def _write_report(path: str, traces: list, *, memory: list, flops: list, matrix=None,

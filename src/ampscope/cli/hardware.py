@@ -32,5 +32,7 @@ def resolve_hardware(args: argparse.Namespace) -> None:
     given = getattr(args, "peak_flops", None)  # `fit` takes --gpu and --memory only
     peaks = hardware.parse_peak_flops(given) if given is not None else None
     size = getattr(args, "memory", None)
+    if not isinstance(size, str):  # `run --memory` is a flag: the memory report
+        size = None
     memory = hardware.parse_size(size) if size is not None else None
     args.accelerator = hardware.with_figures(base, peak_flops=peaks, memory_bytes=memory)

@@ -119,6 +119,13 @@ def _add_run(sub) -> None:
                      help="add the memory report of the captured steps")
     run.add_argument("--flops", action="store_true",
                      help="add the FLOP count of the captured steps")
+    run.add_argument("--step-time", type=float, metavar="SECONDS",
+                     help="measured wall time of the captured steps, for throughput and MFU "
+                          "(implies --flops)")
+    add_hardware_arguments(run, memory=False,
+                           gpu_help="with --step-time: the accelerator whose peak FLOP/s MFU "
+                                    "uses, e.g. h100 (default: this machine's GPU; h100 for "
+                                    "emulated cuda)")
     run.add_argument("--report", metavar="PATH",
                      help="also write the HTML report of the run (findings, dtype flow, "
                           "memory, FLOPs)")

@@ -9,7 +9,11 @@ only, and puts every one of them back as it found it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from ampscope.records import OpCall
 
 # Parents before children: a child's "none" defers to its parent.
 _PATHS = ("", "cuda.matmul", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn", "cudnn",
@@ -62,3 +66,61 @@ def matmul_precision() -> str:
         if backend is not None and backend.fp32_precision != "none":
             return _LEGACY.get(backend.fp32_precision, "highest")
     return "highest"
+
+
+# The ops whose float32 arithmetic a precision setting governs, by the kind of setting: the
+# GEMM family (cuBLAS, oneDNN), convolutions (cuDNN, oneDNN) and RNN kernels.
+_MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm"})
+_CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward"})
+# The backend each kind of op runs on, by device: whose `fp32_precision` it follows.
+_BACKENDS = {"cuda": {"matmul": "cuda.matmul", "conv": "cudnn.conv", "rnn": "cudnn.rnn"},
+             "cpu": {"matmul": "mkldnn.matmul", "conv": "mkldnn.conv", "rnn": "mkldnn.rnn"}}
+_LEGACY_NAMES = {"highest": "ieee", "high": "tf32", "medium": "bf16"}
+
+
+def precision_kind(op: str) -> str | None:
+    """"matmul", "conv" or "rnn" for an op (named as records name it, "aten.mm.default") whose
+    float32 arithmetic follows a precision setting; None for every other op."""
+    packet = op.rsplit(".", 1)[0]
+    if packet in _MATMUL_OPS:
+        return "matmul"
+    if packet in _CONV_OPS:
+        return "conv"
+    if packet.startswith("aten.") and "rnn" in packet:
+        return "rnn"
+    return None
+
+
+def fp32_precision(kind: str, device: str) -> str:
+    """The float32 precision ("ieee", "tf32", "bf16") in force now for ops of `kind` on
+    `device`: its backend's `fp32_precision`, a "none" deferring to the parents."""
+    path = _BACKENDS.get(device, {}).get(kind, "")
+    parts = path.split(".") if path else []
+    while True:
+        backend = _backend(".".join(parts))
+        if backend is not None and backend.fp32_precision != "none":
+            return backend.fp32_precision
+        if not parts:
+            break
+        parts.pop()
+    if backend is None:  # a build without the per-backend API: the legacy settings
+        if kind == "conv" and device == "cuda":
+            return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+        return _LEGACY_NAMES.get(torch.get_float32_matmul_precision(), "ieee")
+    return "ieee"
+
+
+def legacy_name(precision: str) -> str:
+    """A per-backend value as `torch.set_float32_matmul_precision` names it ("tf32" -> "high")."""
+    return {value: name for name, value in _LEGACY_NAMES.items()}.get(precision, "highest")
+
+
+def ran_with(ops: Sequence[OpCall], fallback: str) -> str:
+    """The float32 matmul precision, as the legacy API names it, that a run's float32 matmuls
+    ran with (recorded per op: a script may change it as it runs): the one under which most
+    of their FLOPs ran. `fallback` (the precision as the run left it) where none ran."""
+    flops: dict[str, int] = {}
+    for op in ops:
+        if op.fp32_precision is not None and precision_kind(op.op) == "matmul":
+            flops[op.fp32_precision] = flops.get(op.fp32_precision, 0) + op.flops + 1
+    return legacy_name(max(flops, key=flops.__getitem__)) if flops else fallback

@@ -4,6 +4,8 @@
 - `modules.py`: module calls (forward and backward) and the phase clock;
 - `functions.py`: user-level calls (a TorchFunctionMode), above autocast;
 - `ops.py`: the aten ops that ran (a TorchDispatchMode), below autocast and autograd;
+- `observed.py`: the setting a run of user code showed;
+- `passes.py`: what each forward pass of the model was for (training, evaluation, sampling);
 - `memory.py`: every storage's birth, death and saved-for-backward flag;
 - `flops.py`: FLOPs per aten op; `inventory.py`: parameters, buffers, optimizer state;
 - `values.py`: values for numerics; `source.py`: the user's file:line; `tensors.py`: tensor

@@ -160,6 +160,7 @@ class ModuleTracker:
         # called (a new step begins) and when a backward pass is over.
         self.phase: PhaseClock | None = None
         self.on_root_forward: Callable[[], None] | None = None
+        self.on_root_forward_end: Callable[[object], None] | None = None  # with its output
         self.on_backward_end: Callable[[], None] | None = None
         # Set when the model is not known yet (a script): called with the first module that
         # runs outside any other, and its arguments, before that call is recorded.
@@ -307,6 +308,8 @@ class ModuleTracker:
         if in_backward() or not self._forward_stack:
             return
         call = self._forward_stack.pop()
+        if call.depth == 0 and call.name == "" and self.on_root_forward_end is not None:
+            self.on_root_forward_end(output)
         # Global pre-hooks see positional arguments only; the post-hook sees keyword tensors
         # too (Hugging Face modules take `hidden_states=`), and dtypes cannot change in place.
         input_tensors = tensors_in((args, kwargs))

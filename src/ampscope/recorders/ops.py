@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ampscope.precision import matmul
 from ampscope.recorders import fake_cache, foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
@@ -56,7 +57,7 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick", "precision")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -70,6 +71,8 @@ class _OpFacts:
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
         self.cast = func in _CAST_OPS
         self.flops = flop_formula(func)
+        # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
+        self.precision = matmul.precision_kind(self.name)
         # The speed trick that may answer it on fake tensors (tricks.py), as its place in
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
@@ -111,6 +114,9 @@ class OpRecorder(UncompiledDispatchMode):
         self._phase = phase
         self._functions = functions
         self._names = names  # id(tensor) -> (weakref, parameter/buffer name)
+        # The device the run's ops stand for (a virtual device's, whose tensors live on the
+        # CPU); None: each op's own tensors' device.
+        self.device: str | None = None
         # Told of each op, when the run was started inside `progress.reporting`.
         found = progress.listener()
         self._progress = progress.Reporter(*found) if found is not None else None
@@ -184,10 +190,19 @@ class OpRecorder(UncompiledDispatchMode):
                     functions.current_source if functions.current_source is not _PENDING
                     else functions.source_now()),
                 self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
+                None if facts.precision is None else self._fp32_precision(facts.precision,
+                                                                          inputs),
             ))
             if self._progress is not None:
                 self._progress.op(index + 1, phase)
         return out
+
+    def _fp32_precision(self, kind: str, inputs: list[torch.Tensor]) -> str | None:
+        """The fp32 precision a matmul-class op on float32 inputs ran with, read when it ran:
+        a script may set TF32 at any point of its run."""
+        if not inputs or inputs[0].dtype is not torch.float32:
+            return None
+        return matmul.fp32_precision(kind, self.device or inputs[0].device.type)
 
     def report_progress(self, ops: int, phase: str) -> None:
         """Tell the progress callback, if any, how many ops are recorded (a replay appends

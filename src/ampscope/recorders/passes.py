@@ -88,6 +88,8 @@ class PassLog:
     def records(self) -> list[PassRecord]:
         """Every pass, classified; relabels the ops and calls of the passes that did not train
         when some pass did (see the module's docstring). Call once, when the run is over."""
+        if not self._open:  # a capture of code that never called its model
+            return []
         ops = self._ops
         ends = [p.first_op for p in self._open[1:]] + [len(ops)]
         kinds = []

@@ -23,7 +23,9 @@ from ampscope.recorders import inventory
 from ampscope.recorders.functions import FunctionRecorder, InferenceAsNoGrad
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, in_backward
+from ampscope.recorders.observed import observed_setting
 from ampscope.recorders.ops import OpRecorder
+from ampscope.recorders.passes import PassLog
 from ampscope.recorders.repeats import BlockReplay, ReplayDoubt
 from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
@@ -35,10 +37,10 @@ from ampscope.records import (
     SettingRecord,
     StorageRecord,
     Trace,
-    dtype_name,
 )
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.dispatch import OpOverload
+from ampscope.torchcompat.dynamo import eager_stance
 from ampscope.tricks import Trick, enabled
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -180,11 +182,14 @@ class Capture:
         tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
+        tracker.on_root_forward_end = self._on_root_forward_end
         tracker.on_backward_end = self._on_backward_end
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self._op_check
+        self._ops.device = self.device
+        self._passes = PassLog(self._ops.rows, self._functions.rows, tracker)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._handles = [
@@ -197,6 +202,10 @@ class Capture:
             tracker.on_new_root = self._adopt
             self._functions.on_inputs = self._adopt_owner
         self._inference = InferenceAsNoGrad().__enter__()
+        # Compiled code runs eagerly while recorded: TorchDynamo compiles nothing under the
+        # recorders' modes, and `fullgraph=True` would fail for it.
+        self._eager = eager_stance()
+        self._eager.__enter__()
         tracker.__enter__()
         self._functions.__enter__()
         self._ops.__enter__()
@@ -212,6 +221,7 @@ class Capture:
             finally:
                 self._tracker.__exit__()
                 self._inference.__exit__()
+                self._eager.__exit__(None, None, None)
                 for handle in self._handles:
                     handle.remove()
                 for undo in self._undo:
@@ -223,6 +233,8 @@ class Capture:
                 # next). Nothing calls them once the hooks are gone.
                 tracker = self._tracker
                 tracker.on_root_forward = tracker.on_backward_end = tracker.on_new_root = None
+                tracker.on_root_forward_end = None
+                self._matmul_precision = matmul_precision()  # as the run left it
                 self._functions.on_inputs = None
 
     def _watch(self, model: nn.Module) -> None:
@@ -311,7 +323,14 @@ class Capture:
         if self._on_model_forward is not None:
             self._on_model_forward()
 
+    def _on_root_forward_end(self, output: object) -> None:
+        self._passes.end(output)
+
     def _on_model_call(self, module, args, kwargs) -> None:
+        running = self._tracker.innermost_forward()
+        if running is None or running.depth == 0:  # the model itself, called outside any module
+            self._passes.begin(args, kwargs, running.index if running is not None
+                               else self._tracker.call_count())
         try:
             bound = _forward_signature(module).bind_partial(*args, **kwargs).arguments
         except TypeError:
@@ -391,25 +410,6 @@ class Capture:
             if self._findings is not None:
                 self.trace.findings = self._findings(self.trace)
 
-    def _observed_setting(self) -> SettingRecord:
-        """For `capture()` around user code: the setting as the run showed it."""
-        model = cast(nn.Module, self.model)  # known by now: `finish` runs on a model
-        counts: dict[torch.dtype, int] = {}
-        device = "cpu"
-        for p in model.parameters():
-            if p.is_floating_point():
-                if not counts:
-                    device = p.device.type
-                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-        emulated = self.device is not None and self.device != device
-        device = self.device or device
-        main = max(counts, key=counts.__getitem__) if counts else None
-        autocast = next((c.autocast for c in self._functions.records() if c.autocast), None)
-        return SettingRecord(name="as-run", device=device, emulated=emulated,
-                             param_dtype=dtype_name(main) if main else None,
-                             autocast_dtype=autocast, matmul_precision=self._matmul_precision,
-                             torch=torch.__version__)
-
     def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records. `names`:
@@ -439,14 +439,17 @@ class Capture:
             self._replay.check()
         if self._ops.fallbacks and self._rerun_on_doubt:
             raise ReplayDoubt(self._ops.fallbacks[0])
-        if self._setting is None:
-            trace.setting = self._observed_setting()
+        # First: a run that trained relabels its other passes' ops and calls.
+        trace.passes = self._passes.records()
         # One walk of a model of thousands of modules for both.
         params, names = inventory.parameters_and_names(model)
         trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in params))
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
+        if self._setting is None:  # known by now: `finish` runs on a model
+            trace.setting = observed_setting(model, self.device, trace,
+                                             self._matmul_precision)
         trace.parameters = inventory.parameters(model, names, params)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)

@@ -33,6 +33,8 @@ from ampscope.records.tensors import (
     OpCall,
     OptimizerStateRecord,
     ParameterRecord,
+    PassKind,
+    PassRecord,
     Phase,
     RowLayout,
     StorageCategory,
@@ -47,7 +49,7 @@ from ampscope.records.trace import SCHEMA, Finding, ModelInfo, Trace
 __all__ = [
     "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
     "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
-    "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "Phase", "SettingRecord",
+    "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "PassKind", "PassRecord", "Phase", "SettingRecord",
     "StorageCategory", "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
     "FUNCTION_ROW", "OP_ROW", "RowLayout",
 ]

@@ -27,11 +27,33 @@ class _Named(str, enum.Enum):
 
 
 class Phase(_Named):
-    """The part of a step an op, call or storage belongs to (sampling steps are forward)."""
+    """The part of a step an op, call or storage belongs to (sampling steps are forward).
+    "evaluation": a forward pass of a run that trained which was not itself a training pass
+    (an evaluation or sampling pass between steps: recorders/passes.py)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    EVALUATION = "evaluation"
+
+
+class PassKind(_Named):
+    """What a forward pass of the model was for (recorders/passes.py)."""
+
+    TRAIN = "train"  # the backward pass reached its output before the optimizer stepped
+    EVALUATION = "evaluation"  # no gradient, or never backpropagated
+    SAMPLING = "sampling"  # the same, followed by a sampling op (multinomial, argmax, topk)
+
+
+@dataclass(frozen=True, slots=True)
+class PassRecord:
+    """One forward pass of the model: a call of the model outside any other module."""
+
+    kind: PassKind
+    grad: bool  # gradients were recorded (not under no_grad or inference_mode)
+    first_op: int  # the op records from first_op up to end_op (excluded) are this pass's and
+    end_op: int  # what followed it up to the next pass (its backward, the optimizer step)
+    tokens: int  # elements of its first integer input (batch × sequence); 0 without one
 
 
 PHASES: tuple[Phase, ...] = tuple(Phase)
@@ -135,6 +157,10 @@ class OpCall:
     # another dtype (torchao's float8 training tensor: bfloat16 outside, float8_e4m3fn inside):
     # that dtype, else None. Empty when no input is such a tensor (nearly every op).
     input_data: tuple[str | None, ...] = ()
+    # For a matmul, convolution or RNN op on float32 inputs: the fp32 precision its backend
+    # had when it ran ("ieee", "tf32", "bf16": `torch.backends.<backend>.fp32_precision`, which
+    # `torch.set_float32_matmul_precision` and `allow_tf32` set too). None for other ops.
+    fp32_precision: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

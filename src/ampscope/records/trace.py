@@ -23,6 +23,8 @@ from ampscope.records.tensors import (
     OpCall,
     OptimizerStateRecord,
     ParameterRecord,
+    PassKind,
+    PassRecord,
     Phase,
     StorageCategory,
     StorageRecord,
@@ -69,6 +71,7 @@ class Trace:
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
     storages: list[StorageRecord] = field(default_factory=list)  # memory: recorders/memory.py
     held: list[HeldRecord] = field(default_factory=list)  # KV caches, plain tensor attributes
+    passes: list[PassRecord] = field(default_factory=list)  # the model's forward passes
 
     def to_dict(self) -> dict:
         return {
@@ -92,6 +95,7 @@ class Trace:
             },
             "findings": [asdict(f) for f in self.findings],
             "storages": [_storage(s) for s in self.storages],
+            "passes": [asdict(p) for p in self.passes],
         }
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
@@ -138,7 +142,7 @@ class Trace:
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
-                       tuple(o.get("in_data", ())))
+                       tuple(o.get("in_data", ())), o.get("fp32_precision"))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -178,6 +182,8 @@ class Trace:
                                     Phase(s["phase"]) if s.get("phase") else None,
                                     s.get("op"), s.get("saved", False))
                       for i, s in enumerate(data.get("storages", []))],
+            passes=[PassRecord(PassKind(p["kind"]), p["grad"], p["first_op"], p["end_op"],
+                               p["tokens"]) for p in data.get("passes", [])],
         )
 
 
@@ -205,7 +211,8 @@ def _op(o: OpCall) -> dict:
             "out": _dtypes(o.outputs), "autocast_cast": o.autocast_cast, "source": o.source,
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
-            "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data)}
+            "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data),
+            "fp32_precision": o.fp32_precision}
 
 
 def _call(c: FunctionCall) -> dict:

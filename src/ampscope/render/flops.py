@@ -40,6 +40,8 @@ def render_flops(report: FlopReport) -> RenderableType:
         phases.add_column(col, justify="right" if col != "phase" else "left")
     for phase, n in report.by_phase.items():
         phases.add_row(phase, human(n), _share(n, report.total))
+    if report.evaluation:  # not the step's: no share of it
+        phases.add_row("evaluation (not in the step)", human(report.evaluation), "—")
 
     dtypes = Table(title="By the dtype the matmuls ran in", title_justify="left", show_edge=False)
     for col in ("dtype", "FLOPs", "share", "peak", "time at peak"):

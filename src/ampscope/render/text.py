@@ -21,6 +21,8 @@ def header(summary: TraceSummary) -> Text:
     text.append(f" ({summary.model.cls}, {summary.model.parameters:,} parameters)  ")
     text.append("setting ", style="dim")
     text.append(s.name, style="bold")
+    if s.name == "as-run":  # what the script itself set, as it ran
+        text.append(f" ({as_run_text(s)})")
     text.append(f" on {where}  ", style="")
     text.append("workload ", style="dim")
     text.append(summary.workload, style="bold")
@@ -30,6 +32,16 @@ def header(summary: TraceSummary) -> Text:
         text.append("\n  ")
         text.append(note, style="dim")
     return text
+
+
+def as_run_text(s) -> str:
+    """A run's observed setting in words: "float32 weights, autocast float16, TF32 matmuls"."""
+    parts = [f"{s.param_dtype} weights" if s.param_dtype else "no floating weights",
+             f"autocast {s.autocast_dtype}" if s.autocast_dtype else "no autocast"]
+    if s.matmul_precision != "highest":
+        parts.append("TF32 matmuls" if s.matmul_precision == "high" else
+                     f"float32 matmul precision {s.matmul_precision!r}")
+    return ", ".join(parts)
 
 
 def inventory_table(rows: list[DtypeCount]) -> Table:

@@ -5,10 +5,17 @@ runs on (precision/ says what a setting is and applies it).
 - `emulation.py`: another device's autocast on CPU tensors (`--device cuda` without a GPU);
 - `attention_choice.py` / `attention_kernels.py`: which SDPA backend a GPU would pick, and its
   ops run on CPU tensors;
+- `rnn_choice.py` / `rnn_kernels.py`: whether a GPU runs an RNN call through cuDNN, and
+  cuDNN's RNN ops run on CPU tensors;
 - `norm_stats.py`: normalization statistics in the dtypes the target device keeps them;
 - `virtual_device.py`: the emulated device's API (`torch.cuda`, `torch.accelerator`,
-  autocast), with `device_mode.py` (tensors that report the target device);
+  autocast), with `device_mode.py` (tensors that report the target device), `device_rng.py`
+  (its generators and seeds) and `device_load.py` (`torch.load` onto it);
+- `user_frames.py`: the user's line an error names;
+- `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly;
 - `predict.py`: predict mode, the run on fake tensors.
+- `workers.py`: DataLoader workers forked during a run leave it; batches pinned on the
+  virtual device stay on the CPU.
 
 This layer sits above `records` and below `precision`; nothing here imports a setting.
 """

@@ -2,10 +2,12 @@
 
 The script runs as `__main__` with its own `sys.argv`, its folder first on `sys.path` (as
 `python train.py` puts it), under a `Capture` that adopts the first module the script calls
-outside any other as the model. After `steps` optimizer steps the run is stopped by an
-exception the script's own `except Exception:` cannot catch, so its later code (more steps,
-evaluation, checkpointing) never runs; a script that never steps is stopped after
-`max_forwards` forward passes of its model. On a device this machine lacks, the script runs on
+outside any other as the model. After `steps` optimizer steps the script goes on to the end
+of that step (`scaler.update()`, the LR scheduler, `zero_grad`, logging run and are traced) and
+is stopped as its model's next forward pass begins, by an exception the script's own
+`except Exception:` cannot catch, so its later code (more steps, evaluation, checkpointing)
+never runs; a script that never steps is stopped after `max_forwards` forward passes of its
+model. On a device this machine lacks, the script runs on
 the virtual device (runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
 `torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
 tensors: its model is never materialised, whatever its size.
@@ -34,6 +36,7 @@ The package:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,15 +45,18 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings, plural
-from ampscope.analysis.summary import forward_passes
+from ampscope.analysis.summary import pass_notes
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.precision import DEVICES, default_autocast_dtype, device_available
 from ampscope.recorders.session import Capture, CaptureOptions
-from ampscope.records import Trace
+from ampscope.recorders.tensors import no_torch_function
+from ampscope.records import Trace, dtype_name
+from ampscope.runtime.compiled import EagerCompile
 from ampscope.runtime.emulation import Emulation, device_api_error
 from ampscope.runtime.predict import check_matmul_dtypes, data_dependent, fake_mode
 from ampscope.runtime.virtual_device import VirtualDevice
+from ampscope.runtime.workers import leaving_workers
 from ampscope.script.ending import Ending, ScriptExited, exit_code
 from ampscope.script.files import ScriptFiles, watched
 from ampscope.script.predicted import fake_model, fake_values, made_modules, swappable
@@ -63,8 +69,9 @@ log = logging.getLogger(__name__)
 
 
 class _StopScript(BaseException):
-    """Raised after the last traced optimizer step (or the last forward pass allowed without
-    one): unwinds the script past its own `except Exception:` handlers."""
+    """Raised as the model's first forward pass after the last traced optimizer step begins
+    (or the first beyond the passes allowed without a step): unwinds the script past its own
+    `except Exception:` handlers."""
 
 
 def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
@@ -72,9 +79,10 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                virtual: bool | None = None, max_forwards: int = MAX_FORWARDS,
                in_process: bool = False) -> Trace:
     """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
-    `argv` as its arguments, stop it after `steps` optimizer steps, and return what its model
-    did. A script that never steps runs to its end, or until its model has run `max_forwards`
-    forward passes without a step (0: no bound).
+    `argv` as its arguments, stop it after `steps` optimizer steps (as its model's next
+    forward pass begins, so the rest of the last step runs), and return what its model did. A
+    script that never steps runs to its end, or until its model has run `max_forwards` forward
+    passes without a step (0: no bound).
 
     `device` is the device the script should believe it has ("cuda", "mps", "xpu"); on a
     machine without it, the script runs on the virtual device and the trace says "emulated".
@@ -135,37 +143,59 @@ class _ScriptRun:
         self.label, self.steps, self.max_forwards, self.predict = label, steps, max_forwards, \
             predict
         self.taken = self.forwards = 0
-        self.stopped: str | None = None  # "steps", or "bound" (max_forwards)
+        self.grads: dict[int, str] = {}  # id(parameter): the dtype of its gradient at a step
+        # "steps", "bound" (max_forwards), or how the script failed after its last step
+        self.stopped: str | None = None
         self.exited: int | None = None  # the status of an os._exit the script called
         self.device = device
         self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
+        # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
+        self.compiled = EagerCompile(on_wrapper=self.made.discard)
         self.capture = Capture(None, CaptureOptions(
             workload="script", findings=derive_findings, thin=predict,
             on_model_forward=self._count_forward, candidates=self.made, device=device,
             op_check=check_matmul_dtypes if predict else None))
         self.target = VirtualDevice(device) if emulated and device is not None else None
+        self.emulation: Emulation | None = None  # entered with the virtual device
         self.fake = fake_mode() if predict else None
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
         self.files = ScriptFiles(predict)
         self.ending = Ending()
 
     def _count_step(self, optimizer, args, kwargs) -> None:
+        # No stop here, even after the last step: the code that ends the step (GradScaler's
+        # update, the LR scheduler, zero_grad, logging) runs and is traced. The script stops
+        # as its model's next forward pass begins (`_count_forward`).
         self.taken += 1
         self.forwards = 0
-        if self.taken >= self.steps:
-            raise _StopScript
+        # The gradients the step used: the inventory is taken as the run ends, after the
+        # script's `zero_grad()` may have dropped them.
+        with no_torch_function():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.grads[id(p)] = dtype_name(p.grad.dtype)
 
     def _count_forward(self) -> None:
+        """As a forward pass of the model begins, before any of it is recorded (the capture's
+        root-forward callback): stop the script here once its steps are done, or once it has
+        run past `max_forwards` passes without a step."""
+        if self.taken >= self.steps:
+            self.stopped = "steps"
+            raise _StopScript
         self.forwards += 1
         if self.max_forwards and self.forwards > self.max_forwards:
+            self.stopped = "bound"
             raise _StopScript
 
     def enter(self, stack: contextlib.ExitStack) -> None:
         """Everything the script runs under, innermost last."""
         target, fake, device = self.target, self.fake, self.device
+        stack.enter_context(leaving_workers())  # first: it records the state before the run
         if target is not None:
             assert device is not None
-            stack.enter_context(Emulation(device, default_autocast_dtype(device)))
+            self.emulation = stack.enter_context(Emulation(device,
+                                                           default_autocast_dtype(device)))
         if fake is not None:
             stack.enter_context(fake_model(fake, target))
         stack.enter_context(made_modules(self.made))
@@ -173,35 +203,50 @@ class _ScriptRun:
         stack.callback(register_optimizer_step_post_hook(self._count_step).remove)
         if target is not None:
             stack.enter_context(target.active(memory=self.capture.memory_now))
+        stack.enter_context(swappable(self.capture, target, fake))
         if fake is not None:
-            stack.enter_context(swappable(self.capture, target, fake))
             stack.enter_context(fake_values(self.values_read))
         stack.enter_context(watched(self.files))
         stack.enter_context(self.ending.watching())
+        stack.enter_context(self.compiled.active())  # after the virtual device's own
 
     def run(self, run: Callable[[], None]) -> None:
         """The script, to its end or its stop; then its end as the interpreter would make it
         (os._exit skips it all)."""
-        label, steps = self.label, self.steps
         handlers = _log_handlers()
         try:
             self._guarded(run)
         except _StopScript:
-            self.stopped = "bound" if self.forwards > self.max_forwards > 0 else "steps"
+            pass  # `stopped` says why
         except ScriptExited as e:
             self.exited = e.code
             if e.code != 0:
-                raise AmpscopeError(f"{label} ended its process with os._exit({e.code}) "
-                                    f"before its {nth(steps)} optimizer step") from None
+                self._failed(f"ended its process with os._exit({e.code})", None)
         except SystemExit as e:
             if e.code not in (None, 0):
-                raise AmpscopeError(f"{label} exited with status {e.code} before its "
-                                    f"{nth(steps)} optimizer step") from e
+                self._failed(f"exited with status {e.code}", e)
+        except Exception as e:
+            # The steps are traced; the rest of the last one failed (its logging, a
+            # checkpoint): the trace stands, and its notes say what failed where.
+            if self.taken < self.steps:
+                raise
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            where = user_line(e)
+            self.stopped = (f"raised {type(e).__name__}{f' at {where}' if where else ''}"
+                            f"{f': {message}' if message else ''}")
         finally:
             if self.exited is None:
                 self.ending.run_handlers()
                 _close_log_handlers(handlers)
             self.files.close_what_is_open()
+
+    def _failed(self, how: str, cause: BaseException | None) -> None:
+        """The script ended its process with a failure status: an error before its last
+        step, a note after it."""
+        if self.taken < self.steps:
+            raise AmpscopeError(f"{self.label} {how} before its {nth(self.steps)} optimizer "
+                                "step") from cause
+        self.stopped = how
 
     def _guarded(self, run: Callable[[], None]) -> None:
         leaving: BaseException | None = None
@@ -220,6 +265,7 @@ class _ScriptRun:
                                 "your model in the script, or trace it with `ampscope trace "
                                 "package.module:factory`)")
         result = self.capture.finish()
+        self._stepped_gradients(result)
         result.mode = "predict" if self.predict else "run"
         result.workload = "train" if self.taken else "forward"
         notes = self._notes(result)
@@ -227,19 +273,31 @@ class _ScriptRun:
             log.info("%s", note)
         if self.target is not None:
             notes += self.target.notes()
+        if self.emulation is not None:  # the kernels it chose as the device would, or not
+            notes += self.emulation.kernel_notes([o.op for o in result.ops
+                                                  if o.phase in ("forward", "evaluation")])
+        notes += self.compiled.notes()
         result.notes = notes + result.notes
         result.findings = derive_findings(result)
         return result
 
+    def _stepped_gradients(self, result: Trace) -> None:
+        """A parameter whose gradient the script dropped after its last step (`zero_grad()`
+        runs before the stop) is listed with the dtype its gradient had at the step."""
+        model = self.capture.model
+        if not self.grads or model is None:
+            return
+        stepped = {name: self.grads[id(p)] for name, p in model.named_parameters()
+                   if id(p) in self.grads}
+        result.parameters = [
+            dataclasses.replace(r, grad_dtype=stepped[r.name])
+            if r.grad_dtype is None and r.name in stepped else r
+            for r in result.parameters]
+
     def _notes(self, result: Trace) -> list[str]:
         taken = self.taken
         notes = [_ending(self.label, self.stopped, self.exited, taken, self.max_forwards)]
-        passes = forward_passes(result)
-        if taken and passes > taken:
-            notes.append(f"The model ran {passes} forward passes for "
-                         f"{plural(taken, 'optimizer step')} (gradient accumulation): each pass "
-                         "is its own forward and backward phase in the trace; counts and tokens "
-                         "cover them all.")
+        notes += pass_notes(result, taken)
         if self.predict:
             notes.append("Predicted: every parameter and buffer became a fake tensor as the "
                          "model was built, so no weight was kept in memory; the data stayed "
@@ -254,12 +312,16 @@ def _ending(label: str, stopped: str | None, exited: int | None, taken: int,
             max_forwards: int) -> str:
     """The note that says how the script's run ended."""
     if stopped == "steps":
-        return f"{label} was stopped after its {nth(taken)} optimizer step."
+        return (f"{label} was stopped after its {nth(taken)} optimizer step, as its model's "
+                "next forward pass began.")
     if stopped == "bound":
         since = "without an optimizer step: nothing completed a step" if not taken else \
             f"since its {nth(taken)} optimizer step"
         return (f"{label} was stopped after {max_forwards:,} forward passes of its model "
                 f"{since} (--max-forwards); the trace holds the passes it ran.")
+    if stopped is not None:  # failed after its last step
+        return (f"After its {nth(taken)} optimizer step, {label} {stopped}; the trace holds "
+                "the run up to there.")
     how = "ended with os._exit(0)" if exited is not None else "ran to its end"
     return f"{label} {how} ({plural(taken, 'optimizer step')})."
 

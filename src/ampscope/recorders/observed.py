@@ -1,0 +1,35 @@
+"""The setting a run showed, for a capture around user code that was given none (`ampscope run`,
+`ampscope.capture(model)`): what the script itself set, read off what ran."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ampscope.precision.matmul import ran_with
+from ampscope.records import Phase, SettingRecord, Trace, dtype_name
+
+
+def observed_setting(model: nn.Module, device: str | None, trace: Trace,
+                     matmul_left: str) -> SettingRecord:
+    """The setting of `trace` (its calls and ops recorded) as the run showed it: the dtype
+    most parameter elements of `model` have, the autocast dtype of the step's first call under
+    autocast (an evaluation pass's only where the step had none), the float32 matmul precision
+    its matmuls ran with (`matmul_left`, as the run left it, where none ran in float32).
+    `device`: the device the run stood for (a virtual one), else that of the parameters."""
+    counts: dict[torch.dtype, int] = {}
+    found = "cpu"
+    for p in model.parameters():
+        if p.is_floating_point():
+            if not counts:
+                found = p.device.type
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    main = max(counts, key=counts.__getitem__) if counts else None
+    under_autocast = [c for c in trace.calls if c.autocast]
+    step = [c for c in under_autocast if c.phase != Phase.EVALUATION] or under_autocast
+    return SettingRecord(name="as-run", device=device or found,
+                         emulated=device is not None and device != found,
+                         param_dtype=dtype_name(main) if main else None,
+                         autocast_dtype=step[0].autocast if step else None,
+                         matmul_precision=ran_with(trace.ops, matmul_left),
+                         torch=torch.__version__)
