@@ -186,3 +186,19 @@ def test_cudnn_convolutions_take_tf32_by_default(tmp_path):
     assert convs and set(convs) == {"tf32"}
     # The legacy matmul setting is untouched: the header still says IEEE matmuls.
     assert t.setting.matmul_precision == "highest"
+
+
+def test_gradients_freed_by_zero_grad_after_the_step_are_still_gradients(tmp_path):
+    """`--steps 1` runs the script's code after its step: a `zero_grad()` frees the gradients
+    before the run ends. Their storages are the two gradients the optimizer stepped on (the
+    model's two parameters), freed by the script, not temporaries."""
+    body = """
+    for step in range(2):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    """
+    t = run_script(script(tmp_path, body), device="cpu", in_process=True)
+    grads = [s for s in t.storages if s.category == "gradient"]
+    assert sorted(s.names for s in grads) == [("emb.weight.grad",), ("head.weight.grad",)]
+    assert all(s.freed is not None for s in grads)  # zero_grad(set_to_none=True) freed them

@@ -228,7 +228,8 @@ class StorageTracker:
             entry = self._entry(storage, meta_of(tensor), None)
         if entry.category is None or _RANK[category] < _RANK[entry.category]:
             entry.category = StorageCategory(category)
-        entry.names.append(name)
+        if name not in entry.names:  # named at a step's end and again at the run's
+            entry.names.append(name)
 
     def on_op(self, index: int, outputs: list[torch.Tensor], metas: tuple[TensorMeta, ...],
               node=None) -> None:

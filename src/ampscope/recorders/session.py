@@ -364,6 +364,14 @@ class Capture:
     def _on_step_end(self, optimizer, args, kwargs) -> None:
         self._clock.in_optimizer_step = False
         self._functions.step_end()
+        # The gradients it stepped on are named now: a script's `zero_grad()` may free them
+        # before the run ends, and they were gradients all the same.
+        with no_torch_function():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    entry = self._names.get(id(p))
+                    if p.grad is not None and entry is not None and entry[0]() is p:
+                        self._storages.register(p.grad, "gradient", entry[1] + ".grad")
 
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
