@@ -370,8 +370,9 @@ class Capture:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     entry = self._names.get(id(p))
-                    if p.grad is not None and entry is not None and entry[0]() is p:
-                        self._storages.register(p.grad, "gradient", entry[1] + ".grad")
+                    grad = p.grad if isinstance(p, torch.Tensor) else None
+                    if entry is not None and entry[0]() is p and grad is not None:
+                        self._storages.register(grad, "gradient", entry[1] + ".grad")
 
     def _on_backward_end(self) -> None:
         self._clock.after_backward = True
