@@ -94,20 +94,36 @@ def precision_kind(op: str) -> str | None:
 def fp32_precision(kind: str, device: str) -> str:
     """The float32 precision ("ieee", "tf32", "bf16") in force now for ops of `kind` on
     `device`: its backend's `fp32_precision`, a "none" deferring to the parents."""
-    path = _BACKENDS.get(device, {}).get(kind, "")
-    parts = path.split(".") if path else []
-    while True:
-        backend = _backend(".".join(parts))
-        if backend is not None and backend.fp32_precision != "none":
-            return backend.fp32_precision
-        if not parts:
-            break
-        parts.pop()
-    if backend is None:  # a build without the per-backend API: the legacy settings
+    chain = _chains.get((kind, device))
+    if chain is None:
+        chain = _chains[(kind, device)] = _chain(_BACKENDS.get(device, {}).get(kind, ""))
+    for backend in chain:  # read each time: a script may set it at any point
+        value = backend.fp32_precision
+        if value != "none":
+            return value
+    if not chain:  # a build without the per-backend API: the legacy settings
         if kind == "conv" and device == "cuda":
             return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
         return _LEGACY_NAMES.get(torch.get_float32_matmul_precision(), "ieee")
     return "ieee"
+
+
+# (kind, device) -> the backend settings objects its precision is read from, own first.
+_chains: dict[tuple[str, str], list] = {}
+
+
+def _chain(path: str) -> list:
+    """The settings objects of `path` and of its parents up to the root, those this build has
+    (the objects live as long as torch: found once, read on every op)."""
+    parts = path.split(".") if path else []
+    chain = []
+    while True:
+        backend = _backend(".".join(parts))
+        if backend is not None:
+            chain.append(backend)
+        if not parts:
+            return chain
+        parts.pop()
 
 
 def legacy_name(precision: str) -> str:
