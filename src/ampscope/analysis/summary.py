@@ -109,9 +109,10 @@ def pass_notes(trace: Trace, steps: int) -> list[str]:
         kinds = " and ".join(f"{n} {kind} pass{'es' if n > 1 else ''}"
                              for kind, n in others.items())
         flops = sum(o.flops for o in trace.ops if o.phase == Phase.EVALUATION)
-        notes.append(f"It also ran {kinds} (no gradient reached them): their ops are in the "
-                     f"evaluation phase ({flops:,} FLOPs), outside the step's tokens, FLOPs "
-                     "and MFU.")
+        one = sum(others.values()) == 1
+        notes.append(f"It also ran {kinds} (no gradient reached {'it' if one else 'them'}): "
+                     f"{'its' if one else 'their'} ops are in the evaluation phase ({flops:,} "
+                     "FLOPs), outside the step's tokens, FLOPs and MFU.")
     return notes
 
 
