@@ -242,3 +242,36 @@ def test_accelerator_on_a_script(tmp_path, monkeypatch, capsys):
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts == {"accelerator": [True, "cuda", 1], "batch": "cuda:0", "parameter": "cuda:0"}
     assert "on cuda (emulated)" in header, header
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_tensors_made_on_the_device_inside_backward_hooks(tmp_path, monkeypatch, predict):
+    """Autograd runs tensor hooks and custom backward functions without torch-function modes:
+    a buffer a hook makes with `torch.empty(..., device="cuda")` (as FSDP2's gradient reduction
+    does) must land on the backing device and report cuda, as on a GPU. Truth: what a GPU run
+    of these lines gives (the buffer on cuda:0, the gradient passed on unchanged)."""
+    trace, facts = run(tmp_path, monkeypatch, """
+    device = "cuda"
+    x = torch.ones(3, device=device, requires_grad=True)
+
+    def hook(grad):
+        buffer = torch.empty(3, device=device)
+        facts["buffer"] = str(buffer.device)
+        return None
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            facts["made in backward"] = str(torch.zeros(1, device=device).device)
+            return grad * 2
+
+    y = Twice.apply(x)
+    y.register_hook(hook)
+    y.sum().backward()
+    facts["grad"] = str(x.grad.device)
+    """, predict=predict)
+    assert facts == {"buffer": "cuda:0", "made in backward": "cuda:0", "grad": "cuda:0"}

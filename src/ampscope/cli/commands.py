@@ -62,9 +62,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return _show_trace(args, result)
 
 
-def _show_trace(args: argparse.Namespace, result, extra: list | None = None) -> int:
-    """`trace` and `run`: the timeline to --perfetto PATH, then JSON, CSV and the rendering
-    (with `extra` renderables after the trace's)."""
+def _show_trace(args: argparse.Namespace, result, extra: list | None = None,
+                to_json=None) -> int:
+    """`trace` and `run`: the timeline to --perfetto PATH, then JSON (the trace's, or
+    `to_json`'s), CSV and the rendering (with `extra` renderables after the trace's)."""
     from rich.console import Group
 
     from ampscope.analysis.summary import trace_summary
@@ -77,7 +78,7 @@ def _show_trace(args: argparse.Namespace, result, extra: list | None = None) -> 
         except OSError as e:
             raise AmpscopeError(f"cannot write {args.perfetto}: {e.strerror}") from e
         print(f"Wrote {args.perfetto}", file=sys.stderr)  # plain: a path must not be wrapped
-    return _show(args, result.to_json,
+    return _show(args, to_json or result.to_json,
                  lambda: Group(render_trace(trace_summary(result, ops=args.ops,
                                                           diagram=args.diagram)), *(extra or [])),
                  table=lambda: result.table("ops" if args.ops else "modules"))
@@ -93,13 +94,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     args.model = args.target  # named in one-line errors
+    if args.ranks is None and args.job_timeout is not None:
+        raise AmpscopeError("--timeout only applies with --nproc N")
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
     quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
+    report = traces = None
     with quiet:
-        # In this process: the command line's process is the script's own, as under `python`.
-        result = run_script(args.target, script_args, module=args.module, device=args.device,
-                            steps=args.steps, predict=args.predict,
-                            max_forwards=args.max_forwards, in_process=True)
+        if args.ranks is not None:
+            report, traces = _run_ranks(args, script_args)
+            result = traces[0]
+        else:
+            # In this process: the command line's process is the script's own, as under
+            # `python`.
+            result = run_script(args.target, script_args, module=args.module,
+                                device=args.device, steps=args.steps, predict=args.predict,
+                                max_forwards=args.max_forwards, in_process=True)
     timed = args.step_time is not None
     memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
                                   flops=args.flops or timed or bool(args.report),
@@ -113,7 +122,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.flops or timed:
         from ampscope.render.flops import render_flops
         extra += [render_flops(r) for r in flops]
+    if report is not None:
+        from ampscope.render.ranks import render_ranks
+        from ampscope.script.ranks import report_dict
+
+        extra.append(render_ranks(report, traces))
+        return _show_trace(args, result, extra=extra,
+                           to_json=lambda: json.dumps(report_dict(report), indent=1))
     return _show_trace(args, result, extra=extra)
+
+
+def _run_ranks(args: argparse.Namespace, script_args: list[str]):
+    """`run --nproc N`: the script as N real ranks, each traced; their report."""
+    from ampscope.script.ranks import DEFAULT_TIMEOUT, check_nproc, ranks_report, run_ranks
+
+    check_nproc(args.ranks)
+    if args.predict:
+        raise AmpscopeError("predicted multi-rank runs are not available yet: leave out "
+                            "--predict to run the ranks on real tensors")
+    if args.job_timeout is not None and not args.job_timeout > 0:
+        raise AmpscopeError("--timeout must be a positive number of seconds")
+    traces = run_ranks(args.target, script_args, args.ranks, module=args.module,
+                       device=args.device, steps=args.steps, max_forwards=args.max_forwards,
+                       timeout=args.job_timeout or DEFAULT_TIMEOUT)
+    return ranks_report(traces, args.target), traces
 
 
 def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,

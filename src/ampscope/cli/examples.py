@@ -26,6 +26,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "ampscope run --device cuda --steps 1 train.py --batch_size=4",
         "ampscope run --device cuda -m scripts.base_train -- --depth=4",
         "ampscope run --predict --device cuda train.py   # full size, no memory",
+        "ampscope run --nproc 2 --device cuda train_ddp.py   # 2 ranks, as torchrun",
     ),
     "fit": (
         "ampscope fit llama-3-8b --gpu h100 -s bf16 --seq 4096",

@@ -109,12 +109,19 @@ def _add_run(sub) -> None:
                      help="with --predict: every speed trick off (same result, slower)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="TARGET is a module name, run as `python -m TARGET`")
+    # dest "ranks", not "nproc": --nproc of the model commands belongs to --distributed.
+    run.add_argument("--nproc", dest="ranks", type=int, metavar="N",
+                     help="run a torchrun-style script as N real ranks on this machine (1-8; "
+                          "gloo, whatever backend it names) and add each rank's collectives")
+    run.add_argument("--timeout", dest="job_timeout", type=float, metavar="SECONDS",
+                     help="with --nproc: seconds the whole job may take (default: 300)")
     run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
     run.add_argument("--ops", action="store_true", help="add the op-level listing")
     run.add_argument("--diagram", action="store_true",
                      help="draw the dtype flow of one forward pass")
     run.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout: "
-                                                    "the script's prints go to stderr)")
+                                                    "the script's prints go to stderr; with "
+                                                    "--nproc: the ranks' distributed report)")
     run.add_argument("--memory", action="store_true",
                      help="add the memory report of the captured steps")
     run.add_argument("--flops", action="store_true",

@@ -14,6 +14,7 @@ runs on (precision/ says what a setting is and applies it).
 - `user_frames.py`: the user's line an error names;
 - `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly;
 - `predict.py`: predict mode, the run on fake tensors.
+- `process_group.py`: a script's process groups on gloo (`run --nproc`).
 - `workers.py`: DataLoader workers forked during a run leave it; batches pinned on the
   virtual device stay on the CPU.
 

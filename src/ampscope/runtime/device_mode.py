@@ -22,7 +22,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ampscope.nested import tensors_in
 from ampscope.torchcompat import devices
-from ampscope.torchcompat.dispatch import no_torch_function
+from ampscope.torchcompat.dispatch import (
+    TorchDispatchMode,
+    active_fake_mode,
+    no_torch_function,
+)
 from ampscope.torchcompat.fake import FakeTensor
 
 # Any: its members are read as the descriptors they are (`.device.__get__`), which torch's stubs,
@@ -96,6 +100,7 @@ class DeviceMode(TorchFunctionMode):
         self.backing = torch.device(backing)  # where tensors really are: cpu or meta
         self.on_cpu = _CpuTags()  # tensors the user put on cpu
         self.unsupported: list[str] = []
+        self.index = 0  # the current device (`torch.cuda.set_device`): what tensors report
         # The storages the torch.load in progress restored on the target, by id (held, so that
         # their ids stay theirs until it ends): tensors set on them are on the target.
         self._restored: dict[int, object] = {}
@@ -114,7 +119,8 @@ class DeviceMode(TorchFunctionMode):
         return self.backing if self.is_target(device) else device
 
     def _virtual(self, t: torch.Tensor) -> torch.device:
-        return torch.device("cpu") if t in self.on_cpu else torch.device(self.target, 0)
+        return torch.device("cpu") if t in self.on_cpu else torch.device(self.target,
+                                                                         self.index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _SPECIAL:  # one lookup for the rare calls about devices (most are not)
@@ -321,3 +327,24 @@ class DeviceMode(TorchFunctionMode):
         if t in self.on_cpu and isinstance(out, torch.Tensor):
             self.on_cpu.add(out)
         return out
+
+
+class BackingFactories(TorchDispatchMode):
+    """The target device in an aten factory call, made the backing device: for the calls
+    `DeviceMode` cannot see. The autograd engine runs backward hooks and custom backward
+    functions without torch-function modes, so a `torch.empty(..., device="cuda:1")` made there
+    (FSDP2's gradient reduction makes its buffers so) reaches the dispatcher with the target
+    device; dispatch modes still see it, and this one hands it on with the backing device. The
+    tensor made is untagged, so `DeviceMode` says it is on the target. Under a FakeTensorMode
+    the call goes on as it is: fake tensors keep the target device themselves."""
+
+    def __init__(self, device_mode: DeviceMode) -> None:
+        super().__init__()
+        self.device_mode = device_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = kwargs.get("device") if kwargs else None
+        if device is not None and self.device_mode.is_target(device) and \
+                active_fake_mode() is None:
+            kwargs = dict(kwargs, device=self.device_mode.backing)
+        return func(*args, **(kwargs or {}))

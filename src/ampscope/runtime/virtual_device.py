@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import types
 import warnings
@@ -42,7 +43,7 @@ from ampscope.runtime import emulation, workers
 from ampscope.runtime.autocast_policy import autocast_dtype_for
 from ampscope.runtime.compiled import COMPILE_NOTE
 from ampscope.runtime.device_load import load_patches
-from ampscope.runtime.device_mode import DeviceMode
+from ampscope.runtime.device_mode import BackingFactories, DeviceMode
 from ampscope.runtime.device_rng import rng_patches
 from ampscope.torchcompat import devices
 from ampscope.torchcompat.fake import FakeTensor
@@ -154,11 +155,18 @@ class VirtualDevice:
     returning (live bytes, peak bytes) since the last reset, given by a capture's storage
     tracker; without one both are 0 (and a note says so). Re-enterable: a model built under one
     `with` and run under another keeps its tensors' tags.
+
+    `count` is the number of devices `device_count()` reports. None: `LOCAL_WORLD_SIZE` where
+    the process is a rank of a torchrun-style job (`ampscope run --nproc` sets it; torchrun
+    starts one rank per GPU, so a rank's `set_device(LOCAL_RANK)` must find its device), else 1.
+    `set_device(k)` makes `current_device()` k and tensors on the target report `cuda:k`; every
+    index is backed by the same CPU.
     """
 
     def __init__(self, target: str, *, accelerator: str = "h100",
-                 capability: tuple[int, int] = (9, 0)) -> None:
+                 capability: tuple[int, int] = (9, 0), count: int | None = None) -> None:
         self.target = target
+        self.count = count if count is not None else _local_world_size()
         self.accelerator = hardware.by_name(accelerator)
         self.capability = capability
         self.mode = DeviceMode(target)
@@ -189,6 +197,7 @@ class VirtualDevice:
                                     module=r"torch\.distributed\.distributed_c10d",
                                     message="Attempted to get default timeout for nccl backend")
             stack.enter_context(self.mode)
+            stack.enter_context(BackingFactories(self.mode))
             yield self
 
     def place_like(self, t: torch.Tensor, like: torch.Tensor) -> None:
@@ -201,7 +210,7 @@ class VirtualDevice:
         backend = getattr(torch, self.target)
         patches: list[tuple[object, str, object]] = [
             (backend, "is_available", lambda: True),
-            (backend, "device_count", lambda: 1),
+            (backend, "device_count", lambda: self.count),
             (backend, "is_initialized", lambda: True),
             (backend, "init", lambda: None),
             (backend, "synchronize", self._note("synchronize", lambda device=None: None)),
@@ -228,8 +237,8 @@ class VirtualDevice:
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
             patches += [
-                (backend, "current_device", lambda: 0),
-                (backend, "set_device", lambda device: None),
+                (backend, "current_device", lambda: self.mode.index),
+                (backend, "set_device", self._set_device),
                 (backend, "get_device_name", lambda device=None: accelerator.title),
                 (backend, "get_device_capability", lambda device=None: capability),
                 (backend, "get_device_properties",
@@ -268,11 +277,11 @@ class VirtualDevice:
         answers: dict[str, object] = {
             "is_available": lambda: True,
             "current_accelerator": lambda check_available=False: torch.device(target),
-            "device_count": lambda: 1,
-            "current_device_index": lambda: 0,
-            "current_device_idx": lambda: 0,  # the older, deprecated names
-            "set_device_index": lambda device: None,
-            "set_device_idx": lambda device: None,
+            "device_count": lambda: self.count,
+            "current_device_index": lambda: self.mode.index,
+            "current_device_idx": lambda: self.mode.index,  # the older, deprecated names
+            "set_device_index": self._set_device,
+            "set_device_idx": self._set_device,
             "device_index": _DeviceIndex,
             "current_stream": lambda device=None: _Stream(device),
             "set_stream": lambda stream: None,
@@ -305,6 +314,21 @@ class VirtualDevice:
         if pinning is not None:
             patches.append((pinning, "pin_memory", workers.pinned(self.mode)))
         return patches
+
+    def _set_device(self, device) -> None:
+        """`set_device(k)` (an index, "cuda:k" or a torch.device): the current device becomes
+        k, refused as CUDA refuses it when k is not one of the `count` devices."""
+        if isinstance(device, str | torch.device):
+            device = torch.device(device)
+            if device.type != self.target:
+                raise ValueError(f"Expected a {self.target} device, but got: {device}")
+            device = device.index
+        if device is None or device < 0:  # CUDA ignores a negative index
+            return
+        if device >= self.count:
+            raise RuntimeError(f"{self.target} error: invalid device ordinal {device} (the "
+                               f"virtual device has {self.count})")
+        self.mode.index = int(device)
 
     def _note(self, what: str, fn: Callable) -> Callable:
         def noted(*args, **kwargs):
@@ -361,7 +385,8 @@ class VirtualDevice:
     def notes(self) -> list[str]:
         """What the run's code asked of the virtual device, in plain words."""
         notes = [
-            f"Code that asked which device it was on saw {self.target} (one "
+            f"Code that asked which device it was on saw {self.target} "
+            f"({'one' if self.count == 1 else f'{self.count} ×'} "
             f"{self.accelerator.title}, compute capability "
             f"{self.capability[0]}.{self.capability[1]}): tensors really lived on the CPU."
         ]
@@ -380,6 +405,14 @@ class VirtualDevice:
         for note in notes:
             log.info("%s", note)
         return notes
+
+
+def _local_world_size() -> int:
+    """The ranks of this job on this machine, as torchrun tells each rank; 1 outside one."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 # The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).

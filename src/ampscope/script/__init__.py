@@ -31,6 +31,7 @@ The package:
 - `ending.py`: its atexit handlers, `os._exit`, forks.
 - `state.py`: the caller's process state, saved and restored.
 - `child.py`: the run in a spawned child process.
+- `ranks.py`: `run --nproc N`, the script as N ranks, each a child process.
 """
 
 from __future__ import annotations

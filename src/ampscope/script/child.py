@@ -37,20 +37,7 @@ def run_in_child(target: str, argv: list[str], **options) -> Trace:
     request = {"target": target, "argv": argv, **options}
     with tempfile.TemporaryDirectory(prefix="ampscope-run-") as folder:
         result = os.path.join(folder, "result.json")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_PACKAGE_ROOT, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-        pipes = {name: _own_descriptor(stream, fd)
-                 for name, stream, fd in (("stdout", sys.stdout, 1), ("stderr", sys.stderr, 2))}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ampscope.script.child", json.dumps(request), result],
-            env=env, stdout=None if pipes["stdout"] else subprocess.PIPE,
-            stderr=None if pipes["stderr"] else subprocess.PIPE)
-        copiers = [threading.Thread(target=_copy, args=(pipe, name), daemon=True)
-                   for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))
-                   if pipe is not None]
-        for copier in copiers:
-            copier.start()
+        process, copiers = spawn(request, result)
         try:
             code = process.wait()
         except KeyboardInterrupt:  # the child got the same Ctrl-C: let it end, then say so
@@ -63,7 +50,29 @@ def run_in_child(target: str, argv: list[str], **options) -> Trace:
         finally:
             for copier in copiers:
                 copier.join(timeout=10)
-        return _answer(result, code, target)
+        return answer(result, code, target)
+
+
+def spawn(request: dict, result: str, env: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    """Start a child that runs `request` and writes its answer to `result`, with `env` added
+    to this process's environment; its output goes where the caller's goes (the threads that
+    copy it, already started, when it is piped)."""
+    full = {**os.environ, **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(
+        [_PACKAGE_ROOT, *([full["PYTHONPATH"]] if full.get("PYTHONPATH") else [])])
+    pipes = {name: _own_descriptor(stream, fd)
+             for name, stream, fd in (("stdout", sys.stdout, 1), ("stderr", sys.stderr, 2))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampscope.script.child", json.dumps(request), result],
+        env=full, stdout=None if pipes["stdout"] else subprocess.PIPE,
+        stderr=None if pipes["stderr"] else subprocess.PIPE)
+    copiers = [threading.Thread(target=_copy, args=(pipe, name), daemon=True)
+               for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))
+               if pipe is not None]
+    for copier in copiers:
+        copier.start()
+    return process, copiers
 
 
 def _own_descriptor(stream: IO[str], fd: int) -> bool:
@@ -87,7 +96,7 @@ def _copy(pipe: IO[bytes], name: str) -> None:
     getattr(sys, name).write(decoder.decode(b"", final=True))
 
 
-def _answer(path: str, code: int, target: str) -> Trace:
+def answer(path: str, code: int, target: str) -> Trace:
     """The trace the child wrote, or its error raised here."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -122,6 +131,8 @@ def main(argv: list[str]) -> int:
 
     request, result = json.loads(argv[0]), argv[1]
     exact = request.pop("exact", False)
+    # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo.
+    groups = _gloo_groups() if request.pop("rank", False) else None
     # `python -m ampscope.script.child` put the caller's working folder first on this
     # process's path, where `python SCRIPT` puts none (the script's folder is put there by the
     # run, and `-m TARGET`'s working folder too): the script sees the path it would see.
@@ -129,9 +140,12 @@ def main(argv: list[str]) -> int:
         del sys.path[0]
     payload: dict
     try:
-        with exact_path() if exact else contextlib.nullcontext():
+        with exact_path() if exact else contextlib.nullcontext(), \
+                groups.active() if groups is not None else contextlib.nullcontext():
             trace = run_script(request.pop("target"), request.pop("argv"), **request,
                                in_process=True)
+        if groups is not None:
+            trace.notes = groups.notes() + trace.notes
         payload = {"trace": trace.to_dict()}
     except DtypeMismatchError as e:
         payload = {"error": {"type": "DtypeMismatchError", "message": str(e), "diagnosis": {
@@ -144,6 +158,13 @@ def main(argv: list[str]) -> int:
         payload = {"error": {"type": type(e).__name__, "message": str(e)}}
     write_atomic(result, json.dumps(payload))
     return 0
+
+
+def _gloo_groups():
+    """The substitution that runs a rank's process groups on gloo."""
+    from ampscope.runtime.process_group import GlooGroups
+
+    return GlooGroups()
 
 
 if __name__ == "__main__":

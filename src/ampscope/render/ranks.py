@@ -1,0 +1,63 @@
+"""The per-rank section of `ampscope run --nproc N`: what each rank's parameters and gradients
+hold, and the collectives each rank ran (printed after rank 0's usual trace report)."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ampscope.distributed.report import DistributedReport, summarize
+from ampscope.records import Trace
+from ampscope.render.style import format_bytes
+
+_SHAPES = 6  # parameter shapes listed per rank before "…"
+
+
+def _held(by_dtype: dict[str, int]) -> str:
+    return ", ".join(f"{format_bytes(b)} {d}" for d, b in sorted(by_dtype.items())) or "—"
+
+
+def _shapes(trace: Trace | None) -> str:
+    if trace is None:
+        return ""
+    shapes = ["×".join(map(str, p.shape)) or "()" for p in trace.parameters]
+    more = f", … ({len(shapes)} in all)" if len(shapes) > _SHAPES else ""
+    return ", ".join(shapes[:_SHAPES]) + more
+
+
+def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
+                 ) -> RenderableType:
+    """One table of what each rank holds, one of each rank's collectives; `traces` (every
+    rank's, rank 0 first) adds the parameter shapes."""
+    n = report.parallel.world_size
+    head = Text()
+    head.append(f"{n} rank{'s' if n != 1 else ''}", style="bold")
+    head.append(f" · {report.backend} · gradients reduced in: "
+                f"{', '.join(report.reduce_dtypes) or '—'}")
+    if report.unshard_dtypes:
+        head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
+    held = Table(title="Held by each rank after its last step", title_justify="left",
+                 show_edge=False)
+    for column in ("rank", "parameters", "gradients"):
+        held.add_column(column, justify="right" if column == "rank" else "left")
+    if traces is not None:
+        held.add_column("parameter shapes")
+    for r in report.ranks:
+        cells = [str(r.rank), _held(r.held.get("parameter", {})),
+                 _held(r.held.get("gradient", {}))]
+        if traces is not None:
+            cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
+        held.add_row(*cells)
+    comms = Table(title="Collectives of each rank", title_justify="left", show_edge=False)
+    for column in ("rank", "collective", "phase", "dtype", "calls", "payload"):
+        comms.add_column(column, justify="right" if column in ("rank", "calls", "payload")
+                         else "left")
+    for r in report.ranks:
+        for row in summarize(r.collectives):
+            comms.add_row(str(r.rank), row.kind.replace("_", "-"), row.phase, row.dtype,
+                          str(row.calls), format_bytes(row.payload_bytes))
+    parts: list[RenderableType] = [head, Text(), held, Text()]
+    parts.append(comms if comms.rows else Text("No rank ran a collective."))
+    parts += [Text(f"Note: {note}", style="dim") for note in report.notes]
+    return Group(*parts)

@@ -1,0 +1,229 @@
+"""`ampscope run --nproc N`: a torchrun-style script, unmodified, as N real ranks on this
+machine, each traced as `ampscope run` traces one process.
+
+Each rank is a spawned child (script/child.py) with the environment torchrun gives a rank of a
+one-machine job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
+ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, and OMP_NUM_THREADS=1 unless
+set). Its process groups run on gloo whatever backend the script names
+(runtime/process_group.py); on the virtual device `torch.cuda.device_count()` is N, so
+`torch.cuda.set_device(LOCAL_RANK)` works, and every "cuda:k" is the CPU.
+
+The parent holds a deadline on the whole job, as `distributed.launch` does: when it passes, or
+as soon as one rank fails, every rank still running is killed by its pid (a rank left waiting
+in a collective for a dead peer would otherwise wait out gloo's timeout). The failure is one
+line naming the rank and the script's error line.
+
+`ranks_report` turns the N traces into an `ampscope.distributed/1` report with
+distributed/report.py's functions: per rank, what its parameters and gradients hold and every
+collective its trace recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+
+from ampscope.analysis.findings import plural
+from ampscope.distributed.parallel import Parallel
+from ampscope.distributed.report import (
+    DistributedReport,
+    Held,
+    RankReport,
+    collectives,
+    itemsize,
+    summarize,
+)
+from ampscope.errors import AmpscopeError
+from ampscope.records import Trace
+from ampscope.script.child import answer, spawn
+
+DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
+MAX_NPROC = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What torchrun sets for `rank` of a one-machine job of `nproc` ranks."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+           "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "GROUP_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_RUN_ID": run_id}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks must not each take every core
+    return env
+
+
+def check_nproc(nproc: int) -> None:
+    if nproc < 1 or nproc > MAX_NPROC:
+        raise AmpscopeError(f"--nproc must be between 1 and {MAX_NPROC} (ranks on this "
+                            f"machine); got {nproc}")
+
+
+def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = False,
+              device: str | None = None, steps: int = 1, max_forwards: int = 0,
+              timeout: float = DEFAULT_TIMEOUT) -> list[Trace]:
+    """Every rank's trace of `target` run as `nproc` ranks, rank 0 first."""
+    check_nproc(nproc)
+    request = {"target": target, "argv": list(argv), "module": module, "device": device,
+               "steps": steps, "predict": False, "virtual": None,
+               "max_forwards": max_forwards, "rank": True}
+    port, run_id = _free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
+    with tempfile.TemporaryDirectory(prefix="ampscope-ranks-") as folder:
+        results = [os.path.join(folder, f"rank{k}.json") for k in range(nproc)]
+        started = [spawn(request, results[k], rank_environment(k, nproc, port, run_id))
+                   for k in range(nproc)]
+        processes = [p for p, _ in started]
+        try:
+            codes = _wait(processes, results, target, time.monotonic() + timeout, timeout)
+        finally:
+            for process in processes:  # only the ranks started here, by pid
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for _, copiers in started:
+                for copier in copiers:
+                    copier.join(timeout=10)
+        return [answer(results[k], codes[k], target) for k in range(nproc)]
+
+
+def _wait(processes: list[subprocess.Popen], results: list[str], target: str,
+          deadline: float, timeout: float) -> list[int]:
+    """Every rank's exit status, once all have ended well. A failed rank raises as one line
+    naming it (the others are killed by the caller); of several, the one whose error is its
+    own rather than gloo's news that a peer went away, the first to report among those."""
+    nproc = len(processes)
+    codes: dict[int, int] = {}
+    while len(codes) < nproc:
+        failed = []
+        for k, process in enumerate(processes):
+            if k in codes or (code := process.poll()) is None:
+                continue
+            codes[k] = code
+            if _failure(results[k], code, target) is not None:
+                failed.append(k)
+        if failed:
+            time.sleep(_GRACE)  # the peers a failure brought down report theirs meanwhile
+            failed += [k for k, p in enumerate(processes) if k not in codes
+                       and (code := p.poll()) is not None
+                       and _failure(results[k], codes.setdefault(k, code), target)]
+            errors = {k: _failure(results[k], codes[k], target) or "" for k in failed}
+            first = min(failed, key=lambda k: (_from_a_peer(errors[k]), _ended_at(results[k])))
+            raise AmpscopeError(f"rank {first} of {nproc} failed: {errors[first]}") from None
+        if len(codes) < nproc:
+            if time.monotonic() > deadline:
+                waiting = [str(k) for k in range(nproc) if k not in codes]
+                raise AmpscopeError(
+                    f"the {nproc}-rank run of {target} did not finish in {timeout:.0f} s "
+                    f"(rank {', '.join(waiting)} still running; a rank waiting in a collective "
+                    "its peers never reach hangs: give --timeout more, or check the script)")
+            time.sleep(0.05)
+    return [codes[k] for k in range(nproc)]
+
+
+_GRACE = 0.5  # seconds to wait, after a rank failed, for the failures it caused
+
+
+def _failure(result: str, code: int, target: str) -> str | None:
+    """The first line of the error a rank reported (or of how it died); None if it traced."""
+    with contextlib.suppress(OSError, ValueError), open(result, encoding="utf-8") as f:
+        if "trace" in json.load(f):  # read back as a Trace once, by the caller
+            return None
+    try:
+        answer(result, code, target)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - any rank's failure ends the job
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
+
+
+# How gloo says a peer went away: the failure of a rank waiting on one that failed first.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "remote worker")
+
+
+def _from_a_peer(error: str) -> bool:
+    return any(words in error for words in _PEER_GONE)
+
+
+def _ended_at(result: str) -> float:
+    """When a rank wrote its answer (none written: last)."""
+    try:
+        return os.stat(result).st_mtime_ns / 1e9
+    except OSError:
+        return float("inf")
+
+
+def _held(trace: Trace) -> Held:
+    """Bytes the rank's parameters and gradients hold, by dtype (a tied weight once)."""
+    held: Held = {}
+    for p in trace.parameters:
+        if p.tied_to and any(name < p.name for name in p.tied_to):
+            continue  # the same storage, counted under its first name
+        n = 1
+        for s in p.shape:
+            n *= s
+        for category, dtype in (("parameter", p.dtype), ("gradient", p.grad_dtype)):
+            if dtype is not None:
+                by_dtype = held.setdefault(category, {})
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n * itemsize(dtype)
+    return held
+
+
+def _step_start(trace: Trace) -> int:
+    """The index of the first op of the model's first forward pass (0 without one): what ran
+    before it is the script's setup (DDP's constructor checks and broadcasts the parameters)."""
+    return trace.passes[0].first_op if trace.passes else 0
+
+
+def ranks_report(traces: list[Trace], target: str) -> DistributedReport:
+    """The N ranks' traces as one distributed report (rank 0's trace kept in full). A rank's
+    collectives are those of its steps, from its model's first forward pass on; those of the
+    setup before it are summed in a note. The strategy is read off them: FSDP2 all-gathers
+    parameters and reduce-scatters gradients, DDP only all-reduces."""
+    n = len(traces)
+    ranks, setup = [], []
+    for k, t in enumerate(traces):
+        calls = collectives(t.ops, n)
+        start = _step_start(t)
+        ranks.append(RankReport(k, _held(t), [c for c in calls if c.index >= start]))
+        setup.append([c for c in calls if c.index < start])
+    kinds = {c.kind for r in ranks for c in r.collectives}
+    strategy = "fsdp" if kinds & {"all_gather", "reduce_scatter"} else "ddp"
+    first = traces[0]
+    notes = [f"{target} ran as {plural(n, 'rank')} on this machine (real tensors, gloo); the strategy "
+             "is read off the collectives of the ranks' steps."]
+    if setup[0]:
+        rows = ", ".join(f"{r.kind.replace('_', '-')} {r.dtype} {r.payload_bytes:,} B"
+                         + (f" ×{r.calls}" if r.calls > 1 else "") for r in summarize(setup[0]))
+        notes.append(f"Before its model's first forward pass, rank 0 also ran: {rows} (the "
+                     "script's setup, such as DDP's parameter checks and broadcast; left out "
+                     "of the step's collectives).")
+    if not any(calls for calls in setup) and not kinds:
+        notes.append("No rank ran a collective: the script made no process group, or used it "
+                     "for nothing its run traced; each rank ran on its own.")
+    return DistributedReport(
+        model=first.model.name, parameters=first.model.parameters, setting=first.setting,
+        parallel=Parallel(strategy, n), backend="gloo", mode="run", ranks=ranks,
+        notes=notes, trace=first)
+
+
+def report_dict(report: DistributedReport) -> dict:
+    """The report's `ampscope.distributed/1` document; its strategy "none" where no rank ran
+    a collective (a `Parallel` is DDP or FSDP2, which such a run is neither)."""
+    data = report.to_dict()
+    if not any(r.collectives for r in report.ranks):
+        data["parallel"]["strategy"] = "none"
+    return data
