@@ -7,10 +7,10 @@ off the trace's ops (the c10d ops the dispatcher saw: `c10d._allgather_base_`,
 Two byte counts per collective:
 - `payload_bytes`: the unsharded buffer — an all-gather's output, a reduce-scatter's input, an
   all-reduce's tensor. This is the figure FSDP and DDP sizes are quoted in.
-- `wire_bytes`: what one rank sends with the ring algorithms, the factors nccl-tests uses for
-  its bus bandwidth (doc/PERFORMANCE.md): all-reduce 2(N-1)/N, all-gather and reduce-scatter
-  (N-1)/N, all-to-all (N-1)/N, broadcast 1 of the payload. Tree or NVLS algorithms send
-  differently; the payload is exact, the wire figure is the textbook estimate.
+- `wire_bytes`: what one rank sends with the ring algorithms, the usual bus-bandwidth factors
+  for a group of N: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N, all-to-all
+  (N-1)/N, broadcast 1 of the payload. Tree or NVLS algorithms send differently; the payload
+  is exact, the wire figure is the textbook estimate.
 """
 
 from __future__ import annotations
@@ -86,19 +86,28 @@ def collective_kind(op: str) -> str | None:
 
 def collective(o: OpCall, world_size: int) -> Collective | None:
     """The collective an op is, or None. An in-place c10d gather or scatter takes the output
-    and the input among its arguments (N shards and the whole, N + 1 parts of one size): the
-    whole is N/(N + 1) of them; a functional one returns its output."""
+    and the input among its arguments: the whole and one shard (`_allgather_base_`,
+    `_reduce_scatter_base_`: the whole is the larger, and the ratio is the group's size), or N
+    shards and the whole, N + 1 parts of one size (the whole is N of them); a functional one
+    returns its output. The group is read off the shapes, not taken to be the world: FSDP2 on
+    the `dp` dimension of a 2-D mesh gathers over a group smaller than the world. An
+    all-reduce's group is not in its shapes: its wire bytes assume the world."""
     kind = collective_kind(o.op)
     if kind is None or not o.inputs:
         return None
-    given = sum(_nbytes(m) for m in o.inputs)
+    sizes = [_nbytes(m) for m in o.inputs]
+    given = sum(sizes)
+    group = world_size
     if o.op.startswith("_c10d_functional."):
         payload = max(given, sum(_nbytes(m) for m in o.outputs))
     elif kind in ("all_gather", "reduce_scatter"):
-        payload = given * world_size // (world_size + 1)
+        if len(sizes) == 2 and min(sizes) and sizes[0] != sizes[1]:
+            payload, group = max(sizes), max(sizes) // min(sizes)
+        else:
+            payload, group = given - given // len(sizes), max(1, len(sizes) - 1)
     else:
         payload = given
-    wire = int(payload * _wire_factor(kind, world_size))
+    wire = int(payload * _wire_factor(kind, group))
     return Collective(o.index, o.op, kind, o.phase, o.module, o.inputs[0].dtype, payload, wire)
 
 

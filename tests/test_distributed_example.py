@@ -1,0 +1,50 @@
+"""examples/distributed/train.py, a torchrun script with FSDP2 × tensor parallelism, under
+`ampscope run --nproc 4` (a 2 × 2 mesh: dp × tp), real gloo ranks on the CPU.
+
+Every figure is derived by hand from the script's shapes (width 64, 4·64 MLP, vocabulary 256,
+2 blocks, batch 2 × 32 tokens, tp = 2, dp = 2):
+
+- tensor parallelism splits each block's q, k, v, o, up and down across tp: a rank's block
+  holds 3·(32·64) + 64·32 + 128·64 + 64·128 + 2·64 (its two RMSNorm weights, replicated) =
+  24,704 elements; the embedding, final norm and head are not split: 256·64 + 64 + 256·64 =
+  32,832;
+- FSDP2 gathers each block (and the root's own parameters) over dp in bfloat16 (2 bytes an
+  element) before its forward and again before its backward (it reshards after forward), and
+  reduce-scatters their gradients in float32 (4 bytes);
+- tensor parallelism all-reduces the activations its row-wise layers produce (attn.o and down,
+  2 a block) in the forward, and the input gradients of its column-wise layers (q, k, v and up,
+  4 a block) in the backward: each a (2, 32, 64) bfloat16 tensor, 8,192 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from ampscope.cli import main
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "distributed" / "train.py"
+BLOCK, ROOT = 24_704, 32_832
+
+
+def test_fsdp2_by_tensor_parallel_on_four_ranks(tmp_path, capsys):
+    out = tmp_path / "ranks.json"
+    code = main(["run", "--nproc", "4", "--device", "cpu", "--quiet", "--json", str(out),
+                 str(EXAMPLE), "--tp=2", "--steps=1"])
+    assert code == 0, capsys.readouterr().err
+    document = json.loads(out.read_text())
+    assert document["parallel"]["strategy"] == "fsdp"
+    assert len(document["ranks"]) == 4
+    for rank in document["ranks"]:
+        calls = Counter((c["kind"], c["phase"], c["dtype"], c["payload_bytes"])
+                        for c in rank["collectives"])
+        assert calls == {
+            ("all_gather", "forward", "bfloat16", 2 * BLOCK): 2,
+            ("all_gather", "forward", "bfloat16", 2 * ROOT): 1,
+            ("all_gather", "backward", "bfloat16", 2 * BLOCK): 2,
+            ("reduce_scatter", "backward", "float32", 4 * BLOCK): 2,
+            ("reduce_scatter", "backward", "float32", 4 * ROOT): 1,
+            ("all_reduce", "forward", "bfloat16", 2 * 32 * 64 * 2): 4,
+            ("all_reduce", "backward", "bfloat16", 2 * 32 * 64 * 2): 8,
+        }
