@@ -13,7 +13,12 @@ Every figure is derived by hand from the script's shapes (width 64, 4·64 MLP, v
   reduce-scatters their gradients in float32 (4 bytes);
 - tensor parallelism all-reduces the activations its row-wise layers produce (attn.o and down,
   2 a block) in the forward, and the input gradients of its column-wise layers (q, k, v and up,
-  4 a block) in the backward: each a (2, 32, 64) bfloat16 tensor, 8,192 bytes.
+  4 a block) in the backward: each a (2, 32, 64) bfloat16 tensor, 8,192 bytes;
+- each rank keeps its dp shard of its tp share: (2·24,704 + 32,832) / 2 = 41,120 float32
+  elements of parameters and as many of gradients, and AdamW's two moments of them plus a
+  float32 step for each of the 19 parameters.
+
+On "cuda" the ranks run on the virtual device (`torch.cuda.set_device`, a "cuda" mesh).
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from ampscope.cli import main
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "distributed" / "train.py"
 BLOCK, ROOT = 24_704, 32_832
 
 
-def test_fsdp2_by_tensor_parallel_on_four_ranks(tmp_path, capsys):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fsdp2_by_tensor_parallel_on_four_ranks(device, tmp_path, capsys):
     out = tmp_path / "ranks.json"
-    code = main(["run", "--nproc", "4", "--device", "cpu", "--quiet", "--json", str(out),
+    code = main(["run", "--nproc", "4", "--device", device, "--quiet", "--json", str(out),
                  str(EXAMPLE), "--tp=2", "--steps=1"])
     assert code == 0, capsys.readouterr().err
     document = json.loads(out.read_text())
@@ -48,3 +56,7 @@ def test_fsdp2_by_tensor_parallel_on_four_ranks(tmp_path, capsys):
             ("all_reduce", "forward", "bfloat16", 2 * 32 * 64 * 2): 4,
             ("all_reduce", "backward", "bfloat16", 2 * 32 * 64 * 2): 8,
         }
+        shard = (2 * BLOCK + ROOT) // 2
+        assert rank["held"] == {"parameter": {"float32": 4 * shard},
+                                "gradient": {"float32": 4 * shard},
+                                "optimizer_state": {"float32": 2 * 4 * shard + 19 * 4}}

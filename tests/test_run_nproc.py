@@ -152,7 +152,7 @@ def test_a_rank_that_raises_is_named_in_one_line(tmp_path, capsys):
     (["--nproc", "0"], "--nproc must be between 1 and 8"),
     (["--nproc", "-3"], "--nproc must be between 1 and 8"),
     (["--nproc", "9"], "--nproc must be between 1 and 8"),
-    (["--nproc", "2", "--predict"], "predicted multi-rank runs are not available yet"),
+    (["--nproc", "5000", "--predict"], "--nproc with --predict must be between 1 and 4096"),
     (["--timeout", "5"], "--timeout only applies with --nproc N"),
 ])
 def test_bad_nproc_input_is_one_line(argv, message, tmp_path, capsys):

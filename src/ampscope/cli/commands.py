@@ -96,12 +96,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.model = args.target  # named in one-line errors
     if args.ranks is None and args.job_timeout is not None:
         raise AmpscopeError("--timeout only applies with --nproc N")
+    if args.ranks is None and args.all_ranks:
+        raise AmpscopeError("--all-ranks only applies with --nproc N --predict")
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
     quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
-    report = traces = None
+    report = traces = to_dict = None
     with quiet:
         if args.ranks is not None:
-            report, traces = _run_ranks(args, script_args)
+            report, traces, to_dict = _run_ranks(args, script_args)
             result = traces[0]
         else:
             # In this process: the command line's process is the script's own, as under
@@ -127,8 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ampscope.script.ranks import report_dict
 
         extra.append(render_ranks(report, traces))
-        return _show_trace(args, result, extra=extra,
-                           to_json=lambda: json.dumps(report_dict(report), indent=1))
+        return _show_trace(args, result, extra=extra, to_json=lambda: json.dumps(
+            (to_dict or report_dict)(report), indent=1))
     return _show_trace(args, result, extra=extra)
 
 
@@ -136,16 +138,34 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
     """`run --nproc N`: the script as N real ranks, each traced; their report."""
     from ampscope.script.ranks import DEFAULT_TIMEOUT, check_nproc, ranks_report, run_ranks
 
-    check_nproc(args.ranks)
-    if args.predict:
-        raise AmpscopeError("predicted multi-rank runs are not available yet: leave out "
-                            "--predict to run the ranks on real tensors")
     if args.job_timeout is not None and not args.job_timeout > 0:
         raise AmpscopeError("--timeout must be a positive number of seconds")
+    if args.predict:
+        return _predicted_ranks(args, script_args)
+    if args.all_ranks:
+        raise AmpscopeError("--all-ranks only applies with --nproc N --predict (without "
+                            "--predict every rank runs)")
+    check_nproc(args.ranks)
     traces = run_ranks(args.target, script_args, args.ranks, module=args.module,
                        device=args.device, steps=args.steps, max_forwards=args.max_forwards,
                        timeout=args.job_timeout or DEFAULT_TIMEOUT)
-    return ranks_report(traces, args.target), traces
+    return ranks_report(traces, args.target), traces, None
+
+
+def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
+    """`run --nproc N --predict`: ranks 0 and N-1 (or every rank) predicted; the report, the
+    traces indexed by rank (a rank not run shows the one it is taken to be) and its JSON."""
+    from ampscope.script.predicted_ranks import DEFAULT_TIMEOUT, predict_ranks, predicted_dict
+    from ampscope.script.ranks import report_dict
+
+    report, by_rank, taken = predict_ranks(
+        args.target, script_args, args.ranks, all_ranks=args.all_ranks, module=args.module,
+        device=args.device, steps=args.steps, max_forwards=args.max_forwards,
+        timeout=args.job_timeout or DEFAULT_TIMEOUT)
+    first = by_rank[min(by_rank)]
+    traces = [by_rank.get(k) or by_rank.get(taken.get(k) or 0, first)
+              for k in range(args.ranks)]
+    return report, traces, lambda r: predicted_dict(r, taken, report_dict)
 
 
 def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,

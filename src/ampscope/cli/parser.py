@@ -112,7 +112,12 @@ def _add_run(sub) -> None:
     # dest "ranks", not "nproc": --nproc of the model commands belongs to --distributed.
     run.add_argument("--nproc", dest="ranks", type=int, metavar="N",
                      help="run a torchrun-style script as N real ranks on this machine (1-8; "
-                          "gloo, whatever backend it names) and add each rank's collectives")
+                          "gloo, whatever backend it names) and add each rank's collectives; "
+                          "with --predict: N up to 4096, ranks 0 and N-1 predicted on "
+                          "PyTorch's fake process group")
+    run.add_argument("--all-ranks", action="store_true",
+                     help="with --nproc N --predict: predict every rank, not ranks 0 and N-1 "
+                          "(to check that the others are the same)")
     run.add_argument("--timeout", dest="job_timeout", type=float, metavar="SECONDS",
                      help="with --nproc: seconds the whole job may take (default: 300)")
     run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")

@@ -58,9 +58,22 @@ def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
             requires_grad=p.requires_grad,
             grad_dtype=dtype_name(p.grad.dtype) if p.grad is not None else None,
             tied_to=tuple(names[id(p)][1:]),
+            local_shape=local_shape(p),
         )
         for p in params
     ]
+
+
+def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of the shard of `t` this process stores, when `t` is a DTensor (FSDP2's and
+    tensor parallelism's parameters, their gradients and optimizer state), whose own `shape` is
+    the full tensor's; None for an ordinary tensor. Read through DTensor's public `to_local()`,
+    under no_grad, where it hands back its local tensor without an autograd op."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local) or not hasattr(t, "placements"):
+        return None
+    with torch.no_grad():
+        return tuple(to_local().shape)
 
 
 def buffers(model: nn.Module) -> list[BufferRecord]:
@@ -87,7 +100,8 @@ def optimizer_state(
                 param = names.get(id(p), ["<not in model>"])[0]
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        rows.append((param, key, dtype_name(value.dtype), tuple(value.shape)))
+                        rows.append((param, key, dtype_name(value.dtype), tuple(value.shape),
+                                     local_shape(value)))
     return from_rows(OptimizerStateRecord, rows)
 
 

@@ -172,6 +172,10 @@ class ParameterRecord:
     grad_dtype: str | None  # None when no gradient was produced
     # Other names of the same storage (tied weights such as wte/lm_head).
     tied_to: tuple[str, ...] = ()
+    # A sharded parameter (a DTensor: FSDP2, tensor parallel) has `shape` as the full tensor's
+    # and this as the shape of the shard this process stores (its local tensor; its gradient
+    # is sharded alike). None for an ordinary tensor, which this process holds whole.
+    local_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,7 @@ class OptimizerStateRecord:
     key: str  # "exp_avg", "exp_avg_sq", "step", "momentum_buffer"
     dtype: str
     shape: tuple[int, ...]
+    local_shape: tuple[int, ...] | None = None  # of a sharded (DTensor) state: its local shard
 
 
 @dataclass(frozen=True, slots=True)

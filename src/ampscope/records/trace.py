@@ -88,7 +88,7 @@ class Trace:
             "tensors": {
                 "parameters": [_parameter(p) for p in self.parameters],
                 "buffers": [_plain(b) for b in self.buffers],
-                "optimizer_state": [_plain(s) for s in self.optimizer_state],
+                "optimizer_state": [_state(s) for s in self.optimizer_state],
                 "inputs": [_plain(i) for i in self.inputs],
                 "outputs": [_plain(o) for o in self.outputs],
                 "held": [_plain(h) for h in self.held],
@@ -154,14 +154,14 @@ class Trace:
             parameters=[
                 ParameterRecord(p["name"], p["dtype"], tuple(p["shape"]),
                                 p.get("requires_grad", True), p.get("grad_dtype"),
-                                tuple(p.get("tied_to", ())))
+                                tuple(p.get("tied_to", ())), _local(p))
                 for p in tensors["parameters"]
             ],
             # Fields beyond the core of docs/json-schema.md are optional on reading.
             buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b.get("persistent", True))
                      for b in tensors.get("buffers", [])],
             optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"],
-                                                  tuple(s.get("shape", ())))
+                                                  tuple(s.get("shape", ())), _local(s))
                              for s in tensors.get("optimizer_state", [])],
             inputs=[InputRecord(i["name"], i.get("role") or ("target" if i["name"] in TARGET_NAMES
                                                             else "input"),
@@ -224,7 +224,21 @@ def _call(c: FunctionCall) -> dict:
 def _parameter(p: ParameterRecord) -> dict:
     return {"name": p.name, "dtype": p.dtype, "shape": list(p.shape),
             "grad_dtype": p.grad_dtype, "requires_grad": p.requires_grad,
-            "tied_to": list(p.tied_to)}
+            "tied_to": list(p.tied_to), "local_shape": _list(p.local_shape)}
+
+
+def _state(s: OptimizerStateRecord) -> dict:
+    return {"param": s.param, "key": s.key, "dtype": s.dtype, "shape": list(s.shape),
+            "local_shape": _list(s.local_shape)}
+
+
+def _list(shape: tuple[int, ...] | None) -> list[int] | None:
+    return list(shape) if shape is not None else None
+
+
+def _local(record: dict) -> tuple[int, ...] | None:
+    local = record.get("local_shape")
+    return tuple(local) if local is not None else None
 
 
 def _storage(s: StorageRecord) -> dict:

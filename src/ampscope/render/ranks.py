@@ -1,5 +1,6 @@
-"""The per-rank section of `ampscope run --nproc N`: what each rank's parameters and gradients
-hold, and the collectives each rank ran (printed after rank 0's usual trace report)."""
+"""The per-rank section of `ampscope run --nproc N`: what each rank's parameters, gradients and
+optimizer state hold (of a sharded parameter, the rank's shard), and the collectives each rank
+ran (printed after rank 0's usual trace report)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ def _held(by_dtype: dict[str, int]) -> str:
     return ", ".join(f"{format_bytes(b)} {d}" for d, b in sorted(by_dtype.items())) or "—"
 
 
+def _shape(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape)) or "()"
+
+
 def _shapes(trace: Trace | None) -> str:
+    """The rank's parameter shapes: a sharded one's as "its shard of the full shape"."""
     if trace is None:
         return ""
-    shapes = ["×".join(map(str, p.shape)) or "()" for p in trace.parameters]
+    shapes = [_shape(p.shape) if p.local_shape is None
+              else f"{_shape(p.local_shape)} of {_shape(p.shape)}" for p in trace.parameters]
     more = f", … ({len(shapes)} in all)" if len(shapes) > _SHAPES else ""
     return ", ".join(shapes[:_SHAPES]) + more
 
@@ -39,13 +46,13 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
         head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
     held = Table(title="Held by each rank after its last step", title_justify="left",
                  show_edge=False)
-    for column in ("rank", "parameters", "gradients"):
+    for column in ("rank", "parameters", "gradients", "optimizer state"):
         held.add_column(column, justify="right" if column == "rank" else "left")
     if traces is not None:
         held.add_column("parameter shapes")
     for r in report.ranks:
         cells = [str(r.rank), _held(r.held.get("parameter", {})),
-                 _held(r.held.get("gradient", {}))]
+                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {}))]
         if traces is not None:
             cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
         held.add_row(*cells)

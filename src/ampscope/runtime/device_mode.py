@@ -291,7 +291,7 @@ class DeviceMode(TorchFunctionMode):
             with disabled():
                 real = getter(t)
             reader = sys._getframe(1).f_globals.get("__name__", "")
-            if real != mode.backing or reader.startswith(("torch._", "ampscope.")):
+            if real != mode.backing or _internal(reader):
                 return real
             return mode._virtual(t)
 
@@ -327,6 +327,19 @@ class DeviceMode(TorchFunctionMode):
         if t in self.on_cpu and isinstance(out, torch.Tensor):
             self.on_cpu.add(out)
         return out
+
+
+# Readers of a tensor's device that must see where it really is: ampscope's own code,
+# PyTorch's private internals, and functional collectives, whose AsyncCollectiveTensor wraps
+# its result on the result's device (tensor parallelism's redistributions return one through an
+# autograd Function: one made on the target device would send the autograd engine to the
+# target's device guard, which a CPU build does not have). DTensor's and FSDP2's modules are
+# left to see the target: they move local tensors to their mesh's device when they differ.
+_INTERNAL = ("torch._", "ampscope.", devices.FUNCTIONAL_COLLECTIVES_MODULE)
+
+
+def _internal(reader: str) -> bool:
+    return reader.startswith(_INTERNAL)
 
 
 class BackingFactories(TorchDispatchMode):

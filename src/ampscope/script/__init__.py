@@ -32,6 +32,8 @@ The package:
 - `state.py`: the caller's process state, saved and restored.
 - `child.py`: the run in a spawned child process.
 - `ranks.py`: `run --nproc N`, the script as N ranks, each a child process.
+- `predicted_ranks.py`: `run --nproc N --predict`, ranks 0 and N-1 of N predicted on the fake
+  process group, each a child process.
 """
 
 from __future__ import annotations

@@ -131,8 +131,9 @@ def main(argv: list[str]) -> int:
 
     request, result = json.loads(argv[0]), argv[1]
     exact = request.pop("exact", False)
-    # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo.
-    groups = _gloo_groups() if request.pop("rank", False) else None
+    # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo, or
+    # on the fake process group when predicted (script/predicted_ranks.py).
+    groups = _rank_groups(request.get("predict", False)) if request.pop("rank", False) else None
     # `python -m ampscope.script.child` put the caller's working folder first on this
     # process's path, where `python SCRIPT` puts none (the script's folder is put there by the
     # run, and `-m TARGET`'s working folder too): the script sees the path it would see.
@@ -160,11 +161,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _gloo_groups():
-    """The substitution that runs a rank's process groups on gloo."""
-    from ampscope.runtime.process_group import GlooGroups
+def _rank_groups(predict: bool):
+    """The substitution that runs a rank's process groups on gloo (fake when predicted)."""
+    from ampscope.runtime.process_group import FakeGroups, GlooGroups
 
-    return GlooGroups()
+    return FakeGroups() if predict else GlooGroups()
 
 
 if __name__ == "__main__":

@@ -167,19 +167,32 @@ def _ended_at(result: str) -> float:
 
 
 def _held(trace: Trace) -> Held:
-    """Bytes the rank's parameters and gradients hold, by dtype (a tied weight once)."""
+    """Bytes the rank's parameters, gradients and optimizer state hold, by dtype (a tied
+    weight once): of a sharded parameter (a DTensor), the shard this rank stores (its
+    `local_shape`; its gradient is sharded alike), not the full tensor."""
     held: Held = {}
+
+    def add(category: str, dtype: str, shape: tuple[int, ...]) -> None:
+        by_dtype = held.setdefault(category, {})
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + _numel(shape) * itemsize(dtype)
+
     for p in trace.parameters:
         if p.tied_to and any(name < p.name for name in p.tied_to):
             continue  # the same storage, counted under its first name
-        n = 1
-        for s in p.shape:
-            n *= s
+        shape = p.shape if p.local_shape is None else p.local_shape
         for category, dtype in (("parameter", p.dtype), ("gradient", p.grad_dtype)):
             if dtype is not None:
-                by_dtype = held.setdefault(category, {})
-                by_dtype[dtype] = by_dtype.get(dtype, 0) + n * itemsize(dtype)
+                add(category, dtype, shape)
+    for s in trace.optimizer_state:
+        add("optimizer_state", s.dtype, s.shape if s.local_shape is None else s.local_shape)
     return held
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def _step_start(trace: Trace) -> int:

@@ -147,3 +147,8 @@ def default_device_context() -> object | None:
     `torch._GLOBAL_DEVICE_CONTEXT` where this build keeps it; None where it does not."""
     holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
     return getattr(holder, "device_context", None) if holder is not None else None
+
+
+# Functional collectives' module, which wraps a collective's result in an AsyncCollectiveTensor
+# made on the result's device (runtime/device_mode.py shows it where the result really is).
+FUNCTIONAL_COLLECTIVES_MODULE = "torch.distributed._functional_collectives"

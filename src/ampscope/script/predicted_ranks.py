@@ -1,0 +1,186 @@
+"""`ampscope run --nproc N --predict`: a torchrun-style script as ranks of an N-rank job, each
+predicted on fake tensors (as `run --predict`: fake weights, real data) in a child process of
+its own, for any N from 1 to 4096.
+
+Each rank that runs gets torchrun's environment for rank k of an N-rank job on machines of
+eight (LOCAL_RANK = k % 8, LOCAL_WORLD_SIZE = min(N, 8), GROUP_RANK = k // 8), and every
+process group it makes is PyTorch's fake one (runtime/process_group.py's `FakeGroups`): a
+collective returns at once with its real shapes and dtypes, so no peer has to run and the
+ranks run one after another or side by side, as the cores allow.
+
+Which ranks run: rank 0 and rank N-1 (the last rank is where an uneven shard differs). Their
+records (parameter names, dtypes and shapes, what they hold, the collectives of their steps)
+are compared: equal, every other rank is taken to be the same as rank 0; different, every rank
+runs when N <= 16, and otherwise the two are reported and the others said not to have run.
+`all_ranks=True` runs every rank (to check the claim).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from ampscope.analysis.findings import plural
+from ampscope.distributed.parallel import Parallel
+from ampscope.distributed.report import DistributedReport, RankReport, collectives
+from ampscope.errors import AmpscopeError
+from ampscope.records import Trace
+from ampscope.script.child import answer, spawn
+from ampscope.script.ranks import _held, _step_start
+
+MAX_PREDICTED = 4096
+EVERY_RANK_UP_TO = 16  # ranks that differ: every rank runs up to this many
+PER_MACHINE = 8  # GPUs per machine, for LOCAL_RANK and LOCAL_WORLD_SIZE
+DEFAULT_TIMEOUT = 300.0
+
+
+def check_predicted_nproc(nproc: int) -> None:
+    if nproc < 1 or nproc > MAX_PREDICTED:
+        raise AmpscopeError(f"--nproc with --predict must be between 1 and {MAX_PREDICTED}; "
+                            f"got {nproc}")
+
+
+def predicted_environment(rank: int, nproc: int, run_id: str) -> dict[str, str]:
+    """What torchrun sets for `rank` of an `nproc`-rank job on machines of eight GPUs."""
+    local = min(nproc, PER_MACHINE)
+    machines = -(-nproc // local)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local),
+            "GROUP_WORLD_SIZE": str(machines), "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": run_id,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[int], *,
+                  module: bool = False, device: str | None = None, steps: int = 1,
+                  max_forwards: int = 0, timeout: float = DEFAULT_TIMEOUT) -> dict[int, Trace]:
+    """The trace of each of `ranks` of an `nproc`-rank job, predicted, as many at once as
+    this machine has cores (the fake group needs no peer running)."""
+    request = {"target": target, "argv": list(argv), "module": module, "device": device,
+               "steps": steps, "predict": True, "virtual": None,
+               "max_forwards": max_forwards, "rank": True}
+    run_id, width = f"ampscope-{uuid.uuid4().hex[:12]}", max(1, os.cpu_count() or 1)
+    waiting: list[int] = list(ranks)
+    running: dict[int, tuple[subprocess.Popen, list, str]] = {}
+    traces: dict[int, Trace] = {}
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="ampscope-predicted-") as folder:
+        try:
+            while waiting or running:
+                while waiting and len(running) < width:
+                    k = waiting.pop(0)
+                    result = os.path.join(folder, f"rank{k}.json")
+                    running[k] = (*spawn(request, result,
+                                         predicted_environment(k, nproc, run_id)), result)
+                for k, (process, copiers, result) in list(running.items()):
+                    if (code := process.poll()) is None:
+                        continue
+                    for copier in copiers:
+                        copier.join(timeout=10)
+                    del running[k]
+                    traces[k] = _answer(result, code, target, k, nproc)
+                if time.monotonic() > deadline:
+                    raise AmpscopeError(f"the predicted ranks of {target} did not finish in "
+                                        f"{timeout:.0f} s: give --timeout more")
+                time.sleep(0.02)
+        finally:
+            _stop(running)
+    return traces
+
+
+def _answer(result: str, code: int, target: str, rank: int, nproc: int) -> Trace:
+    try:
+        return answer(result, code, target)
+    except AmpscopeError as e:
+        raise AmpscopeError(f"rank {rank} of {nproc} failed: {e}") from None
+
+
+def _stop(running: dict[int, tuple[subprocess.Popen, list, str]]) -> None:
+    """The ranks still running after a failure: only those started here, by pid."""
+    for process, copiers, _ in running.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for copier in copiers:
+            copier.join(timeout=10)
+
+
+def record(trace: Trace, nproc: int) -> tuple:
+    """What two ranks must share to be taken as one: each parameter's name, dtype, shape,
+    local shard and gradient dtype, the bytes held, and every collective of the steps (kind,
+    phase, module, dtype, payload)."""
+    params = tuple((p.name, p.dtype, tuple(p.shape), getattr(p, "local_shape", None),
+                    p.grad_dtype) for p in trace.parameters)
+    start = _step_start(trace)
+    calls = tuple((c.kind, c.phase, c.module, c.dtype, c.payload_bytes)
+                  for c in collectives(trace.ops, nproc) if c.index >= start)
+    return params, tuple(sorted((k, tuple(sorted(v.items())))
+                                for k, v in _held(trace).items())), calls
+
+
+def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bool = False,
+                  **options) -> tuple[DistributedReport, dict[int, Trace], dict[int, int | None]]:
+    """The predicted report of an `nproc`-rank job, the traces of the ranks that ran, and for
+    every other rank the run rank it is taken to be (None: not run, not known)."""
+    check_predicted_nproc(nproc)
+    first = sorted({0, nproc - 1}) if not all_ranks else list(range(nproc))
+    traces = run_predicted(target, argv, nproc, first, **options)
+    same = len({record(t, nproc) for t in traces.values()}) == 1
+    if not same and not all_ranks and nproc <= EVERY_RANK_UP_TO:
+        traces.update(run_predicted(target, argv, nproc,
+                                    [k for k in range(nproc) if k not in traces], **options))
+        same = len({record(t, nproc) for t in traces.values()}) == 1
+    taken: dict[int, int | None] = {k: (0 if same else None)
+                                    for k in range(nproc) if k not in traces}
+    return _report(traces, target, nproc, same), traces, taken
+
+
+def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool) -> DistributedReport:
+    ranks = []
+    for k, t in sorted(traces.items()):
+        start = _step_start(t)
+        ranks.append(RankReport(k, _held(t), [c for c in collectives(t.ops, nproc)
+                                              if c.index >= start]))
+    kinds = {c.kind for r in ranks for c in r.collectives}
+    ran = sorted(traces)
+    listed = " and ".join(map(str, ran)) if len(ran) == 2 else ", ".join(map(str, ran))
+    notes = [f"{target} was predicted as {plural(nproc, 'rank')} on fake tensors (fake "
+             "weights, real data), each rank run in a process of its own on PyTorch's fake "
+             "process group: every collective returns at once with its real shapes and dtypes."]
+    others = nproc - len(ran)
+    if others and same:
+        notes.append(f"Ranks {listed} ran and gave identical records; the "
+                     f"other {others} are taken to be the same as rank 0: their shards are "
+                     "the same size.")
+    elif others:
+        notes.append(f"Ranks {listed} ran and their records differ; the "
+                     f"other {others} were not run (--all-ranks runs every rank).")
+    elif len(ran) > 1:
+        notes.append(f"Every rank ran; their records are "
+                     f"{'identical' if same else 'not all the same'}.")
+    if not kinds:
+        notes.append("No rank ran a collective: the script made no process group, or used it "
+                     "for nothing its run traced.")
+    first = traces[ran[0]]
+    return DistributedReport(
+        model=first.model.name, parameters=first.model.parameters, setting=first.setting,
+        parallel=Parallel("fsdp" if kinds & {"all_gather", "reduce_scatter"} else "ddp", nproc),
+        backend="fake", mode="predict", ranks=ranks, notes=notes, trace=first)
+
+
+def predicted_dict(report: DistributedReport, taken: dict[int, int | None],
+                   base: Callable[[DistributedReport], dict]) -> dict:
+    """The `ampscope.distributed/1` document (`base` writes it): every rank that ran with
+    `"ran": true`, every other one as `{"rank", "ran": false, "same_as"}` (the run rank it is
+    taken to be; null where it is not known)."""
+    data = base(report)
+    for r in data["ranks"]:
+        r.update(ran=True, same_as=None)
+    data["ranks"] += [{"rank": k, "ran": False, "same_as": s} for k, s in sorted(taken.items())]
+    data["ranks"].sort(key=lambda r: r["rank"])
+    return data
