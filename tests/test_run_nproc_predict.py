@@ -122,7 +122,7 @@ def test_an_unmodified_nccl_script_runs_predicted(tmp_path, capsys):
         assert [(c["kind"], c["dtype"], c["payload_bytes"]) for c in rank["collectives"]] == [
             ("all_reduce", "float32", 10 * 4)]
     assert "the other 14 are taken to be the same as rank 0" in " ".join(document["notes"])
-    assert "process group ('nccl') ran on fake" in text.replace("\n", " ")
+    assert "process group ('nccl') ran on PyTorch's fake process group" in text.replace("\n", " ")
 
 
 def test_all_ranks_needs_predict(tmp_path, capsys):

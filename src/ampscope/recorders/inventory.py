@@ -144,7 +144,9 @@ def held_state(model: nn.Module, arguments: dict[str, object],
     walked: dict[int, int] = {}
     for prefix, module in model.named_modules():
         for key, value in vars(module).items():
-            if key not in _MODULE_OWN and key != "forward":
+            # A name-mangled attribute is a library's own machinery, not the model's state
+            # (FSDP2 keeps its per-module state under "__composable_api_state_key_<uuid>").
+            if key not in _MODULE_OWN and key != "forward" and not key.startswith("__"):
                 name = f"{prefix}.{key}" if prefix else key
                 add(_tensors_in(value, name, _DEPTH, walked), "attribute")
     for name, value in arguments.items():

@@ -90,13 +90,13 @@ class GlooGroups:
         if not named:
             return []
         note = (f"The script's process group ({', '.join(repr(b) for b in named)}) ran on "
-                f"{self.backend}: {self._why()}")
+                f"{self._why()}")
         log.info("%s", note)
         return [note]
 
     def _why(self) -> str:
-        return (f"every rank is a CPU process here, and {BACKEND} runs the collectives on CPU "
-                "tensors with the dtypes and shapes the script gave them.")
+        return (f"{BACKEND}: every rank is a CPU process here, and {BACKEND} runs the "
+                "collectives on CPU tensors with the dtypes and shapes the script gave them.")
 
 
 class FakeGroups(GlooGroups):
