@@ -360,4 +360,7 @@ class BackingFactories(TorchDispatchMode):
         if device is not None and self.device_mode.is_target(device) and \
                 active_fake_mode() is None:
             kwargs = dict(kwargs, device=self.device_mode.backing)
-        return func(*args, **(kwargs or {}))
+        # Handed on below this mode only: an op is no user-level call for the torch-function
+        # modes above (the recorders' call log, DeviceMode) to see again.
+        with no_torch_function():
+            return func(*args, **(kwargs or {}))
