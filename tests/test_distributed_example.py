@@ -60,3 +60,28 @@ def test_fsdp2_by_tensor_parallel_on_four_ranks(device, tmp_path, capsys):
         assert rank["held"] == {"parameter": {"float32": 4 * shard},
                                 "gradient": {"float32": 4 * shard},
                                 "optimizer_state": {"float32": 2 * 4 * shard + 19 * 4}}
+
+
+def test_activation_checkpointing_recomputes_each_block_in_the_backward_pass():
+    """`--checkpoint_blocks=True` wraps each block in `torch.utils.checkpoint` (non-reentrant):
+    the backward pass runs each block's forward again before its own backward, so each of the
+    2 blocks' attention runs twice a step, once in the forward phase and once in the backward
+    (by hand: 2 forward + 2 recomputed). FSDP2's collectives are the same as without it: the
+    recomputation uses the parameters gathered for the block's backward."""
+    from ampscope.distributed.report import collectives
+    from ampscope.script.ranks import run_ranks
+
+    runs = {flag: run_ranks(str(EXAMPLE), ["--steps=1", f"--checkpoint_blocks={flag}"], 2,
+                            device="cuda")
+            for flag in (False, True)}
+    for flag, traces in runs.items():
+        for trace in traces:
+            attention = [o.phase for o in trace.ops if "attention" in o.op and o.flops
+                         and "backward" not in o.op]
+            assert attention == ["forward"] * 2 + (["backward"] * 2 if flag else [])
+
+    def calls(trace):
+        return sorted((c.kind, c.phase, c.dtype, c.payload_bytes)
+                      for c in collectives(trace.ops, 2) if c.phase != "optimizer")
+
+    assert calls(runs[True][0]) == calls(runs[False][0])
