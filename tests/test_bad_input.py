@@ -271,6 +271,11 @@ CASES = [
     case("trace gpt2-tiny --json", "expected one argument"),
     case("diff onlyone", "the following arguments are required: b"),
     case("run", "the following arguments are required: TARGET"),
+    # refused before the script runs (the script is not even looked for)
+    case("run --step-time -1 train.py", "step time must be a positive number"),
+    case("run --step-time nan train.py", "step time must be a positive number"),
+    case("run --gpu h100 train.py", "--gpu only applies with --step-time"),
+    case("run --peak-flops bf16=1e15 train.py", "--peak-flops only applies with --step-time"),
     case("formats abc", "abc"),
     case("formats 1e5x", "1e5x"),
     case("policy --op no_op_has_this_name", "no op containing 'no_op_has_this_name'"),

@@ -24,6 +24,8 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
             raise AmpscopeError("--nproc must be at least 1")
         if args.timeout is not None and not args.timeout > 0:
             raise AmpscopeError("--timeout must be a positive number of seconds")
+    if args.command == "run":
+        _check_run_timing(args)
     total = getattr(args, "total_batch", None)
     if total is not None and total < 1:
         raise AmpscopeError("--total-batch must be a positive number of tokens")
@@ -37,6 +39,18 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
             value = getattr(args, flag, None)
             if value is not None and not value >= 0:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} must be 0 or more; got {value}")
+
+
+def _check_run_timing(args: argparse.Namespace) -> None:
+    """`run --step-time` before the script runs, not after; `--gpu` and `--peak-flops` say
+    what MFU is held against, so they mean nothing without a step time."""
+    if args.step_time is not None and not 0 < args.step_time < math.inf:
+        raise AmpscopeError("the step time must be a positive number of seconds")
+    if args.step_time is None:
+        for flag in ("gpu", "peak_flops"):
+            if getattr(args, flag, None) is not None:
+                raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
+                                    "--step-time SECONDS (it is the accelerator MFU uses)")
 
 
 # Options of train and bench that only make sense above zero, or at zero and above.

@@ -22,20 +22,7 @@ import torch
 
 from ampscope.distributed.parallel import Parallel
 from ampscope.records import OpCall, SettingRecord, Trace
-
-_KINDS = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast_": "broadcast", "broadcast": "broadcast",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
-}
-_NAMESPACES = ("c10d", "_c10d_functional")
+from ampscope.torchcompat import distributed as c10d_ops
 
 
 def _wire_factor(kind: str, n: int) -> Fraction:
@@ -79,9 +66,9 @@ class Collective:
 
 def collective_kind(op: str) -> str | None:
     namespace, _, rest = op.partition(".")
-    if namespace not in _NAMESPACES:
+    if namespace not in c10d_ops.NAMESPACES:
         return None
-    return _KINDS.get(rest.rsplit(".", 1)[0])
+    return c10d_ops.KINDS.get(rest.rsplit(".", 1)[0])
 
 
 def collective(o: OpCall, world_size: int) -> Collective | None:
@@ -98,7 +85,7 @@ def collective(o: OpCall, world_size: int) -> Collective | None:
     sizes = [_nbytes(m) for m in o.inputs]
     given = sum(sizes)
     group = world_size
-    if o.op.startswith("_c10d_functional."):
+    if o.op.startswith(c10d_ops.FUNCTIONAL_PREFIX):
         payload = max(given, sum(_nbytes(m) for m in o.outputs))
     elif kind in ("all_gather", "reduce_scatter"):
         if len(sizes) == 2 and min(sizes) and sizes[0] != sizes[1]:

@@ -63,6 +63,7 @@ class PassLog:
                  tracker: ModuleTracker) -> None:
         self._ops, self._functions, self._tracker = op_rows, function_rows, tracker
         self._open: list[_OpenPass] = []
+        self._hooks: list = []  # the removable handles of the pre-hooks on outputs' nodes
 
     def begin(self, args: tuple, kwargs: dict, first_call: int) -> None:
         """The model is called outside any other module: a new pass, whose module call has
@@ -83,7 +84,13 @@ class PassLog:
             nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output)
                      if t.grad_fn is not None}
         for node in nodes.values():
-            node.register_prehook(hook)
+            self._hooks.append(node.register_prehook(hook))
+
+    def close(self) -> None:
+        """The recording is over: no hook stays on a graph the user's tensors may keep."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def records(self) -> list[PassRecord]:
         """Every pass, classified; relabels the ops and calls of the passes that did not train

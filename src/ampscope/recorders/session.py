@@ -234,6 +234,7 @@ class Capture:
                 tracker = self._tracker
                 tracker.on_root_forward = tracker.on_backward_end = tracker.on_new_root = None
                 tracker.on_root_forward_end = None
+                self._passes.close()
                 self._matmul_precision = matmul_precision()  # as the run left it
                 self._functions.on_inputs = None
 

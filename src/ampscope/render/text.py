@@ -8,7 +8,7 @@ from rich.text import Text
 
 from ampscope.analysis.flow import FlowRow
 from ampscope.analysis.summary import DtypeCount, TraceSummary
-from ampscope.records import Finding
+from ampscope.records import Finding, SettingRecord
 from ampscope.render.diagram import render_diagram
 from ampscope.render.style import ColumnOptions, dtype_text, short_op
 
@@ -34,7 +34,7 @@ def header(summary: TraceSummary) -> Text:
     return text
 
 
-def as_run_text(s) -> str:
+def as_run_text(s: SettingRecord) -> str:
     """A run's observed setting in words: "float32 weights, autocast float16, TF32 matmuls"."""
     parts = [f"{s.param_dtype} weights" if s.param_dtype else "no floating weights",
              f"autocast {s.autocast_dtype}" if s.autocast_dtype else "no autocast"]

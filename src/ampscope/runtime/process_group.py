@@ -23,10 +23,10 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from ampscope.errors import AmpscopeError
 from ampscope.patches import patched
+from ampscope.torchcompat.distributed import c10d_module
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,11 @@ class GlooGroups:
     def active(self) -> Iterator[GlooGroups]:
         """The substitution for the body (the names in `torch.distributed` and in its
         `distributed_c10d` module, where `init_device_mesh` finds them)."""
-        init = self._substituted(c10d.init_process_group, init=True)
-        new = self._substituted(c10d.new_group, init=False)
+        implementation = c10d_module() or dist  # a build without it: the public names only
+        init = self._substituted(implementation.init_process_group, init=True)
+        new = self._substituted(implementation.new_group, init=False)
         with contextlib.ExitStack() as stack:
-            for owner in (dist, c10d):
+            for owner in dict.fromkeys((dist, implementation)):
                 stack.enter_context(patched(owner, "init_process_group", init))
                 stack.enter_context(patched(owner, "new_group", new))
             yield self

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-import torch.backends.cudnn.rnn as cudnn_rnn
 
 from ampscope.patches import patched
 from ampscope.runtime.attention_choice import H100, CudaTarget
@@ -311,7 +310,8 @@ def _cudnn_mode(mode: str) -> int:
 def emulable() -> bool:
     """Whether this build has what the emulation needs (`torchcompat.rnn.features`)."""
     return (private_rnn.cudnn_rnn_ops() is not None and private_rnn.get_kernel_found()
-            and private_rnn.flatten_switch() is not None)
+            and private_rnn.flatten_switch() is not None
+            and private_rnn.cudnn_mode_slot() is not None)
 
 
 def _register(lib: torch.library.Library) -> None:
@@ -362,7 +362,9 @@ def cuda_rnn(target: CudaTarget = H100) -> Iterator[list[RnnChoice]]:
             stack.enter_context(patched(torch.cuda, "device_of",
                                         lambda obj: contextlib.nullcontext()))
             # ... and asks cuDNN's mode number of the bindings a CPU build lacks.
-            stack.enter_context(patched(cudnn_rnn, "get_cudnn_mode", _cudnn_mode))
+            mode_slot = private_rnn.cudnn_mode_slot()
+            assert mode_slot is not None  # (emulable() was asked)
+            stack.enter_context(patched(*mode_slot, _cudnn_mode))
         _contexts.append((target, choices))
         stack.callback(_contexts.pop)
         yield choices
@@ -377,8 +379,9 @@ def rnn_notes(choices: Sequence[RnnChoice], target: CudaTarget = H100) -> list[s
     notes = []
     if ran:
         calls = ", ".join(f"{mode} × {n}" for mode, n in ran.items())
-        notes.append(f"RNNs ran cuDNN's kernels (_cudnn_rnn) as PyTorch does on an {target.name}: "
-                     f"{calls}; under autocast in float16, as _cudnn_rnn's autocast wrapper "
+        op = private_rnn.CUDNN_RNN_NAME
+        notes.append(f"RNNs ran cuDNN's kernels ({op}) as PyTorch does on an {target.name}: "
+                     f"{calls}; under autocast in float16, as {op}'s autocast wrapper "
                      "casts whatever the autocast dtype.")
     if kept:
         calls = ", ".join(f"{what} × {n}" for what, n in kept.items())

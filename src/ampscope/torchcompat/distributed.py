@@ -1,10 +1,39 @@
-"""Distributed details: the fake process group's store, DDP's compression hook, storage ids."""
+"""Distributed details: the collectives' op names, c10d's implementation module, the fake process
+group's store, DDP's compression hook, storage ids."""
 
 from __future__ import annotations
 
 import torch
 
 from ampscope.torchcompat.features import Feature
+
+# The collectives' ops as the dispatcher shows them (c10d's in-place ops, some under underscored
+# names, and the functional ones in the underscored `_c10d_functional` namespace), by what
+# they do: an op's name without namespace and overload → its kind.
+KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+}
+FUNCTIONAL_NAMESPACE = "_c10d_functional"
+NAMESPACES = ("c10d", FUNCTIONAL_NAMESPACE)
+FUNCTIONAL_PREFIX = FUNCTIONAL_NAMESPACE + "."
+
+
+def c10d_module():
+    """torch.distributed's implementation module, where `init_process_group` and `new_group`
+    live beside their re-exports (`init_device_mesh` calls them there); None on a build
+    without it."""
+    import torch.distributed as dist
+
+    return getattr(dist, "distributed_c10d", None)
 
 
 def fake_store():

@@ -68,6 +68,18 @@ def flatten_switch() -> tuple[object, str] | None:
     return (torch, _FLATTEN_SWITCH) if callable(getattr(torch, _FLATTEN_SWITCH, None)) else None
 
 
+def cudnn_mode_slot() -> tuple[object, str] | None:
+    """(owner, name) of `torch.backends.cudnn.rnn.get_cudnn_mode`, which `flatten_parameters()`
+    asks for cuDNN's mode number (the bindings behind it are missing on a CPU build), for
+    `patches.patched`; None where this build has no such function."""
+    try:
+        import torch.backends.cudnn.rnn as cudnn_rnn
+    except ImportError:
+        return None
+    return (cudnn_rnn, "get_cudnn_mode") if callable(getattr(cudnn_rnn, "get_cudnn_mode",
+                                                                  None)) else None
+
+
 def get_kernel_found() -> bool:
     """Whether `torch.library.get_kernel` (2.9 on) is there: the emulated composites call the
     build's own kernel through it wherever cuDNN would not be used."""
@@ -76,7 +88,11 @@ def get_kernel_found() -> bool:
 
 def features() -> list[Feature]:
     ops, switch, kernel = cudnn_rnn_ops(), flatten_switch(), get_kernel_found()
+    mode = cudnn_mode_slot()
     return [
+        Feature("cudnn rnn mode", mode is not None,
+                "torch.backends.cudnn.rnn.get_cudnn_mode" if mode is not None
+                else "missing: RNNs keep the CPU's kernels", "rnn emulation"),
         Feature("cudnn rnn ops", ops is not None,
                 "_cudnn_rnn, its backward and _cudnn_rnn_flatten_weight" if ops is not None
                 else "missing or changed: RNNs keep the CPU's kernels", "rnn emulation"),
