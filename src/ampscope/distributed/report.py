@@ -128,11 +128,22 @@ def summarize(calls: list[Collective]) -> list[CollectiveRow]:
 Held = dict[str, dict[str, int]]
 
 
+@dataclass(frozen=True)
+class RankPeak:
+    """The most bytes a rank's traced steps held at once, and what was live then."""
+
+    bytes: int
+    rounded_bytes: int | None  # in the CUDA allocator's 512-byte blocks, on a cuda setting
+    phase: str | None  # forward, backward, optimizer, ...: where the peak is
+    live: Held  # category -> dtype -> bytes live at the peak
+
+
 @dataclass
 class RankReport:
     rank: int
     held: Held  # "parameter" / "gradient" / "optimizer_state" -> dtype -> bytes on this rank
     collectives: list[Collective] = field(default_factory=list)
+    peak: RankPeak | None = None  # None: not known (a trace without storage records)
 
     @property
     def held_total(self) -> int:
@@ -144,11 +155,14 @@ class RankReport:
     def to_dict(self) -> dict:
         return {"rank": self.rank, "held": self.held, "held_total": self.held_total,
                 "collectives": [asdict(c) for c in self.collectives],
-                "summary": [asdict(r) for r in summarize(self.collectives)]}
+                "summary": [asdict(r) for r in summarize(self.collectives)],
+                "peak": asdict(self.peak) if self.peak is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> RankReport:
-        return cls(data["rank"], data["held"], [Collective(**c) for c in data["collectives"]])
+        peak = data.get("peak")
+        return cls(data["rank"], data["held"], [Collective(**c) for c in data["collectives"]],
+                   RankPeak(**peak) if peak is not None else None)
 
 
 SCHEMA = "ampscope.distributed/1"

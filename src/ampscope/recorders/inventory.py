@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from ampscope.recorders.tensors import local_tensor
 from ampscope.records import (
     TARGET_NAMES,
     BufferRecord,
@@ -65,15 +66,10 @@ def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
 
 
 def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The shape of the shard of `t` this process stores, when `t` is a DTensor (FSDP2's and
-    tensor parallelism's parameters, their gradients and optimizer state), whose own `shape` is
-    the full tensor's; None for an ordinary tensor. Read through DTensor's public `to_local()`,
-    under no_grad, where it hands back its local tensor without an autograd op."""
-    to_local = getattr(t, "to_local", None)
-    if not callable(to_local) or not hasattr(t, "placements"):
-        return None
-    with torch.no_grad():
-        return tuple(to_local().shape)
+    """The shape of the shard of `t` this process stores, when `t` is a DTensor (its own
+    `shape` is the full tensor's); None for an ordinary tensor."""
+    local = local_tensor(t)
+    return tuple(local.shape) if local is not t else None
 
 
 def buffers(model: nn.Module) -> list[BufferRecord]:

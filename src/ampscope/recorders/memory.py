@@ -30,6 +30,11 @@ What the tracker sees:
   8. `activation`: saved for backward;
   9. `temporary`: everything else.
 
+A storage resized in place (`UntypedStorage.resize_`, which passes no dispatcher: FSDP2 frees
+each unsharded parameter with `resize_(0)` after use and regrows it before the next) is followed
+by `watch_resizes`: each size it takes is a life of its own, a record from the op after the
+resize to the op before the next one, with the dtype and shape it was first seen with.
+
 Storages made outside any recorded op (inside a kernel, or by C++ without dispatching) are not
 seen; neither are the allocator's own reserves (see docs/memory.md).
 """
@@ -37,10 +42,12 @@ seen; neither are the allocator's own reserves (see docs/memory.md).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
-from ampscope.recorders.tensors import meta_of
+from ampscope.patches import patch
+from ampscope.recorders.tensors import meta_of, stored_tensors
 from ampscope.records import (
     STORAGE_CATEGORIES,
     OpCall,
@@ -126,6 +133,8 @@ class StorageTracker:
         # Frees while a replayed block's twin is recorded (see `start_log`).
         self.log: list[_Storage] = []
         self._logging = 0
+        # Storages alive but resized to 0 bytes (a life ended by `on_resize`): what they were.
+        self._shrunk: dict[int, TensorMeta] = {}
 
     # -- collecting
     def _entry(self, storage: torch.UntypedStorage, meta: TensorMeta,
@@ -141,6 +150,10 @@ class StorageTracker:
         return entry
 
     def _on_free(self, entry: _Storage) -> None:
+        if entry.freed is not None and self._live.get(entry.key) is not entry:
+            # A life `on_resize` ended: its free is dated, and the storage it was is going now.
+            self._shrunk.pop(entry.key, None)
+            return
         entry.freed = len(self._ops) - 1 if entry.dated is None else entry.dated
         if self._live.get(entry.key) is entry:
             del self._live[entry.key]
@@ -153,6 +166,43 @@ class StorageTracker:
                     follower.freed = entry.freed
                     self.live_bytes -= _blocks(follower.nbytes)
             entry.followers = None
+
+    # -- storages resized in place
+    def watch_resizes(self) -> Callable[[], None]:
+        """Follow `UntypedStorage.resize_` until the returned function is called: no dispatch
+        mode sees it, and FSDP2 frees and regrows every unsharded parameter with it."""
+        original = torch.UntypedStorage.resize_
+        on_resize = self.on_resize
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            on_resize(storage)
+            return result
+
+        return patch(torch.UntypedStorage, "resize_", resize_)
+
+    def on_resize(self, storage: torch.UntypedStorage) -> None:
+        """`storage` was just resized: its life at the old size ends after the last op
+        recorded, and one at the new size (none at 0 bytes) starts at the next op. A storage
+        never seen is left unseen, as one made without an op."""
+        key, nbytes = id(storage), storage.nbytes()
+        entry = self._live.get(key)
+        if entry is not None:
+            if entry.nbytes == nbytes:
+                return
+            entry.freed = len(self._ops) - 1
+            del self._live[key]
+            self.live_bytes -= _blocks(entry.nbytes)
+            meta = entry.meta
+        else:
+            meta = self._shrunk.get(key)
+            if meta is None:
+                return
+        if nbytes:
+            self._shrunk.pop(key, None)
+            self._entry(storage, meta, len(self._ops))
+        else:
+            self._shrunk[key] = meta
 
     # -- for replayed blocks (recorders/repeats.py)
     def start_log(self) -> int:
@@ -219,17 +269,19 @@ class StorageTracker:
     def register(self, tensor: torch.Tensor, category: str, name: str) -> None:
         """Name a storage that exists before the step (or, for `input`, as the model is first
         called), or give a name and category to one seen at the end. A storage keeps the
-        category of highest precedence it is given, and every name."""
-        storage = storage_of(tensor)
-        if storage is None:
-            return
-        entry = self._live.get(id(storage))
-        if entry is None:
-            entry = self._entry(storage, meta_of(tensor), None)
-        if entry.category is None or _RANK[category] < _RANK[entry.category]:
-            entry.category = StorageCategory(category)
-        if name not in entry.names:  # named at a step's end and again at the run's
-            entry.names.append(name)
+        category of highest precedence it is given, and every name. A tensor that wraps others
+        (a DTensor) is held in theirs (its local shard)."""
+        for held in stored_tensors(tensor):
+            storage = storage_of(held)
+            if storage is None:
+                continue
+            entry = self._live.get(id(storage))
+            if entry is None:
+                entry = self._entry(storage, meta_of(held), None)
+            if entry.category is None or _RANK[category] < _RANK[entry.category]:
+                entry.category = StorageCategory(category)
+            if name not in entry.names:  # named at a step's end and again at the run's
+                entry.names.append(name)
 
     def on_op(self, index: int, outputs: list[torch.Tensor], metas: tuple[TensorMeta, ...],
               node=None) -> None:
@@ -238,6 +290,13 @@ class StorageTracker:
         has every saved tensor of the graph still in place, so the graph is walked then."""
         live = self._live
         for t, meta in zip(outputs, metas, strict=True):
+            held = stored_tensors(t)
+            if held[0] is not t:  # a DTensor's op: its memory is its local shard's
+                for inner in held:
+                    storage = storage_of(inner)
+                    if storage is not None and id(storage) not in live:
+                        self._entry(storage, meta_of(inner), index)
+                continue
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
@@ -297,6 +356,9 @@ class StorageTracker:
         for i, entry in enumerate(self._seen):
             created, category, saved, names, meta = (entry.created, entry.category, entry.saved,
                                                      entry.names, entry.meta)
+            if created is not None and created >= len(ops):
+                # Regrown (on_resize) after the last op: counted as live at it.
+                created = len(ops) - 1 if ops else None
             if created is None:
                 module = phase = name = None
                 if category is None:
@@ -314,13 +376,16 @@ class StorageTracker:
             append((i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
                     tuple(dict.fromkeys(names)) if names else (), module, phase, name, saved))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
+        self._shrunk = {}
         return from_rows(StorageRecord, rows)
 
 
 _graph_task_id = graph_task_id
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a plain tensor; of one that wraps others (`stored_tensors`), its first
+    inner tensor's (a DTensor's local shard's)."""
     try:
-        return t.untyped_storage()
+        return stored_tensors(t)[0].untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage
         return None
 

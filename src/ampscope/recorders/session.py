@@ -192,6 +192,7 @@ class Capture:
         self._passes = PassLog(self._ops.rows, self._functions.rows, tracker)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
+        self._undo.append(self._storages.watch_resizes())
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),
             register_optimizer_step_post_hook(self._on_step_end),

@@ -38,6 +38,34 @@ def results_of(out) -> list[torch.Tensor]:
 _meta_cache: dict[tuple, TensorMeta] = {}
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process stores for `t`: a DTensor's local shard (FSDP2's and tensor
+    parallelism's parameters, their gradients and optimizer state, whose own shape and storage
+    are the full tensor's, a storage that holds no memory), else `t`. Read through DTensor's
+    public `to_local()`, under no_grad, where it hands back its local tensor without an op."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local) or not hasattr(t, "placements"):
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
+def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose storages hold `t`'s memory on this process: `t` itself, or the
+    inner tensors of a tensor subclass that wraps others (a DTensor's local shard, a float8
+    tensor's data and scale), whose own storage is a placeholder of the full size that holds
+    no memory."""
+    cls = type(t)
+    if cls is torch.Tensor or cls is FakeTensor or cls is torch.nn.Parameter \
+            or not is_traceable_wrapper_subclass(t):
+        return [t]
+    # (The names may include non-tensors: a DTensor's device mesh, on some builds.)
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(t, name) for name in names]
+    return [held for x in inner if isinstance(x, torch.Tensor) for held in stored_tensors(x)] \
+        or [t]
+
+
 def meta_of(t: torch.Tensor) -> TensorMeta:
     key = (t.dtype, t.shape)
     meta = _meta_cache.get(key)

@@ -30,6 +30,7 @@ from ampscope.distributed.report import DistributedReport, RankReport, collectiv
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
+from ampscope.script.rank_memory import rank_peak
 from ampscope.script.ranks import _held, _step_start
 
 MAX_PREDICTED = 4096
@@ -112,15 +113,17 @@ def _stop(running: dict[int, tuple[subprocess.Popen, list, str]]) -> None:
 
 def record(trace: Trace, nproc: int) -> tuple:
     """What two ranks must share to be taken as one: each parameter's name, dtype, shape,
-    local shard and gradient dtype, the bytes held, and every collective of the steps (kind,
-    phase, module, dtype, payload)."""
+    local shard and gradient dtype, the bytes held, every collective of the steps (kind,
+    phase, module, dtype, payload) and the memory peak."""
     params = tuple((p.name, p.dtype, tuple(p.shape), getattr(p, "local_shape", None),
                     p.grad_dtype) for p in trace.parameters)
     start = _step_start(trace)
     calls = tuple((c.kind, c.phase, c.module, c.dtype, c.payload_bytes)
                   for c in collectives(trace.ops, nproc) if c.index >= start)
+    peak = rank_peak(trace)
     return params, tuple(sorted((k, tuple(sorted(v.items())))
-                                for k, v in _held(trace).items())), calls
+                                for k, v in _held(trace).items())), calls, \
+        (peak.bytes, peak.rounded_bytes) if peak is not None else None
 
 
 def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bool = False,
@@ -145,7 +148,7 @@ def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool) -> Di
     for k, t in sorted(traces.items()):
         start = _step_start(t)
         ranks.append(RankReport(k, _held(t), [c for c in collectives(t.ops, nproc)
-                                              if c.index >= start]))
+                                              if c.index >= start], rank_peak(t)))
     kinds = {c.kind for r in ranks for c in r.collectives}
     ran = sorted(traces)
     listed = " and ".join(map(str, ran)) if len(ran) == 2 else ", ".join(map(str, ran))
