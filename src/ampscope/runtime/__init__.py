@@ -10,11 +10,14 @@ runs on (precision/ says what a setting is and applies it).
 - `norm_stats.py`: normalization statistics in the dtypes the target device keeps them;
 - `virtual_device.py`: the emulated device's API (`torch.cuda`, `torch.accelerator`,
   autocast), with `device_mode.py` (tensors that report the target device), `device_rng.py`
-  (its generators and seeds) and `device_load.py` (`torch.load` onto it);
+  (its generators and seeds), `device_load.py` (`torch.load` onto it) and
+  `device_internals.py` (the accelerator torch's own code asks for, tensor subclasses on it);
 - `user_frames.py`: the user's line an error names;
 - `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly;
 - `predict.py`: predict mode, the run on fake tensors.
 - `process_group.py`: a script's process groups on gloo (`run --nproc`).
+- `collective_watch.py`: the collective each rank of `run --nproc` is in, for the line that
+  names where a job stopped by its deadline hung.
 - `workers.py`: DataLoader workers forked during a run leave it; batches pinned on the
   virtual device stay on the CPU.
 

@@ -134,6 +134,8 @@ def main(argv: list[str]) -> int:
     # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo, or
     # on the fake process group when predicted (script/predicted_ranks.py).
     groups = _rank_groups(request.get("predict", False)) if request.pop("rank", False) else None
+    # A real rank's state file: the collective it is in, read by the parent at the deadline.
+    watch = request.pop("watch", None)
     # `python -m ampscope.script.child` put the caller's working folder first on this
     # process's path, where `python SCRIPT` puts none (the script's folder is put there by the
     # run, and `-m TARGET`'s working folder too): the script sees the path it would see.
@@ -142,7 +144,8 @@ def main(argv: list[str]) -> int:
     payload: dict
     try:
         with exact_path() if exact else contextlib.nullcontext(), \
-                groups.active() if groups is not None else contextlib.nullcontext():
+                groups.active() if groups is not None else contextlib.nullcontext(), \
+                _watched(watch) if watch else contextlib.nullcontext():
             trace = run_script(request.pop("target"), request.pop("argv"), **request,
                                in_process=True)
         if groups is not None:
@@ -166,6 +169,13 @@ def _rank_groups(predict: bool):
     from ampscope.runtime.process_group import FakeGroups, GlooGroups
 
     return FakeGroups() if predict else GlooGroups()
+
+
+def _watched(path: str):
+    """Each collective the rank's script calls, written to `path` as it enters and leaves."""
+    from ampscope.runtime.collective_watch import watched
+
+    return watched(path)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ set). Its process groups run on gloo whatever backend the script names
 The parent holds a deadline on the whole job, as `distributed.launch` does: when it passes, or
 as soon as one rank fails, every rank still running is killed by its pid (a rank left waiting
 in a collective for a dead peer would otherwise wait out gloo's timeout). The failure is one
-line naming the rank and the script's error line.
+line naming the rank and the script's error line; at the deadline, one line naming, per rank
+still running, the collective it waits in (kind, dtype and bytes, the script's line) or the
+last it left: each rank writes that state to a file of the job's folder as it enters and
+leaves a collective (runtime/collective_watch.py).
 
 `ranks_report` turns the N traces into an `ampscope.distributed/1` report with
 distributed/report.py's functions: per rank, what its parameters and gradients hold and every
@@ -42,7 +45,9 @@ from ampscope.distributed.report import (
 )
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
+from ampscope.runtime.collective_watch import describe, read_state
 from ampscope.script.child import answer, spawn
+from ampscope.script.rank_memory import rank_peak
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
 MAX_NPROC = 8
@@ -83,11 +88,13 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
     port, run_id = _free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory(prefix="ampscope-ranks-") as folder:
         results = [os.path.join(folder, f"rank{k}.json") for k in range(nproc)]
-        started = [spawn(request, results[k], rank_environment(k, nproc, port, run_id))
-                   for k in range(nproc)]
+        states = [os.path.join(folder, f"rank{k}.state") for k in range(nproc)]
+        started = [spawn({**request, "watch": states[k]}, results[k],
+                         rank_environment(k, nproc, port, run_id)) for k in range(nproc)]
         processes = [p for p, _ in started]
         try:
-            codes = _wait(processes, results, target, time.monotonic() + timeout, timeout)
+            codes = _wait(processes, results, target, time.monotonic() + timeout, timeout,
+                          states)
         finally:
             for process in processes:  # only the ranks started here, by pid
                 if process.poll() is None:
@@ -100,10 +107,11 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
 
 
 def _wait(processes: list[subprocess.Popen], results: list[str], target: str,
-          deadline: float, timeout: float) -> list[int]:
+          deadline: float, timeout: float, states: list[str]) -> list[int]:
     """Every rank's exit status, once all have ended well. A failed rank raises as one line
     naming it (the others are killed by the caller); of several, the one whose error is its
-    own rather than gloo's news that a peer went away, the first to report among those."""
+    own rather than gloo's news that a peer went away, the first to report among those. At
+    the deadline, one line says where each rank still running was (its `states` file)."""
     nproc = len(processes)
     codes: dict[int, int] = {}
     while len(codes) < nproc:
@@ -124,16 +132,41 @@ def _wait(processes: list[subprocess.Popen], results: list[str], target: str,
             raise AmpscopeError(f"rank {first} of {nproc} failed: {errors[first]}") from None
         if len(codes) < nproc:
             if time.monotonic() > deadline:
-                waiting = [str(k) for k in range(nproc) if k not in codes]
+                waiting = [k for k in range(nproc) if k not in codes]
+                # The script's name alone, and the ranks first: the CLI cuts a long line.
                 raise AmpscopeError(
-                    f"the {nproc}-rank run of {target} did not finish in {timeout:.0f} s "
-                    f"(rank {', '.join(waiting)} still running; a rank waiting in a collective "
-                    "its peers never reach hangs: give --timeout more, or check the script)")
+                    f"the {nproc}-rank run of {os.path.basename(target)} did not finish in "
+                    f"{timeout:.0f} s: {_where(waiting, states)}. A collective its peers never "
+                    "reach hangs: check the script, or give --timeout more")
             time.sleep(0.05)
     return [codes[k] for k in range(nproc)]
 
 
 _GRACE = 0.5  # seconds to wait, after a rank failed, for the failures it caused
+
+
+def _where(waiting: list[int], states: list[str]) -> str:
+    """Where the ranks still running were, from the state each wrote as it entered and left
+    its collectives: "rank 0 waits in all_reduce (float32, 16 B) at train.py:7; rank 1 was
+    not in a collective (last: barrier at train.py:5)", ranks in the same state together."""
+    together: dict[str, list[int]] = {}
+    for k in waiting:
+        together.setdefault(json.dumps(read_state(states[k]), sort_keys=True), []).append(k)
+    return "; ".join(f"{_ranks(ks)} {describe(json.loads(state), many=len(ks) > 1)}"
+                     for state, ks in together.items())
+
+
+def _ranks(ks: list[int]) -> str:
+    """"rank 3", or "ranks 0-2, 5, 6": runs of three or more consecutive ranks as ranges."""
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    named = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r))
+                      for r in runs)
+    return f"rank{'s' if len(ks) > 1 else ''} {named}"
 
 
 def _failure(result: str, code: int, target: str) -> str | None:
@@ -211,7 +244,8 @@ def ranks_report(traces: list[Trace], target: str) -> DistributedReport:
     for k, t in enumerate(traces):
         calls = collectives(t.ops, n)
         start = _step_start(t)
-        ranks.append(RankReport(k, _held(t), [c for c in calls if c.index >= start]))
+        ranks.append(RankReport(k, _held(t), [c for c in calls if c.index >= start],
+                                rank_peak(t)))
         setup.append([c for c in calls if c.index < start])
     kinds = {c.kind for r in ranks for c in r.collectives}
     strategy = "fsdp" if kinds & {"all_gather", "reduce_scatter"} else "ddp"
