@@ -42,6 +42,7 @@ from ampscope.patches import patched
 from ampscope.runtime import emulation, workers
 from ampscope.runtime.autocast_policy import autocast_dtype_for
 from ampscope.runtime.compiled import COMPILE_NOTE
+from ampscope.runtime.device_internals import internal_patches
 from ampscope.runtime.device_load import load_patches
 from ampscope.runtime.device_mode import BackingFactories, DeviceMode
 from ampscope.runtime.device_rng import rng_patches
@@ -237,6 +238,8 @@ class VirtualDevice:
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
             patches += [
+                # The deprecated CUDA form, which torchao's Float8Linear still reads.
+                (torch, "get_autocast_gpu_dtype", lambda: torch.get_autocast_dtype("cpu")),
                 (backend, "current_device", lambda: self.mode.index),
                 (backend, "set_device", self._set_device),
                 (backend, "get_device_name", lambda device=None: accelerator.title),
@@ -304,12 +307,14 @@ class VirtualDevice:
 
     def _torch_internal_patches(self) -> list[tuple[object, str, object]]:
         """What torch asks below the public device API: the module of the current accelerator,
-        and the pinning of DataLoader batches (done in a thread of its own, which the device
+        the accelerator and tensor subclasses (runtime/device_internals.py), and the pinning
+        of DataLoader batches (done in a thread of its own, which the device
         mode does not reach)."""
         patches: list[tuple[object, str, object]] = []
         if hasattr(torch, "get_device_module"):
             patches.append((torch, "get_device_module",
                             _defaulting(torch.get_device_module, self.target)))
+        patches += internal_patches(self.mode, self.target)
         pinning = devices.dataloader_pinning()
         if pinning is not None:
             patches.append((pinning, "pin_memory", workers.pinned(self.mode)))

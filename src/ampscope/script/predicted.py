@@ -20,7 +20,7 @@ from ampscope.runtime.predict import (
     quiet_fake_tensor_log,
 )
 from ampscope.runtime.virtual_device import VirtualDevice
-from ampscope.torchcompat.dispatch import no_torch_function
+from ampscope.torchcompat.dispatch import is_traceable_wrapper_subclass, no_torch_function
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 
 
@@ -53,7 +53,7 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
     )
 
     def fake_parameter(module, name, param):
-        if param is None or isinstance(param, FakeTensor):
+        if param is None or isinstance(param, FakeTensor) or _fake_inside(param):
             return None
         with no_torch_function():  # the conversion is ampscope's, not the script's
             data = placed(fake.from_tensor(param.detach()), param)
@@ -90,6 +90,19 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
         stack.enter_context(foreach_defaults_as_real())
         stack.enter_context(norm_stats_as_real())
         yield
+
+
+def _fake_inside(t) -> bool:
+    """A tensor subclass whose inner tensors are fake already: it wraps weights this mode
+    converted (torchao's float8 training wraps a Linear's weight, fake by then, in a subclass of
+    its own and registers the wrapper). Nothing in it is real; converting it again would fake
+    the fake inner tensors and fail on their metadata (requires_grad)."""
+    if not is_traceable_wrapper_subclass(t):
+        return False
+    with no_torch_function():
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, n) for n in names]
+    return bool(inner) and all(isinstance(i, FakeTensor) or _fake_inside(i) for i in inner)
 
 
 @contextlib.contextmanager

@@ -104,6 +104,29 @@ def checkpoint_cache_kept() -> Iterator[None]:
         setattr(owner, name, before)
 
 
+@functools.cache
+def accelerator_query() -> tuple[types.ModuleType, str] | None:
+    """(module, name) of the function torch's own code calls to learn this build's
+    accelerator, `torch._C._get_accelerator(check=False)`: FSDP2's `fully_shard` without a
+    mesh builds its default mesh on the device type it returns, and a CPU build answers "cpu".
+    The virtual device answers it as it answers `torch.accelerator.current_accelerator`. None
+    where this build has none."""
+    name = "_get_accelerator"
+    return (torch._C, name) if callable(getattr(torch._C, name, None)) else None
+
+
+@functools.cache
+def wrapper_subclass_maker() -> tuple[type, str, Callable] | None:
+    """(owner, name, original) of the constructor every tensor subclass that wraps other
+    tensors calls, `torch.Tensor._make_wrapper_subclass(cls, size, ..., device=...)` (DTensor,
+    torchao's float8 weight); None where this build has none. A wrapper made with a CUDA
+    device on a build without CUDA fails later in `copy_`, which asks for CUDA's device guard
+    before the subclass's own dispatch sees the call."""
+    name = "_make_wrapper_subclass"
+    original = getattr(torch.Tensor, name, None)
+    return (torch.Tensor, name, original) if callable(original) else None
+
+
 _VIRTUAL = "the virtual device (an emulated --device)"
 
 
@@ -130,6 +153,12 @@ def features() -> list[Feature]:
         _feature("torch.utils._device._device_constructors", _constructors_source() is not None,
                  "the factories that follow `with torch.device(...)`",
                  "the target as default device (`with torch.device('cuda'):`)"),
+        _feature("torch._C._get_accelerator", accelerator_query() is not None,
+                 "the build's accelerator as torch's own code asks it",
+                 "fully_shard without a mesh on the virtual device"),
+        _feature("torch.Tensor._make_wrapper_subclass", wrapper_subclass_maker() is not None,
+                 "tensor subclasses made on the backing device",
+                 "tensor subclasses (torchao float8 weights) on the virtual device"),
         _feature("torch.utils.data._utils.pin_memory", dataloader_pinning() is not None,
                  "DataLoader's batch pinning, left undone on the virtual device",
                  "DataLoader(pin_memory=True) with workers on the virtual device"),
