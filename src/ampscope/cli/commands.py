@@ -46,6 +46,10 @@ def cmd_distributed(args: argparse.Namespace) -> int:
             report = predict(args.model, parallel, **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
+    if getattr(args, "report", None) and report.trace is not None:  # `memory` has no --report
+        memory, flops = _step_reports(report.trace, memory=True, flops=True)
+        _write_report(args.report, [report.trace], memory=memory, flops=flops,
+                      distributed=report)
     return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
                  lambda: render_distributed(report))
 
@@ -59,6 +63,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     [setting] = _on_device([args.setting], args.device)
     with _run_progress(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
+    if args.report:
+        memory, flops = _step_reports(result, memory=True, flops=True)
+        _write_report(args.report, [result], memory=memory, flops=flops)
     return _show_trace(args, result)
 
 
@@ -100,10 +107,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise AmpscopeError("--all-ranks only applies with --nproc N --predict")
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
     quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
-    report = traces = to_dict = None
+    report = traces = to_dict = same_as = None
     with quiet:
         if args.ranks is not None:
-            report, traces, to_dict = _run_ranks(args, script_args)
+            report, traces, to_dict, same_as = _run_ranks(args, script_args)
             result = traces[0]
         else:
             # In this process: the command line's process is the script's own, as under
@@ -116,7 +123,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   flops=args.flops or timed or bool(args.report),
                                   step_time=args.step_time, gpu=args.accelerator)
     if args.report:
-        _write_report(args.report, [result], memory=memory, flops=flops)
+        _write_report(args.report, [result], memory=memory, flops=flops, distributed=report,
+                      same_as=same_as)
     extra = []
     if args.memory:
         from ampscope.render.memory import render_memory
@@ -125,9 +133,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ampscope.render.flops import render_flops
         extra += [render_flops(r) for r in flops]
     if report is not None:
-        from ampscope.render.ranks import render_ranks
+        from ampscope.render.ranks import render_ranks, verdicts
         from ampscope.script.ranks import report_dict
 
+        report.notes += verdicts(report, args.accelerator)
         extra.append(render_ranks(report, traces))
         return _show_trace(args, result, extra=extra, to_json=lambda: json.dumps(
             (to_dict or report_dict)(report), indent=1))
@@ -149,12 +158,13 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
     traces = run_ranks(args.target, script_args, args.ranks, module=args.module,
                        device=args.device, steps=args.steps, max_forwards=args.max_forwards,
                        timeout=args.job_timeout or DEFAULT_TIMEOUT)
-    return ranks_report(traces, args.target), traces, None
+    return ranks_report(traces, args.target), traces, None, None
 
 
 def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     """`run --nproc N --predict`: ranks 0 and N-1 (or every rank) predicted; the report, the
-    traces indexed by rank (a rank not run shows the one it is taken to be) and its JSON."""
+    traces indexed by rank (a rank not run shows the one it is taken to be), its JSON, and the
+    run rank each other rank is taken to be (None: not known)."""
     from ampscope.script.predicted_ranks import DEFAULT_TIMEOUT, predict_ranks, predicted_dict
     from ampscope.script.ranks import report_dict
 
@@ -165,7 +175,7 @@ def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     first = by_rank[min(by_rank)]
     traces = [by_rank.get(k) or by_rank.get(taken.get(k) or 0, first)
               for k in range(args.ranks)]
-    return report, traces, lambda r: predicted_dict(r, taken, report_dict)
+    return report, traces, lambda r: predicted_dict(r, taken, report_dict), taken
 
 
 def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,
@@ -180,13 +190,15 @@ def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None 
 
 
 def _write_report(path: str, traces: list, *, memory: list, flops: list, matrix=None,
-                  numerics=None) -> None:
-    """The HTML report, written atomically; one line on stderr says where."""
+                  numerics=None, distributed=None, same_as=None) -> None:
+    """The HTML report, written atomically; one line on stderr says where. `distributed` (a
+    DistributedReport) adds its ranks, `same_as` the run rank each other rank is taken to be."""
     from ampscope.analysis.compare import build_matrix
     from ampscope.render.html import report_html
 
     page = report_html(traces, matrix if matrix is not None else build_matrix(traces),
-                       memory=memory, flops=flops, numerics=numerics)
+                       memory=memory, flops=flops, numerics=numerics, distributed=distributed,
+                       same_as=same_as)
     try:
         write_atomic(path, page)
     except OSError as e:

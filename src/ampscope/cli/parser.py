@@ -83,6 +83,9 @@ def _add_trace(sub) -> None:
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
                        help="draw the dtype flow of one forward pass, one block drawn once")
+    trace.add_argument("--report", metavar="PATH",
+                       help="also write the HTML report of the trace (findings, dtype flow, "
+                            "memory, FLOPs; with --distributed: each rank)")
     _add_export_arguments(trace, csv="the modules table (with --ops: the ops)", perfetto=True)
     _add_distributed_arguments(trace)
 
@@ -137,10 +140,11 @@ def _add_run(sub) -> None:
     add_hardware_arguments(run, memory=False,
                            gpu_help="with --step-time: the accelerator whose peak FLOP/s MFU "
                                     "uses, e.g. h100 (default: this machine's GPU; h100 for "
-                                    "emulated cuda)")
+                                    "emulated cuda); with --nproc: the GPU whose memory each "
+                                    "rank's peak is held against")
     run.add_argument("--report", metavar="PATH",
                      help="also write the HTML report of the run (findings, dtype flow, "
-                          "memory, FLOPs)")
+                          "memory, FLOPs; with --nproc: each rank)")
     _add_export_arguments(run, csv="the modules table (with --ops: the ops)", perfetto=True)
     run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                      help=argparse.SUPPRESS)

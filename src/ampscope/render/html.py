@@ -1,5 +1,6 @@
-"""HTML: the self-contained report page (`ampscope report`) and the notebook fragments
-(`_repr_html_` of Trace, Matrix, FlopReport and NumericsReport), from the same section templates.
+"""HTML: the self-contained report page (`ampscope report`, and `--report PATH` of `run` and
+`trace`, with a Ranks section for a distributed run) and the notebook fragments (`_repr_html_`
+of Trace, Matrix, FlopReport and NumericsReport), from the same section templates.
 
 The markup is in jinja2 templates (render/templates/, shipped with the package) rendered with
 autoescaping on: everything that comes from the model or the user (module, class and parameter
@@ -15,7 +16,7 @@ browser.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from markupsafe import Markup
 
@@ -25,7 +26,8 @@ from ampscope.analysis.flops import FlopReport
 from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport, compare_fp8_casts
 from ampscope.analysis.summary import dtype_inventory
-from ampscope.records import Trace
+from ampscope.distributed.report import DistributedReport, RankReport, summarize
+from ampscope.records import STORAGE_CATEGORIES, Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
 from ampscope.render.numerics import _err as divergence_text
@@ -80,6 +82,8 @@ CSS = f"""
 .ampscope .swatch {{ display: inline-block; width: 18px; height: 4px; margin-right: 4px;
   vertical-align: middle; }}
 .ampscope .plot svg {{ max-width: 100%; height: auto; }}
+.ampscope td.rank {{ text-align: right; font-weight: 600; }}
+.ampscope tr.rank-total td {{ font-weight: 600; }}
 """
 # No source of any kind may be loaded: inline styles only, no script, no fetch, no image file.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -162,6 +166,62 @@ def numerics_body(report: NumericsReport) -> Markup:
                                 fp8, fp8_names)
 
 
+_HELD = ("parameter", "gradient", "optimizer_state")
+
+
+def _by_dtype(by_dtype: Mapping[str, int]) -> list[tuple[str, int]]:
+    return sorted(by_dtype.items())
+
+
+def _peak(rank: RankReport) -> dict | None:
+    """The rank's memory peak as its JSON has it (`"peak"`: bytes, rounded_bytes, phase, live
+    by category and dtype), or None where the report carries none. Read off `to_dict()`, the
+    documented form, so that any report version renders: one without the field gives None."""
+    peak = rank.to_dict().get("peak")
+    return peak if isinstance(peak, dict) else None
+
+
+def _rank_rows(report: DistributedReport, same_as: Mapping[int, int | None] | None
+               ) -> list[dict]:
+    """One row per rank that ran, in rank order, and one per run of consecutive ranks that did
+    not (a predicted job runs ranks 0 and N-1 of up to 4096): `same_as` the run rank they are
+    taken to be, None where not known. Ranks of the world neither ran nor in `same_as` (rank 0
+    of N predicted by `trace --distributed --predict`) are not known."""
+    ran = {r.rank: r for r in report.ranks}
+    rows: list[dict] = []
+    for k in range(max(report.parallel.world_size, max(ran, default=-1) + 1)):
+        r = ran.get(k)
+        if r is None:
+            taken = (same_as or {}).get(k)
+            if rows and rows[-1]["report"] is None and rows[-1]["same_as"] == taken:
+                rows[-1]["last"] = k
+            else:
+                rows.append({"first": k, "last": k, "report": None, "same_as": taken,
+                             "peak": None})
+            continue
+        peak = _peak(r)
+        live = (peak or {}).get("live") or {}
+        rows.append({"first": k, "last": k, "report": r, "total": r.held_total,
+                     "held": [_by_dtype(r.held.get(c, {})) for c in _HELD],
+                     "collectives": summarize(r.collectives), "peak": peak,
+                     "live": {c: _by_dtype(d) for c, d in live.items()}})
+    return rows
+
+
+def ranks_body(report: DistributedReport,
+               same_as: Mapping[int, int | None] | None = None) -> Markup:
+    """Each rank of a DDP or FSDP2 job: what it holds by category and dtype, its collectives
+    by kind, phase and dtype, and its memory peak where the report has one."""
+    rows = _rank_rows(report, same_as)
+    order = {str(c): i for i, c in enumerate(STORAGE_CATEGORIES)}  # the memory report's order
+    categories = sorted(dict.fromkeys(c for row in rows for c in row.get("live", {})),
+                        key=lambda c: order.get(c, len(order)))
+    policy = {k: v for k, v in report.parallel.policy_dict().items() if v}
+    strategy = (report.parallel.strategy if any(r.collectives for r in report.ranks)
+                else "none")
+    return _sections().ranks(report, rows, strategy, policy, categories)
+
+
 # --- fragments and the page ------------------------------------------------------------------
 
 
@@ -196,13 +256,22 @@ def numerics_html(report: NumericsReport) -> str:
     return fragment(section("numerics", "Numerics per layer", numerics_body(report)))
 
 
+def ranks_html(report: DistributedReport,
+               same_as: Mapping[int, int | None] | None = None) -> str:
+    return fragment(section("ranks", "Ranks", ranks_body(report, same_as)))
+
+
 def report_html(traces: Sequence[Trace], matrix: Matrix, *,
                 memory: Sequence[MemoryReport] = (), flops: Sequence[FlopReport] = (),
-                numerics: NumericsReport | None = None, title: str | None = None) -> str:
+                numerics: NumericsReport | None = None, title: str | None = None,
+                distributed: DistributedReport | None = None,
+                same_as: Mapping[int, int | None] | None = None) -> str:
     """The whole report as one HTML page that opens offline: the traces of one model and
     workload under several settings, their matrix, and optionally their memory and FLOP
-    reports (one per trace) and a numerics report — each computed beforehand: this only
-    renders. A section whose report is not given is left out."""
+    reports (one per trace), a numerics report and the distributed report of a DDP or FSDP2
+    job (with `same_as`, the run rank each rank that did not run is taken to be, None where
+    not known) — each computed beforehand: this only renders. A section whose report is not
+    given is left out."""
     if not traces:
         raise ValueError("a report needs at least one trace")
     sections = [("findings", "Findings", findings_body(traces)),
@@ -214,6 +283,8 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *,
         sections.append(("flops", "FLOPs by module", flops_body(flops)))
     if numerics is not None:
         sections.append(("numerics", "Numerics per layer", numerics_body(numerics)))
+    if distributed is not None:
+        sections.append(("ranks", "Ranks", ranks_body(distributed, same_as)))
     return environment().get_template("page.html.j2").render(
         title=title or f"ampscope: {traces[0].model.name}, {traces[0].workload}",
         css=Markup(CSS), csp=Markup(CSP), header=header(traces), sections=sections)

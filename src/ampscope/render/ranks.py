@@ -8,7 +8,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ampscope.distributed.report import DistributedReport, summarize
+from ampscope.distributed.report import DistributedReport, RankPeak, summarize
+from ampscope.hardware import Accelerator
 from ampscope.records import Trace
 from ampscope.render.style import format_bytes
 
@@ -33,10 +34,41 @@ def _shapes(trace: Trace | None) -> str:
     return ", ".join(shapes[:_SHAPES]) + more
 
 
+def _peak(peak: RankPeak | None) -> str:
+    """The rank's peak as a CUDA allocator would count it (its 512-byte blocks), and where."""
+    if peak is None:
+        return "—"
+    counted = peak.rounded_bytes if peak.rounded_bytes is not None else peak.bytes
+    return f"{format_bytes(counted)} ({peak.phase})" if peak.phase else format_bytes(counted)
+
+
+def verdicts(report: DistributedReport, gpu: Accelerator | None) -> list[str]:
+    """Each rank's peak held against `gpu`'s memory (the report's notes): a line for each
+    peak, naming the ranks that reach it."""
+    if gpu is None or gpu.memory_bytes is None:
+        return []
+    by_peak: dict[int, list[int]] = {}
+    for r in report.ranks:
+        if r.peak is not None:
+            counted = r.peak.rounded_bytes if r.peak.rounded_bytes is not None else r.peak.bytes
+            by_peak.setdefault(counted, []).append(r.rank)
+    lines = []
+    for counted, ranks in sorted(by_peak.items(), reverse=True):
+        room = gpu.memory_bytes - counted
+        answer = (f"fits, {format_bytes(room)} to spare" if room >= 0 else
+                  f"does not fit: {format_bytes(-room)} over")
+        who = f"Rank {ranks[0]}" if len(ranks) == 1 else \
+            "Ranks " + ", ".join(map(str, ranks))
+        lines.append(f"{who}: peak {format_bytes(counted)} of {gpu.title}'s "
+                     f"{format_bytes(gpu.memory_bytes)}: {answer} (the steps' own storages; "
+                     "the CUDA context, NCCL's buffers and the allocator's reserve come on top).")
+    return lines
+
+
 def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
                  ) -> RenderableType:
-    """One table of what each rank holds, one of each rank's collectives; `traces` (every
-    rank's, rank 0 first) adds the parameter shapes."""
+    """One table of what each rank holds and its peak, one of each rank's collectives;
+    `traces` (every rank's, rank 0 first) adds the parameter shapes."""
     n = report.parallel.world_size
     head = Text()
     head.append(f"{n} rank{'s' if n != 1 else ''}", style="bold")
@@ -46,13 +78,14 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
         head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
     held = Table(title="Held by each rank after its last step", title_justify="left",
                  show_edge=False)
-    for column in ("rank", "parameters", "gradients", "optimizer state"):
-        held.add_column(column, justify="right" if column == "rank" else "left")
+    for column in ("rank", "parameters", "gradients", "optimizer state", "peak"):
+        held.add_column(column, justify="right" if column in ("rank", "peak") else "left")
     if traces is not None:
         held.add_column("parameter shapes")
     for r in report.ranks:
         cells = [str(r.rank), _held(r.held.get("parameter", {})),
-                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {}))]
+                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {})),
+                 _peak(r.peak)]
         if traces is not None:
             cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
         held.add_row(*cells)
