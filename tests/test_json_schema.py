@@ -229,6 +229,14 @@ CASES = [
         (("peak_phase",), "sideways"),
         (("optimizer",), "lion"),
     ]),
+    ("plans", "plans", ["fit", "gpt2-tiny", "--gpus", "2", "--memory", "64MiB", "-s", "bf16",
+                        "--seq", "32"], [
+        (("plans",), []),
+        (("plans", 0, "batch"), -1),
+        (("plans", 0, "phase"), "sideways"),
+        (("mp_policy",), {}),
+        (("gpus",), 0),
+    ]),
     ("bench", "bench",
      ["bench", "--model", "gpt2-tiny", "--device", "cpu", "--ladder", "fp32,fp32+tf32,bf16",
       "--steps", "1", "--warmup", "0", "--batch", "2", "--seq", "16"], [

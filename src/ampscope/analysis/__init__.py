@@ -14,6 +14,7 @@
 - `policy_versions.py`: the finding that says when dtypes depend on the PyTorch release;
 - `formats.py`: number formats and how they store a value, with `format_table.py` (their facts
   as plain data, read without torch);
-- `fp8.py`: what an fp8 training step did; `fit.py`: the search and report of `ampscope fit`.
+- `fp8.py`: what an fp8 training step did; `fit.py`: the search and report of `ampscope fit`;
+  `plans.py`: the rules and report of `fit --gpus N` (parallel plans from traced ranks).
 """
 

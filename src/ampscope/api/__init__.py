@@ -5,6 +5,7 @@
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
 - `measure.py`: an untraced step's wall time and allocator peak (CUDA or CPU);
 - `fit.py`: `fit`, the largest batch whose predicted step fits a GPU;
+- `plans.py`: `plans`, the parallel plans of a model on N GPUs (`fit --gpus N`);
 - `watch.py`: `watch`, one optimizer step of the user's own training loop, traced as it runs.
 """
 

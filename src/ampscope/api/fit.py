@@ -38,9 +38,9 @@ AS_GIVEN = "as given"
 # The most real memory the token ids of a batch the search picks may take (`_batch_limit`):
 # a second or so to make.
 _IDS_BUDGET = 2**30
-_FSDP_NOTE = ("FSDP over more ranks is not offered: a rank's predicted peak under FSDP2 is not "
-              "modelled yet (it frees unsharded parameters with untyped_storage().resize_(0), "
-              "which ampscope's storage tracker does not see; docs/distributed.md).")
+_FSDP_NOTE = ("FSDP over more ranks is not searched yet: a script's own plan gets each rank's "
+              "predicted peak from `ampscope run --nproc N --predict --gpu NAME SCRIPT` "
+              "(docs/distributed.md).")
 
 
 def fit(

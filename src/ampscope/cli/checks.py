@@ -14,7 +14,9 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
     """Flags argparse accepts together but that contradict each other or mean nothing."""
     if "--predict" in argv and ("--no-predict" in argv or "--real" in argv):
         raise AmpscopeError("give --predict or --real, not both")
-    if getattr(args, "distributed", None) is None:
+    if args.command == "fit":
+        pass  # (fit's --mp-policy goes with --gpus: cli/fit.py checks it)
+    elif getattr(args, "distributed", None) is None:
         for flag in ("nproc", "mp_policy", "timeout"):
             if getattr(args, flag, None) is not None:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
@@ -47,7 +49,10 @@ def _check_run_timing(args: argparse.Namespace) -> None:
     if args.step_time is not None and not 0 < args.step_time < math.inf:
         raise AmpscopeError("the step time must be a positive number of seconds")
     if args.step_time is None:
-        for flag in ("gpu", "peak_flops"):
+        # With --nproc, --gpu is also the memory each rank's peak is held against.
+        flags = ("peak_flops",) if getattr(args, "ranks", None) is not None \
+            else ("gpu", "peak_flops")
+        for flag in flags:
             if getattr(args, flag, None) is not None:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
                                     "--step-time SECONDS (it is the accelerator MFU uses)")
@@ -71,7 +76,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise AmpscopeError("--json - and --csv - would both write to stdout: give one a file")
     if args.command == "report":
         paths.append(args.output)
-    if args.command == "run" and args.report:
+    if args.command in ("run", "trace") and args.report:
         paths.append(args.report)
     for path in paths:
         why = unwritable(path)

@@ -30,12 +30,35 @@ def add_fit_parser(sub) -> argparse.ArgumentParser:
                         "model's context that fits at batch 1 (default: %(default)s)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
                    help="optimizer of the train step (default: %(default)s)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="search parallel plans on N GPUs: FSDP2 over the GPUs times tensor "
+                        "parallelism of 2, 4 or 8, with and without activation checkpointing, "
+                        "each at its largest micro-batch per rank")
+    p.add_argument("--mp-policy", metavar="param=…,reduce=…",
+                   help="with --gpus: FSDP2's MixedPrecisionPolicy, e.g. param=bf16,reduce=fp32 "
+                        "with -s fp32 (default: none, the setting's dtypes)")
     p.add_argument("--no-variants", action="store_true",
                    help="only the search: skip what would buy room")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)
     return p
+
+
+def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
+    from ampscope.api.plans import plans
+    from ampscope.render.plans import render_plans
+
+    if seq == "auto":
+        raise AmpscopeError("--seq auto does not apply with --gpus; give the tokens per sequence")
+    assert isinstance(seq, int)
+    console.print(f"Searching the plans of {args.model} on {args.gpus} GPUs (traced ranks on "
+                  "fake tensors and a fake process group):")
+    report = plans(args.model, args.gpus, gpu=args.gpu, memory_size=args.memory,
+                   setting=args.setting, mp_policy=args.mp_policy, seq=seq,
+                   optimizer=args.optimizer, on_probe=console.print)
+    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
+                 lambda: render_plans(report))
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -51,6 +74,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
             raise AmpscopeError(f"--seq takes a number of tokens or auto, not {args.seq!r}") from None
     # The probes go to stdout as they run, or to stderr when stdout carries the JSON.
     console = _console(stderr=args.json == "-")
+    if args.gpus is not None:
+        return _plans(args, seq, console)
+    if args.mp_policy is not None:
+        raise AmpscopeError("--mp-policy only applies with --gpus N")
     console.print(f"Probing {args.model} (predicted train steps on fake tensors):")
     report = fit(args.model, gpu=args.gpu, memory_size=args.memory, setting=args.setting,
                  seq=seq, optimizer=args.optimizer, variants=not args.no_variants,

@@ -7,7 +7,8 @@
 - `capture.py`: capture on every rank, gathered on rank 0;
 - `launch.py`: one step on N real processes, or rank 0 of N predicted;
 - `step.py`: one rank's train step under DDP or FSDP2; `parallel.py`: the strategy and its
-  mixed-precision policy; `report.py`: what crossed the network and what each rank held.
+  mixed-precision policy; `report.py`: what crossed the network and what each rank held;
+  `tensor_parallel.py`: how a Llama-family block splits across a tensor-parallel group.
 
 See docs/distributed.md.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from ampscope.precision import Setting, applied
 from ampscope.records import dtype_name
 from ampscope.runtime.predict import check_matmul_dtypes, fake_batch, predicting
 from ampscope.torchcompat.distributed import compress_hook
+from ampscope.torchcompat.fake import fake_mode_suspended
 
 
 def compressed_allreduce(dtype: torch.dtype, bucket):
@@ -50,17 +52,26 @@ def wrap(model: nn.Module, parallel: Parallel, mesh=None) -> nn.Module:
 
 
 def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict, *,
-              optimizer: str = "adamw", fake=None, mesh=None) -> DistributedReport | None:
+              optimizer: str = "adamw", fake=None, mesh=None, checkpoint: bool = False,
+              prepare: Callable[[nn.Module], None] | None = None) -> DistributedReport | None:
     """Run and capture one train step on this rank; rank 0 gets the report (None elsewhere).
     With `fake` (a FakeTensorMode) every tensor is fake and the process group is expected to
-    be PyTorch's fake one: a prediction for rank 0."""
+    be PyTorch's fake one: a prediction for rank 0. `checkpoint` recomputes each block in the
+    backward pass; `prepare` changes the model in place before it is wrapped (tensor
+    parallelism, on the working copies of its weights)."""
     # DDP's constructor reads parameter values (it checks and broadcasts them), which fake
     # tensors lack: a predicted DDP step runs unwrapped and its all-reduce is added from the
     # gradients (`ddp_allreduce`).
     ddp_predicted = fake is not None and parallel.strategy == "ddp"
     with applied(setting, lm.module, fake=fake), \
             predicting(fake) if fake is not None else contextlib.nullcontext():
-        model = lm.module if ddp_predicted else wrap(lm.module, parallel, mesh)
+        if prepare is not None:
+            prepare(lm.module)
+        # FSDP2 over a tensor-parallel model builds the 2-D mesh of its shards, which reads
+        # real ranks: out of the fake mode (the fake parameters keep theirs).
+        with fake_mode_suspended() if prepare is not None and fake is not None \
+                else contextlib.nullcontext():
+            model = lm.module if ddp_predicted else wrap(lm.module, parallel, mesh)
         run_lm = dataclasses.replace(lm, module=model)
         data = fake_batch(batch, fake) if fake is not None else batch
         run = DistributedCapture(model, name=lm.name, parallel=parallel,
@@ -70,7 +81,7 @@ def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict
             run.mode = "predict"
         with run.recording():
             outputs = workloads.train_step(run_lm, data, setting, optimizer,
-                                           predict=fake is not None)
+                                           predict=fake is not None, checkpoint=checkpoint)
         if ddp_predicted:
             run.extra_collectives.append(ddp_allreduce(model, parallel))
             run.notes.append(

@@ -40,9 +40,19 @@ if TYPE_CHECKING:  # this build's key and entry classes: opaque objects to the c
 
 __all__ = [
     "FakeTensor", "FakeTensorConfig", "FakeTensorMode", "cache_api", "clone_wrap",
-    "data_dependent_errors", "in_kernel_invocation_manager", "remember_constant",
+    "data_dependent_errors", "fake_mode_suspended", "in_kernel_invocation_manager", "remember_constant",
     "required_storage_length",
 ]
+
+
+def fake_mode_suspended():
+    """A context in which the fake mode on the dispatch stack (if any) is set aside, so that
+    real tensors compute for real while fake ones keep their own mode: `DeviceMesh` reads the
+    ranks of a mesh it builds. Where the build lacks the helper, nothing is set aside."""
+    import contextlib
+
+    suspend = getattr(_fake_tensor, "unset_fake_temporarily", None)
+    return suspend() if callable(suspend) else contextlib.nullcontext()
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:

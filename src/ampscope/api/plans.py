@@ -1,0 +1,275 @@
+"""`fit --gpus N`: which parallel plans of a model fit N GPUs, with the most tokens per step.
+
+Each plan family — FSDP2 over dp = N / tp ranks, tensor parallelism over tp, activation
+checkpointing or not — is traced as rank 0 of N on fake tensors and PyTorch's fake process
+group, as `trace --distributed fsdp --predict` traces one: the model built on the meta
+device, FSDP2 on every repeated block and the root, the same train step. Four probes a family,
+at the model's first 2 and 3 blocks and micro-batches 1 and 2; analysis/plans.py derives every
+depth and batch from them. The probes run in this process, one fake process group for all
+(a process group of its own: the command refuses to run where one is initialised).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampscope import hardware, workloads
+from ampscope.analysis.fit import parse_bytes
+from ampscope.analysis.plans import (
+    PROBE_BATCHES,
+    PROBE_DEPTHS,
+    Plan,
+    PlansReport,
+    Probe,
+    Rule,
+    largest_batch,
+    places,
+    ranked,
+)
+from ampscope.api.planning import resolved
+from ampscope.distributed.parallel import Parallel, parse_mp_policy
+from ampscope.distributed.tensor_parallel import tensor_parallel_plan
+from ampscope.errors import AmpscopeError
+from ampscope.models import registry
+from ampscope.models.base import LoadedModel
+from ampscope.precision import Setting, on_device
+from ampscope.render.style import format_bytes
+
+# The most GPUs a tensor-parallel group spans: one machine of eight, as NVLink does.
+MAX_TP = 8
+# The largest micro-batch the search answers (the rule is exact past it, but no probe ran
+# near it: say so rather than offer a batch of millions).
+BATCH_LIMIT = 4096
+# Worker processes for the plan families (each holds a model's probes: a few hundred MiB).
+MAX_WORKERS = 4
+
+
+def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | None = None,
+          setting: str | Setting = "bf16", mp_policy: str | None = None, seq: int = 2048,
+          optimizer: str = "adamw", on_probe: Callable[[str], None] | None = None
+          ) -> PlansReport:
+    """Every plan of `model` on `gpus` GPUs: FSDP2 over the GPUs (times tensor parallelism of
+    2, 4 or 8 where the model's blocks split so), with and without activation checkpointing,
+    each at its largest micro-batch whose derived per-rank peak fits; best first."""
+    started = time.monotonic()
+    if gpus < 1:
+        raise AmpscopeError(f"--gpus must be at least 1, not {gpus}")
+    if seq < 1:
+        raise AmpscopeError(f"--seq must be at least 1 token, not {seq}")
+    accelerator = hardware.by_name(gpu) if gpu is not None else None
+    if memory_size is not None:
+        budget = parse_bytes(memory_size)
+    elif accelerator is not None and accelerator.memory_bytes is not None:
+        budget = accelerator.memory_bytes
+    else:
+        raise AmpscopeError("give the GPU (--gpu h100) or its memory (--memory 80GiB)")
+    if isinstance(setting, str) and ":" not in setting:
+        setting = on_device(setting, "cuda")
+    base = resolved(setting)
+    policy = parse_mp_policy(mp_policy)
+    probe_lm = registry.resolve(model, device="meta", target_device=base.device)
+    depth = len(workloads.repeated_blocks(probe_lm.module))
+    if depth == 0:
+        raise AmpscopeError(f"{probe_lm.name} has no repeated blocks (no ModuleList) to shard")
+    if seq > probe_lm.max_seq_len:
+        raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
+                            f"{probe_lm.max_seq_len}")
+    notes: list[str] = []
+    tps = [t for t in (1, 2, 4, 8) if t <= min(gpus, MAX_TP) and gpus % t == 0]
+    splittable = [t for t in tps if t == 1 or tensor_parallel_plan(probe_lm.module, t)[0]]
+    if len(splittable) < len(tps):
+        why = tensor_parallel_plan(probe_lm.module, tps[-1])[1]
+        notes.append(f"Tensor parallelism of {', '.join(str(t) for t in tps if t not in splittable)}"
+                     f" is not offered: {why}")
+    # The probes' model: the first blocks of the one built here, copied for each probe (a
+    # probe shards and changes its copy in place).
+    _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))
+    jobs = [(base, policy, gpus, tp, checkpoint, depth, seq, optimizer, budget, PROBE_BATCHES)
+            for tp in splittable for checkpoint in (False, True)]
+    found = list(_families(probe_lm, jobs, on_probe))
+    # Micro-batch 1 is traced on its own (its storages do not pair with larger batches'),
+    # and only where it could change the answer: a plan that fits no batch of 2 or more
+    # gives at most dp × seq tokens at batch 1, no more than a plan that already fits.
+    most = max((p.tokens for p in found if p.fits), default=0)
+    again = [job[:-1] + ((1,),) for job, p in zip(jobs, found, strict=True)
+             if not p.fits and p.dp * seq > most]
+    retried = {(p.tp, p.checkpoint): p for p in _families(probe_lm, again, on_probe)}
+    found = [retried.get((p.tp, p.checkpoint), p) for p in found]
+    if not any(p.fits for p in found):
+        notes.append("No plan fits even at micro-batch 1: more GPUs, a shorter --seq, or "
+                     "bf16 optimizer state would buy room.")
+    return PlansReport(
+        model=probe_lm.name, depth=depth, gpus=gpus,
+        accelerator=accelerator.name if accelerator else None, memory_bytes=budget,
+        setting=base.name, mp_policy=Parallel("fsdp", gpus, **policy).policy_dict(), seq=seq,
+        optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
+        notes=notes)
+
+
+# The probes' model while `_families` runs: forked workers find it here (it is not sent).
+_TEMPLATE: list[LoadedModel] = []
+
+
+def _families(model: LoadedModel, jobs: list[tuple],
+              on_probe: Callable[[str], None] | None) -> Iterator[Plan]:
+    """Each plan family's plan, as it is found: in worker processes forked from this one (the
+    probes are independent, and a fork starts with torch and the model built), one a core, or
+    here where this platform cannot fork."""
+    workers = min(len(jobs), os.cpu_count() or 1, MAX_WORKERS)
+    _TEMPLATE[:] = [model]
+    try:
+        if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            plans: Iterator[Plan] = (_family(job) for job in jobs)
+            yield from _told(plans, on_probe)
+            return
+        context = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            yield from _told(pool.map(_family, jobs), on_probe)
+    finally:
+        _TEMPLATE.clear()
+
+
+def _told(plans: Iterator[Plan], on_probe: Callable[[str], None] | None) -> Iterator[Plan]:
+    for plan in plans:
+        if on_probe is not None:
+            on_probe(f"  {plan.name}: " + (
+                f"micro-batch {plan.batch:,} fits, peak {format_bytes(plan.peak_bytes)}"
+                if plan.fits else f"does not fit at micro-batch {plan.searched_from}"))
+        yield plan
+
+
+def _family(job: tuple) -> Plan:
+    """One plan family on a fake process group of its own."""
+    with _fake_group(job[2]):
+        return _plan(_TEMPLATE[0], *job)
+
+
+def _plan(model: LoadedModel, setting: Setting, policy: dict, gpus: int, tp: int,
+          checkpoint: bool, depth: int, seq: int, optimizer: str, budget: int,
+          batches: tuple[int, ...]) -> Plan:
+    """One plan family traced at `batches` (two: every batch from the first derived; one: that
+    batch only), and its largest micro-batch at the full depth."""
+    dp = gpus // tp
+    depths = PROBE_DEPTHS if depth > PROBE_DEPTHS[-1] else (depth,)
+    parallel = Parallel("fsdp", gpus, **policy)
+    probes = [_probe(model, setting, parallel, dp, tp, d, b, seq, optimizer, checkpoint)
+              for d in depths for b in batches]
+    rule = Rule(probes, rounded=setting.device == "cuda")
+    limit = BATCH_LIMIT if len(batches) > 1 else batches[0]
+    batch = largest_batch(rule, depth, budget, limit, start=batches[0])
+    peak, phase = rule.peak(depth, max(batch, batches[0]))
+    return Plan(dp, tp, checkpoint, batch if batch >= batches[0] else 0,
+                dp * batch * seq if batch >= batches[0] else 0, peak, phase, batches[0])
+
+
+def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
+           batch: int, seq: int, optimizer: str, checkpoint: bool) -> Probe:
+    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ampscope.distributed.step import rank_step
+    from ampscope.runtime.predict import fake_mode
+
+    lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
+    _truncate(lm.module, depth)
+    data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
+    # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    prepare = None
+    if tp > 1:
+        plan = tensor_parallel_plan(lm.module, tp)[0]
+        assert plan is not None  # (only splittable plans are probed)
+        prepare = _parallelized(plan, mesh["tp"])
+    report = rank_step(lm, parallel, setting, data, optimizer=optimizer, fake=fake_mode(),
+                       mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
+    assert report is not None and report.trace is not None
+    trace = report.trace
+    phases = [str(o.phase) for o in trace.ops]
+    return Probe(depth, batch, trace.storages, phases,
+                 places([o.module for o in trace.ops], phases, _blocks_name(lm.module), depth))
+
+
+def _parallelized(plan: dict, mesh) -> Callable[[nn.Module], None]:
+    def prepare(module: nn.Module) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in workloads.repeated_blocks(module):
+            parallelize_module(block, mesh, plan)
+
+    return prepare
+
+
+def _blocks_name(module: nn.Module) -> str:
+    """The path of the model's largest ModuleList, as its ops' module names begin."""
+    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda item: len(item[1]))[0]
+
+
+def _truncate(module: nn.Module, depth: int) -> None:
+    """Keep the model's first `depth` repeated blocks (the children of its largest
+    ModuleList): the probe's model, whose blocks are the full model's own."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    largest = max(lists, key=len)
+    del largest[depth:]
+
+
+class _fake_group:
+    """PyTorch's fake process group of `world` ranks, this process rank 0, for the probes."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def __enter__(self) -> None:
+        from ampscope.torchcompat.distributed import fake_store
+
+        if dist.is_initialized():
+            raise AmpscopeError("a process group is already initialised here; search plans "
+                                "from a process of its own")
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world)
+
+    def __exit__(self, *exc) -> None:
+        dist.destroy_process_group()
+
+
+def traced_peaks(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False, depth: int,
+                 batch: int, setting: str = "bf16", mp_policy: str | None = None,
+                 seq: int = 64, optimizer: str = "adamw") -> dict[str, int]:
+    """Rank 0's most bytes live in each phase of the plan traced at `depth` blocks and
+    micro-batch `batch` (the model's own depth: the whole model): what `derived_peaks` must
+    equal."""
+    lm, base, parallel = _checked(model, setting, mp_policy, gpus)
+    with _fake_group(gpus):
+        probe = _probe(lm, base, parallel, gpus // tp, tp, depth, batch, seq, optimizer,
+                       checkpoint)
+    return Rule([probe], rounded=base.device == "cuda").phase_peaks(depth, batch)
+
+
+def derived_peaks(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False, depth: int,
+                  batch: int, setting: str = "bf16", mp_policy: str | None = None,
+                  seq: int = 64, optimizer: str = "adamw") -> dict[str, int]:
+    """The same figures as `traced_peaks`, derived by `fit --gpus`'s rules from its probes."""
+    lm, base, parallel = _checked(model, setting, mp_policy, gpus)
+    full = len(workloads.repeated_blocks(lm.module))
+    depths = PROBE_DEPTHS if full > PROBE_DEPTHS[-1] else (full,)
+    batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] else (batch,)
+    with _fake_group(gpus):
+        probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint)
+                  for d in depths for b in batches]
+    return Rule(probes, rounded=base.device == "cuda").phase_peaks(depth, batch)
+
+
+def _checked(model: str, setting: str, mp_policy: str | None, gpus: int
+             ) -> tuple[LoadedModel, Setting, Parallel]:
+    base = resolved(on_device(setting, "cuda") if ":" not in setting else setting)
+    lm = registry.resolve(model, device="meta", target_device=base.device)
+    return lm, base, Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))

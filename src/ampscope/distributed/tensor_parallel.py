@@ -1,0 +1,54 @@
+"""Tensor parallelism for a transformer block, as the PyTorch tutorials split a Llama block.
+
+Attention's q, k and v projections and the MLP's gate and up projections are split by output
+features across the tp group (`ColwiseParallel`: each rank computes its own heads and its own
+slice of the hidden layer), attention's output and the MLP's down projection by input
+features (`RowwiseParallel`: each rank's partial sums, all-reduced). That needs the block's
+code to size its heads from its projections' outputs (Hugging Face's Llama-family attention
+reshapes with `-1` heads), and the head counts to divide by tp; a block that names its
+projections otherwise is not split.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_COLUMNWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+def tensor_parallel_plan(model: nn.Module, tp: int) -> tuple[dict | None, str]:
+    """The `parallelize_module` plan of each repeated block of `model` for a tp group of `tp`,
+    or None and why the blocks cannot be split so."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ampscope.workloads import repeated_blocks
+
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return None, "the model has no repeated blocks"
+    linears = {name: m for name, m in blocks[0].named_modules() if isinstance(m, nn.Linear)}
+    plan: dict = {}
+    for name in linears:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _COLUMNWISE:
+            plan[name] = ColwiseParallel()
+        elif leaf in _ROWWISE:
+            plan[name] = RowwiseParallel()
+    if {n.rsplit(".", 1)[-1] for n in plan} != set(_COLUMNWISE + _ROWWISE):
+        return None, ("its blocks do not name their projections as Llama-family blocks do "
+                      f"({', '.join(_COLUMNWISE + _ROWWISE)})")
+    attention = next((m for m in blocks[0].modules() if hasattr(m, "head_dim")
+                      and any(hasattr(m, p) for p in ("q_proj", "k_proj"))), None)
+    head_dim = getattr(attention, "head_dim", None)
+    if not isinstance(head_dim, int):
+        return None, "its attention does not say its head size (head_dim)"
+    for name, module in linears.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("q_proj", "k_proj", "v_proj") and (module.out_features // head_dim) % tp:
+            return None, (f"{name} has {module.out_features // head_dim} heads, which do not "
+                          f"divide by {tp}")
+        width = module.out_features if leaf in _COLUMNWISE else module.in_features
+        if width % tp:
+            return None, f"{name}'s {width} features do not divide by {tp}"
+    return plan, ""
