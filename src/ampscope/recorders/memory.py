@@ -193,11 +193,11 @@ class StorageTracker:
             entry.freed = len(self._ops) - 1
             del self._live[key]
             self.live_bytes -= _blocks(entry.nbytes)
-            meta = entry.meta
+            meta: TensorMeta | None = entry.meta
         else:
             meta = self._shrunk.get(key)
-            if meta is None:
-                return
+        if meta is None:
+            return
         if nbytes:
             self._shrunk.pop(key, None)
             self._entry(storage, meta, len(self._ops))

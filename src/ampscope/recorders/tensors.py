@@ -60,7 +60,7 @@ def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
             or not is_traceable_wrapper_subclass(t):
         return [t]
     # (The names may include non-tensors: a DTensor's device mesh, on some builds.)
-    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, _ = t.__tensor_flatten__()
     inner = [getattr(t, name) for name in names]
     return [held for x in inner if isinstance(x, torch.Tensor) for held in stored_tensors(x)] \
         or [t]
