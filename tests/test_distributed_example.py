@@ -85,3 +85,20 @@ def test_activation_checkpointing_recomputes_each_block_in_the_backward_pass():
                       for c in collectives(trace.ops, 2) if c.phase != "optimizer")
 
     assert calls(runs[True][0]) == calls(runs[False][0])
+
+
+def test_a_tensor_parallel_rank_counts_the_flops_of_its_own_shards():
+    """Each rank's matmuls are recorded on the shards it computes on (a DTensor's op is the
+    rank's op on its local tensors), so its FLOPs are its own. By hand, per rank at tp = 2 and
+    64 tokens (batch 2 × 32): a block's q, k, v each 2·64·64·32, o 2·64·32·64, up 2·64·64·128,
+    down 2·64·128·64 = 3,145,728; the head, not split, 2·64·64·256 = 2,097,152."""
+    from ampscope.script.predicted_ranks import predict_ranks
+
+    _, traces, _ = predict_ranks(str(EXAMPLE), ["--tp=2", "--steps=1"], 4, device="cuda")
+    for trace in traces.values():
+        forward = [o for o in trace.ops if o.phase == "forward"
+                   and o.op in ("aten.mm.default", "aten.addmm.default")]
+        by_module = {o.module: o for o in forward}
+        assert [tuple(m.shape) for m in by_module["blocks.0.attn.q"].inputs] == [(64, 64),
+                                                                                  (64, 32)]
+        assert sum(o.flops for o in forward) == 2 * 3_145_728 + 2_097_152

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from ampscope.patches import patch
-from ampscope.recorders.tensors import meta_of, stored_tensors
+from ampscope.recorders.tensors import PLAIN_TENSORS, meta_of, stored_tensors
 from ampscope.records import (
     STORAGE_CATEGORIES,
     OpCall,
@@ -290,8 +290,8 @@ class StorageTracker:
         has every saved tensor of the graph still in place, so the graph is walked then."""
         live = self._live
         for t, meta in zip(outputs, metas, strict=True):
-            held = stored_tensors(t)
-            if held[0] is not t:  # a DTensor's op: its memory is its local shard's
+            held = stored_tensors(t) if type(t) not in PLAIN_TENSORS else None
+            if held is not None and held[0] is not t:  # a wrapper's memory is its inner tensors'
                 for inner in held:
                     storage = storage_of(inner)
                     if storage is not None and id(storage) not in live:

@@ -24,7 +24,11 @@ from ampscope.recorders.functions import UserCalls
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.tensors import (
+    PLAIN_TENSORS,
     data_dtypes,
+    has_dtensor,
+    local_tensor,
+    local_values,
     metas_of,
     no_torch_function,
     results_of,
@@ -160,6 +164,12 @@ class OpRecorder(UncompiledDispatchMode):
             walk(args, inputs)
             if kwargs:
                 walk(kwargs.values(), inputs)
+            seen_args, seen_kwargs, seen_out, named = args, kwargs, out, inputs
+            if not PLAIN_TENSORS.issuperset(types) and has_dtensor(inputs):
+                # A DTensor's op (tensor parallelism, FSDP2's sharded optimizer step): the rank
+                # runs it on its local shards, and its FLOPs and shapes are theirs.
+                seen_args, seen_kwargs, seen_out = local_values((args, kwargs, out))
+                inputs = [local_tensor(t) for t in inputs]
             backward = _graph_task_id() != -1
             grad_fn = node = None
             if backward or functions.current_phase == "backward":
@@ -174,10 +184,11 @@ class OpRecorder(UncompiledDispatchMode):
                 autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
                                  and functions.current_autocast is not None)
             if facts.flops is not None:
-                flops, flops_causal = op_flops(func, args, kwargs, out, facts.flops)
+                flops, flops_causal = op_flops(func, seen_args, seen_kwargs, seen_out,
+                                               facts.flops)
             else:
                 flops = flops_causal = 0
-            results = results_of(out)
+            results = results_of(seen_out)
             outputs = metas_of(results)
             rows = self.rows
             index = len(rows)
@@ -189,7 +200,7 @@ class OpRecorder(UncompiledDispatchMode):
                 None if caller is None else (
                     functions.current_source if functions.current_source is not _PENDING
                     else functions.source_now()),
-                self._names_of(inputs), grad_fn, flops, flops_causal, data_dtypes(inputs),
+                self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
                 None if facts.precision is None else self._fp32_precision(facts.precision,
                                                                           inputs),
             ))

@@ -50,6 +50,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
+# Tensor classes that wrap no other tensor: checked first, in C, on every op.
+PLAIN_TENSORS = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
+_PLAIN = PLAIN_TENSORS
+
+
+def has_dtensor(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is a DTensor (checked only for tensors of a subclass)."""
+    return any(type(t) not in _PLAIN and local_tensor(t) is not t for t in tensors)
+
+
+def local_values(value):
+    """`value` (an op's arguments or result: tensors in lists, tuples and dicts) with each
+    DTensor replaced by the shard this process holds: what the rank's kernel computes on."""
+    if isinstance(value, torch.Tensor):
+        return local_tensor(value) if type(value) not in _PLAIN else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_values(v) for v in value) if type(value) in (list, tuple) \
+            else value
+    if isinstance(value, dict):
+        return {k: local_values(v) for k, v in value.items()}
+    return value
+
+
 def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors whose storages hold `t`'s memory on this process: `t` itself, or the
     inner tensors of a tensor subclass that wraps others (a DTensor's local shard, a float8
