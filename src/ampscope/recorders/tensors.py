@@ -50,7 +50,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         return to_local()
 
 
-# Tensor classes that wrap no other tensor: checked first, in C, on every op.
+# Tensor classes that wrap no other tensor: plain ones, parameters, and a predicted run's fake
+# tensors (a meta tensor of the same dtype inside). Checked first, in C, on every op.
 PLAIN_TENSORS = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 _PLAIN = PLAIN_TENSORS
 
@@ -138,11 +139,6 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
                 found = [None] * len(tensors)
             found[i] = dtype_name(inner.dtype)
     return tuple(found) if found is not None else ()
-
-
-# Tensors that are no wrapper of another: plain ones, parameters, and a predicted run's fake
-# tensors (a meta tensor of the same dtype inside).
-_PLAIN = {torch.Tensor, torch.nn.Parameter, FakeTensor}
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
