@@ -70,3 +70,21 @@ def test_bad_plan_searches_are_one_line(argv, message, capsys):
     code = main(["fit", "gpt2-tiny", "--memory", "1GiB", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_model_whose_blocks_differ_is_refused(tmp_path, monkeypatch, capsys):
+    """The depth rule takes the first blocks for all: a model whose third block is wider is
+    one line, not a wrong answer."""
+    (tmp_path / "uneven_model.py").write_text(
+        "from torch import nn\n"
+        "from ampscope.models.gpt2 import GPT, GPTConfig\n"
+        "def build():\n"
+        "    model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=2,"
+        " n_embd=64))\n"
+        "    model.transformer.h[2].mlp.c_fc = nn.Linear(64, 512)\n"
+        "    model.transformer.h[2].mlp.c_proj = nn.Linear(512, 64)\n"
+        "    return model\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["fit", "uneven_model:build", "--gpus", "2", "--memory", "1GiB", "--seq", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "block 2 differs from block 0" in err and "Traceback" not in err

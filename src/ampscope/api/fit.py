@@ -38,9 +38,9 @@ AS_GIVEN = "as given"
 # The most real memory the token ids of a batch the search picks may take (`_batch_limit`):
 # a second or so to make.
 _IDS_BUDGET = 2**30
-_FSDP_NOTE = ("FSDP over more ranks is not searched yet: a script's own plan gets each rank's "
-              "predicted peak from `ampscope run --nproc N --predict --gpu NAME SCRIPT` "
-              "(docs/distributed.md).")
+_FSDP_NOTE = ("Over more GPUs: `ampscope fit MODEL --gpus N` searches FSDP2 and tensor-parallel "
+              "plans; `ampscope run --nproc N --predict --gpu NAME SCRIPT` holds a script's own "
+              "plan against the GPU (docs/fit.md).")
 
 
 def fit(

@@ -81,6 +81,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     depth = len(workloads.repeated_blocks(probe_lm.module))
     if depth == 0:
         raise AmpscopeError(f"{probe_lm.name} has no repeated blocks (no ModuleList) to shard")
+    _check_alike(probe_lm)
     if seq > probe_lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
                             f"{probe_lm.max_seq_len}")
@@ -158,18 +159,28 @@ def _plan(model: LoadedModel, setting: Setting, policy: dict, gpus: int, tp: int
           checkpoint: bool, depth: int, seq: int, optimizer: str, budget: int,
           batches: tuple[int, ...]) -> Plan:
     """One plan family traced at `batches` (two: every batch from the first derived; one: that
-    batch only), and its largest micro-batch at the full depth."""
+    batch only), and its largest micro-batch at the full depth. The larger batch is traced
+    only where the first fits."""
     dp = gpus // tp
     depths = PROBE_DEPTHS if depth > PROBE_DEPTHS[-1] else (depth,)
     parallel = Parallel("fsdp", gpus, **policy)
-    probes = [_probe(model, setting, parallel, dp, tp, d, b, seq, optimizer, checkpoint)
-              for d in depths for b in batches]
-    rule = Rule(probes, rounded=setting.device == "cuda")
-    limit = BATCH_LIMIT if len(batches) > 1 else batches[0]
-    batch = largest_batch(rule, depth, budget, limit, start=batches[0])
-    peak, phase = rule.peak(depth, max(batch, batches[0]))
-    return Plan(dp, tp, checkpoint, batch if batch >= batches[0] else 0,
-                dp * batch * seq if batch >= batches[0] else 0, peak, phase, batches[0])
+    rounded = setting.device == "cuda"
+
+    def traced(b: int) -> list[Probe]:
+        return [_probe(model, setting, parallel, dp, tp, d, b, seq, optimizer, checkpoint)
+                for d in depths]
+
+    first = traced(batches[0])
+    rule = Rule(first, rounded=rounded)
+    peak, phase = rule.peak(depth, batches[0])
+    if peak > budget or len(batches) == 1:  # (the larger batch's probes would not change it)
+        fits = peak <= budget
+        return Plan(dp, tp, checkpoint, batches[0] if fits else 0,
+                    dp * batches[0] * seq if fits else 0, peak, phase, batches[0])
+    rule = Rule(first + traced(batches[1]), rounded=rounded)
+    batch = largest_batch(rule, depth, budget, BATCH_LIMIT, start=batches[0])
+    peak, phase = rule.peak(depth, batch)
+    return Plan(dp, tp, checkpoint, batch, dp * batch * seq, peak, phase, batches[0])
 
 
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
@@ -207,6 +218,24 @@ def _parallelized(plan: dict, mesh) -> Callable[[nn.Module], None]:
             parallelize_module(block, mesh, plan)
 
     return prepare
+
+
+def _check_alike(lm: LoadedModel) -> None:
+    """The depth rule takes the first blocks for every block: refuse a model whose blocks
+    differ in their modules, parameters or buffers (shapes and dtypes)."""
+    def signature(block: nn.Module) -> tuple:
+        return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
+                tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()),
+                tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
+
+    blocks = workloads.repeated_blocks(lm.module)
+    first = signature(blocks[0])
+    for k, block in enumerate(blocks[1:], start=1):
+        if signature(block) != first:
+            raise AmpscopeError(
+                f"{lm.name}'s block {k} differs from block 0 (its modules, parameters or "
+                "buffers): its plans cannot be derived from its first blocks; `ampscope run "
+                "--nproc N --predict --gpu NAME SCRIPT` traces a script's plan whole")
 
 
 def _blocks_name(module: nn.Module) -> str:
