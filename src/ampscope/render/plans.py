@@ -40,8 +40,9 @@ def render_plans(report: PlansReport) -> RenderableType:
             style=None if p.fits else "dim")
     how = Text(
         "Each plan's rank 0 was traced on fake tensors and PyTorch's fake process group at 2 "
-        "and 3 blocks and micro-batches 2 and 3 (1 where 2 does not fit); its peak at the "
-        "full depth and every micro-batch follows by exact rules (docs/fit.md).", style="dim")
+        "and 3 blocks, at micro-batch 2, and 3 where 2 fits (1 where 2 does not and could "
+        "win); its peak at the full depth and every micro-batch follows by exact rules "
+        "(docs/fit.md).", style="dim")
     took = Text(f"Searched in {report.seconds:.1f} s.", style="dim")
     parts: list[RenderableType] = [head, context, Text(""), table, Text(""), how, took]
     if any(not p.fits and p.searched_from > 1 for p in report.plans):
