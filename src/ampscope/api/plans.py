@@ -17,7 +17,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,17 +95,9 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place).
     _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))
-    jobs = [(base, policy, gpus, tp, checkpoint, depth, seq, optimizer, budget, PROBE_BATCHES)
-            for tp in splittable for checkpoint in (False, True)]
-    found = list(_families(probe_lm, jobs, on_probe))
-    # Micro-batch 1 is traced on its own (its storages do not pair with larger batches'),
-    # and only where it could change the answer: a plan that fits no batch of 2 or more
-    # gives at most dp × seq tokens at batch 1, no more than a plan that already fits.
-    most = max((p.tokens for p in found if p.fits), default=0)
-    again = [job[:-1] + ((1,),) for job, p in zip(jobs, found, strict=True)
-             if not p.fits and p.dp * seq > most]
-    retried = {(p.tp, p.checkpoint): p for p in _families(probe_lm, again, on_probe)}
-    found = [retried.get((p.tp, p.checkpoint), p) for p in found]
+    families = [(tp, checkpoint) for tp in splittable for checkpoint in (False, True)]
+    with _Search(probe_lm, base, policy, gpus, depth, seq, optimizer, budget) as search:
+        found = search.run(families, on_probe)
     if not any(p.fits for p in found):
         notes.append("No plan fits even at micro-batch 1: more GPUs, a shorter --seq, or "
                      "bf16 optimizer state would buy room.")
@@ -117,70 +109,93 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         notes=notes)
 
 
-# The probes' model while `_families` runs: forked workers find it here (it is not sent).
-_TEMPLATE: list[LoadedModel] = []
+Family = tuple[int, bool]  # (tp, checkpointing)
 
 
-def _families(model: LoadedModel, jobs: list[tuple],
-              on_probe: Callable[[str], None] | None) -> Iterator[Plan]:
-    """Each plan family's plan, as it is found: in worker processes forked from this one (the
-    probes are independent, and a fork starts with torch and the model built), one a core, or
-    here where this platform cannot fork."""
-    workers = min(len(jobs), os.cpu_count() or 1, MAX_WORKERS)
-    _TEMPLATE[:] = [model]
-    try:
-        if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-            plans: Iterator[Plan] = (_family(job) for job in jobs)
-            yield from _told(plans, on_probe)
-            return
-        context = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            yield from _told(pool.map(_family, jobs), on_probe)
-    finally:
-        _TEMPLATE.clear()
+class _Search:
+    """The probes of one search and the plans they give. The probes are independent: they run
+    in worker processes forked from this one (a fork starts with torch imported and the model
+    built; each probe makes its own fake process group), one a core, or here where this
+    platform cannot fork."""
+
+    def __init__(self, lm: LoadedModel, setting: Setting, policy: dict, gpus: int, depth: int,
+                 seq: int, optimizer: str, budget: int) -> None:
+        self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
+        self.seq, self.optimizer, self.budget = seq, optimizer, budget
+        self.parallel = Parallel("fsdp", gpus, **policy)
+        self.depths = PROBE_DEPTHS if depth > PROBE_DEPTHS[-1] else (depth,)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Search:
+        _SEARCH[:] = [self]
+        workers = min(os.cpu_count() or 1, MAX_WORKERS)
+        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+        _SEARCH.clear()
+
+    def run(self, families: list[Family], on_probe: Callable[[str], None] | None
+            ) -> list[Plan]:
+        """Each family at micro-batch 2; at 3 where 2 fits (every batch derived from the
+        two); at 1 (traced on its own: its storages do not pair with larger batches') only
+        where it could change the answer: a plan that fits no batch of 2 or more gives at most
+        dp × seq tokens at batch 1, no more than a plan that already fits."""
+        say = on_probe or (lambda _: None)
+        first = self.traced([(f, 2) for f in families])
+        plans = {f: self.plan(f, first[f, 2], 2) for f in families}
+        say(f"  {len(families) * len(self.depths)} ranks traced at micro-batch 2")
+        fitting = [f for f in families if plans[f].fits]
+        second = self.traced([(f, 3) for f in fitting])
+        plans |= {f: self.plan(f, first[f, 2] + second[f, 3], 2) for f in fitting}
+        most = max((p.tokens for p in plans.values() if p.fits), default=0)
+        again = [f for f in families if not plans[f].fits and self.gpus // f[0] * self.seq > most]
+        third = self.traced([(f, 1) for f in again])
+        plans |= {f: self.plan(f, third[f, 1], 1) for f in again}
+        for f in families:
+            p = plans[f]
+            say(f"  {p.name}: " + (
+                f"micro-batch {p.batch:,} fits, peak {format_bytes(p.peak_bytes)}" if p.fits
+                else f"does not fit at micro-batch {p.searched_from}"))
+        return [plans[f] for f in families]
+
+    def traced(self, asks: list[tuple[Family, int]]) -> dict[tuple[Family, int], list[Probe]]:
+        """For each (family, micro-batch) asked, its probes at the probe depths."""
+        jobs = [(tp, checkpoint, d, b) for (tp, checkpoint), b in asks for d in self.depths]
+        done = self._pool.map(_probe_job, jobs) if self._pool is not None \
+            else map(_probe_job, jobs)
+        out: dict[tuple[Family, int], list[Probe]] = {}
+        for (tp, checkpoint, _, b), probe in zip(jobs, done, strict=True):
+            out.setdefault(((tp, checkpoint), b), []).append(probe)
+        return out
+
+    def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
+        """The family's largest micro-batch from `start` (every batch from its probes' two,
+        or `start` alone when they have one)."""
+        (tp, checkpoint), dp = family, self.gpus // family[0]
+        rule = Rule(probes, rounded=self.setting.device == "cuda")
+        limit = BATCH_LIMIT if len({p.batch for p in probes}) > 1 else start
+        batch = largest_batch(rule, self.depth, self.budget, limit, start=start)
+        fits = batch >= start
+        peak, phase = rule.peak(self.depth, batch if fits else start)
+        return Plan(dp, tp, checkpoint, batch if fits else 0,
+                    dp * batch * self.seq if fits else 0, peak, phase, start)
 
 
-def _told(plans: Iterator[Plan], on_probe: Callable[[str], None] | None) -> Iterator[Plan]:
-    for plan in plans:
-        if on_probe is not None:
-            on_probe(f"  {plan.name}: " + (
-                f"micro-batch {plan.batch:,} fits, peak {format_bytes(plan.peak_bytes)}"
-                if plan.fits else f"does not fit at micro-batch {plan.searched_from}"))
-        yield plan
+# The search while it runs: forked workers find it here (the model is not sent to them).
+_SEARCH: list[_Search] = []
 
 
-def _family(job: tuple) -> Plan:
-    """One plan family on a fake process group of its own."""
-    with _fake_group(job[2]):
-        return _plan(_TEMPLATE[0], *job)
-
-
-def _plan(model: LoadedModel, setting: Setting, policy: dict, gpus: int, tp: int,
-          checkpoint: bool, depth: int, seq: int, optimizer: str, budget: int,
-          batches: tuple[int, ...]) -> Plan:
-    """One plan family traced at `batches` (two: every batch from the first derived; one: that
-    batch only), and its largest micro-batch at the full depth. The larger batch is traced
-    only where the first fits."""
-    dp = gpus // tp
-    depths = PROBE_DEPTHS if depth > PROBE_DEPTHS[-1] else (depth,)
-    parallel = Parallel("fsdp", gpus, **policy)
-    rounded = setting.device == "cuda"
-
-    def traced(b: int) -> list[Probe]:
-        return [_probe(model, setting, parallel, dp, tp, d, b, seq, optimizer, checkpoint)
-                for d in depths]
-
-    first = traced(batches[0])
-    rule = Rule(first, rounded=rounded)
-    peak, phase = rule.peak(depth, batches[0])
-    if peak > budget or len(batches) == 1:  # (the larger batch's probes would not change it)
-        fits = peak <= budget
-        return Plan(dp, tp, checkpoint, batches[0] if fits else 0,
-                    dp * batches[0] * seq if fits else 0, peak, phase, batches[0])
-    rule = Rule(first + traced(batches[1]), rounded=rounded)
-    batch = largest_batch(rule, depth, budget, BATCH_LIMIT, start=batches[0])
-    peak, phase = rule.peak(depth, batch)
-    return Plan(dp, tp, checkpoint, batch, dp * batch * seq, peak, phase, batches[0])
+def _probe_job(job: tuple[int, bool, int, int]) -> Probe:
+    search = _SEARCH[0]
+    tp, checkpoint, depth, batch = job
+    with _fake_group(search.gpus):
+        return _probe(search.lm, search.setting, search.parallel, search.gpus // tp, tp, depth,
+                      batch, search.seq, search.optimizer, checkpoint)
 
 
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,

@@ -87,12 +87,14 @@ class DistributedCapture:
 
     def __init__(self, model: nn.Module, *, name: str | None = None,
                  parallel: Parallel | None = None, setting: SettingRecord | None = None,
-                 workload: str = "custom", op_check=None) -> None:
+                 workload: str = "custom", op_check=None, thin: bool | None = None) -> None:
         self.model = model
         # DDP's wrapper runs the model's own forward: names without "module." read better.
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        # `thin`: a predicted rank's foreach ops answered per tensor (CaptureOptions).
         self._capture = Capture(inner, CaptureOptions(model_name=name, setting=setting,
-                                                      workload=workload, op_check=op_check))
+                                                      workload=workload, op_check=op_check,
+                                                      thin=thin))
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.parallel = parallel or Parallel(_strategy_of(model), self.world_size)

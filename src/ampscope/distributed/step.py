@@ -76,7 +76,8 @@ def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict
         data = fake_batch(batch, fake) if fake is not None else batch
         run = DistributedCapture(model, name=lm.name, parallel=parallel,
                                  setting=setting.record(), workload="train",
-                                 op_check=check_matmul_dtypes if fake is not None else None)
+                                 op_check=check_matmul_dtypes if fake is not None else None,
+                                 thin=fake is not None)
         if fake is not None:
             run.mode = "predict"
         with run.recording():
