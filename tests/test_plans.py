@@ -88,3 +88,17 @@ def test_a_model_whose_blocks_differ_is_refused(tmp_path, monkeypatch, capsys):
     code = main(["fit", "uneven_model:build", "--gpus", "2", "--memory", "1GiB", "--seq", "16"])
     err = capsys.readouterr().err
     assert code == 2 and "block 2 differs from block 0" in err and "Traceback" not in err
+
+
+def test_a_build_without_collectives_on_fake_tensors_is_told_in_one_line(monkeypatch, capsys):
+    """torch 2.9's c10d collectives have no Meta kernels, so no rank can be predicted there:
+    each predicting command says so before it runs anything."""
+    from ampscope.torchcompat import distributed
+
+    monkeypatch.setattr(distributed, "fake_collectives", lambda: False)
+    code = main(["fit", "gpt2-tiny", "--gpus", "2", "--memory", "1GiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fit --gpus needs PyTorch's collectives to run on fake tensors" in err
+    code = main(["run", "--nproc", "2", "--predict", "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and "run --nproc --predict needs PyTorch's collectives" in err

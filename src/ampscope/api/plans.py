@@ -44,6 +44,7 @@ from ampscope.models import registry
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
 from ampscope.render.style import format_bytes
+from ampscope.torchcompat.distributed import no_fake_collectives
 
 # The most GPUs a tensor-parallel group spans: one machine of eight, as NVLink does.
 MAX_TP = 8
@@ -66,6 +67,9 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         raise AmpscopeError(f"--gpus must be at least 1, not {gpus}")
     if seq < 1:
         raise AmpscopeError(f"--seq must be at least 1 token, not {seq}")
+    why = no_fake_collectives("fit --gpus")
+    if why is not None:
+        raise AmpscopeError(why)
     accelerator = hardware.by_name(gpu) if gpu is not None else None
     if memory_size is not None:
         budget = parse_bytes(memory_size)
@@ -166,8 +170,18 @@ class _Search:
     def traced(self, asks: list[tuple[Family, int]]) -> dict[tuple[Family, int], list[Probe]]:
         """For each (family, micro-batch) asked, its probes at the probe depths."""
         jobs = [(tp, checkpoint, d, b) for (tp, checkpoint), b in asks for d in self.depths]
-        done = self._pool.map(_probe_job, jobs) if self._pool is not None \
-            else map(_probe_job, jobs)
+        done: list[Probe] | None = None
+        if self._pool is not None:
+            try:
+                done = list(self._pool.map(_probe_job, jobs))
+            except Exception:
+                # A forked worker that cannot run a probe (autograd refuses to run backward
+                # in a process forked after its threads started, as in a long-lived caller):
+                # this process runs them, and raises what they raise.
+                self._pool.shutdown(cancel_futures=True)
+                self._pool = None
+        if done is None:
+            done = [_probe_job(job) for job in jobs]
         out: dict[tuple[Family, int], list[Probe]] = {}
         for (tp, checkpoint, _, b), probe in zip(jobs, done, strict=True):
             out.setdefault(((tp, checkpoint), b), []).append(probe)

@@ -146,12 +146,15 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     from ampscope.distributed.step import rank_step
     from ampscope.models import registry
     from ampscope.runtime.predict import fake_mode
-    from ampscope.torchcompat.distributed import fake_store
+    from ampscope.torchcompat.distributed import fake_store, no_fake_collectives
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)
     if dist.is_initialized():
         raise AmpscopeError("a process group is already initialised here; predict from a "
                             "process of its own")
+    why = no_fake_collectives("--distributed with --predict")
+    if why is not None:
+        raise AmpscopeError(why)
     s = _setting(setting)
     lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
     if seq > lm.max_seq_len:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ampscope.errors import AmpscopeError
 from ampscope.patches import patched
-from ampscope.torchcompat.distributed import c10d_module
+from ampscope.torchcompat.distributed import c10d_module, mesh_module
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,12 @@ class GlooGroups:
         init = self._substituted(implementation.init_process_group, init=True)
         new = self._substituted(implementation.new_group, init=False)
         with contextlib.ExitStack() as stack:
-            for owner in dict.fromkeys((dist, implementation)):
-                stack.enter_context(patched(owner, "init_process_group", init))
-                stack.enter_context(patched(owner, "new_group", new))
+            # DeviceMesh calls the names it imported: its own `new_group(backend=None)` would
+            # make an NCCL group on a CUDA build once `torch.cuda.is_available()` says yes.
+            for owner in dict.fromkeys((dist, implementation, mesh_module())):
+                for name, value in (("init_process_group", init), ("new_group", new)):
+                    if owner is not None and hasattr(owner, name):
+                        stack.enter_context(patched(owner, name, value))
             yield self
             # A group the script left open is closed after a run that ended well; after a
             # failure the rank's process ends moments later, which closes it.

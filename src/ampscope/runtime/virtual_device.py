@@ -98,6 +98,9 @@ class _Event:
         return (end.time - self.time) * 1e3
 
 
+_TARGET_TYPE = "cuda"  # a stream made without a device is the emulated device's (CUDA's)
+
+
 class _Stream:
     """A CUDA stream on a device that runs everything in order."""
 
@@ -106,6 +109,12 @@ class _Stream:
         self.priority = priority
         self.device_index = 0
         self.stream_id = 0  # the default stream's id on a real device
+        # What `torch.Stream` says of itself (FSDP2 passes it to an op of its own): the
+        # emulated device's type, as the number c10 gives it (CUDA's 1).
+        kind = torch.device(device).type if isinstance(device, (str, torch.device)) \
+            else _TARGET_TYPE
+        types = torch.autograd.DeviceType
+        self.device_type: int = (getattr(types, kind.upper(), None) or types.CUDA).value
 
     def synchronize(self) -> None:
         pass

@@ -32,6 +32,7 @@ from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
 from ampscope.script.rank_memory import rank_peak
 from ampscope.script.ranks import _held, _step_start
+from ampscope.torchcompat.distributed import no_fake_collectives
 
 MAX_PREDICTED = 4096
 EVERY_RANK_UP_TO = 16  # ranks that differ: every rank runs up to this many
@@ -43,6 +44,9 @@ def check_predicted_nproc(nproc: int) -> None:
     if nproc < 1 or nproc > MAX_PREDICTED:
         raise AmpscopeError(f"--nproc with --predict must be between 1 and {MAX_PREDICTED}; "
                             f"got {nproc}")
+    why = no_fake_collectives("run --nproc --predict")
+    if why is not None:
+        raise AmpscopeError(why)
 
 
 def predicted_environment(rank: int, nproc: int, run_id: str) -> dict[str, str]:

@@ -36,6 +36,16 @@ def c10d_module():
     return getattr(dist, "distributed_c10d", None)
 
 
+def mesh_module():
+    """`torch.distributed.device_mesh`, whose module-level `new_group` (imported by name)
+    DeviceMesh calls for its subgroups; None where this build lacks it or cannot import it."""
+    try:
+        import torch.distributed.device_mesh as mesh
+    except ImportError:
+        return None
+    return mesh
+
+
 def fake_store():
     """The store torch's fake process group ("fake" backend) is initialised with."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -57,10 +67,43 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+# The collectives a predicted rank dispatches on fake tensors (FSDP2's, DDP's, DeviceMesh's).
+_COLLECTIVES = ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "c10d::allreduce_",
+                "c10d::broadcast_")
+
+
+def fake_collectives() -> bool:
+    """Whether this build's c10d collectives run on fake tensors (they have Meta kernels: torch
+    2.11 and later); without them a rank cannot be predicted."""
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if not callable(has_kernel):
+        return False
+    try:
+        import torch.distributed as _  # noqa: F401 - registers the c10d ops
+
+        return all(has_kernel(op, "Meta") for op in _COLLECTIVES)
+    except (RuntimeError, ImportError):  # an op this build does not define
+        return False
+
+
+def no_fake_collectives(what: str) -> str | None:
+    """The one line that says `what` cannot run on this build (None where it can)."""
+    if fake_collectives():
+        return None
+    return (f"{what} needs PyTorch's collectives to run on fake tensors, which torch "
+            f"{torch.__version__} lacks (they came in 2.11): run the ranks for real (`ampscope "
+            "run --nproc N` without --predict, up to 8), or use torch 2.11 or later")
+
+
 def features() -> list[Feature]:
     try:
         fake_store()
         ok, why = True, "torch's fake process group store"
     except Exception as e:  # not built with distributed support
         ok, why = False, f"not on this build ({type(e).__name__})"
-    return [Feature("fake process group", ok, why)]
+    collectives = fake_collectives()
+    return [Feature("fake process group", ok, why),
+            Feature("collectives on fake tensors", collectives,
+                    "c10d's Meta kernels" if collectives else
+                    "not on this build: no rank can be predicted (run --nproc --predict, "
+                    "trace --distributed --predict, fit --gpus)")]
