@@ -125,6 +125,13 @@ def test_prediction_at_two_ranks_matches_the_real_run(parallel, fixture, request
     assert predicted.mode == "predict" and len(predicted.ranks) == 1
     assert predicted.ranks[0].held == real.ranks[0].held
     assert summarize(predicted.ranks[0].collectives) == summarize(real.ranks[0].collectives)
+    # each rank's peak, as `ampscope memory` counts one process: under FSDP2 the same as a
+    # real rank's; a predicted DDP step runs unwrapped, without DDP's gradient buckets
+    assert real.ranks[0].peak is not None and real.ranks[1].peak is not None
+    if parallel.strategy == "fsdp":
+        assert predicted.ranks[0].peak == real.ranks[0].peak
+    else:
+        assert predicted.ranks[0].peak.bytes < real.ranks[0].peak.bytes
     assert not dist.is_initialized()  # the fake group is gone
 
 

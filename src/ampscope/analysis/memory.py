@@ -10,29 +10,21 @@ See docs/memory.md for the method and what it does not model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from ampscope.analysis.summary import itemsize, numel
 from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
 from ampscope.records.table import Table, table
+from ampscope.records.timeline import (  # noqa: F401 - re-exported: the memory report's own
+    CUDA_MIN_BLOCK,
+    argmax,
+    cuda_block_size,
+    live_at,
+    live_bytes,
+)
 
 SCHEMA = "ampscope.memory/1"
-
-# PyTorch's CUDACachingAllocator with default settings (c10/cuda/CUDACachingAllocator.cpp,
-# `round_size`): a request is rounded up to a multiple of kMinBlockSize = 512 bytes, and a
-# request under 512 bytes gets 512. A 0-byte request allocates nothing (`allocate` skips
-# `malloc` when size is 0). `torch.cuda.memory_allocated` counts these rounded block sizes.
-CUDA_MIN_BLOCK = 512
-
-
-def cuda_block_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator's block for an `nbytes` storage has (default
-    settings: no `roundup_power2_divisions`)."""
-    if nbytes == 0:
-        return 0
-    return max(CUDA_MIN_BLOCK, -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
-
 
 @dataclass(frozen=True)
 class MemoryRow:
@@ -175,39 +167,6 @@ def _storage_dict(s: StorageRecord) -> dict:
 
 
 # -- the timeline -----------------------------------------------------------------------------
-
-def live_bytes(storages: Iterable[StorageRecord], n_ops: int,
-               size: Callable[[int], int] | None = None) -> tuple[int, list[int]]:
-    """(bytes live before the first op, bytes live through each op 0..n_ops-1). `size` maps a
-    storage's bytes to what it occupies (`cuda_block_size`); exact bytes without it."""
-    before = 0
-    delta = [0] * (n_ops + 1)
-    for s in storages:
-        b = size(s.nbytes) if size is not None else s.nbytes
-        if s.created is None:
-            before += b
-        else:
-            delta[s.created] += b
-        if s.freed is not None:
-            delta[s.freed + 1] -= b
-    live, now = [], before
-    for k in range(n_ops):
-        now += delta[k]
-        live.append(now)
-    return before, live
-
-
-def live_at(storages: Iterable[StorageRecord], op: int | None) -> list[StorageRecord]:
-    """The storages live through op `op` (None: before the first op)."""
-    if op is None:
-        return [s for s in storages if s.created is None]
-    return [s for s in storages
-            if (s.created is None or s.created <= op) and (s.freed is None or s.freed >= op)]
-
-
-def _argmax(values: list[int]) -> int | None:
-    return max(range(len(values)), key=values.__getitem__) if values else None
-
 
 def breakdown(storages: Iterable[StorageRecord]) -> list[MemoryRow]:
     """Bytes and count by category × dtype, categories in precedence order, then by bytes."""
@@ -392,14 +351,14 @@ def activation_estimates(trace: Trace) -> list[Estimate]:
 def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> MemoryReport:
     storages, ops = trace.storages, trace.ops
     before, live = live_bytes(storages, len(ops))
-    k = _argmax(live)
+    k = argmax(live)
     op = ops[k] if k is not None else None
     peak_bytes = live[k] if k is not None else before
     device = trace.setting.device
     rounded = rounded_op = None
     if device == "cuda":
         rounded_before, rounded_live = live_bytes(storages, len(ops), cuda_block_size)
-        rounded_op = _argmax(rounded_live)
+        rounded_op = argmax(rounded_live)
         rounded = rounded_live[rounded_op] if rounded_op is not None else rounded_before
     peak = Peak(peak_bytes, k, op.op if op else None, op.module if op else None,
                 op.phase if op else None, rounded, rounded_op)

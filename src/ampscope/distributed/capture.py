@@ -23,7 +23,14 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.distributed.parallel import Parallel
-from ampscope.distributed.report import Collective, DistributedReport, Held, RankReport, collectives
+from ampscope.distributed.report import (
+    Collective,
+    DistributedReport,
+    Held,
+    RankReport,
+    collectives,
+    rank_peak,
+)
 from ampscope.recorders.session import Capture, CaptureOptions
 from ampscope.records import SettingRecord, Trace, dtype_name
 from ampscope.torchcompat.distributed import storage_id
@@ -136,7 +143,8 @@ class DistributedCapture:
         trace = self.trace = self._capture.finish(inputs=inputs, outputs=outputs)
         trace.mode = self.mode
         mine = RankReport(self.rank, held,
-                          collectives(trace.ops, self.world_size) + self.extra_collectives)
+                          collectives(trace.ops, self.world_size) + self.extra_collectives,
+                          rank_peak(trace))
         ranks = [mine]
         if self.world_size > 1 and backend_name() != "fake":
             gathered: list | None = [None] * self.world_size if self.rank == 0 else None

@@ -22,6 +22,7 @@ import torch
 
 from ampscope.distributed.parallel import Parallel
 from ampscope.records import OpCall, SettingRecord, Trace
+from ampscope.records.timeline import argmax, cuda_block_size, live_at, live_bytes
 from ampscope.torchcompat import distributed as c10d_ops
 
 
@@ -136,6 +137,28 @@ class RankPeak:
     rounded_bytes: int | None  # in the CUDA allocator's 512-byte blocks, on a cuda setting
     phase: str | None  # forward, backward, optimizer, ...: where the peak is
     live: Held  # category -> dtype -> bytes live at the peak
+
+
+def rank_peak(trace: Trace) -> RankPeak | None:
+    """The most bytes a rank held at once over its traced steps (a DTensor's local shard,
+    FSDP2's unsharded parameters while they are gathered), counted as `ampscope memory`
+    counts one process, and by category and dtype what was live then; None for a trace
+    without storage records."""
+    storages, n = trace.storages, len(trace.ops)
+    if not storages:
+        return None
+    before, live = live_bytes(storages, n)
+    k = argmax(live)
+    rounded = None
+    if trace.setting.device == "cuda":
+        rounded_before, rounded_live = live_bytes(storages, n, cuda_block_size)
+        rounded = max(rounded_live) if rounded_live else rounded_before
+    at: Held = {}
+    for s in live_at(storages, k):
+        by_dtype = at.setdefault(str(s.category), {})
+        by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
+    return RankPeak(live[k] if k is not None else before, rounded,
+                    str(trace.ops[k].phase) if k is not None else None, at)
 
 
 @dataclass

@@ -11,6 +11,7 @@ analysed without the model:
 - `records/table.py`: `Table`, the one tabular form (DataFrame, CSV); `records/trace_table.py`:
   a trace's ops, modules and tensors as tables;
 - `records/fp8.py`: the fp8 casts of a step and their scales, read off the op records.
+- `records/timeline.py`: when the storages are live over a step, in bytes or CUDA's blocks.
 
 Nothing here imports another ampscope layer.
 """

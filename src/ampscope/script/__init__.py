@@ -34,7 +34,6 @@ The package:
 - `ranks.py`: `run --nproc N`, the script as N ranks, each a child process.
 - `predicted_ranks.py`: `run --nproc N --predict`, ranks 0 and N-1 of N predicted on the fake
   process group, each a child process.
-- `rank_memory.py`: a rank's memory peak, from its trace.
 """
 
 from __future__ import annotations

@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 
 from ampscope.analysis.findings import plural
 from ampscope.distributed.parallel import Parallel
-from ampscope.distributed.report import DistributedReport, RankReport, collectives
+from ampscope.distributed.report import DistributedReport, RankReport, collectives, rank_peak
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
-from ampscope.script.rank_memory import rank_peak
 from ampscope.script.ranks import _held, _step_start
 from ampscope.torchcompat.distributed import no_fake_collectives
 

@@ -41,13 +41,13 @@ from ampscope.distributed.report import (
     RankReport,
     collectives,
     itemsize,
+    rank_peak,
     summarize,
 )
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.runtime.collective_watch import describe, read_state
 from ampscope.script.child import answer, spawn
-from ampscope.script.rank_memory import rank_peak
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
 MAX_NPROC = 8

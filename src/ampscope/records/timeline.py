@@ -1,0 +1,57 @@
+"""When storages are live over a step: the timeline of a trace's storage records, in exact bytes
+or in the CUDA allocator's blocks. Plain functions of the records, for the memory report
+(analysis/memory.py) and for each rank's peak (distributed/report.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from ampscope.records.tensors import StorageRecord
+
+# PyTorch's CUDACachingAllocator with default settings (c10/cuda/CUDACachingAllocator.cpp,
+# `round_size`): a request is rounded up to a multiple of kMinBlockSize = 512 bytes, and a
+# request under 512 bytes gets 512. A 0-byte request allocates nothing (`allocate` skips
+# `malloc` when size is 0). `torch.cuda.memory_allocated` counts these rounded block sizes.
+CUDA_MIN_BLOCK = 512
+
+
+def cuda_block_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator's block for an `nbytes` storage has (default
+    settings: no `roundup_power2_divisions`)."""
+    if nbytes == 0:
+        return 0
+    return max(CUDA_MIN_BLOCK, -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
+
+
+def live_bytes(storages: Iterable[StorageRecord], n_ops: int,
+               size: Callable[[int], int] | None = None) -> tuple[int, list[int]]:
+    """(bytes live before the first op, bytes live through each op 0..n_ops-1). `size` maps a
+    storage's bytes to what it occupies (`cuda_block_size`); exact bytes without it."""
+    before = 0
+    delta = [0] * (n_ops + 1)
+    for s in storages:
+        b = size(s.nbytes) if size is not None else s.nbytes
+        if s.created is None:
+            before += b
+        else:
+            delta[s.created] += b
+        if s.freed is not None:
+            delta[s.freed + 1] -= b
+    live, now = [], before
+    for k in range(n_ops):
+        now += delta[k]
+        live.append(now)
+    return before, live
+
+
+def live_at(storages: Iterable[StorageRecord], op: int | None) -> list[StorageRecord]:
+    """The storages live through op `op` (None: before the first op)."""
+    if op is None:
+        return [s for s in storages if s.created is None]
+    return [s for s in storages
+            if (s.created is None or s.created <= op) and (s.freed is None or s.freed >= op)]
+
+
+def argmax(values: list[int]) -> int | None:
+    """The index of the first largest value; None for none."""
+    return max(range(len(values)), key=values.__getitem__) if values else None
