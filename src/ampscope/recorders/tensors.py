@@ -13,7 +13,7 @@ import torch
 from ampscope.nested import tensors_in, walk
 from ampscope.records import TensorMeta, dtype_name
 from ampscope.runtime.predict import new_fake
-from ampscope.torchcompat.dispatch import is_traceable_wrapper_subclass, no_torch_function
+from ampscope.torchcompat.dispatch import inner_tensors, no_torch_function
 from ampscope.torchcompat.fake import FakeTensor
 
 # Recorders read tensors' dtypes, shapes and storages inside the dispatch mode and module
@@ -28,7 +28,7 @@ __all__ = ["data_dtypes", "described", "fake_from", "meta_of", "metas", "metas_o
 def results_of(out) -> list[torch.Tensor]:
     """The tensors an op or a call returned: most return one plain tensor, taken without a
     walk."""
-    if type(out) in _PLAIN:
+    if type(out) in PLAIN_TENSORS:
         return [out]
     found: list[torch.Tensor] = []
     walk((out,), found)
@@ -53,19 +53,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # Tensor classes that wrap no other tensor: plain ones, parameters, and a predicted run's fake
 # tensors (a meta tensor of the same dtype inside). Checked first, in C, on every op.
 PLAIN_TENSORS = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
-_PLAIN = PLAIN_TENSORS
 
 
 def has_dtensor(tensors: list[torch.Tensor]) -> bool:
     """Whether any of `tensors` is a DTensor (checked only for tensors of a subclass)."""
-    return any(type(t) not in _PLAIN and local_tensor(t) is not t for t in tensors)
+    return any(type(t) not in PLAIN_TENSORS and local_tensor(t) is not t for t in tensors)
 
 
 def local_values(value):
     """`value` (an op's arguments or result: tensors in lists, tuples and dicts) with each
     DTensor replaced by the shard this process holds: what the rank's kernel computes on."""
     if isinstance(value, torch.Tensor):
-        return local_tensor(value) if type(value) not in _PLAIN else value
+        return local_tensor(value) if type(value) not in PLAIN_TENSORS else value
     if isinstance(value, (list, tuple)):
         return type(value)(local_values(v) for v in value) if type(value) in (list, tuple) \
             else value
@@ -79,15 +78,9 @@ def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     inner tensors of a tensor subclass that wraps others (a DTensor's local shard, a float8
     tensor's data and scale), whose own storage is a placeholder of the full size that holds
     no memory."""
-    cls = type(t)
-    if cls is torch.Tensor or cls is FakeTensor or cls is torch.nn.Parameter \
-            or not is_traceable_wrapper_subclass(t):
+    if type(t) in PLAIN_TENSORS:
         return [t]
-    # (The names may include non-tensors: a DTensor's device mesh, on some builds.)
-    names, _ = t.__tensor_flatten__()
-    inner = [getattr(t, name) for name in names]
-    return [held for x in inner if isinstance(x, torch.Tensor) for held in stored_tensors(x)] \
-        or [t]
+    return [held for x in inner_tensors(t) for held in stored_tensors(x)] or [t]
 
 
 def meta_of(t: torch.Tensor) -> TensorMeta:
@@ -126,15 +119,14 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     """For each tensor, the dtype a wrapper subclass stores its data in where that differs
     from the dtype it shows (its first inner tensor, by PyTorch's `__tensor_flatten__`
     protocol: a float8 training tensor's `_data`); () when there is none among them."""
-    if _PLAIN.issuperset(map(type, tensors)):  # plain, parameters or fake (nearly always)
+    if PLAIN_TENSORS.issuperset(map(type, tensors)):  # plain, parameters or fake (nearly always)
         return ()
     found: list[str | None] | None = None
     for i, t in enumerate(tensors):
-        if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
+        if type(t) in PLAIN_TENSORS:
             continue
-        names, _ = t.__tensor_flatten__()
-        inner = getattr(t, names[0], None) if names else None
-        if isinstance(inner, torch.Tensor) and inner.dtype != t.dtype:
+        inner = next(iter(inner_tensors(t)), None)
+        if inner is not None and inner.dtype != t.dtype:
             if found is None:
                 found = [None] * len(tensors)
             found[i] = dtype_name(inner.dtype)

@@ -19,7 +19,7 @@ from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.records import Phase, dtype_name
 from ampscope.records.fp8 import FP8_DTYPES, GemmRoles
 from ampscope.torchcompat import ops as private_ops
-from ampscope.torchcompat.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from ampscope.torchcompat.dispatch import TorchDispatchMode, inner_tensors
 
 
 def _first_floating(value) -> torch.Tensor | None:
@@ -178,11 +178,8 @@ class _Fp8Casts(TorchDispatchMode):
     def _cast_of(self, t: torch.Tensor) -> int | None:
         """The cast whose fp8 values a matmul operand holds, or a view of them (`.t()`,
         `.reshape()`): the same storage."""
-        if not is_traceable_wrapper_subclass(t):
-            return None
-        names, _ = t.__tensor_flatten__()
-        inner = getattr(t, names[0], None) if names else None
-        if not isinstance(inner, torch.Tensor) or dtype_name(inner.dtype) not in FP8_DTYPES:
+        inner = next(iter(inner_tensors(t)), None)
+        if inner is None or dtype_name(inner.dtype) not in FP8_DTYPES:
             return None
         found = self._bits.pop(inner.untyped_storage().data_ptr(), None)  # each feeds one matmul
         return found[0] if found is not None else None

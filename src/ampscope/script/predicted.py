@@ -20,7 +20,7 @@ from ampscope.runtime.predict import (
     quiet_fake_tensor_log,
 )
 from ampscope.runtime.virtual_device import VirtualDevice
-from ampscope.torchcompat.dispatch import is_traceable_wrapper_subclass, no_torch_function
+from ampscope.torchcompat.dispatch import inner_tensors, no_torch_function
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 
 
@@ -97,11 +97,8 @@ def _fake_inside(t) -> bool:
     converted (torchao's float8 training wraps a Linear's weight, fake by then, in a subclass of
     its own and registers the wrapper). Nothing in it is real; converting it again would fake
     the fake inner tensors and fail on their metadata (requires_grad)."""
-    if not is_traceable_wrapper_subclass(t):
-        return False
     with no_torch_function():
-        names, _ = t.__tensor_flatten__()
-        inner = [getattr(t, n) for n in names]
+        inner = inner_tensors(t)
     return bool(inner) and all(isinstance(i, FakeTensor) or _fake_inside(i) for i in inner)
 
 

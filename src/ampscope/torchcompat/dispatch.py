@@ -26,7 +26,8 @@ from ampscope.torchcompat.features import Feature
 __all__ = [
     "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "active_fake_mode",
     "default_device", "disable_torch_dispatch", "op_schema", "dispatch_mode_stack", "dispatch_stack_depth",
-    "function_stack_depth", "is_traceable_wrapper_subclass", "no_dispatch", "no_torch_function",
+    "function_stack_depth", "inner_tensors", "is_traceable_wrapper_subclass", "no_dispatch",
+    "no_torch_function",
     "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree", "pytree_children",
 ]
 
@@ -83,6 +84,18 @@ def modes_off() -> Iterator[None]:
     """Neither dispatch nor function modes see what runs inside."""
     with disable_torch_dispatch(), no_torch_function():
         yield
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a tensor subclass wraps (a DTensor's local shard, a float8 tensor's data and
+    scale), in the order of PyTorch's `__tensor_flatten__` protocol; [] for any other tensor.
+    The names the protocol gives may include non-tensors (a DTensor's device mesh, on some
+    builds): they are left out."""
+    if not is_traceable_wrapper_subclass(t):
+        return []
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name, None) for name in names)
+    return [x for x in inner if isinstance(x, torch.Tensor)]
 
 
 def features() -> list[Feature]:
