@@ -32,14 +32,9 @@ from ampscope.distributed.report import (
     rank_peak,
 )
 from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.recorders.tensors import local_tensor
 from ampscope.records import SettingRecord, Trace, dtype_name
 from ampscope.torchcompat.distributed import storage_id
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank stores: a DTensor's local shard, else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Held:
@@ -49,7 +44,7 @@ def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Hel
     seen: set[tuple[int, int | torch.SymInt]] = set()  # (storage, offset)
 
     def add(category: str, t: torch.Tensor) -> None:
-        t = local(t)
+        t = local_tensor(t)
         # The storage's C pointer: a DTensor makes a new local tensor object on every call.
         key = (storage_id(t), t.storage_offset())
         if key in seen:

@@ -41,13 +41,26 @@ _meta_cache: dict[tuple, TensorMeta] = {}
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process stores for `t`: a DTensor's local shard (FSDP2's and tensor
     parallelism's parameters, their gradients and optimizer state, whose own shape and storage
-    are the full tensor's, a storage that holds no memory), else `t`. Read through DTensor's
-    public `to_local()`, under no_grad, where it hands back its local tensor without an op."""
+    are the full tensor's, a storage that holds no memory), else `t`. Read as the subclass's
+    one inner tensor, not through `to_local()`: on a parameter, some builds' `to_local()` makes
+    a view to mark it one, an op of its own through every dispatch mode on each read."""
     to_local = getattr(t, "to_local", None)
-    if not callable(to_local) or not hasattr(t, "placements"):
+    if not hasattr(t, "placements") or not callable(to_local):
         return t
+    inner = inner_tensors(t)
+    if len(inner) == 1:
+        return inner[0]
     with torch.no_grad():
         return to_local()
+
+
+def dtensor_layout(t: torch.Tensor) -> tuple[int, tuple] | None:
+    """A DTensor's layout: its device mesh (by id) and its placements; None for any other
+    tensor."""
+    mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    return id(mesh), tuple(placements)
 
 
 # Tensor classes that wrap no other tensor: plain ones, parameters, and a predicted run's fake
