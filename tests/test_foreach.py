@@ -54,7 +54,7 @@ def test_per_entry_numbers_and_aliased_entries_are_part_of_the_kind(fake):
     full = torch.ops.aten._foreach_addcdiv.ScalarList(xs, gs, gs, steps)
     assert out is not foreach.NOT_THINNED
     assert [_described(t) for t in out] == [_described(t) for t in full]
-    kept, twin = foreach._kinds([xs, gs, gs, steps], len(xs))
+    kept, twin = foreach._kinds([xs, gs, gs, steps], len(xs), in_place=False)
     assert len(kept) == 3 * 2 + 1  # three tensor kinds in each number's half, and the head
     assert all(steps[i] == steps[twin[i]] for i in twin)
 
@@ -95,7 +95,7 @@ def test_fake_constants_are_always_run(fake):
     assert all(s.constant is not None for s in steps)
     assert foreach.thinned_call(torch.ops.aten._foreach_add_.Scalar, (steps, 1), {}) \
         is foreach.NOT_THINNED
-    kept, _ = foreach._kinds([steps], len(steps))
+    kept, _ = foreach._kinds([steps], len(steps), in_place=True)
     assert kept == list(range(12))
 
 

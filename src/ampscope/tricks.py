@@ -1,6 +1,6 @@
 """The speed tricks of a predicted run, and the one switch that turns them all off.
 
-A predicted run dispatches every op of the step on fake tensors. Six tricks give the same
+A predicted run dispatches every op of the step on fake tensors. Seven tricks give the same
 records in a fraction of the time by answering some ops without that dispatch
 (docs/how-it-works.md#the-speed-tricks has one index of them: what each saves, what it needs,
 how it falls back, which test holds it equal to the exact path):
@@ -13,6 +13,7 @@ how it falls back, which test holds it equal to the exact path):
 | `fake-cache` | other ops, from FakeTensorMode's own cache | the dispatch cache's internals |
 | `clone` | new fake tensors, by cloning a first one's attributes | FakeTensor's construction |
 | `prim-device` | C++ reads of a fake tensor's device | `FakeTensorMode.in_kernel_invocation` |
+| `fsdp-shard` | FSDP2's chunks of each parameter for the other ranks | `_fsdp_param._chunk_with_empty` |
 
 The exact path (`exact_path()`, `--exact`, `trace(exact=True)`) turns them all off. A trick
 whose detail this torch build lacks, or that behaves differently on it, is off by itself
@@ -37,6 +38,7 @@ class Trick(enum.Enum):
     FAKE_CACHE = "fake-cache"
     CLONE = "clone"
     PRIM_DEVICE = "prim-device"
+    FSDP_SHARD = "fsdp-shard"
 
 
 _exact: ContextVar[bool] = ContextVar("ampscope_exact_path", default=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import logging
 import multiprocessing
 import os
 import time
@@ -45,6 +46,9 @@ from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
 from ampscope.render.style import format_bytes
 from ampscope.torchcompat.distributed import no_fake_collectives
+from ampscope.tricks import exact_path
+
+log = logging.getLogger(__name__)
 
 # The most GPUs a tensor-parallel group spans: one machine of eight, as NVLink does.
 MAX_TP = 8
@@ -117,9 +121,9 @@ Family = tuple[int, bool]  # (tp, checkpointing)
 
 
 class _Search:
-    """The probes of one search and the plans they give. The probes are independent: they run
-    in worker processes forked from this one (a fork starts with torch imported and the model
-    built; each probe makes its own fake process group), one a core, or here where this
+    """The probes of one search and the plans they give. The families are independent: they
+    run in worker processes forked from this one (a fork starts with torch imported and the
+    model built; each probe makes its own fake process group), one a core, or here where this
     platform cannot fork."""
 
     def __init__(self, lm: LoadedModel, setting: Setting, policy: dict, gpus: int, depth: int,
@@ -127,13 +131,17 @@ class _Search:
         self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
         self.seq, self.optimizer, self.budget = seq, optimizer, budget
         self.parallel = Parallel("fsdp", gpus, **policy)
-        self.depths = PROBE_DEPTHS if depth > PROBE_DEPTHS[-1] else (depth,)
+        # Deepest first: its ops include every op of the shallower probe, whose shapes the
+        # caches then know.
+        self.depths = PROBE_DEPTHS[::-1] if depth > PROBE_DEPTHS[-1] else (depth,)
+        self.workers = 1
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def __enter__(self) -> _Search:
         _SEARCH[:] = [self]
         workers = min(os.cpu_count() or 1, MAX_WORKERS)
         if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            self.workers = workers
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("fork"))
         return self
@@ -150,16 +158,16 @@ class _Search:
         where it could change the answer: a plan that fits no batch of 2 or more gives at most
         dp × seq tokens at batch 1, no more than a plan that already fits."""
         say = on_probe or (lambda _: None)
-        first = self.traced([(f, 2) for f in families])
-        plans = {f: self.plan(f, first[f, 2], 2) for f in families}
-        say(f"  {len(families) * len(self.depths)} ranks traced at micro-batch 2")
-        fitting = [f for f in families if plans[f].fits]
-        second = self.traced([(f, 3) for f in fitting])
-        plans |= {f: self.plan(f, first[f, 2] + second[f, 3], 2) for f in fitting}
+        found = [row for rows in self._map(_families_job, self._groups(families))
+                 for row in rows]
+        plans = {family: plan for family, plan, _ in found}
+        say(f"  {sum(n for _, _, n in found)} ranks traced at micro-batches 2 and 3")
         most = max((p.tokens for p in plans.values() if p.fits), default=0)
         again = [f for f in families if not plans[f].fits and self.gpus // f[0] * self.seq > most]
-        third = self.traced([(f, 1) for f in again])
-        plans |= {f: self.plan(f, third[f, 1], 1) for f in again}
+        third = self._map(_probe_job, [(f, d, 1) for f in again for d in self.depths])
+        for k, f in enumerate(again):
+            n = len(self.depths)
+            plans[f] = self.plan(f, third[k * n:(k + 1) * n], 1)
         for f in families:
             p = plans[f]
             say(f"  {p.name}: " + (
@@ -167,25 +175,50 @@ class _Search:
                 else f"does not fit at micro-batch {p.searched_from}"))
         return [plans[f] for f in families]
 
-    def traced(self, asks: list[tuple[Family, int]]) -> dict[tuple[Family, int], list[Probe]]:
-        """For each (family, micro-batch) asked, its probes at the probe depths."""
-        jobs = [(tp, checkpoint, d, b) for (tp, checkpoint), b in asks for d in self.depths]
-        done: list[Probe] | None = None
+    def _groups(self, families: list[Family]) -> list[list[Family]]:
+        """The jobs for the workers. The families of one tensor-parallel degree run the same
+        ops on the same shapes (checkpointing adds recomputation; a larger micro-batch changes
+        only the activations'), so one worker takes them all: the caches the first probe fills
+        (FakeTensorMode's, DTensor's sharding propagation, ampscope's own) answer most of the
+        others' ops, which a cold probe takes twice as long to run. One job per family where
+        there are fewer degrees than workers. Tensor-parallel jobs first: DTensor's sharding
+        propagation on every op makes them the longest, and the FSDP-only job fills in."""
+        by_tp: dict[int, list[Family]] = {}
+        for f in sorted(families, key=lambda f: (f[0] == 1, f[0])):
+            by_tp.setdefault(f[0], []).append(f)
+        groups = list(by_tp.values())
+        return groups if len(groups) >= self.workers else [[f] for f in families]
+
+    def _map(self, job: Callable, args: list) -> list:
+        """`job` of each of `args`, in the workers (or here)."""
         if self._pool is not None:
             try:
-                done = list(self._pool.map(_probe_job, jobs))
+                return list(self._pool.map(job, args))
             except Exception:
                 # A forked worker that cannot run a probe (autograd refuses to run backward
                 # in a process forked after its threads started, as in a long-lived caller):
                 # this process runs them, and raises what they raise.
                 self._pool.shutdown(cancel_futures=True)
                 self._pool = None
-        if done is None:
-            done = [_probe_job(job) for job in jobs]
-        out: dict[tuple[Family, int], list[Probe]] = {}
-        for (tp, checkpoint, _, b), probe in zip(jobs, done, strict=True):
-            out.setdefault(((tp, checkpoint), b), []).append(probe)
-        return out
+        return [job(a) for a in args]
+
+    def family_plan(self, family: Family) -> tuple[Family, Plan, int]:
+        """The family's plan from its probes at micro-batch 2, and 3 where 2 fits; with the
+        number of ranks traced."""
+        low, high = PROBE_BATCHES
+        probes = [self.probe(family, d, low) for d in self.depths]
+        plan = self.plan(family, probes, low)
+        if plan.fits:
+            probes += [self.probe(family, d, high) for d in self.depths]
+            plan = self.plan(family, probes, low)
+        return family, plan, len(probes)
+
+    def probe(self, family: Family, depth: int, batch: int) -> Probe:
+        """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
+        tp, checkpoint = family
+        with _fake_group(self.gpus):
+            return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth,
+                          batch, self.seq, self.optimizer, checkpoint)
 
     def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
         """The family's largest micro-batch from `start` (every batch from its probes' two,
@@ -204,12 +237,12 @@ class _Search:
 _SEARCH: list[_Search] = []
 
 
-def _probe_job(job: tuple[int, bool, int, int]) -> Probe:
-    search = _SEARCH[0]
-    tp, checkpoint, depth, batch = job
-    with _fake_group(search.gpus):
-        return _probe(search.lm, search.setting, search.parallel, search.gpus // tp, tp, depth,
-                      batch, search.seq, search.optimizer, checkpoint)
+def _families_job(families: list[Family]) -> list[tuple[Family, Plan, int]]:
+    return [_SEARCH[0].family_plan(f) for f in families]
+
+
+def _probe_job(job: tuple[Family, int, int]) -> Probe:
+    return _SEARCH[0].probe(*job)
 
 
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
@@ -217,7 +250,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ampscope.distributed.step import rank_step
+    from ampscope.distributed.step import ShardTrickFailed, rank_step
     from ampscope.runtime.predict import fake_mode
 
     lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
@@ -230,8 +263,15 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
         plan = tensor_parallel_plan(lm.module, tp)[0]
         assert plan is not None  # (only splittable plans are probed)
         prepare = _parallelized(plan, mesh["tp"])
-    report = rank_step(lm, parallel, setting, data, optimizer=optimizer, fake=fake_mode(),
-                       mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
+    try:
+        report = rank_step(lm, parallel, setting, data, optimizer=optimizer, fake=fake_mode(),
+                           mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
+    except ShardTrickFailed as failed:
+        log.info("the fsdp-shard trick failed on this torch build (%s): the rank is traced "
+                 "on the exact path", failed)
+        with exact_path():  # a speed trick's failure, never the user's: a fresh copy, exactly
+            return _probe(model, setting, parallel, dp, tp, depth, batch, seq, optimizer,
+                          checkpoint)
     assert report is not None and report.trace is not None
     trace = report.trace
     phases = [str(o.phase) for o in trace.ops]

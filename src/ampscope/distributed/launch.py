@@ -15,6 +15,7 @@ shapes and dtypes and returns at once, so rank 0 of 512 runs as fast as rank 0 o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -31,6 +32,8 @@ from ampscope.errors import AmpscopeError
 from ampscope.precision import Setting, parse_setting, resolve_device
 from ampscope.records import SettingRecord, Trace
 from ampscope.workloads import RunOptions
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 120.0  # seconds for the whole job, start-up included
 
@@ -143,10 +146,11 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     it holds after one train step and every collective it issues, for any model size."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ampscope.distributed.step import rank_step
+    from ampscope.distributed.step import ShardTrickFailed, rank_step
     from ampscope.models import registry
     from ampscope.runtime.predict import fake_mode
     from ampscope.torchcompat.distributed import fake_store, no_fake_collectives
+    from ampscope.tricks import exact_path
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)
     if dist.is_initialized():
@@ -165,8 +169,18 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
         # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
         mesh = init_device_mesh("cpu", (parallel.world_size,)) if parallel.strategy == "fsdp" \
             else None
-        report = rank_step(lm, parallel, s, data, optimizer=optimizer, fake=fake_mode(),
-                           mesh=mesh)
+        try:
+            report = rank_step(lm, parallel, s, data, optimizer=optimizer, fake=fake_mode(),
+                               mesh=mesh)
+        except ShardTrickFailed as failed:
+            log.info("the fsdp-shard trick failed on this torch build (%s): the rank is traced "
+                     "on the exact path", failed)
+            # A speed trick's failure, never the user's: the rank again, exactly, on a fresh
+            # model (the first is sharded in part).
+            lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
+            with exact_path():
+                report = rank_step(lm, parallel, s, data, optimizer=optimizer,
+                                   fake=fake_mode(), mesh=mesh)
     finally:
         dist.destroy_process_group()
     assert report is not None

@@ -20,11 +20,13 @@ from ampscope.distributed.capture import DistributedCapture
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport
 from ampscope.models.base import LoadedModel
+from ampscope.patches import patched
 from ampscope.precision import Setting, applied
 from ampscope.records import dtype_name
 from ampscope.runtime.predict import check_matmul_dtypes, fake_batch, predicting
-from ampscope.torchcompat.distributed import compress_hook
+from ampscope.torchcompat.distributed import compress_hook, rank_chunks_patch
 from ampscope.torchcompat.fake import fake_mode_suspended
+from ampscope.tricks import Trick, enabled
 
 
 def compressed_allreduce(dtype: torch.dtype, bucket):
@@ -35,15 +37,31 @@ def compressed_allreduce(dtype: torch.dtype, bucket):
     return compress_hook(dtype, bucket)
 
 
-def wrap(model: nn.Module, parallel: Parallel, mesh=None) -> nn.Module:
-    """The model as the job runs it; FSDP2 shards in place, DDP returns its wrapper."""
+class ShardTrickFailed(Exception):
+    """`fully_shard` raised while the `fsdp-shard` trick answered FSDP2's chunking: the caller
+    runs the rank again on the exact path, on a fresh copy of the model (this one is sharded
+    in part)."""
+
+
+def wrap(model: nn.Module, parallel: Parallel, mesh=None, *, predicted: bool = False
+         ) -> nn.Module:
+    """The model as the job runs it; FSDP2 shards in place, DDP returns its wrapper. A
+    `predicted` rank's FSDP2 makes only the chunks of each parameter it reads (the `fsdp-shard`
+    trick), not one per rank of the mesh."""
     if parallel.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         policy = parallel.fsdp_policy()
-        for block in workloads.repeated_blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        trick = rank_chunks_patch() if predicted and enabled(Trick.FSDP_SHARD) else None
+        with patched(*trick) if trick is not None else contextlib.nullcontext():
+            try:
+                for block in workloads.repeated_blocks(model):
+                    fully_shard(block, mesh=mesh, mp_policy=policy)
+                fully_shard(model, mesh=mesh, mp_policy=policy)
+            except Exception as e:
+                if trick is not None:
+                    raise ShardTrickFailed(str(e)) from e
+                raise
         return model
     ddp = nn.parallel.DistributedDataParallel(model)
     if parallel.reduce_dtype not in (None, torch.float32):
@@ -71,7 +89,8 @@ def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict
         # real ranks: out of the fake mode (the fake parameters keep theirs).
         with fake_mode_suspended() if prepare is not None and fake is not None \
                 else contextlib.nullcontext():
-            model = lm.module if ddp_predicted else wrap(lm.module, parallel, mesh)
+            model = lm.module if ddp_predicted else wrap(lm.module, parallel, mesh,
+                                                         predicted=fake is not None)
         run_lm = dataclasses.replace(lm, module=model)
         data = fake_batch(batch, fake) if fake is not None else batch
         run = DistributedCapture(model, name=lm.name, parallel=parallel,

@@ -14,14 +14,23 @@ An op is thinned only when that holds by construction: its per-entry arguments a
 tensors or numbers, the rest are shared by every entry (a number, a 0-dim tensor), it returns a
 list of tensors or nothing, no entry holds a fake constant (a CPU scalar whose value fake mode
 follows, like Adam's `step` counters, which the optimizer reads back), and the results of the
-entries it ran are new tensors of their own. Otherwise it runs as usual.
+entries it ran are new tensors of their own. Otherwise it runs as usual. Over DTensors (a
+predicted FSDP2 or tensor-parallel rank's optimizer) only in-place ops are thinned, where each
+entry's DTensors lie alike and none holds a pending reduction: their local op then issues no
+collective that a skipped entry would have.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ampscope.recorders.tensors import described, fake_from, no_torch_function
+from ampscope.recorders.tensors import (
+    described,
+    dtensor_layout,
+    fake_from,
+    local_tensor,
+    no_torch_function,
+)
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.fake import FakeTensor, required_storage_length
 from ampscope.torchcompat.ops import FOREACH_PREFIX
@@ -36,7 +45,7 @@ _LISTS = ("List[Tensor]", "List[number]", "List[float]", "List[int]", "List[Opti
 class _Shape:
     """Which arguments of one foreach overload are per entry, and whether it can be thinned."""
 
-    __slots__ = ("op", "names", "per_entry", "tensor_args", "thinnable")
+    __slots__ = ("op", "names", "per_entry", "tensor_args", "thinnable", "in_place")
 
     def __init__(self, func: OpOverload) -> None:
         self.op = func  # held: shapes are looked up by the op's id
@@ -48,6 +57,7 @@ class _Shape:
         self.tensor_args = {n for n, t in zip(self.names, types, strict=True)
                             if t in ("Tensor", "Optional[Tensor]")}
         self.thinnable = bool(self.per_entry) and returns in ([], ["List[Tensor]"])
+        self.in_place = returns == []
 
 
 _shapes: dict[int, _Shape] = {}
@@ -77,7 +87,7 @@ def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
         t = bound.get(name)
         if isinstance(t, torch.Tensor) and t.dim() != 0:
             return NOT_THINNED  # per-entry values in one tensor (addcdiv's `scalars`)
-    kept, twin = _kinds(list(lists.values()), n)
+    kept, twin = _kinds(list(lists.values()), n, shape.in_place)
     if kept is None or len(kept) * 2 > n:
         return NOT_THINNED
     reduced = {name: type(v)(v[i] for i in kept) for name, v in lists.items()}
@@ -94,14 +104,14 @@ def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
     return type(out)(full) if isinstance(out, tuple) else full
 
 
-def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
+def _kinds(lists: list, n: int, in_place: bool) -> tuple[list[int] | None, dict[int, int]]:
     """The first entry of each kind, and for every other entry the kept entry it is like."""
     kept: list[int] = []
     first: dict[object, int] = {}  # by kind (`_kind`'s tuple)
     twin: dict[int, int] = {}
     with no_torch_function():
         for i, entry in enumerate(zip(*lists, strict=True)):
-            key = _kind(entry)
+            key = _kind(entry, in_place)
             if key is _NOT_FAKE:
                 return None, {}
             if key is None:
@@ -118,21 +128,36 @@ def _kinds(lists: list, n: int) -> tuple[list[int] | None, dict[int, int]]:
 _NOT_FAKE = object()  # an entry holding a tensor that is not fake: no entry is thinned
 
 
-def _kind(entry: tuple) -> tuple | object | None:
+def _kind(entry: tuple, in_place: bool) -> tuple | object | None:
     """What makes one entry's results what they are: each tensor's metadata and which of the
     entry's arguments it is the same object as (x, grad, grad), and each other value. None for
     an entry holding a fake constant (fake mode follows its value: always run it), `_NOT_FAKE`
-    for one holding a tensor that is not fake."""
+    for one holding a tensor that is not fake, or a DTensor where it cannot be thinned."""
     key: list[tuple] = []
+    spec = None
     for at, v in enumerate(entry):
         if isinstance(v, torch.Tensor):
+            local = local_tensor(v)
+            if local is not v:
+                # A DTensor (FSDP2's and tensor parallelism's optimizer step): thinned only in
+                # place, where a skipped entry would make no result, and only where all of the
+                # entry's DTensors lie alike and none holds a pending reduction — a pointwise op
+                # then runs on the local shards without a collective, which a skipped entry
+                # would otherwise have issued.
+                layout = dtensor_layout(v)
+                if not in_place or layout is None or spec not in (None, layout) or any(
+                        p.is_partial() for p in layout[1]):
+                    return _NOT_FAKE
+                spec = layout
+                key.append((type(v), v.shape, v.stride(), spec))
+                v = local
             if not isinstance(v, FakeTensor):
                 return _NOT_FAKE
             if v.constant is not None:
                 return None
             same = at  # the first of the entry's arguments that is this very tensor
             for before in range(at):
-                if entry[before] is v:
+                if entry[before] is v or local_tensor(entry[before]) is v:
                     same = before
                     break
             key.append((type(v), v.dtype, v.shape, v.stride(), v.storage_offset(),

@@ -1,7 +1,10 @@
 """Distributed details: the collectives' op names, c10d's implementation module, the fake process
-group's store, DDP's compression hook, storage ids."""
+group's store, DDP's compression hook, storage ids, FSDP2's per-rank chunking."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,6 +98,92 @@ def no_fake_collectives(what: str) -> str | None:
             "run --nproc N` without --predict, up to 8), or use torch 2.11 or later")
 
 
+def fsdp_param_module():
+    """FSDP2's `_fsdp_param`, where each FSDPParam cuts its parameter into one chunk per rank
+    with `_chunk_with_empty` (imported there by name); None on a build without it."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        return None
+    return _fsdp_param if callable(getattr(_fsdp_param, "_chunk_with_empty", None)) else None
+
+
+class RankChunks(Sequence):
+    """What `_chunk_with_empty(tensor, n, dim)` returns — `torch.chunk`'s chunks of `tensor`
+    along `dim`, then empty tensors up to n — with each chunk made when it is first read, as
+    the same view `torch.chunk` makes (`narrow`). FSDPParam reads two of them, its rank's and
+    the first; on fake tensors each chunk made is a dispatch through FakeTensorMode, and a
+    64-rank mesh made 64 of them for every parameter, twice."""
+
+    def __init__(self, tensor: torch.Tensor, chunks: int, dim: int) -> None:
+        size = tensor.size(dim)
+        self._tensor, self._n, self._dim, self._size = tensor, chunks, dim, size
+        self._step = -(-size // chunks)  # torch.chunk's: ceil(size / n), the last shorter
+        self._real = -(-size // self._step)  # the chunks before the empty ones
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n))]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError(index)
+        if i not in self._made:
+            if i < self._real:
+                start = i * self._step
+                self._made[i] = self._tensor.narrow(self._dim, start,
+                                                    min(self._step, self._size - start))
+            else:
+                self._made[i] = self[0].new_empty(0)
+        return self._made[i]
+
+
+def rank_chunks(original: Callable) -> Callable:
+    """`_chunk_with_empty` answering with RankChunks (`original` for an empty dimension, which
+    torch.chunk cuts otherwise)."""
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int):
+        if tensor.size(dim) == 0 or num_chunks < 1:
+            return original(tensor, num_chunks, dim)
+        return RankChunks(tensor, num_chunks, dim)
+
+    return chunk_with_empty
+
+
+def rank_chunks_patch() -> tuple[object, str, Callable] | None:
+    """What the `fsdp-shard` trick replaces, and with what: (FSDP2's `_fsdp_param`,
+    "_chunk_with_empty", its RankChunks answer); None on a build without it."""
+    module = fsdp_param_module()
+    if module is None:
+        return None
+    return module, "_chunk_with_empty", rank_chunks(module._chunk_with_empty)
+
+
+@functools.cache
+def rank_chunks_status() -> tuple[bool, str]:
+    """Whether FSDP2's chunking can be answered by RankChunks here: the function is where it is
+    expected, and on a few shapes each chunk equals torch's (size, strides, offset)."""
+    module = fsdp_param_module()
+    if module is None:
+        return False, "FSDP2's _fsdp_param._chunk_with_empty is not on this build"
+    original = module._chunk_with_empty
+    lazy = rank_chunks(original)
+    try:
+        for shape, n, dim in (((10, 3), 4, 0), ((3,), 8, 0), ((65, 2), 64, 0), ((4, 6), 3, 1)):
+            t = torch.zeros(shape)
+            theirs, ours = original(t, n, dim), lazy(t, n, dim)
+            if len(theirs) != len(ours) or any(
+                    (a.shape, a.stride(), a.storage_offset()) != (b.shape, b.stride(),
+                                                                  b.storage_offset())
+                    for a, b in zip(theirs, ours, strict=True)):
+                return False, "FSDP2's _chunk_with_empty cuts differently on this build"
+    except Exception as e:  # noqa: BLE001 - a changed signature: the trick is off
+        return False, f"FSDP2's _chunk_with_empty cannot be called as expected ({e})"
+    return True, "FSDP2's _fsdp_param._chunk_with_empty"
+
+
 def features() -> list[Feature]:
     try:
         fake_store()
@@ -102,7 +191,8 @@ def features() -> list[Feature]:
     except Exception as e:  # not built with distributed support
         ok, why = False, f"not on this build ({type(e).__name__})"
     collectives = fake_collectives()
-    return [Feature("fake process group", ok, why),
+    return [Feature("FSDP2 per-rank chunks", *rank_chunks_status(), "fsdp-shard"),
+            Feature("fake process group", ok, why),
             Feature("collectives on fake tensors", collectives,
                     "c10d's Meta kernels" if collectives else
                     "not on this build: no rank can be predicted (run --nproc --predict, "

@@ -316,6 +316,10 @@ def status(trick: str) -> tuple[bool, str]:
         ok = kernel_invocation_flag()
         return ok, "FakeTensorMode.in_kernel_invocation, FakeTensor.fake_device" if ok else \
             "FakeTensorMode.in_kernel_invocation is not on this build"
+    if trick == "fsdp-shard":
+        from ampscope.torchcompat.distributed import rank_chunks_status
+
+        return rank_chunks_status()
     return True, "needs no private detail"
 
 
