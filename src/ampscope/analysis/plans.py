@@ -3,9 +3,9 @@
 `ampscope fit --gpus N` (api/plans.py) traces rank 0 of a plan — FSDP2 over `dp` ranks,
 tensor parallelism over `tp`, activation checkpointing or not — on fake tensors and PyTorch's
 fake process group, at a reduced depth (the model's first 2 and 3 repeated blocks) and
-micro-batches 1 and 2. What is pure lives here: the rules that take those four probes to the
-full depth and any micro-batch, the search over micro-batches, and the report with its JSON
-(`ampscope.plans/1`).
+micro-batches 2 and 3 (1 on its own). What is pure lives here: the rules that take those
+probes to the full depth and any micro-batch, the search over micro-batches, and the report
+with its JSON (`ampscope.plans/1`).
 
 The rules:
 
@@ -61,7 +61,7 @@ class Probe:
 
 
 class Rule:
-    """Each phase's peak of a plan at any depth and micro-batch, from its four probes."""
+    """Each phase's peak of a plan at any depth and micro-batch, from its probes."""
 
     def __init__(self, probes: list[Probe], rounded: bool) -> None:
         """`probes`: at each depth, two micro-batches (any batch derived) or one (that batch

@@ -3,10 +3,11 @@
 Each plan family — FSDP2 over dp = N / tp ranks, tensor parallelism over tp, activation
 checkpointing or not — is traced as rank 0 of N on fake tensors and PyTorch's fake process
 group, as `trace --distributed fsdp --predict` traces one: the model built on the meta
-device, FSDP2 on every repeated block and the root, the same train step. Four probes a family,
-at the model's first 2 and 3 blocks and micro-batches 1 and 2; analysis/plans.py derives every
-depth and batch from them. The probes run in this process, one fake process group for all
-(a process group of its own: the command refuses to run where one is initialised).
+device, FSDP2 on every repeated block and the root, the same train step. Its probes are the
+model's first 3 and 2 blocks at micro-batch 2, and 3 where 2 fits; analysis/plans.py derives
+every depth and batch from them. The families of one tensor-parallel degree are one job for a
+worker process forked from this one (here where this platform cannot fork), each probe with a
+fake process group of its own (the command refuses to run where one is initialised).
 """
 
 from __future__ import annotations
