@@ -56,6 +56,11 @@ def test_fsdp2_by_tensor_parallel_on_four_ranks(device, tmp_path, capsys):
             ("all_reduce", "forward", "bfloat16", 2 * 32 * 64 * 2): 4,
             ("all_reduce", "backward", "bfloat16", 2 * 32 * 64 * 2): 8,
         }
+        # What a rank sends, by the ring factors of its group's size: 2 for every collective
+        # of a 2 × 2 mesh (dp for FSDP2's, tp for the all-reduces), not the world's 4.
+        for c in rank["collectives"]:
+            sent = c["payload_bytes"] if c["kind"] == "all_reduce" else c["payload_bytes"] // 2
+            assert c["wire_bytes"] == sent, c
         shard = (2 * BLOCK + ROOT) // 2
         assert rank["held"] == {"parameter": {"float32": 4 * shard},
                                 "gradient": {"float32": 4 * shard},
@@ -102,3 +107,21 @@ def test_a_tensor_parallel_rank_counts_the_flops_of_its_own_shards():
         assert [tuple(m.shape) for m in by_module["blocks.0.attn.q"].inputs] == [(64, 64),
                                                                                   (64, 32)]
         assert sum(o.flops for o in forward) == 2 * 3_145_728 + 2_097_152
+
+
+def test_a_tensor_parallel_all_reduce_is_counted_over_its_own_group():
+    """At 8 ranks, dp 4 × tp 2: each collective's record keeps its process group's size, and
+    its wire bytes follow it — an all-reduce over tp sends 2·(2−1)/2 of its payload, FSDP2's
+    gathers over dp (4−1)/4 of theirs — where the world's 8 would say 2·7/8 and 7/8."""
+    from ampscope.distributed.report import collectives
+    from ampscope.script.predicted_ranks import predict_ranks
+
+    _, traces, _ = predict_ranks(str(EXAMPLE), ["--tp=2", "--steps=1"], 8, device="cuda")
+    trace = traces[0]
+    groups = Counter((o.op.split(".")[1], o.group) for o in trace.ops if o.group is not None)
+    # (The 12 scatters are tensor parallelism's, as parallelize_module shards the weights.)
+    assert groups == {("all_reduce", 2): 12, ("scatter_", 2): 12, ("_allgather_base_", 4): 5,
+                      ("_reduce_scatter_base_", 4): 3}
+    for c in collectives(trace.ops, 8):
+        factor = (2, 2) if c.kind == "all_reduce" else (3, 4)
+        assert c.wire_bytes == c.payload_bytes * factor[0] // factor[1], c

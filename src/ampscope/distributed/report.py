@@ -77,9 +77,10 @@ def collective(o: OpCall, world_size: int) -> Collective | None:
     and the input among its arguments: the whole and one shard (`_allgather_base_`,
     `_reduce_scatter_base_`: the whole is the larger, and the ratio is the group's size), or N
     shards and the whole, N + 1 parts of one size (the whole is N of them); a functional one
-    returns its output. The group is read off the shapes, not taken to be the world: FSDP2 on
-    the `dp` dimension of a 2-D mesh gathers over a group smaller than the world. An
-    all-reduce's group is not in its shapes: its wire bytes assume the world."""
+    returns its output. The group's size is the one the op was recorded with (its process
+    group's: FSDP2 on the `dp` dimension of a 2-D mesh gathers over a group smaller than the
+    world, tensor parallelism all-reduces over the `tp` one); in a trace that lacks it, a gather's
+    or a scatter's is read off its shapes, and any other's is taken to be the world."""
     kind = collective_kind(o.op)
     if kind is None or not o.inputs:
         return None
@@ -95,6 +96,7 @@ def collective(o: OpCall, world_size: int) -> Collective | None:
             payload, group = given - given // len(sizes), max(1, len(sizes) - 1)
     else:
         payload = given
+    group = o.group or group
     wire = int(payload * _wire_factor(kind, group))
     return Collective(o.index, o.op, kind, o.phase, o.module, o.inputs[0].dtype, payload, wire)
 

@@ -39,6 +39,7 @@ from ampscope.records import (
     OpCall,
     Phase,
 )
+from ampscope.torchcompat import distributed as c10d_names
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
@@ -61,7 +62,7 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick", "precision")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick", "precision", "collective")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -77,6 +78,8 @@ class _OpFacts:
         self.flops = flop_formula(func)
         # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
         self.precision = matmul.precision_kind(self.name)
+        # A collective, whose process group's size the record keeps.
+        self.collective = func.namespace in c10d_names.NAMESPACES
         # The speed trick that may answer it on fake tensors (tricks.py), as its place in
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
@@ -203,6 +206,8 @@ class OpRecorder(UncompiledDispatchMode):
                 self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
                 None if facts.precision is None else self._fp32_precision(facts.precision,
                                                                           inputs),
+                c10d_names.collective_group_size(func, args, kwargs) if facts.collective
+                else None,
             ))
             if self._progress is not None:
                 self._progress.op(index + 1, phase)

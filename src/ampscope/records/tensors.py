@@ -161,6 +161,9 @@ class OpCall:
     # had when it ran ("ieee", "tf32", "bf16": `torch.backends.<backend>.fp32_precision`, which
     # `torch.set_float32_matmul_precision` and `allow_tf32` set too). None for other ops.
     fp32_precision: str | None = None
+    # For a collective (c10d's ops): how many ranks its process group holds, which a tensor-
+    # parallel all-reduce's shapes do not tell. None for other ops.
+    group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

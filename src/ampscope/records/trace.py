@@ -142,7 +142,7 @@ class Trace:
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
-                       tuple(o.get("in_data", ())), o.get("fp32_precision"))
+                       tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -212,7 +212,7 @@ def _op(o: OpCall) -> dict:
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
             "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data),
-            "fp32_precision": o.fp32_precision}
+            "fp32_precision": o.fp32_precision, "group": o.group}
 
 
 def _call(c: FunctionCall) -> dict:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ampscope.torchcompat.dispatch import op_schema
 from ampscope.torchcompat.features import Feature
 
 # The collectives' ops as the dispatcher shows them (c10d's in-place ops, some under underscored
@@ -62,6 +63,32 @@ def compress_hook(dtype: torch.dtype, bucket):
 
     # None is the default group: torch's body handles it, its annotation says ProcessGroup only.
     return _compress_hook(dtype, None, bucket)  # type: ignore[arg-type]
+
+
+def collective_group_size(func, args: tuple, kwargs: dict) -> int | None:
+    """How many ranks a collective op runs over: its `process_group` argument's size (c10d's
+    in-place ops), or that of the group its `group_name` names (the functional ones); None
+    where the op names neither or this build cannot say."""
+    import torch.distributed as dist
+
+    try:
+        names = [a.name for a in op_schema(func).arguments]
+        for name, read in (("process_group", _unboxed_size), ("group_name", _named_size)):
+            if name in names:
+                at = names.index(name)
+                value = args[at] if at < len(args) else kwargs.get(name)
+                return read(dist, value) if value is not None else None
+    except Exception:  # noqa: BLE001 - a changed signature: the size is not known
+        return None
+    return None
+
+
+def _unboxed_size(dist, group) -> int:
+    return dist.ProcessGroup.unbox(group).size()
+
+
+def _named_size(dist, name: str) -> int:
+    return dist.distributed_c10d._resolve_process_group(name).size()
 
 
 def storage_id(t: torch.Tensor) -> int:
