@@ -45,6 +45,7 @@ from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
     OpOverload,
 )
+from ampscope.torchcompat.distributed import collective_group_size as group_size
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
@@ -206,8 +207,7 @@ class OpRecorder(UncompiledDispatchMode):
                 self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
                 None if facts.precision is None else self._fp32_precision(facts.precision,
                                                                           inputs),
-                c10d_names.collective_group_size(func, args, kwargs) if facts.collective
-                else None,
+                group_size(func, args, kwargs) if facts.collective else None,
             ))
             if self._progress is not None:
                 self._progress.op(index + 1, phase)
