@@ -45,7 +45,7 @@ def test_predicted_two_ranks_equal_the_real_run(text, tmp_path, capsys):
 
 
 def test_every_rank_of_four_checked(tmp_path, capsys):
-    """The claim behind running only ranks 0 and N-1, checked on all four ranks: under DDP
+    """The claims behind running only some ranks, checked on all four ranks: under DDP
     every rank equals rank 0; under FSDP2 Linear(8, 2)'s two rows go to ranks 0 and 1 only."""
     script = _script(tmp_path, FREE_FSDP2)
     out = tmp_path / "all.json"
@@ -74,8 +74,12 @@ def test_every_rank_of_four_checked(tmp_path, capsys):
     assert "Every rank ran; their records are identical." in document["notes"]
 
 
-@pytest.mark.parametrize("nproc", [64, 512])
-def test_large_jobs_run_two_ranks(nproc, tmp_path, capsys):
+@pytest.mark.parametrize("nproc", [8, 64, 512])
+def test_large_jobs_run_one_rank_of_each_role(nproc, tmp_path, capsys):
+    """Linear(4, 8) and Linear(8, 2) under FSDP2: by hand, ranks 0-1 hold one row of each
+    parameter, ranks 2-7 one row of the first layer's only, every later rank none — three
+    roles. Their first ranks run, and the last; every other rank is taken to be the first of
+    its role. At 8 ranks every rank also runs (`--all-ranks`), and each equals its role's."""
     script = _script(tmp_path, FREE_FSDP2)
     out = tmp_path / "big.json"
     code, _, err = _ampscope(capsys, "--nproc", str(nproc), "--predict", "--device", "cuda",
@@ -84,17 +88,32 @@ def test_large_jobs_run_two_ranks(nproc, tmp_path, capsys):
     document = _validated(out)
     assert document["parallel"]["world_size"] == nproc and len(document["ranks"]) == nproc
     ran = [r["rank"] for r in document["ranks"] if r["ran"]]
-    assert ran == [0, nproc - 1]
-    facts = dict((f[0], f[1:]) for f in _facts(document))
-    # Rank 0 holds one row of each parameter (14 values), the last rank none (every row is
-    # taken by ranks 0-7): their records differ, so the others are not run and not claimed.
-    assert facts[0][1] == {"float32": 14 * 4} and facts[nproc - 1][1] == {"float32": 0}
-    assert all(r["same_as"] is None for r in document["ranks"])
+    assert ran == [0, 2, nproc - 1] if nproc == 8 else [0, 2, 8, nproc - 1]
+    role = {k: 0 if k < 2 else 2 if k < 8 else 8 for k in range(nproc)}
+    assert [r["same_as"] for r in document["ranks"]] == [
+        None if r["ran"] else role[r["rank"]] for r in document["ranks"]]
+    facts = {f[0]: f[1:] for f in _facts(document)}
+    held = {0: 14 * 4, 2: 5 * 4, 8: 0}  # by role
+    assert {k: f[1] for k, f in facts.items()} == {k: {"float32": held[role[k]]} for k in facts}
     for calls, _ in facts.values():
-        # Both all-gather N padded one-row shards in bf16: (4 + 1)·N·2 and (8 + 1)·N·2 bytes.
+        # Every rank all-gathers N padded shards in bf16: (4 + 1)·ceil(8/N)·N·2 and
+        # (8 + 1)·ceil(2/N)·N·2 bytes.
         assert [c[3] for c in calls if c[:2] == ("all_gather", "forward")] == [
-            5 * nproc * 2, 9 * nproc * 2]
+            5 * -(-8 // nproc) * nproc * 2, 9 * nproc * 2]
         assert {c[2] for c in calls if c[0] == "reduce_scatter"} == {"float32"}
+    notes = " ".join(document["notes"])
+    assert "taken to be the first of its role: rank 0 for 1, rank 2 for " in notes
+    if nproc == 8:
+        every = tmp_path / "every.json"
+        code, _, err = _ampscope(capsys, "--nproc", "8", "--predict", "--all-ranks", "--device",
+                                 "cuda", "--json", str(every), str(script), "cuda")
+        assert code == 0, err
+        checked = _validated(every)
+        facts = {f[0]: f[1:] for f in _facts(checked)}
+        assert sorted(facts) == list(range(8))
+        assert all(facts[k] == facts[role[k]] for k in facts)
+        assert "each one's record equals that of the first rank of its role" in " ".join(
+            checked["notes"])
 
 
 def test_an_unmodified_nccl_script_runs_predicted(tmp_path, capsys):

@@ -162,7 +162,8 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
 
 
 def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
-    """`run --nproc N --predict`: ranks 0 and N-1 (or every rank) predicted; the report, the
+    """`run --nproc N --predict`: one rank of each role and rank N-1 (or every rank) predicted;
+    the report, the
     traces indexed by rank (a rank not run shows the one it is taken to be), its JSON, and the
     run rank each other rank is taken to be (None: not known)."""
     from ampscope.script.predicted_ranks import DEFAULT_TIMEOUT, predict_ranks, predicted_dict

@@ -116,10 +116,11 @@ def _add_run(sub) -> None:
     run.add_argument("--nproc", dest="ranks", type=int, metavar="N",
                      help="run a torchrun-style script as N real ranks on this machine (1-8; "
                           "gloo, whatever backend it names) and add each rank's collectives; "
-                          "with --predict: N up to 4096, ranks 0 and N-1 predicted on "
-                          "PyTorch's fake process group")
+                          "with --predict: N up to 4096, predicted on PyTorch's fake process "
+                          "group: rank 0, the first rank of each role (ranks whose shards have "
+                          "the same shapes) and rank N-1")
     run.add_argument("--all-ranks", action="store_true",
-                     help="with --nproc N --predict: predict every rank, not ranks 0 and N-1 "
+                     help="with --nproc N --predict: predict every rank, not one of each role "
                           "(to check that the others are the same)")
     run.add_argument("--timeout", dest="job_timeout", type=float, metavar="SECONDS",
                      help="with --nproc: seconds the whole job may take (default: 300)")

@@ -24,6 +24,7 @@ from ampscope.records import (
     from_rows,
 )
 from ampscope.torchcompat import modules as module_state
+from ampscope.torchcompat.distributed import shard_shapes
 
 
 def parameter_names(model: nn.Module) -> dict[int, list[str]]:
@@ -70,6 +71,28 @@ def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
     `shape` is the full tensor's); None for an ordinary tensor."""
     local = local_tensor(t)
     return tuple(local.shape) if local is not t else None
+
+
+def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
+    """For each rank of a `world_size`-rank job, the lowest rank whose shard of every one of
+    `params` has the same shape (its role): ranks of one role hold alike, run the same ops on
+    the same shapes, and send the same collectives. [] where no parameter is a DTensor or
+    DTensor's own computation of a shard's shape is not on this build."""
+    layouts: dict[tuple, dict[int, tuple[int, ...]]] = {}
+    for p in params:
+        if local_tensor(p) is p:
+            continue
+        key = (id(p.device_mesh), tuple(p.placements), tuple(p.shape))  # type: ignore[attr-defined]
+        if key not in layouts:
+            shapes = shard_shapes(p)
+            if shapes is None:
+                return []
+            layouts[key] = shapes
+    if not layouts or world_size < 2:
+        return []
+    first: dict[tuple, int] = {}
+    return [first.setdefault(tuple(s.get(rank) for s in layouts.values()), rank)
+            for rank in range(world_size)]
 
 
 def buffers(model: nn.Module) -> list[BufferRecord]:

@@ -72,6 +72,10 @@ class Trace:
     storages: list[StorageRecord] = field(default_factory=list)  # memory: recorders/memory.py
     held: list[HeldRecord] = field(default_factory=list)  # KV caches, plain tensor attributes
     passes: list[PassRecord] = field(default_factory=list)  # the model's forward passes
+    # A rank of a distributed job whose parameters are sharded (DTensors): for every rank of
+    # the world, the lowest rank whose shard of each parameter has the same shape (its role;
+    # recorders/inventory.py). Empty otherwise.
+    rank_roles: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -95,6 +99,7 @@ class Trace:
             },
             "findings": [asdict(f) for f in self.findings],
             "storages": [_storage(s) for s in self.storages],
+            "rank_roles": list(self.rank_roles),
             "passes": [asdict(p) for p in self.passes],
         }
 
@@ -184,6 +189,7 @@ class Trace:
                       for i, s in enumerate(data.get("storages", []))],
             passes=[PassRecord(PassKind(p["kind"]), p["grad"], p["first_op"], p["end_op"],
                                p["tokens"]) for p in data.get("passes", [])],
+            rank_roles=list(data.get("rank_roles", [])),
         )
 
 

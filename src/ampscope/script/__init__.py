@@ -157,7 +157,7 @@ class _ScriptRun:
         self.capture = Capture(None, CaptureOptions(
             workload="script", findings=derive_findings, thin=predict,
             on_model_forward=self._count_forward, candidates=self.made, device=device,
-            op_check=check_matmul_dtypes if predict else None))
+            op_check=check_matmul_dtypes if predict else None, rank_roles=True))
         self.target = VirtualDevice(device) if emulated and device is not None else None
         self.emulation: Emulation | None = None  # entered with the virtual device
         self.fake = fake_mode() if predict else None

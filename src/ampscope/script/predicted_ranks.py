@@ -8,11 +8,16 @@ process group it makes is PyTorch's fake one (runtime/process_group.py's `FakeGr
 collective returns at once with its real shapes and dtypes, so no peer has to run and the
 ranks run one after another or side by side, as the cores allow.
 
-Which ranks run: rank 0 and rank N-1 (the last rank is where an uneven shard differs). Their
-records (parameter names, dtypes and shapes, what they hold, the collectives of their steps)
-are compared: equal, every other rank is taken to be the same as rank 0; different, every rank
-runs when N <= 16, and otherwise the two are reported and the others said not to have run.
-`all_ranks=True` runs every rank (to check the claim).
+Which ranks run: rank 0 and rank N-1 (the last rank is where an uneven shard differs). Rank 0
+says each rank's role (`Trace.rank_roles`): the ranks whose shard of every parameter has the
+same shape, as DTensor lays each one out by its mesh coordinates. The first rank of each role
+runs too (up to 16 roles), and where every rank run has the record of its role's first rank
+(parameter names, dtypes and shapes, what they hold, the collectives of their steps, the peak),
+every other rank is taken to be the first of its role. Without roles (no DTensor: DDP), or
+where a rank's record is not its role's (a script that gives ranks different data), the records
+of ranks 0 and N-1 are compared: equal, every other rank is taken to be the same as rank 0;
+different, every rank runs when N <= 16, and otherwise the two are reported and the others said
+not to have run. `all_ranks=True` runs every rank (to check the claim).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from ampscope.analysis.findings import plural
@@ -136,17 +142,43 @@ def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bo
     check_predicted_nproc(nproc)
     first = sorted({0, nproc - 1}) if not all_ranks else list(range(nproc))
     traces = run_predicted(target, argv, nproc, first, **options)
-    same = len({record(t, nproc) for t in traces.values()}) == 1
+    roles = traces[0].rank_roles if len(traces[0].rank_roles) == nproc else None
+    if roles is not None and not all_ranks and len(set(roles)) <= EVERY_RANK_UP_TO:
+        traces.update(run_predicted(target, argv, nproc,
+                                    sorted(set(roles) - set(traces)), **options))
+    records = {k: record(t, nproc) for k, t in traces.items()}
+    if roles is not None and set(roles) <= set(traces) and len(set(roles)) > 1 and all(
+            records[k] == records[roles[k]] for k in traces):
+        taken: dict[int, int | None] = {k: roles[k] for k in range(nproc) if k not in traces}
+        return _report(traces, target, nproc, False, _roles_note(traces, roles)), traces, taken
+    same = len(set(records.values())) == 1
     if not same and not all_ranks and nproc <= EVERY_RANK_UP_TO:
         traces.update(run_predicted(target, argv, nproc,
                                     [k for k in range(nproc) if k not in traces], **options))
         same = len({record(t, nproc) for t in traces.values()}) == 1
-    taken: dict[int, int | None] = {k: (0 if same else None)
-                                    for k in range(nproc) if k not in traces}
+    taken = {k: (0 if same else None) for k in range(nproc) if k not in traces}
     return _report(traces, target, nproc, same), traces, taken
 
 
-def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool) -> DistributedReport:
+def _roles_note(traces: dict[int, Trace], roles: list[int]) -> str:
+    """What the run ranks stand for, by role: the ranks whose shard of every parameter has
+    the same shape (as DTensor lays each one out) run alike."""
+    ran = sorted(traces)
+    firsts = sorted(set(roles))
+    stand = Counter(role for k, role in enumerate(roles) if k not in traces)
+    parts = [f"rank {r} for {stand[r]}" for r in firsts if stand[r]]
+    head = (f"Every rank ran; each one's record equals that of the first rank of its role "
+            f"({plural(len(firsts), 'role')}: ranks whose shard of every parameter has the same "
+            "shape).") if len(ran) == len(roles) else (
+        f"Ranks {', '.join(map(str, ran))} ran: the first of each of the "
+        f"{len(firsts)} roles (ranks whose shard of every parameter has the same shape, as "
+        "DTensor lays it out), and the last rank, whose record equals its role's. Each other "
+        f"rank is taken to be the first of its role: {', '.join(parts)}.")
+    return head
+
+
+def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool,
+            roles_note: str | None = None) -> DistributedReport:
     ranks = []
     for k, t in sorted(traces.items()):
         start = _step_start(t)
@@ -159,7 +191,9 @@ def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool) -> Di
              "weights, real data), each rank run in a process of its own on PyTorch's fake "
              "process group: every collective returns at once with its real shapes and dtypes."]
     others = nproc - len(ran)
-    if others and same:
+    if roles_note is not None:
+        notes.append(roles_note)
+    elif others and same:
         notes.append(f"Ranks {listed} ran and gave identical records; the "
                      f"other {others} are taken to be the same as rank 0: their shards are "
                      "the same size.")

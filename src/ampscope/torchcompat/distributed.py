@@ -4,6 +4,7 @@ group's store, DDP's compression hook, storage ids, FSDP2's per-rank chunking.""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,6 +90,43 @@ def _unboxed_size(dist, group) -> int:
 
 def _named_size(dist, name: str) -> int:
     return dist.distributed_c10d._resolve_process_group(name).size()
+
+
+def shard_shapes(t: torch.Tensor) -> dict[int, tuple[int, ...]] | None:
+    """For a DTensor, the shape of its local shard on every rank of its mesh's root mesh, as
+    DTensor itself works it out for a mesh coordinate (uneven and strided shards included). A
+    mesh sliced from a larger one (`mesh["dp"]`) holds only this rank's slice; each other rank
+    has the same slice through its own coordinates, read off the root mesh. None for another
+    tensor, or where this build does not work it out that way."""
+    mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    try:
+        from torch.distributed.tensor._utils import (
+            _compute_local_shape_and_global_offset as local_shape_at,
+        )
+
+        root = mesh._get_root_mesh()
+        mesh_shape = tuple(mesh.mesh.shape)
+        if root is mesh:
+            dims = list(range(len(mesh_shape)))
+        else:
+            names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+            if not names or not root_names or any(n not in root_names for n in names):
+                return None  # a flattened dimension: not one of the root's
+            dims = [root_names.index(n) for n in names]
+        layout = root.mesh.tolist()  # the rank at each coordinate
+        known: dict[tuple[int, ...], tuple[int, ...]] = {}
+        shapes = {}
+        for coordinate in itertools.product(*(range(n) for n in root.mesh.shape)):
+            mine = tuple(coordinate[d] for d in dims)
+            if mine not in known:
+                known[mine] = tuple(local_shape_at(tuple(t.shape), mesh_shape, list(mine),
+                                                   placements, skip_offset=True)[0])
+            shapes[int(functools.reduce(lambda row, i: row[i], coordinate, layout))] = known[mine]
+        return shapes
+    except Exception:  # noqa: BLE001 - a changed signature: the shapes are not known
+        return None
 
 
 def storage_id(t: torch.Tensor) -> int:
