@@ -73,6 +73,15 @@ def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(local.shape) if local is not t else None
 
 
+def job_roles(params: Iterable[torch.Tensor]) -> list[int]:
+    """`rank_roles` over the job of this process's default process group; [] without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    return rank_roles(params, dist.get_world_size())
+
+
 def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
     """For each rank of a `world_size`-rank job, the lowest rank whose shard of every one of
     `params` has the same shape (its role): ranks of one role hold alike, run the same ops on

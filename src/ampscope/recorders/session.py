@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -121,8 +120,7 @@ class CaptureOptions:
     runs), to find its model by a parameter when it never calls a module, only
     `module.forward(...)`; `on_model_forward`, called as each forward pass of the model begins
     (the runner bounds a run that never steps with it; it may raise to stop the run).
-    `device`: on a virtual device, the device the run is on. `rank_roles`: for a rank of a
-    distributed job, which ranks hold shards of the same shapes (`Trace.rank_roles`)."""
+    `device`: on a virtual device, the device the run is on. `rank_roles`: Trace.rank_roles."""
 
     model_name: str | None = None
     setting: SettingRecord | None = None
@@ -135,7 +133,6 @@ class CaptureOptions:
     on_model_forward: Callable[[], None] | None = None
     candidates: weakref.WeakSet[nn.Module] | None = None
     device: str | None = None
-    # A rank of a distributed job (a script's): each rank's role by its parameters' shards.
     rank_roles: bool = False
 
 
@@ -466,8 +463,8 @@ class Capture:
             trace.setting = observed_setting(model, self.device, trace,
                                              self._matmul_precision)
         trace.parameters = inventory.parameters(model, names, params)
-        if self.options.rank_roles and dist.is_available() and dist.is_initialized():
-            trace.rank_roles = inventory.rank_roles(params, dist.get_world_size())
+        if self.options.rank_roles:
+            trace.rank_roles = inventory.job_roles(params)
         trace.buffers = inventory.buffers(model)
         trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
         trace.storages = self._storage_records(outputs or {}, names, params)
