@@ -166,8 +166,8 @@ class _Search:
         most = max((p.tokens for p in plans.values() if p.fits), default=0)
         again = [f for f in families if not plans[f].fits and self.gpus // f[0] * self.seq > most]
         third = self._map(_probe_job, [(f, d, 1) for f in again for d in self.depths])
+        n = len(self.depths)
         for k, f in enumerate(again):
-            n = len(self.depths)
             plans[f] = self.plan(f, third[k * n:(k + 1) * n], 1)
         for f in families:
             p = plans[f]

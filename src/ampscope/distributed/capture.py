@@ -45,7 +45,7 @@ def held_bytes(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Hel
 
     def add(category: str, t: torch.Tensor) -> None:
         t = local_tensor(t)
-        # The storage's C pointer: a DTensor makes a new local tensor object on every call.
+        # The storage's C pointer, which views and tied weights share.
         key = (storage_id(t), t.storage_offset())
         if key in seen:
             return

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from ampscope.recorders.tensors import local_tensor
+from ampscope.recorders.tensors import dtensor_layout, local_tensor
 from ampscope.records import (
     TARGET_NAMES,
     BufferRecord,
@@ -89,9 +89,10 @@ def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
     DTensor's own computation of a shard's shape is not on this build."""
     layouts: dict[tuple, dict[int, tuple[int, ...]]] = {}
     for p in params:
-        if local_tensor(p) is p:
+        layout = dtensor_layout(p)
+        if layout is None:
             continue
-        key = (id(p.device_mesh), tuple(p.placements), tuple(p.shape))  # type: ignore[attr-defined]
+        key = (*layout, tuple(p.shape))
         if key not in layouts:
             shapes = shard_shapes(p)
             if shapes is None:

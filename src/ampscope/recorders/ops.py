@@ -39,12 +39,12 @@ from ampscope.records import (
     OpCall,
     Phase,
 )
-from ampscope.torchcompat import distributed as c10d_names
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
     OpOverload,
 )
+from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
 from ampscope.torchcompat.distributed import collective_group_size as group_size
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
@@ -80,7 +80,7 @@ class _OpFacts:
         # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
         self.precision = matmul.precision_kind(self.name)
         # A collective, whose process group's size the record keeps.
-        self.collective = func.namespace in c10d_names.NAMESPACES
+        self.collective = func.namespace in COLLECTIVE_NAMESPACES
         # The speed trick that may answer it on fake tensors (tricks.py), as its place in
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
