@@ -18,6 +18,7 @@ from ampscope.defaults import (
     DEFAULT_SETTING,
     MAX_FORWARDS,
 )
+from ampscope.hardware.device_types import DEVICE_TYPES
 
 
 class _UsageError(Exception):
@@ -96,7 +97,7 @@ def _add_run(sub) -> None:
                     "machine lacks, a virtual one)",
         description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
                     "after --steps optimizer steps, and trace the model it runs.")
-    run.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+    run.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
                      help="the device the script should see; one this machine lacks is virtual "
                           "(default: this machine's)")
     run.add_argument("--steps", type=int, default=1,
@@ -230,7 +231,7 @@ def _add_numerics(sub) -> None:
                                "(default: %(default)s)")
     numerics.add_argument("--batch", "-b", type=int, default=1, help="default: %(default)s")
     numerics.add_argument("--seq", "-t", type=int, default=64, help="default: %(default)s")
-    numerics.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+    numerics.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
                           help="device of every setting without a DEVICE: prefix (emulated "
                                "when absent: CUDA's dtypes, the CPU's kernels)")
     numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
@@ -253,7 +254,7 @@ def _add_formats(sub) -> None:
 
 def _add_policy(sub) -> None:
     policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
-    policy.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"], default="cpu",
+    policy.add_argument("--device", "-d", choices=list(DEVICE_TYPES), default="cpu",
                         help="device whose policy to show (default: %(default)s)")
     policy.add_argument("--dtype", choices=["bf16", "fp16"],
                         help="autocast dtype (default: the device's own default)")
@@ -325,7 +326,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-impl", choices=["for-loop", "foreach", "fused"],
                         help="how the optimizer updates its parameters (default: PyTorch's "
                              "choice on the device: foreach on cuda)")
-    parser.add_argument("--device", "-d", choices=["cpu", "cuda", "mps", "xpu"],
+    parser.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
                         help="device of every setting without a DEVICE: prefix; a device this "
                              "machine lacks is emulated on the CPU")
     parser.add_argument("--predict", action=argparse.BooleanOptionalAction, default=None,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.precision import fp8, matmul
 from ampscope.precision.setting import Setting
 from ampscope.runtime.emulation import Emulation
@@ -34,7 +35,7 @@ def _autocast_devices() -> tuple[str, ...]:
     """Device types whose autocast state this build can read (cpu and cuda always; mps, xpu
     where supported)."""
     devices = []
-    for device in ("cpu", "cuda", "mps", "xpu"):
+    for device in DEVICE_TYPES:
         try:
             torch.is_autocast_enabled(device)
             torch.get_autocast_dtype(device)

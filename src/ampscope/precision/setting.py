@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.precision import fp8
 from ampscope.records import SettingRecord, dtype_name
 from ampscope.runtime.autocast_policy import autocast_dtype_for as default_autocast_dtype
@@ -34,9 +35,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 AUTOCAST_DTYPES = ("bf16", "fp16")
-DEVICES = ("cpu", "cuda", "mps", "xpu")
+DEVICES = tuple(DEVICE_TYPES)  # hardware/device_types.py: one entry a device
 GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]] with DEVICE cpu|cuda|mps|xpu, PARAMS "
+    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]] with DEVICE " + "|".join(DEVICE_TYPES)
+    + ", PARAMS "
     "fp32|bf16|fp16|fp64|native (native: every parameter as the model made it), AMP bf16|fp16, "
     "RECIPE a torchao float8 recipe; e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, "
     "fp32+tf32, cuda:fp32+amp-fp16, fp32+amp-bf16+fp8"

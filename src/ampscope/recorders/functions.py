@@ -41,6 +41,7 @@ from ampscope.records import (
     dtype_name,
     module_label,
 )
+from ampscope.runtime.emulation import key_state
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import (
     function_stack_depth,
@@ -108,9 +109,11 @@ def _unmark_round_trips(rows: list[tuple], start: int, result_dtype: str | None)
 
 
 def _autocast_dtype(device: str) -> str | None:
-    """Autocast's dtype for `device` now, None while it is off there."""
-    if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
-        return dtype_name(torch.get_autocast_dtype(device))
+    """Autocast's dtype at `device`'s dispatch key now (what casts the call's tensors: in an
+    emulated run, the target's autocast at the CPU's key), None while it is off there."""
+    if device in AUTOCAST_DEVICES:
+        enabled, dtype = key_state(device)
+        return dtype_name(dtype) if enabled else None
     return None
 
 

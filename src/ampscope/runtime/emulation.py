@@ -33,6 +33,7 @@ from typing import cast as cast_type
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.device_types import device_type
 from ampscope.runtime.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
@@ -47,6 +48,39 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _active: TargetAutocast | None = None
+
+# torch's autocast state functions as torch defines them, kept before the virtual device
+# replaces torch's attributes with per-device answers (runtime/virtual_autocast.py): the
+# emulated kernels read the state at the CPU's autocast key, which drives them.
+_is_enabled = torch.is_autocast_enabled
+_get_dtype = torch.get_autocast_dtype
+_set_enabled = torch.set_autocast_enabled
+_set_dtype = torch.set_autocast_dtype
+
+
+def key_state(device: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast at `device`'s dispatch key, as torch keeps it: for "cpu"
+    in an emulated run, the target's autocast (not what the virtual device tells user code)."""
+    return _is_enabled(device), _get_dtype(device)
+
+
+def set_key_state(device: str, enabled: bool | None = None,
+                  dtype: torch.dtype | None = None) -> None:
+    """Set autocast's state at `device`'s dispatch key (what is None stays)."""
+    if enabled is not None:
+        _set_enabled(device, enabled)
+    if dtype is not None:
+        _set_dtype(device, dtype)
+
+
+def cpu_key_enabled() -> bool:
+    """Whether autocast runs at the CPU's key: in an emulated run, the target's autocast."""
+    return _is_enabled("cpu")
+
+
+def cpu_key_dtype() -> torch.dtype:
+    """The dtype autocast casts to at the CPU's key: in an emulated run, the target's."""
+    return _get_dtype("cpu")
 
 
 def _eligible(value: object) -> bool:
@@ -95,7 +129,7 @@ class TargetAutocast:
         if not _eligible(value) or value.dtype == dtype:
             return value
         cacheable = (
-            dtype == torch.get_autocast_dtype("cpu")
+            dtype == cpu_key_dtype()
             and value.dtype == torch.float32
             and value.requires_grad
             and value.is_leaf
@@ -130,7 +164,7 @@ class TargetAutocast:
 
         def lower(*args, **kwargs):
             with no_autocast("cpu"):
-                dtype = torch.get_autocast_dtype("cpu")
+                dtype = cpu_key_dtype()
                 return op(*cast(args, dtype), **cast_values(kwargs, dtype))
 
         def fp32(*args, **kwargs):
@@ -139,7 +173,7 @@ class TargetAutocast:
 
         def promote(*args, **kwargs):
             with no_autocast("cpu"):
-                dtype = _widest([*args, *kwargs.values()], torch.get_autocast_dtype("cpu"))
+                dtype = _widest([*args, *kwargs.values()], cpu_key_dtype())
                 return op(*cast(args, dtype), **cast_values(kwargs, dtype))
 
         def set_opt_dtype(*args, **kwargs):
@@ -274,14 +308,22 @@ class TargetKernels:
 
 @contextlib.contextmanager
 def autocast_region(dtype: torch.dtype) -> Iterator[None]:
-    """The emulated run's `torch.autocast`: CPU autocast (whose kernels the active
-    TargetAutocast replaced), with the emulated cast cache emptied when the region ends, as
-    autocast empties its own."""
+    """The emulated run's `torch.autocast`: autocast at the CPU's key (whose kernels the active
+    TargetAutocast replaced), entered and left as `torch.autocast` does, with the emulated
+    cast cache emptied when the region ends. The key is set directly, never through torch's
+    state functions, which the virtual device answers per device type."""
+    before, cache = key_state("cpu"), torch.is_autocast_cache_enabled()
+    set_key_state("cpu", True, dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(True)
     try:
-        with torch.autocast("cpu", dtype=dtype):
-            yield
+        yield
     finally:
-        if _active is not None and not torch.is_autocast_enabled("cpu"):
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        set_key_state("cpu", *before)
+        torch.set_autocast_cache_enabled(cache)
+        if _active is not None and not cpu_key_enabled():
             _active.clear_cache()
 
 
@@ -306,8 +348,9 @@ def _cudnn(version: int | None) -> str:
 
 class Emulation:
     """Everything an emulated run changes, for its duration: the target's autocast policy, the
-    dtypes its norm kernels keep their statistics in (`precision.norm_stats`) and, for CUDA,
-    the attention kernels an H100 would pick (`precision.attention_choice`)."""
+    dtypes its norm kernels keep their statistics in (`runtime/norm_stats.py`) and, where the
+    device's entry in hardware/device_types.py says so, the attention kernels its GPU would
+    pick (`runtime/attention_choice.py`) and cuDNN's RNN kernels (`runtime/rnn_kernels.py`)."""
 
     def __init__(self, device: str, autocast_dtype: torch.dtype | None) -> None:
         self.device = device
@@ -325,8 +368,10 @@ class Emulation:
             stack.enter_context(TargetNormStats(self.device))
             if self.autocast_dtype is not None:
                 stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))
-            if self.device == "cuda":
+            entry = device_type(self.device)
+            if entry.attention == "cuda":
                 self.attention = stack.enter_context(cuda_attention())
+            if entry.rnn == "cudnn":
                 from ampscope.runtime.rnn_kernels import cuda_rnn
 
                 self.rnn = stack.enter_context(cuda_rnn())
@@ -370,7 +415,7 @@ class Emulation:
                 f"{H100.cuda_version[0]}.{H100.cuda_version[1]}, cuDNN {_cudnn(H100.cudnn_version)}) for "
                 f"these dtypes and shapes: {ran}."
             )
-        elif self.device != "cuda":
+        elif device_type(self.device).attention != "cuda":
             notes.append(
                 f"Attention kernels are the CPU's: ampscope does not model {self.device}'s "
                 "choice of scaled_dot_product_attention kernel."

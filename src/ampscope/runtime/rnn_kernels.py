@@ -31,6 +31,7 @@ import torch
 
 from ampscope.patches import patched
 from ampscope.runtime.attention_choice import H100, CudaTarget
+from ampscope.runtime.emulation import cpu_key_enabled
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor
@@ -115,7 +116,7 @@ def _cudnn_impl(mode: str, input, hx, cx, params, has_biases: bool, num_layers: 
         hidden_size, proj_size = cx.size(2), hx.size(2)
     weight_buf = _weight_buf(params)
     stride0 = (4 if has_biases else 2) + (1 if proj_size else 0)
-    if torch.is_autocast_enabled("cpu"):
+    if cpu_key_enabled():  # the target's autocast, in an emulated run
         with no_autocast("cpu"):  # the wrapper excludes autocast for what it calls
             ref = weight_buf if weight_buf is not None else params[0]
             if _eligible(ref) and ref.dtype != AUTOCAST_RNN_DTYPE:

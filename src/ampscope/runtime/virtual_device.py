@@ -11,12 +11,14 @@ would, for the duration of a `with` block, and undoes every change on exit:
   backing device and answers `tensor.device`, `.is_cuda`, `.get_device()` as the target;
 - `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*`, which torch's own
   optimizers, DataLoader and checkpointing ask, answer as one device of the emulated GPU:
-  available, its name, capability and memory from `hardware/known.py`; `synchronize` and events
+  available, its name, capability and memory from its entry in `hardware/device_types.py`; `synchronize` and events
   return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
 - `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
   `enabled=False` regions included, drive the CPU autocast whose kernels the emulation replaced
-  with the target's (runtime/emulation.py); `torch.is_autocast_enabled("cuda")` reads it;
+  with the target's (runtime/emulation.py); each device type keeps its own autocast state, as
+  on the GPU: `torch.get_autocast_dtype("cuda")` is float16 outside any region, and
+  `torch.autocast("cpu")` casts no tensor on the target (runtime/virtual_autocast.py);
 - `torch.compile(fn)` returns `fn`: the run is eager, and says so.
 
 What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL, `torch.cuda.ipc_collect`)
@@ -38,14 +40,15 @@ from typing import cast
 import torch
 
 from ampscope import hardware
+from ampscope.hardware.device_types import device_type
 from ampscope.patches import patched
-from ampscope.runtime import emulation, workers
-from ampscope.runtime.autocast_policy import autocast_dtype_for
+from ampscope.runtime import workers
 from ampscope.runtime.compiled import COMPILE_NOTE
 from ampscope.runtime.device_internals import internal_patches
 from ampscope.runtime.device_load import load_patches
 from ampscope.runtime.device_mode import BackingFactories, DeviceMode
 from ampscope.runtime.device_rng import rng_patches
+from ampscope.runtime.virtual_autocast import AutocastSlots
 from ampscope.torchcompat import devices
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -173,12 +176,15 @@ class VirtualDevice:
     index is backed by the same CPU.
     """
 
-    def __init__(self, target: str, *, accelerator: str = "h100",
-                 capability: tuple[int, int] = (9, 0), count: int | None = None) -> None:
+    def __init__(self, target: str, *, accelerator: str | None = None,
+                 capability: tuple[int, int] | None = None, count: int | None = None) -> None:
         self.target = target
         self.count = count if count is not None else _local_world_size()
-        self.accelerator = hardware.by_name(accelerator)
-        self.capability = capability
+        entry = device_type(target)  # what the device reports, unless the caller says
+        name = accelerator or entry.accelerator
+        self.accelerator = hardware.by_name(name) if name is not None else None
+        self.capability = capability or entry.capability
+        self.autocast = AutocastSlots(target)
         self.mode = DeviceMode(target)
         self.memory: Callable[[], tuple[int, int]] | None = None
         self.used: set[str] = set()  # which virtual answers the run asked for, for the notes
@@ -206,6 +212,7 @@ class VirtualDevice:
             warnings.filterwarnings("ignore", category=UserWarning,
                                     module=r"torch\.distributed\.distributed_c10d",
                                     message="Attempted to get default timeout for nccl backend")
+            stack.enter_context(self.autocast.active())
             stack.enter_context(self.mode)
             stack.enter_context(BackingFactories(self.mode))
             yield self
@@ -218,7 +225,7 @@ class VirtualDevice:
     # -- what is patched
     def _patches(self) -> list[tuple[object, str, object]]:
         backend = getattr(torch, self.target)
-        patches: list[tuple[object, str, object]] = [
+        patches: list[tuple[object, str, object]] = [*self.autocast.patches(),
             (backend, "is_available", lambda: True),
             (backend, "device_count", lambda: self.count),
             (backend, "is_initialized", lambda: True),
@@ -233,10 +240,6 @@ class VirtualDevice:
             (backend, "reset_peak_memory_stats", lambda device=None: self._reset_peak()),
             (backend, "reset_max_memory_allocated", lambda device=None: self._reset_peak()),
             (torch, "compile", self._compile),
-            (torch, "clear_autocast_cache", _clearing(torch.clear_autocast_cache)),
-            (torch, "is_autocast_enabled", _translating(torch.is_autocast_enabled, self.target)),
-            (torch, "get_autocast_dtype", _translating(torch.get_autocast_dtype, self.target)),
-            (torch.amp.autocast_mode.autocast, "__init__", self._autocast_init()),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
             (FakeTensor, "device", self.mode.fake_device(FakeTensor.__dict__["device"])),
             (torch.Tensor, "device", self.mode.tensor_device()),
@@ -246,9 +249,8 @@ class VirtualDevice:
             patches.append((backend, "is_current_stream_capturing", lambda: False))
         if self.target == "cuda":
             accelerator, capability = self.accelerator, self.capability
+            assert accelerator is not None and capability is not None  # (the table's cuda has both)
             patches += [
-                # The deprecated CUDA form, which torchao's Float8Linear still reads.
-                (torch, "get_autocast_gpu_dtype", lambda: torch.get_autocast_dtype("cpu")),
                 (backend, "current_device", lambda: self.mode.index),
                 (backend, "set_device", self._set_device),
                 (backend, "get_device_name", lambda device=None: accelerator.title),
@@ -304,10 +306,10 @@ class VirtualDevice:
             "memory_reserved": lambda device=None: self._live(),
             "max_memory_reserved": lambda device=None: self._peak(),
             "reset_peak_memory_stats": lambda device=None: self._reset_peak(),
-            "get_memory_info": lambda device=None: (
-                cast(int, self.accelerator.memory_bytes) - self._live(),  # by_name's: never None
-                self.accelerator.memory_bytes),
         }
+        if self.accelerator is not None:
+            memory = cast(int, self.accelerator.memory_bytes)  # by_name's: never None
+            answers["get_memory_info"] = lambda device=None: (memory - self._live(), memory)
         accelerator = getattr(torch, "accelerator", None)  # since 2.6
         if accelerator is None:
             return []
@@ -357,31 +359,6 @@ class VirtualDevice:
             return lambda fn: fn
         return model
 
-    def _autocast_init(self) -> Callable:
-        """`torch.autocast(target, ...)` becomes the CPU autocast the emulation drives, with the
-        target's default dtype when none is given."""
-        original = torch.amp.autocast_mode.autocast.__init__
-        target = self.target
-
-        def __init__(self, device_type: str, dtype=None, enabled: bool = True,
-                     cache_enabled=None):
-            accepted = None
-            if device_type == target:
-                if dtype is None:
-                    dtype = autocast_dtype_for(target)
-                device_type = "cpu"
-                if target == "cuda" and dtype not in _CPU_AUTOCAST_DTYPES:
-                    # torch's autocast checks the dtype against a list on every device but
-                    # CUDA, which takes float32 too: the CPU's check must not disable the
-                    # region. It is built with a dtype the CPU takes, then given the user's
-                    # (CPU autocast itself runs on any floating dtype it is set to).
-                    accepted, dtype = dtype, _CPU_AUTOCAST_DTYPES[0]
-            original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-            if accepted is not None:
-                self.fast_dtype = accepted
-
-        return __init__
-
     # -- memory, from the capture's storage tracker
     def _live(self) -> int:
         return self.memory()[0] if self.memory is not None else 0
@@ -398,12 +375,13 @@ class VirtualDevice:
 
     def notes(self) -> list[str]:
         """What the run's code asked of the virtual device, in plain words."""
-        notes = [
-            f"Code that asked which device it was on saw {self.target} "
-            f"({'one' if self.count == 1 else f'{self.count} ×'} "
-            f"{self.accelerator.title}, compute capability "
-            f"{self.capability[0]}.{self.capability[1]}): tensors really lived on the CPU."
-        ]
+        count = 'one' if self.count == 1 else f'{self.count} ×'
+        what = f"{count} {self.target} device" if self.accelerator is None else \
+            f"{count} {self.accelerator.title}"
+        if self.capability is not None:
+            what += f", compute capability {self.capability[0]}.{self.capability[1]}"
+        notes = [f"Code that asked which device it was on saw {self.target} ({what}): tensors "
+                 "really lived on the CPU."]
         if "compile" in self.used:
             notes.append(COMPILE_NOTE)
         if "synchronize" in self.used:
@@ -428,9 +406,6 @@ def _local_world_size() -> int:
     except ValueError:
         return 1
 
-
-# The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
-_CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 # torch.cuda calls a virtual device cannot answer truthfully, which a CUDA build without a GPU
 # would run as silent no-ops (it was never initialized): refused by name instead.
@@ -461,26 +436,3 @@ def _defaulting(original: Callable, target: str) -> Callable:
         return original(target if device is None else device)
 
     return get_device_module
-
-
-def _clearing(original: Callable) -> Callable:
-    """`torch.clear_autocast_cache`, which autocast calls when its outermost region ends, also
-    empties the emulated cast cache (the target's kernels keep their own)."""
-
-    def clear_autocast_cache() -> None:
-        original()
-        emulation.clear_active_cache()
-
-    return clear_autocast_cache
-
-
-def _translating(fn: Callable, target: str) -> Callable:
-    """`fn(device_type)` with the target device read as the CPU (whose autocast is emulated)."""
-
-    def translated(device_type: str = "cuda", *args, **kwargs):
-        if device_type == target:
-            device_type = "cpu"
-        return fn(device_type, *args, **kwargs)
-
-    translated.__name__ = getattr(fn, "__name__", "translated")
-    return translated

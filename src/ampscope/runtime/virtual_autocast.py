@@ -1,0 +1,149 @@
+"""Autocast on the virtual device: each device type keeps its own autocast state, as on a GPU.
+
+An emulated run's tensors live on the CPU, so the target's autocast has to run at the CPU's
+autocast dispatch key, whose kernels the emulation replaced with the target's
+(runtime/emulation.py). PyTorch keeps one autocast state (enabled, dtype) per device type, and
+`torch.autocast(device_type)` casts only the tensors of that type. While the virtual device is
+active, the state functions torch's own `autocast` regions call (`is_autocast_enabled`,
+`get_autocast_dtype`, `set_autocast_enabled`, `set_autocast_dtype`) read and write:
+
+- the target's state ("cuda") at the CPU's key, which drives the emulated kernels; it starts
+  at the target's default dtype (float16 on CUDA, from hardware/device_types.py or the
+  build), so `torch.get_autocast_dtype("cuda")` and `torch.autocast("cuda")` without a dtype
+  answer as on the GPU;
+- the CPU's own state ("cpu") in a shadow that drives no kernel: `torch.autocast("cpu")`
+  around a model on the virtual `cuda` device changes nothing, as on the GPU, where CPU
+  autocast never reaches a CUDA tensor (and `enabled=False` for "cpu" does not turn the
+  target's autocast off).
+
+ampscope's own code reads the state that drives the kernels through emulation.py's
+`cpu_key_enabled` and `cpu_key_dtype`, never through the answers user code gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ampscope.hardware.device_types import device_type
+from ampscope.runtime import emulation
+from ampscope.runtime.emulation import key_state, set_key_state
+
+# The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
+CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def target_default_dtype(target: str) -> torch.dtype:
+    """The target's default autocast dtype: its table entry's, else the build's own."""
+    from ampscope.runtime.autocast_policy import autocast_dtype_for
+
+    name = device_type(target).autocast_dtype
+    return getattr(torch, name) if name is not None else autocast_dtype_for(target)
+
+
+class AutocastSlots:
+    """The per-device autocast state user code sees while the virtual device stands for
+    `target`: the target's at the CPU's key, the CPU's in a shadow (see the module's doc)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.shadow: list = [False, torch.bfloat16]  # the CPU's (enabled, dtype), as user code set it
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The slots for the body: the CPU's state as it was moves to the shadow, the CPU's key
+        starts as the target's state outside any region (off, its default dtype)."""
+        before = key_state("cpu")
+        self.shadow = list(before)
+        set_key_state("cpu", False, target_default_dtype(self.target))
+        try:
+            yield
+        finally:
+            set_key_state("cpu", *before)
+
+    def _slot(self, device_type: str) -> str | None:
+        """"cpu" for the CPU's key, None for the shadow, else the device type itself."""
+        if device_type == self.target:
+            return "cpu"
+        return None if device_type == "cpu" else device_type
+
+    def patches(self) -> list[tuple[object, str, object]]:
+        """torch's autocast state functions, each reading or writing its device's slot."""
+        target = self.target
+
+        def is_autocast_enabled(device_type: str = "cuda") -> bool:
+            slot = self._slot(device_type)
+            return bool(self.shadow[0]) if slot is None else key_state(slot)[0]
+
+        def get_autocast_dtype(device_type: str) -> torch.dtype:
+            slot = self._slot(device_type)
+            return self.shadow[1] if slot is None else key_state(slot)[1]
+
+        def set_autocast_enabled(device_type: str, enabled: bool) -> None:
+            slot = self._slot(device_type)
+            if slot is None:
+                self.shadow[0] = enabled
+            else:
+                set_key_state(slot, enabled=enabled)
+
+        def set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
+            slot = self._slot(device_type)
+            if slot is None:
+                self.shadow[1] = dtype
+            else:
+                set_key_state(slot, dtype=dtype)
+
+        patches: list[tuple[object, str, object]] = [
+            (torch, "is_autocast_enabled", is_autocast_enabled),
+            (torch, "get_autocast_dtype", get_autocast_dtype),
+            (torch, "set_autocast_enabled", set_autocast_enabled),
+            (torch, "set_autocast_dtype", set_autocast_dtype),
+            (torch, "clear_autocast_cache", _clearing(torch.clear_autocast_cache)),
+            (torch.amp.autocast_mode.autocast, "__init__", _autocast_init(target)),
+        ]
+        # The deprecated per-device forms (torchao's Float8Linear reads the GPU one).
+        deprecated = {"is_autocast_cpu_enabled": lambda: is_autocast_enabled("cpu"),
+                      "get_autocast_cpu_dtype": lambda: get_autocast_dtype("cpu")}
+        if target == "cuda":
+            deprecated["get_autocast_gpu_dtype"] = lambda: get_autocast_dtype("cuda")
+        patches += [(torch, name, fn) for name, fn in deprecated.items() if hasattr(torch, name)]
+        return patches
+
+
+def _autocast_init(target: str) -> Callable:
+    """`torch.autocast(target, ...)` checked by torch as a CPU region (the target's checks ask
+    for the real device), then driving the target's slot; without a dtype, the slot's."""
+    original = torch.amp.autocast_mode.autocast.__init__
+
+    def __init__(self, device_type: str, dtype=None, enabled: bool = True,
+                 cache_enabled=None):
+        if device_type != target:
+            original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            return
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(target)  # the target's slot, as torch reads it
+        accepted = dtype
+        if dtype not in CPU_AUTOCAST_DTYPES:
+            # torch's autocast checks the dtype against a list on every device but CUDA,
+            # which takes float32 too: the CPU's check must not disable the region. It is
+            # built with a dtype the CPU takes, then given the user's (CPU autocast itself
+            # runs on any floating dtype it is set to).
+            dtype = CPU_AUTOCAST_DTYPES[0]
+        original(self, "cpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        self.fast_dtype = accepted
+        self.device = target  # its __enter__ and __exit__ go to the target's slot
+
+    return __init__
+
+
+def _clearing(original: Callable) -> Callable:
+    """`torch.clear_autocast_cache`, which autocast calls when its outermost region ends, also
+    empties the emulated cast cache (the target's kernels keep their own)."""
+
+    def clear_autocast_cache() -> None:
+        original()
+        emulation.clear_active_cache()
+
+    return clear_autocast_cache
