@@ -1,5 +1,8 @@
 """PyTorch's FLOP formulas (`torch.utils.flop_counter`), and what each release can count.
 
+- `aten_op(name)`: the aten op of that name ("_cudnn_rnn", "mkldnn_rnn_layer"), None where this
+  build has none: ampscope's own formulas name their ops so (recorders/flops.py), and
+  an underscored op's name is written in this package only;
 - `torch_formula(packet)`: the formula FlopCounterMode uses for an op, None where it has none;
 - `sees_shapes_only(formula)`: whether a formula was registered to see argument shapes only
   (most are; the varlen attention ones read values). A count that depends on shapes only can
@@ -15,14 +18,26 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch.utils import flop_counter
 
+from ampscope.torchcompat.dispatch import OpOverloadPacket
 from ampscope.torchcompat.features import Feature
 
-__all__ = ["counts_grouped_query_attention", "sees_shapes_only", "torch_formula"]
+__all__ = ["aten_op", "counts_grouped_query_attention", "sees_shapes_only", "torch_formula"]
 
 # The first release whose attention formulas count grouped-query shapes.
 _GQA_RELEASE = "2.12"
+
+
+def aten_op(name: str) -> OpOverloadPacket | None:
+    """The aten op `name` names ("_cudnn_rnn"; "aten::_cudnn_rnn" and "aten._cudnn_rnn" too), None
+    where this build has no such op. `torch.ops.aten` raises AttributeError for an unknown name
+    (its own lookup's RuntimeError included), so a missing op is never an error here."""
+    bare = name.removeprefix("aten::").removeprefix("aten.")
+    if not bare or "." in bare:
+        raise ValueError(f"{name!r}: name an aten op (its packet), not an overload")
+    return getattr(torch.ops.aten, bare, None)
 
 
 def torch_formula(packet) -> Callable | None:
@@ -40,10 +55,8 @@ def _shape_wrapper_code() -> tuple[object | None, str]:
         return None, "torch.utils.flop_counter.shape_wrapper is not on this build"
     try:
         code = wrap(lambda *a, **k: 0).__code__
-    except Exception as e:  # noqa: BLE001 - a changed wrapper: cache nothing
+    except (TypeError, AttributeError) as e:  # a changed signature, or no function returned
         return None, f"shape_wrapper changed ({type(e).__name__})"
-    import torch
-
     mm = flop_counter.flop_registry.get(torch.ops.aten.mm)
     if getattr(mm, "__code__", None) is not code:
         return None, "the registry's formulas are not shape_wrapper closures on this build"
