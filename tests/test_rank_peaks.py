@@ -11,13 +11,16 @@ parameters (525,644 B)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from ampscope.cli import main
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport, RankPeak, RankReport
+from ampscope.distributed.verdicts import verdicts
 from ampscope.hardware import by_name, with_figures
-from ampscope.render.ranks import verdicts
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "distributed" / "train.py"
 SHARD = 65_696 * 4
@@ -61,3 +64,55 @@ def test_a_peak_over_the_gpus_memory_does_not_fit():
     assert lines[0].startswith("Ranks 0, 2: peak 2 KiB") and "does not fit: 512 B over" in lines[0]
     assert lines[1].startswith("Rank 1: peak 1 KiB") and "fits, 512 B to spare" in lines[1]
     assert verdicts(report, None) == []
+
+
+# Built in a fresh interpreter: the verdicts are the report's own, made with no view imported.
+_REPORT_WITHOUT_VIEWS = """
+import json, sys
+from ampscope.distributed.parallel import Parallel
+from ampscope.distributed.report import DistributedReport, RankPeak, RankReport
+from ampscope.distributed.verdicts import verdicts
+from ampscope.hardware import H100
+from ampscope.records import UNKNOWN_SETTING
+
+GiB = 2**30
+ranks = [RankReport(0, {}, [], RankPeak(90 * GiB, None, "backward", {})),
+         RankReport(1, {}, [], RankPeak(70 * GiB, None, "optimizer", {}))]
+report = DistributedReport("m", 0, UNKNOWN_SETTING, Parallel("fsdp", 2), "fake", "predict", ranks)
+report.notes += verdicts(report, H100)
+print(json.dumps({"notes": report.to_dict()["notes"],
+                  "views": sorted(m for m in sys.modules if m.startswith("ampscope.render"))}))
+"""
+
+
+def test_the_verdicts_are_notes_of_the_report_made_without_a_view():
+    """An H100 holds 80 GiB (its datasheet): a rank peaking at 90 GiB is 10 GiB over, one at
+    70 GiB has 10 GiB to spare; the report's JSON says so with no render module imported."""
+    result = subprocess.run([sys.executable, "-c", _REPORT_WITHOUT_VIEWS], capture_output=True,
+                            text=True, check=True)
+    answer = json.loads(result.stdout)
+    assert answer["views"] == []
+    on_top = ("(the steps' own storages; the CUDA context, NCCL's buffers and the allocator's "
+              "reserve come on top).")
+    assert answer["notes"] == [
+        f"Rank 0: peak 90 GiB of NVIDIA H100 SXM5 80GB's 80 GiB: does not fit: 10 GiB over {on_top}",
+        f"Rank 1: peak 70 GiB of NVIDIA H100 SXM5 80GB's 80 GiB: fits, 10 GiB to spare {on_top}",
+    ]
+
+
+def test_the_page_shows_the_verdicts_the_json_has(tmp_path, capsys):
+    """`--gpu` adds the verdicts to the report itself, so the HTML page written before the
+    terminal view shows the same notes as the JSON (a few KiB per rank fit in 80 GiB)."""
+    import html
+
+    from tests.test_html_ranks import FREE_FSDP2
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(FREE_FSDP2))
+    page, out = tmp_path / "ranks.html", tmp_path / "ranks.json"
+    code = main(["run", "--nproc", "2", "--predict", "--device", "cuda", "--quiet", "--gpu",
+                 "h100", "--json", str(out), "--report", str(page), str(script), "cuda"])
+    assert code == 0, capsys.readouterr().err
+    fits = [n for n in json.loads(out.read_text())["notes"] if " 80 GiB: fits, " in n]
+    assert len(fits) == 1 and fits[0].startswith("Ranks 0, 1: peak ")
+    assert fits[0] in html.unescape(page.read_text())

@@ -16,8 +16,9 @@ The packages, in their layers (docs/architecture.md): `cli/` and `integrations/`
 `precision/` and `models/`; `runtime/` (a run as on another device, or predicted); `records/`, `hardware/`, `schemas/`, `nested.py` (the tensors in
 nested arguments) and `tricks.py` (the speed tricks and their one switch); at the bottom
 `errors.py` (`AmpscopeError`), `files.py` (atomic writes), `defaults.py` (what `--help` shows),
-`quiet.py` (other libraries' log lines held back), `patches.py` (every attribute a run replaces)
-and `torchcompat/` (every private torch detail). `__main__.py`: `python -m ampscope`.
+`quiet.py` (other libraries' log lines held back), `patches.py` (every attribute a run replaces),
+`wording.py` (byte counts and op names as every layer words them) and `torchcompat/` (every
+private torch detail). `__main__.py`: `python -m ampscope`.
 """
 
 from __future__ import annotations

@@ -118,6 +118,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             result = run_script(args.target, script_args, module=args.module,
                                 device=args.device, steps=args.steps, predict=args.predict,
                                 max_forwards=args.max_forwards, in_process=True)
+    if report is not None:  # --gpu's fit verdicts join the report before its JSON, page or view
+        from ampscope.distributed.verdicts import verdicts
+
+        report.notes += verdicts(report, args.accelerator)
     timed = args.step_time is not None
     memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
                                   flops=args.flops or timed or bool(args.report),
@@ -133,10 +137,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ampscope.render.flops import render_flops
         extra += [render_flops(r) for r in flops]
     if report is not None:
-        from ampscope.render.ranks import render_ranks, verdicts
+        from ampscope.render.ranks import render_ranks
         from ampscope.script.ranks import report_dict
 
-        report.notes += verdicts(report, args.accelerator)
         extra.append(render_ranks(report, traces))
         return _show_trace(args, result, extra=extra, to_json=lambda: json.dumps(
             (to_dict or report_dict)(report), indent=1))

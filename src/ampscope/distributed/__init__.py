@@ -8,7 +8,8 @@
 - `launch.py`: one step on N real processes, or rank 0 of N predicted;
 - `step.py`: one rank's train step under DDP or FSDP2; `parallel.py`: the strategy and its
   mixed-precision policy; `report.py`: what crossed the network and what each rank held;
-  `tensor_parallel.py`: how a Llama-family block splits across a tensor-parallel group.
+  `tensor_parallel.py`: how a Llama-family block splits across a tensor-parallel group;
+  `verdicts.py`: whether each rank's peak fits a GPU's memory (the report's notes).
 
 See docs/distributed.md.
 """

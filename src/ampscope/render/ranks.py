@@ -1,6 +1,7 @@
 """The per-rank section of `ampscope run --nproc N`: what each rank's parameters, gradients and
 optimizer state hold (of a sharded parameter, the rank's shard), and the collectives each rank
-ran (printed after rank 0's usual trace report)."""
+ran (printed after rank 0's usual trace report), and the report's notes (with `--gpu`, whether
+each rank's peak fits: distributed/verdicts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.distributed.report import DistributedReport, RankPeak, summarize
-from ampscope.hardware import Accelerator
 from ampscope.records import Trace
 from ampscope.render.style import format_bytes
 
@@ -40,29 +40,6 @@ def _peak(peak: RankPeak | None) -> str:
         return "—"
     counted = peak.rounded_bytes if peak.rounded_bytes is not None else peak.bytes
     return f"{format_bytes(counted)} ({peak.phase})" if peak.phase else format_bytes(counted)
-
-
-def verdicts(report: DistributedReport, gpu: Accelerator | None) -> list[str]:
-    """Each rank's peak held against `gpu`'s memory (the report's notes): a line for each
-    peak, naming the ranks that reach it."""
-    if gpu is None or gpu.memory_bytes is None:
-        return []
-    by_peak: dict[int, list[int]] = {}
-    for r in report.ranks:
-        if r.peak is not None:
-            counted = r.peak.rounded_bytes if r.peak.rounded_bytes is not None else r.peak.bytes
-            by_peak.setdefault(counted, []).append(r.rank)
-    lines = []
-    for counted, ranks in sorted(by_peak.items(), reverse=True):
-        room = gpu.memory_bytes - counted
-        answer = (f"fits, {format_bytes(room)} to spare" if room >= 0 else
-                  f"does not fit: {format_bytes(-room)} over")
-        who = f"Rank {ranks[0]}" if len(ranks) == 1 else \
-            "Ranks " + ", ".join(map(str, ranks))
-        lines.append(f"{who}: peak {format_bytes(counted)} of {gpu.title}'s "
-                     f"{format_bytes(gpu.memory_bytes)}: {answer} (the steps' own storages; "
-                     "the CUDA context, NCCL's buffers and the allocator's reserve come on top).")
-    return lines
 
 
 def render_ranks(report: DistributedReport, traces: list[Trace] | None = None

@@ -6,6 +6,9 @@ from typing import TYPE_CHECKING, TypedDict
 
 from rich.text import Text
 
+# Worded below the views (and torch-free), where reports' notes word sizes too.
+from ampscope.wording import format_bytes, short_op  # noqa: F401 - re-exported
+
 if TYPE_CHECKING:
     from rich.console import JustifyMethod, OverflowMethod
 
@@ -37,19 +40,3 @@ def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Te
             text.append(" ")
         text.append(SHORT_DTYPES.get(d, d) if short else d, style=DTYPE_STYLES.get(d, "yellow"))
     return text or Text("—", style="dim")
-
-
-def short_op(op: str) -> str:
-    """"aten.addmm.default" -> "addmm"; "aten.add.Tensor" -> "add.Tensor"."""
-    return op.removeprefix("aten.").removesuffix(".default")
-
-
-def format_bytes(n: int | None) -> str:
-    """Binary units, three significant digits: 1536 -> "1.5 KiB", 2**40 -> "1,024 GiB"."""
-    if n is None:
-        return "—"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            value = n / size
-            return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
-    return f"{n} B"
