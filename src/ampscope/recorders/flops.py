@@ -1,21 +1,46 @@
-"""FLOPs of one aten op, from its arguments, as the op runs.
+"""FLOPs of one aten op, from its arguments, as the op runs; and ampscope's own formulas.
 
-PyTorch's own formulas (`torch.utils.flop_counter`: matmuls, convolutions, the CUDA attention
-kernels) are used as they are; ampscope counts, with the same convention, what they do not:
+Two sources, one convention (a multiply-add is 2 FLOPs, elementwise work 0):
 
-- the CPU flash-attention kernel and its backward on releases whose registry lacks them;
-- grouped-query attention (key/value with fewer heads than the query, `enable_gqa=True`) on
-  releases whose `sdpa_flop_count` asserts equal head counts: each query head attends over
-  its group's key/value head, so the count is that of the query's heads (`_sdpa_forward`);
-- causal attention counted on the entries the mask keeps: row i of a causal (L, S) score matrix
-  keeps min(i + 1, S) keys (top-left alignment, as `is_causal`): L·(L+1)/2 of L·L when L == S.
+- PyTorch's formulas (`torch.utils.flop_counter`, read through torchcompat/flops.py): matmuls,
+  convolutions, the CUDA attention kernels;
+- ampscope's, below, each a function with `@register_flop_formula(op, ...)` above it, the one
+  way to add one: the CPU flash-attention kernel and grouped-query attention where torch lacks
+  or asserts on them. Where both have one, torch's counts unless the registration's
+  `replaces_torch()` says otherwise.
 
-Every count follows PyTorch's convention: a multiply-add is 2 FLOPs, elementwise ops are 0.
+Registering (modelled on torch's own `@register_flop_formula`). An op is named by its packet
+(`torch.ops.aten.mm`) or its aten name; an underscored op by a constant of
+`ampscope.torchcompat` (`ops.SDPA_OP_NAMES`), the only place such a name may be written.
+Each op is checked as it is registered, so a formula is feature-detected, never a crash: one
+this build lacks, or whose arguments no longer fit the formula, is skipped (`skipped()` says
+why). Fitting: each positional parameter has an argument of the op's schema at its place, of
+the same name unless the parameter is positional-only (before `/`: read by place); the op has
+no more positional arguments than the formula takes unless it takes `*args`; the op's
+keyword-only ones (`out=`, `scale=`) reach `**kwargs`. A release that reorders or renames an
+argument a formula reads turns the formula off rather than feeding it the wrong value.
+
+A formula gets the op's arguments as the op was called (tensors, not the shapes torch's own
+get; no `out_val`) and reads only shapes and non-tensor arguments: counts are cached by them. A
+parameter whose schema argument has a default needs one too (the dispatcher may leave it out).
+Register at import, before anything runs: the op recorder keeps what it looked up per op.
+
+What is counted. Every op that reaches the op recorder (recorders/ops.py, a dispatch mode) is
+counted, once: a composite (`linear`) decomposes before the mode sees it, so only its parts are
+counted, and ops a kernel runs inside itself are not seen, so a fused op is counted alone.
+
+Causal attention is also counted on the entries the mask keeps: row i of a causal (L, S) score
+matrix keeps min(i + 1, S) keys (top-left alignment, as `is_causal`): L·(L+1)/2 of L·L when
+L == S.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -23,7 +48,135 @@ from ampscope.torchcompat import flops as torch_flops
 from ampscope.torchcompat.dispatch import OpOverload, OpOverloadPacket, op_schema
 from ampscope.torchcompat.ops import SDPA_FLASH_FOR_CPU_NAMES, SDPA_OP_NAMES
 
-aten = torch.ops.aten
+log = logging.getLogger(__name__)
+Formula = TypeVar("Formula", bound=Callable[..., int])
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+_formulas: dict[OpOverload, _Formula | None] = {}
+# Counts by (op, shapes and other arguments): a model's blocks repeat the same shapes, and a
+# formula costs more than the rest of an op's record (pytree maps its arguments to shapes).
+_counted: dict[tuple, tuple[int, int]] = {}
+
+
+# -- registering ----------------------------------------------------------------------------
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class OwnFormula:
+    """One registered formula: `count(*args, **kwargs)` of the op's call, and whether it is
+    used where torch has a formula for the op too."""
+
+    count: Callable[..., int]
+    replaces_torch: Callable[[], bool] = _never
+
+
+_registered: dict[OpOverloadPacket, OwnFormula] = {}
+_skipped: dict[str, str] = {}
+
+
+def register_flop_formula(*ops: OpOverloadPacket | str,
+                          replaces_torch: Callable[[], bool] = _never
+                          ) -> Callable[[Formula], Formula]:
+    """Decorator: the function below counts the FLOPs of each of `ops` (packets or aten names);
+    ops this build lacks, or whose arguments do not fit it, are skipped (see `skipped()`)."""
+    if not ops:
+        raise ValueError("register_flop_formula needs at least one op")
+
+    def register(count: Formula) -> Formula:
+        for op in ops:
+            packet, why = _resolved(op, count)
+            if packet is None:
+                _skipped[_name(op)] = why
+                log.debug("FLOP formula %s skipped for %s: %s", count.__name__, _name(op), why)
+                continue
+            if packet in _registered:
+                raise ValueError(f"{packet} has a FLOP formula already "
+                                 f"({_registered[packet].count.__name__})")
+            _registered[packet] = OwnFormula(count, replaces_torch)
+        _changed()
+        return count
+
+    return register
+
+
+def unregister_flop_formula(*ops: OpOverloadPacket | str) -> None:
+    """Remove the formulas of `ops` (one registered for a while: a test's)."""
+    for op in ops:
+        packet = torch_flops.aten_op(op) if isinstance(op, str) else op
+        if packet is not None:
+            _registered.pop(packet, None)
+        _skipped.pop(_name(op), None)
+    _changed()
+
+
+def skipped() -> dict[str, str]:
+    """The ops named in a registration but skipped on this build, each with the reason."""
+    return dict(_skipped)
+
+
+def _changed() -> None:
+    """A formula was registered or removed: what was looked up may have changed."""
+    _formulas.clear()
+    _counted.clear()
+
+
+def _name(op: OpOverloadPacket | str) -> str:
+    return op if isinstance(op, str) else str(op)
+
+
+def _resolved(op: OpOverloadPacket | str, count: Callable) -> tuple[OpOverloadPacket | None, str]:
+    """(the op, "") where `count` can count it on this build; (None, why not) otherwise."""
+    if isinstance(op, str):
+        packet = torch_flops.aten_op(op)
+        if packet is None:
+            return None, "not an op of this torch build"
+    elif isinstance(op, OpOverloadPacket):
+        packet = op
+    else:
+        raise TypeError(f"name an op by its packet (torch.ops.aten.mm) or its name, not {op!r}")
+    for overload in packet.overloads():
+        why = _misfit(count, getattr(packet, overload))
+        if why:
+            return None, f"{overload}: {why}"
+    return packet, ""
+
+
+def _misfit(count: Callable, overload) -> str:
+    """Why `count` cannot take the overload's arguments ("" where it can; see the docstring)."""
+    params = list(inspect.signature(count).parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    takes_rest = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    takes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    arguments = op_schema(overload).arguments
+    in_order = [a.name for a in arguments if not a.kwarg_only]
+    for place, param in enumerate(positional):
+        if place >= len(in_order):
+            if param.default is inspect.Parameter.empty:
+                return f"the formula reads {param.name!r}, the op has {len(in_order)} arguments"
+        elif param.kind is not inspect.Parameter.POSITIONAL_ONLY and param.name != in_order[place]:
+            return f"argument {place} is {in_order[place]!r}, the formula reads {param.name!r}"
+    if len(in_order) > len(positional) and not takes_rest:
+        return f"the op has {len(in_order)} arguments, the formula takes {len(positional)}"
+    named = {p.name for p in params}
+    keywords = [a.name for a in arguments if a.kwarg_only and a.name not in named]
+    if keywords and not takes_keywords:
+        return f"the formula takes no {', '.join(keywords)}"
+    return ""
+
+
+# -- attention ------------------------------------------------------------------------------
+
+_FUSED_ATTENTION = [SDPA_OP_NAMES[backend] for backend in ("flash", "efficient", "cudnn")]
+_FUSED_ATTENTION.append(SDPA_FLASH_FOR_CPU_NAMES)
+
+
+def _replaces_torchs_attention() -> bool:
+    """Where torch's attention formulas assert on grouped-query shapes, ampscope's count."""
+    return not torch_flops.counts_grouped_query_attention()
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -46,38 +199,22 @@ def _sdpa_backward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[in
     return 2 * b * heads * seq_q * seq_k * (3 * d_qk + 2 * d_v)
 
 
-def _attention(query, key, value, *args, **kwargs) -> int:
+@register_flop_formula(*(forward for forward, _ in _FUSED_ATTENTION),
+                       replaces_torch=_replaces_torchs_attention)
+def attention_flops(query, key, value, *args, **kwargs) -> int:
+    """A fused attention kernel, (query, key, value) first."""
     return _sdpa_forward(_shape(query), _shape(key), _shape(value))
 
 
-def _attention_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+# The backwards' gradient is `grad_out` or `grad_out_`: read by place (positional-only).
+@register_flop_formula(*(backward for _, backward in _FUSED_ATTENTION if backward is not None),
+                       replaces_torch=_replaces_torchs_attention)
+def attention_backward_flops(grad_out, /, query, key, value, *args, **kwargs) -> int:
+    """A fused attention kernel's backward, (grad_out, query, key, value) first."""
     return _sdpa_backward(_shape(query), _shape(key), _shape(value))
 
 
-def _own_formulas() -> dict[OpOverloadPacket, Callable[..., int]]:
-    """The fused attention ops, whose first arguments are (query, key, value), and their
-    backwards ((grad_out, query, key, value)), with ampscope's formulas for them."""
-    own: dict[OpOverloadPacket, Callable[..., int]] = {}
-    names = [SDPA_OP_NAMES[b] for b in ("flash", "efficient", "cudnn")]
-    for forward, backward in [*names, SDPA_FLASH_FOR_CPU_NAMES]:
-        if hasattr(aten, forward):
-            own[getattr(aten, forward)] = _attention
-        if backward is not None and hasattr(aten, backward):
-            own[getattr(aten, backward)] = _attention_backward
-    return own
-
-
-_OWN = _own_formulas()
-
-
-def _own_formula(packet) -> bool:
-    """Whether ampscope counts `packet` itself: torch has no formula for it, or cannot count
-    grouped-query shapes with it."""
-    if packet not in _OWN:
-        return False
-    return (torch_flops.torch_formula(packet) is None
-            or not torch_flops.counts_grouped_query_attention())
-
+# -- looking up ---------------------------------------------------------------------------
 
 def _kept_fraction(query_len: int, key_len: int) -> float:
     """Share of an (L, S) score matrix a causal mask keeps: row i sees keys 0..i (top-left
@@ -106,8 +243,12 @@ class _Formula:
 
     def __init__(self, func: OpOverload) -> None:
         packet = func.overloadpacket
-        extra = _own_formula(packet)
-        count = _OWN[packet] if extra else torch_flops.torch_formula(packet)
+        own = _registered.get(packet)
+        count = torch_flops.torch_formula(packet)
+        # ampscope's formula counts where torch has none, or where its registration says so
+        extra = own is not None and (count is None or own.replaces_torch())
+        if own is not None and extra:
+            count = own.count
         self.count, self.extra = count, extra
         # A count from shapes alone is a function of `_key` below and can be cached; a formula
         # that may read values (varlen attention) is counted on every call.
@@ -131,12 +272,6 @@ class _Formula:
         if query is None or key is None:
             return flops, flops
         return flops, round(flops * _kept_fraction(query.shape[-2], key.shape[-2]))
-
-
-_formulas: dict[OpOverload, _Formula | None] = {}
-# Counts by (op, shapes and other arguments): a model's blocks repeat the same shapes, and a
-# formula costs more than the rest of an op's record (pytree maps its arguments to shapes).
-_counted: dict[tuple, tuple[int, int]] = {}
 
 
 def formula(func: OpOverload) -> _Formula | None:
