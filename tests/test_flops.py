@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from ampscope.api import tokens_of
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
 from ampscope.models import gpt2
+from ampscope.recorders import flops
 from ampscope.recorders.flops import _kept_fraction
 
 
@@ -224,3 +228,94 @@ def test_flop_formula_detection_reports_its_features():
     mm = formula(torch.ops.aten.mm.default)
     assert mm.by_shape == found["flop formulas by shape"].available
     assert formula(torch.ops.aten.add.Tensor) is None
+
+
+# --- formulas registered with register_flop_formula -----------------------------------------
+
+# A test-only formula for an underscored op torch has no formula for: torch.cdist's kernel,
+# one multiply-add per pair of rows and feature.
+_CDIST = "_cdist_forward"
+
+
+def _cdist_flops(x1, x2, p, compute_mode=None, **kwargs) -> int:
+    return 2 * x1.shape[0] * x2.shape[0] * x1.shape[1]
+
+
+@pytest.mark.fast
+def test_registering_a_formula_by_name_changes_the_count():
+    x1, x2 = torch.randn(3, 4), torch.randn(5, 4)
+    op = torch.ops.aten._cdist_forward.default
+    args = (x1, x2, 2.0, None)
+    out = op(*args)
+    assert flops.op_flops(op, args, {}, out) == (0, 0)  # torch counts nothing for it
+    flops.register_flop_formula(_CDIST)(_cdist_flops)
+    try:
+        assert flops.op_flops(op, args, {}, out) == (2 * 3 * 5 * 4,) * 2
+        with pytest.raises(ValueError, match="already"):
+            flops.register_flop_formula(_CDIST)(_cdist_flops)
+    finally:
+        flops.unregister_flop_formula(_CDIST)
+    assert flops.op_flops(op, args, {}, out) == (0, 0)
+
+
+def test_a_registered_formula_reaches_the_trace():
+    """Registered at import, before anything ran (as ampscope's own are): the recorder
+    counts the op. In a fresh interpreter, as the recorder keeps what it looked up per op."""
+    code = textwrap.dedent(f"""
+        import torch
+        import ampscope
+        from ampscope.recorders.flops import register_flop_formula
+
+        @register_flop_formula({_CDIST!r})
+        def cdist_flops(x1, x2, p, compute_mode=None, **kwargs):
+            return 2 * x1.shape[0] * x2.shape[0] * x1.shape[1]
+
+        class Distances(torch.nn.Module):
+            def forward(self, a, b):
+                return torch.cdist(a, b)
+
+        t = ampscope.trace(Distances(), {{"a": torch.randn(3, 4), "b": torch.randn(5, 4)}},
+                           workload=lambda m, batch: m(batch["a"], batch["b"]), predict=False)
+        print(sum(o.flops for o in t.ops))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == str(2 * 3 * 5 * 4)
+
+
+@pytest.mark.fast
+def test_ops_a_build_lacks_or_that_do_not_fit_are_skipped():
+    def wrong_names(a, b, p, compute_mode=None, **kwargs) -> int:
+        return 1
+
+    flops.register_flop_formula("no_such_op_in_any_build", _CDIST)(wrong_names)
+    try:
+        skipped = flops.skipped()
+        assert skipped["no_such_op_in_any_build"] == "not an op of this torch build"
+        assert "argument 0 is 'x1'" in skipped[_CDIST]
+        op = torch.ops.aten._cdist_forward.default
+        assert flops.formula(op) is None  # nothing registered for it
+    finally:
+        flops.unregister_flop_formula("no_such_op_in_any_build", _CDIST)
+    assert not {"no_such_op_in_any_build", _CDIST} & set(flops.skipped())
+
+
+@pytest.mark.fast
+def test_torchs_formula_counts_unless_the_registration_replaces_it():
+    """mm has torch's formula (2·M·K·N): a formula of ampscope's for it counts only where its
+    registration's `replaces_torch()` says so."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    op = torch.ops.aten.mm.default
+    out = op(a, b)
+
+    def one(self, mat2, *args, **kwargs) -> int:
+        return 1
+
+    for replaces, expected in ((lambda: False, 2 * 3 * 4 * 5), (lambda: True, 1)):
+        flops.register_flop_formula(torch.ops.aten.mm, replaces_torch=replaces)(one)
+        try:
+            assert flops.op_flops(op, (a, b), {}, out) == (expected, expected)
+        finally:
+            flops.unregister_flop_formula(torch.ops.aten.mm)
+    assert flops.op_flops(op, (a, b), {}, out) == (2 * 3 * 4 * 5,) * 2
