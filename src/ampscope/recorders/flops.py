@@ -6,12 +6,12 @@ Two sources, one convention (a multiply-add is 2 FLOPs, elementwise work 0):
   convolutions, the CUDA attention kernels;
 - ampscope's, below, each a function with `@register_flop_formula(op, ...)` above it, the one
   way to add one: the CPU flash-attention kernel and grouped-query attention where torch lacks
-  or asserts on them. Where both have one, torch's counts unless the registration's
-  `replaces_torch()` says otherwise.
+  or asserts on them, and the fused RNN ops (oneDNN's LSTM layer, cuDNN's RNN). Where both
+  have one, torch's counts unless the registration's `replaces_torch()` says otherwise.
 
 Registering (modelled on torch's own `@register_flop_formula`). An op is named by its packet
-(`torch.ops.aten.mm`) or its aten name; an underscored op by a constant of
-`ampscope.torchcompat` (`ops.SDPA_OP_NAMES`), the only place such a name may be written.
+(`torch.ops.aten.mm`) or its aten name ("mkldnn_rnn_layer"); an underscored op by a constant
+of `ampscope.torchcompat` (`rnn.CUDNN_RNN_NAME`), the only place such a name may be written.
 Each op is checked as it is registered, so a formula is feature-detected, never a crash: one
 this build lacks, or whose arguments no longer fit the formula, is skipped (`skipped()` says
 why). Fitting: each positional parameter has an argument of the op's schema at its place, of
@@ -26,8 +26,15 @@ parameter whose schema argument has a default needs one too (the dispatcher may 
 Register at import, before anything runs: the op recorder keeps what it looked up per op.
 
 What is counted. Every op that reaches the op recorder (recorders/ops.py, a dispatch mode) is
-counted, once: a composite (`linear`) decomposes before the mode sees it, so only its parts are
-counted, and ops a kernel runs inside itself are not seen, so a fused op is counted alone.
+counted, once: a composite (`linear`, `lstm.input`) decomposes before the mode sees it, so
+only its parts are counted, and ops a kernel runs inside itself are not seen, so a fused op is
+counted alone. RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without
+projections, one call per layer and direction) and cuDNN's RNN (`_cudnn_rnn`, all layers in
+one call; also what the CUDA emulation runs, runtime/rnn_kernels.py) do their matmuls inside
+the kernel, so torch counts them 0; the formulas below count them. Every other RNN path (GRU
+and RNN on the CPU, packed sequences, LSTMs with projections or in bfloat16 on the CPU,
+LSTMCell) dispatches its matmuls as `mm`/`addmm`, counted already. `lstm.input` and its
+siblings never reach the recorder and have no formula: one would count those matmuls twice.
 
 Causal attention is also counted on the entries the mask keeps: row i of a causal (L, S) score
 matrix keeps min(i + 1, S) keys (top-left alignment, as `is_causal`): L·(L+1)/2 of L·L when
@@ -45,6 +52,7 @@ from typing import TypeVar
 import torch
 
 from ampscope.torchcompat import flops as torch_flops
+from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.dispatch import OpOverload, OpOverloadPacket, op_schema
 from ampscope.torchcompat.ops import SDPA_FLASH_FOR_CPU_NAMES, SDPA_OP_NAMES
 
@@ -212,6 +220,87 @@ def attention_flops(query, key, value, *args, **kwargs) -> int:
 def attention_backward_flops(grad_out, /, query, key, value, *args, **kwargs) -> int:
     """A fused attention kernel's backward, (grad_out, query, key, value) first."""
     return _sdpa_backward(_shape(query), _shape(key), _shape(value))
+
+
+# -- RNNs -----------------------------------------------------------------------------------
+
+# Gate blocks per mode: the rows of w_ih and w_hh are gates · hidden_size.
+_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+_GATES_BY_CUDNN_MODE = {private_rnn.CUDNN_MODES[mode]: g for mode, g in _GATES.items()}
+
+
+def _positions(input) -> int:
+    """T·B, the vectors each layer's weights multiply: a padded input is (T, B, I) or (B, T, I),
+    a packed one (ΣB_t, I)."""
+    size = input.shape[-1]
+    return input.numel() // size if size else 0
+
+
+def rnn_forward_flops(positions: int, gates: int, input_size: int, hidden_size: int,
+                      proj_size: int, num_layers: int, directions: int) -> int:
+    """The matmuls of a whole RNN over T·B = `positions`: for each layer and direction, the
+    input projection (w_ih: G·H × I_l), the recurrent one (w_hh: G·H × P) and, with projections,
+    the output projection (w_hr: P × H), each a multiply-add per weight and position:
+    2·T·B·(G·H·(I_l + P) + P·H). P is proj_size, or H without projections (and no w_hr);
+    I_l is the input size for layer 0, D·P after. Gates G: LSTM 4, GRU 3, RNN 1. The gates'
+    elementwise math counts 0."""
+    out = proj_size or hidden_size
+    per_position = 0
+    for layer in range(num_layers):
+        layer_input = input_size if layer == 0 else directions * out
+        per_position += directions * (gates * hidden_size * (layer_input + out)
+                                      + proj_size * hidden_size)
+    return 2 * positions * per_position
+
+
+@register_flop_formula(private_rnn.CUDNN_RNN_NAME)
+def cudnn_rnn_flops(input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size,
+                    proj_size, num_layers, batch_first, dropout, train, bidirectional,
+                    *args, **kwargs) -> int:
+    """cuDNN's forward over the whole sequence, every layer and direction (`rnn_forward_flops`).
+    Read from the sizes, not `weight`: under autocast the weights come as (n, 1) views."""
+    return rnn_forward_flops(_positions(input), _GATES_BY_CUDNN_MODE[mode], input.shape[-1],
+                             hidden_size, proj_size, num_layers, 2 if bidirectional else 1)
+
+
+@register_flop_formula(private_rnn.CUDNN_RNN_BACKWARD_NAME)
+def cudnn_rnn_backward_flops(input, weight, weight_stride0, weight_buf, hx, cx, output,
+                             grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
+                             num_layers, batch_first, dropout, train, bidirectional, batch_sizes,
+                             dropout_state, reserve, output_mask, *args, **kwargs) -> int:
+    """Convention, from what the op runs (`_cudnn_rnn_backward`, aten/src/ATen/native/cudnn/
+    RNN.cpp): the data pass (cudnnRNNBackwardData), run unconditionally, multiplies each
+    position's gradient by every weight the forward multiplied, transposed (the gradients of
+    the input, of each layer's input and of the recurrent state): the forward's FLOPs. The
+    weight pass (cudnnRNNBackwardWeights), run where `output_mask[3]` asks for the weights'
+    gradients, multiplies each position's gradient by that position's input: the forward's
+    FLOPs again. So 2× the forward when the weights train, 1× when they are frozen, 0 when no
+    gradient reached the op (it returns at once)."""
+    if grad_output is None and grad_hy is None and grad_cy is None:
+        return 0
+    forward = rnn_forward_flops(_positions(input), _GATES_BY_CUDNN_MODE[mode], input.shape[-1],
+                                hidden_size, proj_size, num_layers, 2 if bidirectional else 1)
+    return forward * (2 if output_mask[3] else 1)
+
+
+def _layer_flops(input, w_ih, w_hh) -> int:
+    """One layer in one direction: every position multiplies w_ih (G·H × I) and w_hh (G·H × H),
+    2·T·B·G·H·(I + H)."""
+    return 2 * _positions(input) * (w_ih.numel() + w_hh.numel())
+
+
+@register_flop_formula("mkldnn_rnn_layer")
+def mkldnn_rnn_layer_flops(input, weight0, weight1, *args, **kwargs) -> int:
+    """oneDNN's LSTM, one call per layer and direction (weight0 = w_ih, weight1 = w_hh)."""
+    return _layer_flops(input, weight0, weight1)
+
+
+@register_flop_formula("mkldnn_rnn_layer_backward")
+def mkldnn_rnn_layer_backward_flops(input, weight1, weight2, *args, **kwargs) -> int:
+    """Convention: 2× the layer's forward. oneDNN's backward always computes the gradients of
+    the input and of the recurrent state (the forward's multiply-adds with the weights
+    transposed) and of both weights (as many again); it takes no mask."""
+    return 2 * _layer_flops(input, weight1, weight2)
 
 
 # -- looking up ---------------------------------------------------------------------------
