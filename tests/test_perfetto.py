@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from ampscope.analysis.flops import flop_report
 from ampscope.analysis.memory import memory_report
 from ampscope.cli import main
 from ampscope.records import Trace, module_label
-from ampscope.render.perfetto import TIDS, to_perfetto
+from ampscope.records.perfetto import TIDS
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "trace_event.schema.json").read_text())
 
@@ -127,8 +129,24 @@ def test_cli_writes_the_timeline_of_the_traced_step(tmp_path, capsys):
     assert f"Wrote {timeline}" in capsys.readouterr().err
     written = json.loads(timeline.read_text())
     again = Trace.from_dict(json.loads(saved.read_text()))
-    assert written == to_perfetto(again)  # the same document, from the saved trace
+    assert written == again.to_perfetto()  # the same document, from the saved trace
     assert len(_slices(written, "op")) == len(again.ops)
+
+
+def test_the_timeline_is_the_records_own_with_no_view_imported(step, tmp_path):
+    """`Trace.to_perfetto` is a method of the record class: a trace read back in a fresh
+    interpreter gives the same document without importing any view or analysis."""
+    saved = tmp_path / "step.json"
+    step.to_json(saved)
+    code = ("import json, sys\nfrom pathlib import Path\nfrom ampscope.records import Trace\n"
+            f"trace = Trace.from_dict(json.loads(Path({str(saved)!r}).read_text()))\n"
+            "print(json.dumps({'document': trace.to_perfetto(), 'imported': sorted(m for m in "
+            "sys.modules if m.startswith(('ampscope.render', 'ampscope.analysis')))}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    answer = json.loads(result.stdout)
+    assert answer["imported"] == []
+    assert answer["document"] == json.loads(json.dumps(step.to_perfetto()))
 
 
 @pytest.mark.fast

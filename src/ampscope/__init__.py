@@ -56,9 +56,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ampscope' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    if module != "ampscope.errors":  # Jupyter's HTML views and Trace.to_perfetto (idempotent)
+    if module != "ampscope.errors":  # Jupyter's HTML views (idempotent)
         importlib.import_module("ampscope.render.notebook").register()
-        importlib.import_module("ampscope.render.perfetto").register()
     globals()[name] = value  # the next access skips this function
     return value
 

@@ -76,12 +76,11 @@ def _show_trace(args: argparse.Namespace, result, extra: list | None = None,
     from rich.console import Group
 
     from ampscope.analysis.summary import trace_summary
-    from ampscope.render.perfetto import to_perfetto
     from ampscope.render.text import render_trace
 
     if args.perfetto:
         try:
-            to_perfetto(result, args.perfetto)
+            result.to_perfetto(args.perfetto)
         except OSError as e:
             raise AmpscopeError(f"cannot write {args.perfetto}: {e.strerror}") from e
         print(f"Wrote {args.perfetto}", file=sys.stderr)  # plain: a path must not be wrapped

@@ -12,6 +12,7 @@ analysed without the model:
   a trace's ops, modules and tensors as tables;
 - `records/fp8.py`: the fp8 casts of a step and their scales, read off the op records.
 - `records/timeline.py`: when the storages are live over a step, in bytes or CUDA's blocks.
+- `records/perfetto.py`: a trace's records as a Trace Event timeline (`Trace.to_perfetto`).
 
 Nothing here imports another ampscope layer.
 """

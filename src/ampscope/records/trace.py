@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ampscope.files import write_atomic
+from ampscope.records.perfetto import perfetto_trace
 from ampscope.records.setting import SettingRecord
 from ampscope.records.table import Table
 from ampscope.records.tensors import (
@@ -108,6 +109,16 @@ class Trace:
         if path is not None:
             write_atomic(path, text + "\n")
         return text
+
+    def to_perfetto(self, path: str | Path | None = None) -> dict:
+        """The step as a timeline: a Trace Event JSON document (records/perfetto.py), written
+        atomically to `path` when given (open it in ui.perfetto.dev or chrome://tracing)."""
+        document = perfetto_trace(model=self.model.name, setting=self.setting.name,
+                                  workload=self.workload, mode=self.mode, ops=self.ops,
+                                  calls=self.calls, modules=self.modules, storages=self.storages)
+        if path is not None:
+            write_atomic(path, json.dumps(document, separators=(",", ":")) + "\n")
+        return document
 
     def table(self, kind: str = "ops") -> Table:
         """The records as one table: a row per op ("ops"), per module call ("modules") or per

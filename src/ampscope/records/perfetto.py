@@ -1,5 +1,5 @@
-"""The step as a timeline for ui.perfetto.dev and chrome://tracing (`--perfetto PATH`,
-`Trace.to_perfetto()`), in the Trace Event JSON format both read.
+"""The step as a timeline for ui.perfetto.dev and chrome://tracing (`Trace.to_perfetto()`,
+`--perfetto PATH`), in the Trace Event JSON format both read.
 
 - One track (thread) per phase: forward, backward, optimizer.
 - On it, module spans nested as the module names nest ("transformer.h.0" around
@@ -13,17 +13,27 @@ Timestamps are op order: op k spans [k, k+1) µs, for traces carry no per-op wal
 predicted step has none to carry). Module spans come from module names, not from the call
 stack: a module called from outside its parent appears nested under its name's parent, and two
 calls of one module with no op between them merge into one span.
+
+The document is plain data built from the records alone, so it lives with them: `Trace`
+(records/trace.py, which imports this module) hands over its records and names.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Sequence
 
-from ampscope.analysis.memory import live_bytes
-from ampscope.files import write_atomic
-from ampscope.records import PHASES, STORAGE_CATEGORIES, OpCall, Trace, module_label
-from ampscope.render.style import short_op
+from ampscope.records.tensors import (
+    PHASES,
+    STORAGE_CATEGORIES,
+    FunctionCall,
+    ModuleCall,
+    OpCall,
+    StorageRecord,
+    TensorMeta,
+    module_label,
+)
+from ampscope.records.timeline import live_bytes
+from ampscope.wording import short_op
 
 PID = 1
 TIDS: dict[str, int] = {phase: i + 1 for i, phase in enumerate(PHASES)}
@@ -33,12 +43,12 @@ def _meta(name: str, tid: int, args: dict) -> dict:
     return {"ph": "M", "name": name, "pid": PID, "tid": tid, "args": args}
 
 
-def _tensors(metas, names=None) -> list[str]:
+def _tensors(metas: Sequence[TensorMeta], names: Sequence[str | None] = ()) -> list[str]:
     """["float32[1, 64, 768]", ...], with the parameter's name where the op read one."""
     out = []
     for i, m in enumerate(metas):
         text = f"{m.dtype}{list(m.shape)}"
-        name = names[i] if names and i < len(names) else None
+        name = names[i] if i < len(names) else None
         out.append(f"{text} {name}" if name else text)
     return out
 
@@ -64,11 +74,11 @@ def _chain(module: str | None, called: set[str]) -> list[str]:
     return chain
 
 
-def module_spans(trace: Trace) -> list[dict]:
+def _module_spans(ops: Sequence[OpCall], modules: Sequence[ModuleCall]) -> list[dict]:
     """X events for the module spans of every phase: a stack opened and closed as consecutive
     ops enter and leave modules, so every span holds its ops and its children's spans."""
-    called = {m.name for m in trace.modules}
-    types = {m.name: m.type for m in trace.modules}
+    called = {m.name for m in modules}
+    types = {m.name: m.type for m in modules}
     events: list[dict] = []
     stack: list[tuple[str, int]] = []  # (module, first op index)
     phase: str | None = None
@@ -81,7 +91,7 @@ def module_spans(trace: Trace) -> list[dict]:
                            "dur": end - start, "pid": PID, "tid": TIDS.get(phase, 1),
                            "args": {"module": module_label(name), "type": types.get(name)}})
 
-    for k, op in enumerate(trace.ops):
+    for k, op in enumerate(ops):
         chain = _chain(op.module, called)
         if op.phase != phase:
             close(0, k)
@@ -91,18 +101,18 @@ def module_spans(trace: Trace) -> list[dict]:
             same += 1
         close(same, k)
         stack.extend((name, k) for name in chain[same:])
-    close(0, len(trace.ops))
+    close(0, len(ops))
     return events
 
 
-def _counters(trace: Trace) -> list[dict]:
-    n = len(trace.ops)
+def _counters(ops: Sequence[OpCall], storages: Sequence[StorageRecord]) -> list[dict]:
+    n = len(ops)
     events: list[dict] = []
     by_category = {}
     for category in STORAGE_CATEGORIES:
-        storages = [s for s in trace.storages if s.category == category]
-        if storages:
-            by_category[category] = live_bytes(storages, n)[1]
+        of_category = [s for s in storages if s.category == category]
+        if of_category:
+            by_category[category] = live_bytes(of_category, n)[1]
     previous = None
     for k in range(n):
         values = {c: live[k] for c, live in by_category.items()}
@@ -111,7 +121,7 @@ def _counters(trace: Trace) -> list[dict]:
                            "args": values})
             previous = values
     total = 0
-    for k, op in enumerate(trace.ops):
+    for k, op in enumerate(ops):
         if op.flops or k == 0:
             total += op.flops
             events.append({"ph": "C", "name": "FLOPs so far", "ts": k, "pid": PID,
@@ -119,41 +129,25 @@ def _counters(trace: Trace) -> list[dict]:
     return events
 
 
-def perfetto_trace(trace: Trace) -> dict:
-    """The Trace Event JSON document of one trace."""
-    calls = {c.index: c for c in trace.calls}
-    events = [_meta("process_name", 0, {"name": f"{trace.model.name} · {trace.setting.name} · "
-                                                f"{trace.workload}"})]
+def perfetto_trace(*, model: str, setting: str, workload: str, mode: str,
+                   ops: Sequence[OpCall], calls: Sequence[FunctionCall],
+                   modules: Sequence[ModuleCall], storages: Sequence[StorageRecord]) -> dict:
+    """The Trace Event JSON document of one trace's records (`Trace.to_perfetto` gives them)."""
+    by_index = {c.index: c for c in calls}
+    events = [_meta("process_name", 0, {"name": f"{model} · {setting} · {workload}"})]
     for phase, tid in TIDS.items():
         events += [_meta("thread_name", tid, {"name": phase}),
                    _meta("thread_sort_index", tid, {"sort_index": tid})]
-    slices = module_spans(trace)
-    for k, op in enumerate(trace.ops):
-        call = calls.get(op.caller) if op.caller is not None else None
+    slices = _module_spans(ops, modules)
+    for k, op in enumerate(ops):
+        call = by_index.get(op.caller) if op.caller is not None else None
         slices.append(_op_event(op, k, call.autocast if call else None,
                                 call.func if call else None))
     # Parents before children: by start, then longest first (viewers nest on this order).
     slices.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], e["cat"] != "module"))
     return {
-        "traceEvents": events + slices + _counters(trace),
+        "traceEvents": events + slices + _counters(ops, storages),
         "displayTimeUnit": "ns",
-        "otherData": {"model": trace.model.name, "setting": trace.setting.name,
-                      "workload": trace.workload, "mode": trace.mode,
-                      "timestamps": "op order: op k spans [k, k+1) µs",
-                      "ops": len(trace.ops)},
+        "otherData": {"model": model, "setting": setting, "workload": workload, "mode": mode,
+                      "timestamps": "op order: op k spans [k, k+1) µs", "ops": len(ops)},
     }
-
-
-def to_perfetto(trace: Trace, path: str | Path | None = None) -> dict:
-    """The timeline of `trace` as a Trace Event JSON document, written atomically to `path`
-    when given (open it in ui.perfetto.dev or chrome://tracing)."""
-    document = perfetto_trace(trace)
-    if path is not None:
-        write_atomic(path, json.dumps(document, separators=(",", ":")) + "\n")
-    return document
-
-
-def register() -> None:
-    """Give `Trace` its `to_perfetto` method: records sit below this layer and must not import
-    it (`import ampscope` calls this once, as it attaches the notebook views)."""
-    Trace.to_perfetto = to_perfetto  # type: ignore[attr-defined]
