@@ -56,8 +56,13 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ampscope' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    if module != "ampscope.errors":  # Jupyter's HTML views (idempotent)
-        importlib.import_module("ampscope.render.notebook").register()
+    if module != "ampscope.errors":
+        # Jupyter's HTML views, given to the record and report classes here, explicitly (and
+        # idempotently): they sit below render/ and cannot import it. Not at `import ampscope`,
+        # for the views import torch.
+        from ampscope.render import notebook
+
+        notebook.register()
     globals()[name] = value  # the next access skips this function
     return value
 

@@ -1,8 +1,10 @@
-"""Notebook display: the HTML view of a trace or a report in Jupyter, attached from here.
+"""Notebook display: the HTML view of a trace or a report in Jupyter.
 
 Jupyter shows an object as HTML when its class has a `_repr_html_` method. Records and reports
-sit below this layer and must not import it, so `register()` attaches the views to their
-classes; `import ampscope` calls it once.
+sit below this layer and must not import it, so `register()` gives each class in `VIEWS` its
+view. Importing this module changes nothing: the package root calls `register()` on the first
+use of any of its names (`ampscope.trace`, ...), and code that imports the records and reports
+from their own modules, without those names, calls it itself.
 """
 
 from __future__ import annotations
