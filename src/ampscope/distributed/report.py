@@ -15,6 +15,7 @@ Two byte counts per collective:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
@@ -80,25 +81,57 @@ def collective(o: OpCall, world_size: int) -> Collective | None:
     returns its output. The group's size is the one the op was recorded with (its process
     group's: FSDP2 on the `dp` dimension of a 2-D mesh gathers over a group smaller than the
     world, tensor parallelism all-reduces over the `tp` one); in a trace that lacks it, a gather's
-    or a scatter's is read off its shapes, and any other's is taken to be the world."""
+    or a scatter's is read off its shapes, and any other's is taken to be the world
+    (`world_size_note` says so)."""
     kind = collective_kind(o.op)
     if kind is None or not o.inputs:
         return None
     sizes = [_nbytes(m) for m in o.inputs]
+    payload, group = _payload_and_group(o, kind, sizes, world_size)
+    wire = int(payload * _wire_factor(kind, group))
+    return Collective(o.index, o.op, kind, o.phase, o.module, o.inputs[0].dtype, payload, wire)
+
+
+def _payload_and_group(o: OpCall, kind: str, sizes: list[int],
+                       world_size: int) -> tuple[int, int]:
     given = sum(sizes)
-    group = world_size
     if o.op.startswith(c10d_ops.FUNCTIONAL_PREFIX):
-        payload = max(given, sum(_nbytes(m) for m in o.outputs))
-    elif kind in ("all_gather", "reduce_scatter"):
+        return max(given, sum(_nbytes(m) for m in o.outputs)), o.group or world_size
+    if kind in ("all_gather", "reduce_scatter"):
         if len(sizes) == 2 and min(sizes) and sizes[0] != sizes[1]:
             payload, group = max(sizes), max(sizes) // min(sizes)
         else:
             payload, group = given - given // len(sizes), max(1, len(sizes) - 1)
-    else:
-        payload = given
-    group = o.group or group
-    wire = int(payload * _wire_factor(kind, group))
-    return Collective(o.index, o.op, kind, o.phase, o.module, o.inputs[0].dtype, payload, wire)
+        return payload, o.group or group
+    return given, o.group or world_size
+
+
+def _takes_the_world(o: OpCall) -> bool:
+    """Is this collective's group taken to be the world: no size recorded, none in its shapes
+    (an in-place gather's or scatter's)?"""
+    if o.group is not None or not o.inputs:
+        return False
+    kind = collective_kind(o.op)
+    if kind is None:
+        return False
+    return (o.op.startswith(c10d_ops.FUNCTIONAL_PREFIX)
+            or kind not in ("all_gather", "reduce_scatter"))
+
+
+def world_size_note(ops: list[OpCall], world_size: int) -> str | None:
+    """The note for collectives whose wire bytes take their group to be the world (their
+    record has no group size: it could not be read when the op ran, as the trace's notes say,
+    or the trace was recorded before records kept it); None where there are none, or in a
+    world of one rank, where every group is the world."""
+    if world_size < 2:
+        return None
+    taken = Counter(o.op for o in ops if _takes_the_world(o))
+    if not taken:
+        return None
+    listed = ", ".join(f"{op} ×{n}" if n > 1 else op for op, n in taken.items())
+    return (f"The process group's size of {sum(taken.values())} collective(s) is not recorded "
+            f"({listed}): their wire bytes take the group to be the world, {world_size} ranks; "
+            "a smaller group (tensor parallelism's, FSDP2's on a 2-D mesh) sends less.")
 
 
 def collectives(ops: list[OpCall], world_size: int) -> list[Collective]:
@@ -209,6 +242,14 @@ class DistributedReport:
     ranks: list[RankReport]
     notes: list[str] = field(default_factory=list)
     trace: Trace | None = None  # rank 0's full trace
+
+    def __post_init__(self) -> None:
+        # Every report whose collectives took the world for a group says so, whoever made it
+        # (a run's, a prediction's, one read back from a rank's file: not twice).
+        if self.trace is not None:
+            note = world_size_note(self.trace.ops, self.parallel.world_size)
+            if note is not None and note not in self.notes:
+                self.notes = [*self.notes, note]  # (not the caller's list)
 
     def _dtypes(self, kinds: tuple[str, ...], phase: str | None) -> list[str]:
         seen: dict[str, None] = {}

@@ -45,6 +45,7 @@ from ampscope.torchcompat.dispatch import (
     OpOverload,
 )
 from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
+from ampscope.torchcompat.distributed import GroupSizeUnknown
 from ampscope.torchcompat.distributed import collective_group_size as group_size
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
@@ -116,6 +117,9 @@ class OpRecorder(UncompiledDispatchMode):
         self.prim_device: bool | None = False  # None: decided on the first fake device read
         # A note for each trick that failed during the run (its op ran the exact way).
         self.fallbacks: list[str] = []
+        # Collectives whose process group's size could not be read: op name -> why (the first
+        # reason of each op; its records keep `group` None, and the trace says so).
+        self.unknown_groups: dict[str, str] = {}
         self._cached = fake_cache.CachedAnswers()
         functions.op_log = self.rows
         self._tracker = tracker
@@ -207,11 +211,27 @@ class OpRecorder(UncompiledDispatchMode):
                 self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
                 None if facts.precision is None else self._fp32_precision(facts.precision,
                                                                           inputs),
-                group_size(func, args, kwargs) if facts.collective else None,
+                self._group(facts.name, func, args, kwargs) if facts.collective else None,
             ))
             if self._progress is not None:
                 self._progress.op(index + 1, phase)
         return out
+
+    def notes(self) -> list[str]:
+        """What the trace says of the run's ops: each trick that failed, each collective whose
+        process group's size is not known."""
+        return [f"A speed trick was turned off: {note}." for note in self.fallbacks] + [
+            f"The process group of {op} is not in its records: {why}; a distributed report "
+            "takes its group to be the world." for op, why in self.unknown_groups.items()]
+
+    def _group(self, name: str, func: OpOverload, args: tuple, kwargs: dict) -> int | None:
+        """The size of the process group a collective ran over; None where it names none, or
+        where it cannot be read (kept in `unknown_groups`, for the trace's note)."""
+        try:
+            return group_size(func, args, kwargs)
+        except GroupSizeUnknown as e:
+            self.unknown_groups.setdefault(name, str(e))
+            return None
 
     def _fp32_precision(self, kind: str, inputs: list[torch.Tensor]) -> str | None:
         """The fp32 precision a matmul-class op on float32 inputs ran with, read when it ran:

@@ -487,8 +487,8 @@ class Capture:
                 "Activations under activation checkpointing are counted as temporaries: this "
                 "torch (before 2.10) can only read a saved tensor by unpacking it, which would "
                 "run checkpointing's hooks; the memory peak is the same.")
-        # (a run that cannot be run again, a script's: a trick's failure is said here)
-        notes += [f"A speed trick was turned off: {note}." for note in self._ops.fallbacks]
+        # (a trick's failure, said here in a run that cannot run again; unknown group sizes)
+        notes += self._ops.notes()
         if self._inference.used:
             notes.append(
                 "torch.inference_mode() ran as torch.no_grad() while traced: composite ops "

@@ -66,21 +66,41 @@ def compress_hook(dtype: torch.dtype, bucket):
     return _compress_hook(dtype, None, bucket)  # type: ignore[arg-type]
 
 
+class GroupSizeUnknown(Exception):
+    """A collective names a process group whose size this build cannot read; the message says
+    why (the caller keeps the op's size unknown and says so in a note)."""
+
+
+# What reading a group's size raises on a build or a value it does not expect: an unboxing that
+# finds no ProcessGroup (RuntimeError), a name no group is registered under (RuntimeError), an
+# argument of another type (TypeError), a function that is not there (AttributeError).
+_GROUP_ERRORS = (AttributeError, RuntimeError, TypeError, ValueError)
+
+
 def collective_group_size(func, args: tuple, kwargs: dict) -> int | None:
     """How many ranks a collective op runs over: its `process_group` argument's size (c10d's
-    in-place ops), or that of the group its `group_name` names (the functional ones); None
-    where the op names neither or this build cannot say."""
+    in-place ops), or that of the group its `group_name` names (the functional ones). None for
+    an op that takes neither (`wait_tensor`, a barrier without a group): no group to read.
+    Raises `GroupSizeUnknown`, with the reason, where the op names a group that this build
+    cannot read the size of."""
     import torch.distributed as dist
 
     try:
         names = [a.name for a in op_schema(func).arguments]
-        for name, read in (("process_group", _unboxed_size), ("group_name", _named_size)):
-            if name in names:
-                at = names.index(name)
-                value = args[at] if at < len(args) else kwargs.get(name)
-                return read(dist, value) if value is not None else None
-    except Exception:  # noqa: BLE001 - a changed signature: the size is not known
-        return None
+    except AttributeError as e:  # no schema: not an OpOverload as this build makes them
+        raise GroupSizeUnknown(f"{func} has no schema to find its group in ({e})") from e
+    for name, read in (("process_group", _unboxed_size), ("group_name", _named_size)):
+        if name not in names:
+            continue
+        at = names.index(name)
+        value = args[at] if at < len(args) else kwargs.get(name)
+        if value is None:
+            return None
+        try:
+            return read(dist, value)
+        except _GROUP_ERRORS as e:
+            raise GroupSizeUnknown(f"the size of {func}'s {name} could not be read "
+                                   f"({type(e).__name__}: {_first_line(e)})") from e
     return None
 
 
@@ -92,20 +112,58 @@ def _named_size(dist, name: str) -> int:
     return dist.distributed_c10d._resolve_process_group(name).size()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+@functools.cache
+def group_size_readers() -> tuple[bool, str]:
+    """Whether this build has both ways `collective_group_size` reads a group's size:
+    `ProcessGroup.unbox` (c10d's in-place ops pass the group boxed) and
+    `_resolve_process_group` (the functional ones pass its registered name)."""
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        return False, f"no torch.distributed on this build ({e})"
+    missing = [what for what, found in (
+        ("ProcessGroup.unbox", getattr(getattr(dist, "ProcessGroup", None), "unbox", None)),
+        ("distributed_c10d._resolve_process_group",
+         getattr(c10d_module(), "_resolve_process_group", None))) if not callable(found)]
+    if missing:
+        return False, f"missing: torch.distributed's {' and '.join(missing)}"
+    return True, "ProcessGroup.unbox, distributed_c10d._resolve_process_group"
+
+
+@functools.cache
+def _local_shape_found() -> tuple[Callable | None, str]:
+    """DTensor's own shard-shape computation and the root-mesh reader `shard_shapes` needs."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor._utils import (
+            _compute_local_shape_and_global_offset as local_shape_at,
+        )
+    except ImportError as e:
+        return None, f"not on this build ({e})"
+    if not callable(getattr(DeviceMesh, "_get_root_mesh", None)):
+        return None, "DeviceMesh._get_root_mesh is not on this build"
+    return local_shape_at, "DTensor's _compute_local_shape_and_global_offset, a mesh's root mesh"
+
+
 def shard_shapes(t: torch.Tensor) -> dict[int, tuple[int, ...]] | None:
     """For a DTensor, the shape of its local shard on every rank of its mesh's root mesh, as
     DTensor itself works it out for a mesh coordinate (uneven and strided shards included). A
     mesh sliced from a larger one (`mesh["dp"]`) holds only this rank's slice; each other rank
     has the same slice through its own coordinates, read off the root mesh. None for another
-    tensor, or where this build does not work it out that way."""
+    tensor, or where this build does not work it out that way (`features()` says why; the
+    caller then runs every rank)."""
     mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", None)
     if mesh is None or placements is None:
         return None
+    local_shape_at = _local_shape_found()[0]
+    if local_shape_at is None:
+        return None
     try:
-        from torch.distributed.tensor._utils import (
-            _compute_local_shape_and_global_offset as local_shape_at,
-        )
-
         root = mesh._get_root_mesh()
         mesh_shape = tuple(mesh.mesh.shape)
         if root is mesh:
@@ -125,7 +183,9 @@ def shard_shapes(t: torch.Tensor) -> dict[int, tuple[int, ...]] | None:
                                                    placements, skip_offset=True)[0])
             shapes[int(functools.reduce(lambda row, i: row[i], coordinate, layout))] = known[mine]
         return shapes
-    except Exception:  # noqa: BLE001 - a changed signature: the shapes are not known
+    # DTensor's private helper, on a user's mesh and placements, may fail in any way a release
+    # makes it: an unknown answer only costs speed (the caller runs every rank).
+    except Exception:  # noqa: BLE001 - any failure: the shapes are not known
         return None
 
 
@@ -244,8 +304,9 @@ def rank_chunks_status() -> tuple[bool, str]:
                                                                   b.storage_offset())
                     for a, b in zip(theirs, ours, strict=True)):
                 return False, "FSDP2's _chunk_with_empty cuts differently on this build"
-    except Exception as e:  # noqa: BLE001 - a changed signature: the trick is off
-        return False, f"FSDP2's _chunk_with_empty cannot be called as expected ({e})"
+    except Exception as e:  # noqa: BLE001 - a probe: any failure turns the trick off, said here
+        return False, (f"FSDP2's _chunk_with_empty cannot be called as expected "
+                       f"({type(e).__name__}: {e})")
     return True, "FSDP2's _fsdp_param._chunk_with_empty"
 
 
@@ -253,12 +314,18 @@ def features() -> list[Feature]:
     try:
         fake_store()
         ok, why = True, "torch's fake process group store"
-    except Exception as e:  # not built with distributed support
-        ok, why = False, f"not on this build ({type(e).__name__})"
+    except (ImportError, AttributeError, RuntimeError) as e:  # not built with distributed support
+        ok, why = False, f"not on this build ({type(e).__name__}: {e})"
     collectives = fake_collectives()
+    sizes, sizes_why = group_size_readers()
+    shapes, shapes_why = _local_shape_found()
     return [Feature("FSDP2 per-rank chunks", *rank_chunks_status(), "fsdp-shard"),
-            Feature("fake process group", ok, why),
+            Feature("fake process group", ok, why, "every predicted rank"),
             Feature("collectives on fake tensors", collectives,
                     "c10d's Meta kernels" if collectives else
                     "not on this build: no rank can be predicted (run --nproc --predict, "
-                    "trace --distributed --predict, fit --gpus)")]
+                    "trace --distributed --predict, fit --gpus)", "every predicted rank"),
+            Feature("collective group sizes", sizes, sizes_why,
+                    "a collective's own group in the wire bytes (the world size is taken)"),
+            Feature("DTensor shard shapes", shapes is not None, shapes_why,
+                    "run --nproc --predict's roles (every rank runs)")]
