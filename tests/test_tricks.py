@@ -28,7 +28,7 @@ OPTIONS = {"setting": "fp32+amp-bf16", "seq": 8, "predict": True}
 def detect_again():
     """Forget what was detected (on both sides of the test): the test changes torch."""
     caches = (fake._cache_api_found, fake._cloner_found, fake.converter_memos,
-              fake.kernel_invocation_flag, tricks._missing)
+              fake.kernel_invocation_flag, fake._storage_length_found, tricks._missing)
     for cache in caches:
         cache.cache_clear()
     yield
@@ -76,6 +76,30 @@ def test_a_missing_detail_turns_its_tricks_off_and_the_trace_is_exact(
     assert set(missing) == {tricks.Trick.FAKE_CACHE}
     assert "_DispatchCacheValidEntry" in missing[tricks.Trick.FAKE_CACHE]
     assert_same_trace(ampscope.trace("gpt2-tiny", **OPTIONS), exact_trace)
+
+
+def test_a_missing_storage_length_turns_the_foreach_trick_off_and_the_trace_is_exact(
+        monkeypatch, detect_again):
+    # The foreach trick's one private detail, hidden as a release without it would: the trick
+    # is off before the run (its status says why), and no foreach op of AdamW's step (foreach
+    # on CUDA) is answered by it.
+    import torch._prims_common as prims_common
+
+    from ampscope.recorders import foreach
+
+    options = {"setting": "cuda:bf16", "workload": "train", "seq": 8, "predict": True,
+               "optimizer": "adamw"}
+    exact = ampscope.trace("gpt2-tiny", **options, exact=True)
+    assert any("_foreach_" in o.op for o in exact.ops)  # the trick has ops to answer
+    monkeypatch.delattr(prims_common, "compute_required_storage_length")
+    asked = []
+    monkeypatch.setattr(foreach, "thinned_call",
+                        lambda *call: asked.append(call) or foreach.NOT_THINNED)
+    missing = tricks.unavailable()
+    assert set(missing) == {tricks.Trick.FOREACH}
+    assert "compute_required_storage_length" in missing[tricks.Trick.FOREACH]
+    assert_same_trace(ampscope.trace("gpt2-tiny", **options), exact)
+    assert asked == []
 
 
 @pytest.mark.fast
@@ -168,14 +192,15 @@ def test_a_real_run_never_touches_the_fast_path_internals():
         from ampscope.torchcompat import fake
         trace = ampscope.trace("gpt2-tiny", seq=8, predict=False)
         detected = [f.cache_info().currsize for f in
-                    (fake._cache_api_found, fake._cloner_found, fake.converter_memos)]
+                    (fake._cache_api_found, fake._cloner_found, fake.converter_memos,
+                     fake._storage_length_found)]
         print(json.dumps({"ops": len(trace.ops), "touched": touched, "detected": detected}))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["ops"] > 100
-    assert found["touched"] == [] and found["detected"] == [0, 0, 0]
+    assert found["touched"] == [] and found["detected"] == [0, 0, 0, 0]
 
 
 def test_a_trick_whose_wrong_answer_makes_the_model_fail_is_caught_by_the_exact_path(

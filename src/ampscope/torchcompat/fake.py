@@ -12,18 +12,22 @@ reason in `features()`) where it does not:
   subclass with the attributes `FakeTensor.__new__` set on an earlier one (runtime/predict.py);
 - the converter's memos (`remember_constant`): entering a fake constant in the books the
   converter keeps of its own conversions (recorders/shortcuts.py).
+
+Two more tricks need details found here too: `foreach` the storage length a tensor needs
+(`required_storage_length`, from torch's `_prims_common`; recorders/foreach.py), `prim-device`
+FakeTensorMode's kernel-invocation flag (`kernel_invocation_flag`). Each is looked up on the
+first ask only, so importing this module reaches none of them.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, final
 
 import torch
-from torch._prims_common import compute_required_storage_length
 from torch._subclasses import fake_tensor as _fake_tensor
 from torch._subclasses.fake_tensor import (
     FakeTensor,
@@ -62,8 +66,31 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
 
 
 def required_storage_length(shape, stride, offset: int = 0) -> int:
-    """The number of elements a storage needs for a tensor of `shape` and `stride`."""
-    return compute_required_storage_length(shape, stride, offset)
+    """The number of elements a storage needs for a tensor of `shape` and `stride`, by torch's
+    own rule. Only the `foreach` trick asks, and only where `status("foreach")` found it."""
+    compute = _storage_length_found()[0]
+    if compute is None:  # the trick is off then (tricks.enabled): not reached from a run
+        raise RuntimeError(f"required_storage_length: {_storage_length_found()[1]}")
+    return compute(shape, stride, offset)
+
+
+@functools.cache
+def _storage_length_found() -> tuple[Callable[..., int] | None, str]:
+    """torch's `compute_required_storage_length`, checked on three layouts whose lengths are
+    known by hand: contiguous 2×3 needs 6, a transposed 2×3 at offset 1 needs 1 + 1·1 + 2·2 + 1
+    = 7, an empty tensor 0."""
+    name = "torch._prims_common.compute_required_storage_length"
+    try:
+        from torch._prims_common import compute_required_storage_length as compute
+    except ImportError as e:
+        return None, f"{name} is not on this build ({e})"
+    try:
+        got = (compute((2, 3), (3, 1), 0), compute((2, 3), (1, 2), 1), compute((0, 3), (3, 1), 0))
+    except (TypeError, ValueError, RuntimeError) as e:  # a changed signature or rule
+        return None, f"{name} cannot be called as expected ({type(e).__name__}: {e})"
+    if got != (6, 7, 0):
+        return None, f"{name} counts differently on this build ({got}, not (6, 7, 0))"
+    return compute, name
 
 
 def mark_parameter(t: torch.Tensor) -> bool:
@@ -162,7 +189,9 @@ def _cache_api_found() -> tuple[CacheAPI | None, str]:
         return None, f"not on this build ({e})"
     try:
         _probe_cache(api)
-    except Exception as e:  # any change of behaviour turns the trick off
+    # The probe runs FakeTensorMode's private cache on an op: whatever a release changed may
+    # fail in any way, and every failure means the same (the trick is off, with this reason).
+    except Exception as e:  # noqa: BLE001 - a probe: any failure turns the trick off, said here
         return None, f"behaves differently on this build ({type(e).__name__}: {e})"
     return api, "FakeTensorMode's dispatch cache, key builder and entry reader"
 
@@ -248,7 +277,9 @@ def _cloner_found() -> tuple[_Cloner | None, str]:
         if (type(clone) is not FakeTensor or clone.fake_device != again.fake_device
                 or set(vars(clone)) != set(vars(again)) or clone.device != again.device):
             raise ValueError("a cloned fake tensor differs from a constructed one")
-    except Exception as e:  # missing or changed: the constructor is used
+    # As above: a probe of FakeTensor's construction, which may fail in any way a release
+    # makes it; the constructor is used then.
+    except Exception as e:  # noqa: BLE001 - a probe: any failure turns the trick off, said here
         return None, f"not usable on this build ({type(e).__name__}: {e})"
     return cloner, "FakeTensor made as the C++ subclass with learned attributes"
 
@@ -320,12 +351,18 @@ def status(trick: str) -> tuple[bool, str]:
         from ampscope.torchcompat.distributed import rank_chunks_status
 
         return rank_chunks_status()
-    return True, "needs no private detail"
+    if trick == "foreach":
+        compute, why = _storage_length_found()
+        return compute is not None, why
+    if trick == "replay":
+        return True, "needs no private detail (module hooks, autograd's public state)"
+    raise ValueError(f"no speed trick named {trick!r}")
 
 
 # Each detail's name, and the speed trick (tricks.Trick's value) that needs it.
 _DETAILS = (("fake dispatch cache", "fake-cache"), ("fake tensor cloning", "clone"),
-            ("fake converter memos", "shortcuts"), ("fake kernel-invocation flag", "prim-device"))
+            ("fake converter memos", "shortcuts"), ("fake kernel-invocation flag", "prim-device"),
+            ("required storage length", "foreach"))
 
 
 def features() -> list[Feature]:
