@@ -82,3 +82,9 @@ def fell_back(trick: Trick, error: BaseException) -> str:
     """The note for a trick that failed during a run (the op ran the exact way instead)."""
     return (f"the {trick.value} speed trick failed on this torch build "
             f"({type(error).__name__}: {error}); the run took the exact path instead")
+
+
+class TrickFailed(Exception):
+    """A speed trick could not be trusted on this run or this torch build (a replayed block
+    unlike its twins, a private detail that changed): the run is done again on the exact
+    path, every trick off (`recorders/environment.py`'s `exact_retry`, the one place)."""

@@ -11,11 +11,11 @@
 
 from ampscope.api.fit import fit
 from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
-from ampscope.api.planning import load
 from ampscope.api.reports import findings, flops, memory, numerics, policy, tokens_of
 from ampscope.api.tracing import capture, matrix, trace, trace_run
 from ampscope.api.watch import Watch, watch
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS, DEFAULT_NUMERICS_SETTINGS
+from ampscope.models.loading import load
 from ampscope.render import notebook
 
 # Jupyter shows traces and reports as HTML, also for `from ampscope.api import trace` (the

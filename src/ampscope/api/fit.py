@@ -26,13 +26,13 @@ from ampscope.analysis.fit import (
     parse_bytes,
 )
 from ampscope.analysis.memory import MemoryReport, memory_report
-from ampscope.api.planning import ID_BYTES_PER_TOKEN, load, resolved
+from ampscope.api.planning import ID_BYTES_PER_TOKEN, resolved
 from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.render.style import format_bytes
-from ampscope.runtime.virtual_device import VirtualDevice
 
 AS_GIVEN = "as given"
 # The most real memory the token ids of a batch the search picks may take (`_batch_limit`):
@@ -195,11 +195,7 @@ def _batch_limit(seq: int) -> tuple[int, str]:
 def _built(model: str | nn.Module | LoadedModel, setting: Setting) -> LoadedModel:
     """The model once, as `plan` builds a named model for a predicted run: on the meta device
     (an emulated device's own code sees that device while it builds)."""
-    target = setting.device if setting.emulated else None
-    virtual = VirtualDevice(target) if target else None
-    on_meta = isinstance(model, str)
-    return load(model, device="meta" if on_meta else setting.run_device, target_device=target,
-                virtual=virtual)
+    return RunEnvironment(setting).load(model, device="meta" if isinstance(model, str) else None)
 
 
 def _longest_seq(lm: LoadedModel, fits: Callable[[int], bool]) -> int | None:

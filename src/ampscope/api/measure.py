@@ -14,20 +14,18 @@ from torch import nn
 
 from ampscope import workloads
 from ampscope.analysis.memory import MeasuredPeak
-from ampscope.api.planning import batch_for, load, resolved
+from ampscope.api.planning import batch_for, resolved
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.precision import (
-    Setting,
-    applied,
-)
+from ampscope.precision import Setting
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.workloads import RunOptions
 
 
 def real_step(model: str | nn.Module | LoadedModel, setting: Setting,
               options: RunOptions) -> tuple[LoadedModel, Batch]:
     """The model and batch of an untraced, measured step on this machine's real device."""
-    lm = load(model, device=setting.run_device)
+    lm = RunEnvironment(setting).load(model)
     return lm, batch_for(lm, None, options, device=setting.run_device)
 
 
@@ -71,7 +69,7 @@ def measure_step(model: str | nn.Module | LoadedModel, *, setting: str | Setting
     cuda = setting.device == "cuda"
     times = []
     for i in range(repeats + 1):
-        with applied(setting, lm.module):
+        with RunEnvironment(setting).applied(lm.module):
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -97,7 +95,7 @@ def measure_peak_memory(model: str | nn.Module | LoadedModel, *,
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with applied(setting, lm.module):
+    with RunEnvironment(setting).applied(lm.module):
         workloads.run(lm, data, setting, run_options)
         torch.cuda.synchronize()
     return MeasuredPeak(
@@ -125,7 +123,7 @@ def _cpu_peak(lm: LoadedModel, data: Batch, setting: Setting,
     # Garbage from before the step, collected during it, would be a free the profiler never
     # saw allocated: it lowers the replayed peak, and torch warns on stderr about it.
     gc.collect()
-    with applied(setting, lm.module), gc_paused():
+    with RunEnvironment(setting).applied(lm.module), gc_paused():
         module = lm.module
         start = _storage_bytes([*module.parameters(), *module.buffers(), *data.values()])
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

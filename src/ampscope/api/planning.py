@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -18,47 +17,12 @@ from ampscope.precision import (
     parse_setting,
     resolve_device,
 )
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
-from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.workloads import RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
-
-
-def load(model: str | nn.Module | LoadedModel, device: str = "cpu", *,
-         have_inputs: bool = False, target_device: str | None = None,
-         virtual: VirtualDevice | None = None) -> LoadedModel:
-    """A model spec, a module or a LoadedModel, as a LoadedModel.
-
-    `target_device` is the device an emulated run stands for (see registry.resolve); with
-    `virtual`, a spec's own code (a factory, the module it imports) runs on that virtual device,
-    backed by `device`."""
-    from ampscope.models import registry
-
-    if isinstance(model, LoadedModel):
-        return model
-    if isinstance(model, nn.Module):
-        try:
-            return registry.wrap_module(model, type(model).__name__)
-        except AmpscopeError:
-            if not have_inputs:
-                raise AmpscopeError(
-                    f"pass inputs= (a tensor or a dict of tensors) to trace this "
-                    f"{type(model).__name__}: it has no config.vocab_size and block_size to "
-                    "make token ids from"
-                ) from None
-            # With inputs given, nothing needs the vocabulary or context length; the batch is
-            # the forward's arguments by name (train: the forward returns the loss).
-            return LoadedModel(type(model).__name__, model, vocab_size=0, max_seq_len=2**62,
-                               logits_fn=_call_with_batch, loss_fn=_loss_of_call)
-    if isinstance(model, str):
-        if virtual is None:
-            return registry.resolve(model, device=device, target_device=target_device)
-        with virtual.active(backing=device):
-            return registry.resolve(model, device=device, target_device=target_device,
-                                    build_device=virtual.target)
-    raise AmpscopeError(f"cannot trace a {type(model).__name__}; pass a model name or an nn.Module")
 
 
 def run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: str, *,
@@ -92,34 +56,6 @@ def inputs_in_param_dtype(data: Batch, setting: Setting) -> tuple[Batch, list[st
     cast = [k for k, v in data.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
             and v.dtype != setting.param_dtype]
     return {k: v.to(setting.param_dtype) if k in cast else v for k, v in data.items()}, cast
-
-
-def _call(module: nn.Module, batch: Batch):
-    """The forward called with the batch: by name where the forward has those parameters,
-    else in order (a lone tensor named `idx` for a forward that takes `x`)."""
-    names: Mapping[str, inspect.Parameter]
-    try:
-        names = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        names = {}
-    if set(batch) <= set(names):
-        return module(**batch)
-    return module(*batch.values())
-
-
-def _call_with_batch(module: nn.Module, batch: Batch):
-    out = _call(module, batch)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _loss_of_call(module: nn.Module, batch: Batch) -> torch.Tensor:
-    out = _call(module, batch)
-    candidates = out if isinstance(out, tuple) else (out,)
-    loss = next((t for t in candidates if isinstance(t, torch.Tensor) and t.dim() == 0), None)
-    if loss is None:
-        raise AmpscopeError(f"a train step needs a loss: {type(module).__name__}.forward returned "
-                            "no scalar tensor; pass workload=a callable that computes it")
-    return loss
 
 
 def as_batch(lm: LoadedModel, inputs, workload: str) -> Batch:
@@ -187,16 +123,18 @@ def _ids_fit(options: RunOptions) -> None:
             "batch or sequence smaller")
 
 
-def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, optimizer: str,
-         predict: bool | None, *, have_inputs: bool) -> tuple[LoadedModel, bool, list[str]]:
-    """The model to run and whether to predict: a named model is first built on the meta device
-    (nothing allocated) to count what a real run would need."""
+def plan(model: str | nn.Module | LoadedModel, env: RunEnvironment, workload: str,
+         optimizer: str, predict: bool | None, *, have_inputs: bool
+         ) -> tuple[LoadedModel, list[str]]:
+    """The model to run, built by `env` (on its virtual device where it has one), and whether
+    to predict, decided on `env`: a named model is first built on the meta device (nothing
+    allocated) to count what a real run would need."""
+    setting = env.setting
+    assert setting is not None  # (a traced run has a setting)
     notes: list[str] = []
-    target = setting.device if setting.emulated else None
-    virtual = VirtualDevice(target) if target else None
     on_meta = isinstance(model, str)
-    lm = load(model, device="meta" if on_meta else setting.run_device, have_inputs=have_inputs,
-              target_device=target, virtual=virtual)
+    lm = env.load(model, device="meta" if on_meta else setting.run_device,
+                  have_inputs=have_inputs)
     if predict is None:
         # Values only when needed: dtypes, shapes, FLOPs and memory need none, and a fake run
         # takes seconds at any size (a real bf16 step on a CPU without fast bf16 takes minutes).
@@ -215,6 +153,6 @@ def plan(model: str | nn.Module | LoadedModel, setting: Setting, workload: str, 
     for note in notes:
         log.info("%s", note)
     if on_meta and not predict:
-        assert isinstance(model, str)
-        lm = load(model, device=setting.run_device, target_device=target, virtual=virtual)
-    return lm, predict, notes
+        lm = env.load(model)
+    env.predict = predict
+    return lm, notes

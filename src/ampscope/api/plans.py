@@ -40,6 +40,7 @@ from ampscope.analysis.plans import (
 )
 from ampscope.api.planning import resolved
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
+from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
 from ampscope.errors import AmpscopeError
 from ampscope.models import registry
@@ -47,7 +48,6 @@ from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
 from ampscope.render.style import format_bytes
 from ampscope.torchcompat.distributed import no_fake_collectives
-from ampscope.tricks import exact_path
 
 log = logging.getLogger(__name__)
 
@@ -251,28 +251,27 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ampscope.distributed.step import ShardTrickFailed, rank_step
-    from ampscope.runtime.predict import fake_mode
+    from ampscope.distributed.step import rank_step
+    from ampscope.recorders.environment import exact_retry
 
-    lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
-    _truncate(lm.module, depth)
-    data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
     # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    prepare = None
-    if tp > 1:
-        plan = tensor_parallel_plan(lm.module, tp)[0]
-        assert plan is not None  # (only splittable plans are probed)
-        prepare = _parallelized(plan, mesh["tp"])
-    try:
-        report = rank_step(lm, parallel, setting, data, optimizer=optimizer, fake=fake_mode(),
-                           mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
-    except ShardTrickFailed as failed:
-        log.info("the fsdp-shard trick failed on this torch build (%s): the rank is traced "
-                 "on the exact path", failed)
-        with exact_path():  # a speed trick's failure, never the user's: a fresh copy, exactly
-            return _probe(model, setting, parallel, dp, tp, depth, batch, seq, optimizer,
-                          checkpoint)
+
+    def attempt() -> tuple[LoadedModel, DistributedReport | None]:
+        # A fresh copy each time: a speed trick's failure (never the user's) leaves the first
+        # sharded in part.
+        lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
+        _truncate(lm.module, depth)
+        data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
+        prepare = None
+        if tp > 1:
+            plan = tensor_parallel_plan(lm.module, tp)[0]
+            assert plan is not None  # (only splittable plans are probed)
+            prepare = _parallelized(plan, mesh["tp"])
+        return lm, rank_step(lm, parallel, setting, data, optimizer=optimizer, predict=True,
+                             mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
+
+    lm, report = exact_retry(attempt, what="the rank is traced")
     assert report is not None and report.trace is not None
     trace = report.trace
     phases = [str(o.phase) for o in trace.ops]

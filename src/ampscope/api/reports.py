@@ -18,20 +18,21 @@ from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import tokens_of
 from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
-from ampscope.api.planning import batch_for, load, resolved, run_shortfall
+from ampscope.api.planning import batch_for, resolved, run_shortfall
 from ampscope.api.tracing import trace
 from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.models.loading import load
 from ampscope.precision import (
     DEVICES,
     DTYPES,
     Setting,
-    applied,
     default_autocast_dtype,
     policy_history,
 )
 from ampscope.precision.quiz import quiz as run_quiz
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import Finding, SettingRecord, Trace, dtype_name
 from ampscope.runtime.autocast_policy import read_policy
@@ -184,7 +185,7 @@ def _numerics(model, inputs, settings, reference, workload, batch, seq, optimize
 
 
 def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptions) -> Values:
-    with applied(setting, lm.module):
+    with RunEnvironment(setting).applied(lm.module):
         run_data = {k: v.to(setting.run_device, copy=v.is_inference()) for k, v in data.items()}
         torch.manual_seed(options.seed)  # the same dropout masks in every run (restored after)
         with recording_values(lm.module, fp8=setting.fp8 is not None) as values:

@@ -24,28 +24,20 @@ from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import (
     DEVICES,
     Setting,
-    applied,
-    default_autocast_dtype,
-    device_available,
 )
-from ampscope.recorders.repeats import ReplayDoubt
-from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.recorders.environment import RunEnvironment, exact_retry
+from ampscope.recorders.session import Capture
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
-from ampscope.runtime.emulation import Emulation, device_api_error
+from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import (
-    check_matmul_dtypes,
     data_dependent,
     fake_batch,
-    fake_mode,
-    gc_enabled,
     gc_paused,
-    predicting,
     value_needed_error,
 )
-from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.torchcompat.ops import AMP_UPDATE_SCALE_NAME
-from ampscope.tricks import exact, exact_path
+from ampscope.tricks import TrickFailed, exact, exact_path
 from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -98,25 +90,19 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
     # Built and run outside the caller's inference_mode: its tensors cannot take part in a
     # train step (precision.applied sets the other modes the run needs).
-    with torch.inference_mode(False), exact_path(options.exact):
+    # Building the model, its working copies, the records and the findings make hundreds of
+    # thousands of objects and no garbage: the collector would only walk them, again and again
+    # (a tenth to a quarter of a large predicted run). It runs, as it did, only during a real
+    # run's step, whose tensors a collection may free.
+    collecting = gc.isenabled()
+    setting = resolved(setting)
+    with torch.inference_mode(False), exact_path(options.exact), gc_paused():
         try:
-            return _trace_run(model, inputs, setting, options)
-        except ReplayDoubt as doubt:
-            # A replayed block was not like its recorded twins after all, or another speed trick
-            # failed on this torch build: run the step again on the exact path.
-            log.info("a speed trick could not be trusted (%s): tracing on the exact path", doubt)
-            with exact_path():
-                return _trace_run(model, inputs, setting, replace(options, exact=True))
-        except _TrickSuspect as suspect:
-            with exact_path():
-                result = _trace_run(model, inputs, setting, replace(options, exact=True))
-            # The exact path ran: the error was a speed trick's, not the model's.
-            log.info("a speed trick failed on this torch build (%s: %s): traced on the exact "
-                     "path", type(suspect.error).__name__, suspect.error)
-            return result
+            return exact_retry(lambda: _traced(model, inputs, setting, options, collecting),
+                               what="the step is traced")
         except _ValuesNeeded as needed:
             # Predicted by default, but the model reads a value: run it for real, and say why.
-            result = _trace_run(model, inputs, setting, replace(options, predict=False))
+            result = _traced(model, inputs, setting, replace(options, predict=False), collecting)
             result.notes.insert(0, f"Run for real: the model reads a tensor's value{needed.what}, "
                                    "which a fake tensor has none of.")
             return result
@@ -129,13 +115,9 @@ def _fake_mask(lm: LoadedModel, result: Trace) -> bool:
         for o in result.ops if o.phase == "forward")
 
 
-class _TrickSuspect(Exception):
+class _TrickSuspect(TrickFailed):
     """A predicted run that took speed tricks raised: run again on the exact path, whose error
     (if it raises too) is the one to report."""
-
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
 
 
 class _ValuesNeeded(Exception):
@@ -146,27 +128,16 @@ class _ValuesNeeded(Exception):
         self.what = what
 
 
-def _trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
-               setting: str | Setting, options: RunOptions) -> Trace:
-    # Building the model, its working copies, the records and the findings make hundreds of
-    # thousands of objects and no garbage: the collector would only walk them, again and again
-    # (a tenth to a quarter of a large predicted run). It runs, as it did, only during a real
-    # run's step, whose tensors a collection may free.
-    collecting = gc.isenabled()
-    with gc_paused():
-        return _traced(model, inputs, resolved(setting), options, collecting)
-
-
 def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
             setting: Setting, options: RunOptions, collecting: bool) -> Trace:
     workload_name = options.workload_name
-    lm, predict, notes = plan(model, setting, workload_name, options.optimizer, options.predict,
-                              have_inputs=inputs is not None)
+    env = RunEnvironment(setting)
+    lm, notes = plan(model, env, workload_name, options.optimizer, options.predict,
+                     have_inputs=inputs is not None)
+    predict = env.predict
     if not predict and inputs is None and options.batch * options.seq >= _PEAK_CHECK_TOKENS:
         _check_peak(lm, setting, options)
-    fake = fake_mode() if predict else None
-    virtual = VirtualDevice(setting.device) if setting.emulated else None
-    with applied(setting, lm.module, fake=fake) as emulation:
+    with env.applied(lm.module):
         data = batch_for(lm, inputs, options, device=setting.run_device)
         if inputs is not None:
             data, cast = inputs_in_param_dtype(data, setting)
@@ -176,17 +147,13 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
                              f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
                              f"script would under {setting.name} (no autocast to do it).")
                 log.info("%s", notes[-1])
-        capture = Capture(lm.module, CaptureOptions(
-            model_name=lm.name, setting=setting.record(), workload=workload_name,
-            op_check=check_matmul_dtypes if fake is not None else None,
-            replay_blocks=fake is not None and not options.exact))
+        capture = env.capture(lm.module, model_name=lm.name, workload=workload_name)
         try:
-            with predicting(fake) if fake is not None else gc_enabled(collecting):
-                run_data = fake_batch(data, fake) if fake is not None else data
-                with capture.recording(), (virtual.active(memory=capture.memory_now)
-                                             if virtual else contextlib.nullcontext()):
+            with env.predicting(collecting=collecting):
+                run_data = fake_batch(data, env.fake) if env.fake is not None else data
+                with env.recording(capture):
                     outputs = workloads.run(lm, run_data, setting, options, predict=predict)
-        except ReplayDoubt:
+        except TrickFailed:
             raise
         except Exception as e:
             if predict and data_dependent(e):
@@ -201,8 +168,8 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
                 raise DtypeMismatchError(diagnosis) from e
             if predict and not exact() and not isinstance(e, AmpscopeError):
                 # Maybe the model's error, maybe a speed trick's on this torch build: the exact
-                # path tells (trace_run runs the step again on it).
-                raise _TrickSuspect(e) from e
+                # path tells (exact_retry runs the step again on it).
+                raise _TrickSuspect(str(e)) from e
             raise
         result = capture.finish(inputs=run_data, outputs=outputs)
     result.mode = "predict" if predict else "run"
@@ -215,11 +182,9 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
         log.info("%s", notes[-1])
-    if emulation is not None:
-        notes += emulation.notes(workload_name, [o.op for o in result.ops if o.phase == "forward"])
+    notes += env.emulation_notes(result, workload_name)
     result.notes = notes + result.notes  # what the capture itself noted comes last
-    if virtual is not None:
-        result.notes += virtual.notes()
+    result.notes += env.device_notes()
     result.findings = derive_findings(result)
     return result
 
@@ -238,7 +203,7 @@ def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions) -> None:
     available = available_memory_bytes() if setting.run_device == "cpu" else None
     if available is None:
         return
-    predicted = _trace_run(lm, None, setting, replace(options, predict=True))
+    predicted = trace_run(lm, None, setting=setting, options=replace(options, predict=True))
     loaded = sum(p.numel() * p.element_size() for p in lm.module.parameters())
     needed = memory_report(predicted).peak.bytes + loaded
     if needed > available:
@@ -286,9 +251,10 @@ def matrix(
         if on_setting is not None:
             on_setting(i, s.name)
         if s.device not in plans:
-            lm, decided, _ = plan(model, s, options.workload_name, options.optimizer,
-                                  options.predict, have_inputs=inputs is not None)
-            plans[s.device] = (lm, decided)
+            env = RunEnvironment(s)
+            lm, _ = plan(model, env, options.workload_name, options.optimizer, options.predict,
+                         have_inputs=inputs is not None)
+            plans[s.device] = (lm, env.predict)
         lm, decided = plans[s.device]
         try:
             traces.append(trace_run(lm, inputs, setting=s,
@@ -318,23 +284,19 @@ def capture(model: nn.Module, *, name: str | None = None,
     """
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
-    recorder = Capture(model, CaptureOptions(model_name=name, workload="custom",
-                                             findings=derive_findings, explain_failure=_explain,
-                                             device=device))
-    if device is None:
+    env = RunEnvironment(device=device)
+    recorder = env.capture(model, model_name=name, workload="custom", findings=derive_findings,
+                           explain_failure=_explain, device=device)
+    if env.virtual is None:
         return recorder
-    if device_available(device):
-        return recorder
-    return _on_virtual_device(recorder, device)
+    return _on_virtual_device(env, recorder)
 
 
 @contextlib.contextmanager
-def _on_virtual_device(recorder: Capture, device: str) -> Iterator[Trace]:
-    virtual = VirtualDevice(device)
-    with Emulation(device, default_autocast_dtype(device)), recorder as trace, \
-            virtual.active(memory=recorder.memory_now):
+def _on_virtual_device(env: RunEnvironment, recorder: Capture) -> Iterator[Trace]:
+    with env.emulated(), recorder as trace, env.device_active(recorder):
         yield trace
-    trace.notes += virtual.notes()
+    trace.notes += env.device_notes()
 
 
 def _explain(failure) -> str | None:

@@ -146,11 +146,10 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     it holds after one train step and every collective it issues, for any model size."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ampscope.distributed.step import ShardTrickFailed, rank_step
+    from ampscope.distributed.step import rank_step
     from ampscope.models import registry
-    from ampscope.runtime.predict import fake_mode
+    from ampscope.recorders.environment import exact_retry
     from ampscope.torchcompat.distributed import fake_store, no_fake_collectives
-    from ampscope.tricks import exact_path
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)
     if dist.is_initialized():
@@ -169,18 +168,17 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
         # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
         mesh = init_device_mesh("cpu", (parallel.world_size,)) if parallel.strategy == "fsdp" \
             else None
-        try:
-            report = rank_step(lm, parallel, s, data, optimizer=optimizer, fake=fake_mode(),
-                               mesh=mesh)
-        except ShardTrickFailed as failed:
-            log.info("the fsdp-shard trick failed on this torch build (%s): the rank is traced "
-                     "on the exact path", failed)
-            # A speed trick's failure, never the user's: the rank again, exactly, on a fresh
-            # model (the first is sharded in part).
-            lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
-            with exact_path():
-                report = rank_step(lm, parallel, s, data, optimizer=optimizer,
-                                   fake=fake_mode(), mesh=mesh)
+        built = [lm]
+
+        def attempt() -> DistributedReport | None:
+            # After a speed trick's failure (never the user's) the rank runs again, exactly,
+            # on a fresh model: the first is sharded in part.
+            model_now = built.pop() if built else registry.resolve(
+                model, device="meta", seed=seed, target_device=s.device)
+            return rank_step(model_now, parallel, s, data, optimizer=optimizer, predict=True,
+                             mesh=mesh)
+
+        report = exact_retry(attempt, what="the rank is traced")
     finally:
         dist.destroy_process_group()
     assert report is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable
 
 import torch
@@ -21,12 +22,13 @@ from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport
 from ampscope.models.base import LoadedModel
 from ampscope.patches import patched
-from ampscope.precision import Setting, applied
+from ampscope.precision import Setting
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
-from ampscope.runtime.predict import check_matmul_dtypes, fake_batch, predicting
+from ampscope.runtime.predict import check_matmul_dtypes, fake_batch
 from ampscope.torchcompat.distributed import compress_hook, rank_chunks_patch
 from ampscope.torchcompat.fake import fake_mode_suspended
-from ampscope.tricks import Trick, enabled
+from ampscope.tricks import Trick, TrickFailed, enabled
 
 
 def compressed_allreduce(dtype: torch.dtype, bucket):
@@ -37,7 +39,7 @@ def compressed_allreduce(dtype: torch.dtype, bucket):
     return compress_hook(dtype, bucket)
 
 
-class ShardTrickFailed(Exception):
+class ShardTrickFailed(TrickFailed):
     """`fully_shard` raised while the `fsdp-shard` trick answered FSDP2's chunking: the caller
     runs the rank again on the exact path, on a fresh copy of the model (this one is sharded
     in part)."""
@@ -70,19 +72,21 @@ def wrap(model: nn.Module, parallel: Parallel, mesh=None, *, predicted: bool = F
 
 
 def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict, *,
-              optimizer: str = "adamw", fake=None, mesh=None, checkpoint: bool = False,
+              optimizer: str = "adamw", predict: bool = False, mesh=None,
+              checkpoint: bool = False,
               prepare: Callable[[nn.Module], None] | None = None) -> DistributedReport | None:
     """Run and capture one train step on this rank; rank 0 gets the report (None elsewhere).
-    With `fake` (a FakeTensorMode) every tensor is fake and the process group is expected to
-    be PyTorch's fake one: a prediction for rank 0. `checkpoint` recomputes each block in the
+    With `predict` every tensor is fake and the process group is expected to be PyTorch's
+    fake one: a prediction for rank 0. `checkpoint` recomputes each block in the
     backward pass; `prepare` changes the model in place before it is wrapped (tensor
     parallelism, on the working copies of its weights)."""
     # DDP's constructor reads parameter values (it checks and broadcasts them), which fake
     # tensors lack: a predicted DDP step runs unwrapped and its all-reduce is added from the
     # gradients (`ddp_allreduce`).
+    env = RunEnvironment(setting, predict=predict)
+    fake = env.fake
     ddp_predicted = fake is not None and parallel.strategy == "ddp"
-    with applied(setting, lm.module, fake=fake), \
-            predicting(fake) if fake is not None else contextlib.nullcontext():
+    with env.applied(lm.module), env.predicting(collecting=gc.isenabled()):
         if prepare is not None:
             prepare(lm.module)
         # FSDP2 over a tensor-parallel model builds the 2-D mesh of its shards, which reads

@@ -3,7 +3,9 @@
 - `known.py`: the built-in table `KNOWN` (and its conventions), `peak_flops`, `mfu`,
   `describe`;
 - `user.py`: the user's own figures (a TOML table merged over `KNOWN`: `table()`;
-  `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name` in the merged table.
+  `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name` in the merged table;
+- `device_types.py`: the device types a run can target (cpu, cuda, mps, xpu) and what each
+  does differently, one `DeviceType` entry a device.
 
 Nothing here imports torch: the command line reads it before any command runs.
 """

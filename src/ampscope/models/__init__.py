@@ -3,6 +3,7 @@
 - `registry.py`: the spec grammar (`gpt2`, `llama-3.2-1b`, `hf:./ckpt`, `pkg.mod:factory`) and
   the memory guard;
 - `base.py`: `LoadedModel`, what a workload needs to drive a model;
+- `loading.py`: `load`, a spec, a bare module or a LoadedModel as the LoadedModel a run needs;
 - `catalog.py`: what `ampscope models` lists, as data (read without importing torch);
 - `gpt2.py`, `nanochat.py`: the built-in reference GPTs, one readable file each;
 - `hf.py`: Hugging Face causal LMs (the zoo from configs, local checkpoints);

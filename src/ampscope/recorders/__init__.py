@@ -1,5 +1,8 @@
 """The recorders: what one run did, captured as plain records while it runs.
 
+- `environment.py`: `RunEnvironment`, what one run happens in (the setting applied, the
+  virtual device, the fake mode, the capture), assembled once and in one order, and
+  `exact_retry`, the one fallback to the exact path;
 - `session.py`: `Capture`, every recorder at once around one run → a `Trace`;
 - `modules.py`: module calls (forward and backward) and the phase clock;
 - `functions.py`: user-level calls (a TorchFunctionMode), above autocast;

@@ -41,7 +41,7 @@ from ampscope.records import (
     dtype_name,
     module_label,
 )
-from ampscope.runtime.emulation import key_state
+from ampscope.runtime.autocast_key import key_state
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import (
     function_stack_depth,

@@ -53,9 +53,10 @@ from ampscope.recorders.tensors import described, fake_from, no_torch_function, 
 from ampscope.recorders.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree
+from ampscope.tricks import TrickFailed
 
 
-class ReplayDoubt(Exception):
+class ReplayDoubt(TrickFailed):
     """A replayed block's recorded twins turned out to differ: trace the step again in full."""
 
 
@@ -67,7 +68,7 @@ def _bookkeeping(what: str) -> Iterator[None]:
         yield
     except ReplayDoubt:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure of the bookkeeping is a doubt
+    except Exception as e:  # any failure of the bookkeeping is a doubt, raised as one
         raise ReplayDoubt(f"{what}: {type(e).__name__}: {e}") from e
 
 

@@ -3,6 +3,8 @@ runs on (precision/ says what a setting is and applies it).
 
 - `autocast_policy.py`: the autocast policy of any device, read from the installed build;
 - `emulation.py`: another device's autocast on CPU tensors (`--device cuda` without a GPU);
+- `autocast_key.py`: autocast's state at a device's dispatch key, as torch keeps it;
+- `virtual_autocast.py`: each device type's autocast state kept apart on the virtual device;
 - `attention_choice.py` / `attention_kernels.py`: which SDPA backend a GPU would pick, and its
   ops run on CPU tensors;
 - `rnn_choice.py` / `rnn_kernels.py`: whether a GPU runs an RNN call through cuDNN, and

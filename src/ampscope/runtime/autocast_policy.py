@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ampscope.errors import AmpscopeError
+from ampscope.runtime.autocast_key import key_state
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, TorchDispatchMode, op_schema
@@ -69,11 +70,6 @@ def op_overload(name: str) -> OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
 
 
-# As torch defines it: the virtual device answers torch's attribute per device type while it is
-# active, and the build's default is wanted here.
-_get_autocast_dtype = torch.get_autocast_dtype
-
-
 def default_autocast_dtype(device: str) -> torch.dtype:
     """The device's default autocast dtype in this build (cuda: float16, cpu: bfloat16).
 
@@ -81,7 +77,7 @@ def default_autocast_dtype(device: str) -> torch.dtype:
     thread changed it.
     """
     result: list[torch.dtype] = []
-    thread = threading.Thread(target=lambda: result.append(_get_autocast_dtype(device)))
+    thread = threading.Thread(target=lambda: result.append(key_state(device)[1]))
     thread.start()
     thread.join()
     return result[0]

@@ -34,6 +34,7 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.device_types import device_type
+from ampscope.runtime.autocast_key import cpu_key_dtype, cpu_key_enabled, key_state, set_key_state
 from ampscope.runtime.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
@@ -48,40 +49,6 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _active: TargetAutocast | None = None
-
-# torch's autocast state functions as torch defines them, kept before the virtual device
-# replaces torch's attributes with per-device answers (runtime/virtual_autocast.py): the
-# emulated kernels read the state at the CPU's autocast key, which drives them.
-_is_enabled = torch.is_autocast_enabled
-_get_dtype = torch.get_autocast_dtype
-_set_enabled = torch.set_autocast_enabled
-_set_dtype = torch.set_autocast_dtype
-
-
-def key_state(device: str) -> tuple[bool, torch.dtype]:
-    """(enabled, dtype) of autocast at `device`'s dispatch key, as torch keeps it: for "cpu"
-    in an emulated run, the target's autocast (not what the virtual device tells user code)."""
-    return _is_enabled(device), _get_dtype(device)
-
-
-def set_key_state(device: str, enabled: bool | None = None,
-                  dtype: torch.dtype | None = None) -> None:
-    """Set autocast's state at `device`'s dispatch key (what is None stays)."""
-    if enabled is not None:
-        _set_enabled(device, enabled)
-    if dtype is not None:
-        _set_dtype(device, dtype)
-
-
-def cpu_key_enabled() -> bool:
-    """Whether autocast runs at the CPU's key: in an emulated run, the target's autocast."""
-    return _is_enabled("cpu")
-
-
-def cpu_key_dtype() -> torch.dtype:
-    """The dtype autocast casts to at the CPU's key: in an emulated run, the target's."""
-    return _get_dtype("cpu")
-
 
 def _eligible(value: object) -> bool:
     """autocast's is_eligible: a floating tensor that is not float64."""

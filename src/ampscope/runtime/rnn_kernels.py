@@ -31,7 +31,7 @@ import torch
 
 from ampscope.patches import patched
 from ampscope.runtime.attention_choice import H100, CudaTarget
-from ampscope.runtime.emulation import cpu_key_enabled
+from ampscope.runtime.autocast_key import cpu_key_enabled
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor

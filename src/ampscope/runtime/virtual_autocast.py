@@ -16,8 +16,7 @@ active, the state functions torch's own `autocast` regions call (`is_autocast_en
   autocast never reaches a CUDA tensor (and `enabled=False` for "cpu" does not turn the
   target's autocast off).
 
-ampscope's own code reads the state that drives the kernels through emulation.py's
-`cpu_key_enabled` and `cpu_key_dtype`, never through the answers user code gets.
+ampscope's own code reads the state that drives the kernels through autocast_key.py, never through the answers user code gets.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 
 from ampscope.hardware.device_types import device_type
 from ampscope.runtime import emulation
-from ampscope.runtime.emulation import key_state, set_key_state
+from ampscope.runtime.autocast_key import key_state, set_key_state
 
 # The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
 CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)

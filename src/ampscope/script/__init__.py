@@ -51,14 +51,14 @@ from ampscope.analysis.findings import derive_findings, plural
 from ampscope.analysis.summary import pass_notes
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
-from ampscope.precision import DEVICES, default_autocast_dtype, device_available
-from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.precision import DEVICES
+from ampscope.recorders.environment import RunEnvironment
+from ampscope.recorders.session import Capture
 from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import Trace, dtype_name
 from ampscope.runtime.compiled import EagerCompile
-from ampscope.runtime.emulation import Emulation, device_api_error
-from ampscope.runtime.predict import check_matmul_dtypes, data_dependent, fake_mode
-from ampscope.runtime.virtual_device import VirtualDevice
+from ampscope.runtime.emulation import device_api_error
+from ampscope.runtime.predict import data_dependent
 from ampscope.runtime.workers import leaving_workers
 from ampscope.script.ending import Ending, ScriptExited, exit_code
 from ampscope.script.files import ScriptFiles, watched
@@ -121,10 +121,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
 
 def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
               predict: bool, virtual: bool | None, max_forwards: int) -> Trace:
-    emulated = device is not None and (not device_available(device) if virtual is None
-                                       else virtual)
-    script = _ScriptRun(label, steps=steps, max_forwards=max_forwards, predict=predict,
-                        device=device, emulated=emulated)
+    script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
+                        env=RunEnvironment(device=device, predict=predict, virtual=virtual))
     try:
         with contextlib.ExitStack() as stack:
             script.enter(stack)
@@ -132,8 +130,7 @@ def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps:
     except (AmpscopeError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise _script_error(e, label, script.capture, device if emulated else None,
-                            predict) from e
+        raise _script_error(e, label, script.capture, script.env.target, predict) from e
     return script.trace()
 
 
@@ -141,8 +138,10 @@ class _ScriptRun:
     """One script's run in this process: what counts its steps and forward passes, what it runs
     under, how it ended, and the trace it leaves."""
 
-    def __init__(self, label: str, *, steps: int, max_forwards: int, predict: bool,
-                 device: str | None, emulated: bool) -> None:
+    def __init__(self, label: str, *, steps: int, max_forwards: int,
+                 env: RunEnvironment) -> None:
+        self.env = env  # the device it believes it has (virtual where missing), fake or real
+        device, predict = env.device, env.predict
         self.label, self.steps, self.max_forwards, self.predict = label, steps, max_forwards, \
             predict
         self.taken = self.forwards = 0
@@ -154,13 +153,11 @@ class _ScriptRun:
         self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
         # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
         self.compiled = EagerCompile(on_wrapper=self.made.discard)
-        self.capture = Capture(None, CaptureOptions(
-            workload="script", findings=derive_findings, thin=predict,
+        self.capture = env.capture(
+            None, workload="script", findings=derive_findings, thin=predict,
             on_model_forward=self._count_forward, candidates=self.made, device=device,
-            op_check=check_matmul_dtypes if predict else None, rank_roles=True))
-        self.target = VirtualDevice(device) if emulated and device is not None else None
-        self.emulation: Emulation | None = None  # entered with the virtual device
-        self.fake = fake_mode() if predict else None
+            rank_roles=True)
+        self.target, self.fake = env.virtual, env.fake
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
         self.files = ScriptFiles(predict)
         self.ending = Ending()
@@ -193,19 +190,15 @@ class _ScriptRun:
 
     def enter(self, stack: contextlib.ExitStack) -> None:
         """Everything the script runs under, innermost last."""
-        target, fake, device = self.target, self.fake, self.device
+        target, fake = self.target, self.fake
         stack.enter_context(leaving_workers())  # first: it records the state before the run
-        if target is not None:
-            assert device is not None
-            self.emulation = stack.enter_context(Emulation(device,
-                                                           default_autocast_dtype(device)))
+        stack.enter_context(self.env.emulated())
         if fake is not None:
             stack.enter_context(fake_model(fake, target))
         stack.enter_context(made_modules(self.made))
         stack.enter_context(self.capture.recording())
         stack.callback(register_optimizer_step_post_hook(self._count_step).remove)
-        if target is not None:
-            stack.enter_context(target.active(memory=self.capture.memory_now))
+        stack.enter_context(self.env.device_active(self.capture))
         stack.enter_context(swappable(self.capture, target, fake))
         if fake is not None:
             stack.enter_context(fake_values(self.values_read))
@@ -274,11 +267,8 @@ class _ScriptRun:
         notes = self._notes(result)
         for note in notes:
             log.info("%s", note)
-        if self.target is not None:
-            notes += self.target.notes()
-        if self.emulation is not None:  # the kernels it chose as the device would, or not
-            notes += self.emulation.kernel_notes([o.op for o in result.ops
-                                                  if o.phase in ("forward", "evaluation")])
+        notes += self.env.device_notes()
+        notes += self.env.emulation_notes(result)  # the kernels it chose as the device would
         notes += self.compiled.notes()
         result.notes = notes + result.notes
         result.findings = derive_findings(result)

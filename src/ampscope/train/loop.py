@@ -16,7 +16,7 @@
 
 The library never prints: `log` receives a `StepLog` after every step and an `EvalLog` after
 every evaluation, and the CLI draws them. Torch's global state (matmul precision, autocast,
-RNG) is set for the run and restored afterwards by `precision.applied`.
+RNG) is set for the run and restored afterwards by its `RunEnvironment`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from torch import nn
 from ampscope import hardware
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.precision import Setting, applied, main_dtype, parse_setting, resolve_device
+from ampscope.precision import Setting, main_dtype, parse_setting, resolve_device
+from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
 from ampscope.train import checkpoint, measure
 from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, split
@@ -259,7 +260,7 @@ def train(config: TrainConfig, *, resume: str | None = None,
     if on_start is not None:
         on_start()
     setting, device = run.setting, run.device
-    with applied(setting), attention_kernel(config.attention):
+    with RunEnvironment(setting).applied(), attention_kernel(config.attention):
         start = run.restore()
         measure.reset_peak_memory(device)
         run.model.train()
