@@ -16,7 +16,9 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
         raise AmpscopeError("give --predict or --real, not both")
     if args.command == "fit":
         pass  # (fit's --mp-policy goes with --gpus: cli/fit.py checks it)
-    elif getattr(args, "distributed", None) is None:
+    elif not hasattr(args, "distributed"):
+        pass  # (run's --nproc N is its own: script/ranks.py checks it)
+    elif args.distributed is None:
         for flag in ("nproc", "mp_policy", "timeout"):
             if getattr(args, flag, None) is not None:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
@@ -50,7 +52,7 @@ def _check_run_timing(args: argparse.Namespace) -> None:
         raise AmpscopeError("the step time must be a positive number of seconds")
     if args.step_time is None:
         # With --nproc, --gpu is also the memory each rank's peak is held against.
-        flags = ("peak_flops",) if getattr(args, "ranks", None) is not None \
+        flags = ("peak_flops",) if getattr(args, "nproc", None) is not None \
             else ("gpu", "peak_flops")
         for flag in flags:
             if getattr(args, flag, None) is not None:

@@ -100,15 +100,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     args.model = args.target  # named in one-line errors
-    if args.ranks is None and args.job_timeout is not None:
+    if args.nproc is None and args.job_timeout is not None:
         raise AmpscopeError("--timeout only applies with --nproc N")
-    if args.ranks is None and args.all_ranks:
+    if args.nproc is None and args.all_ranks:
         raise AmpscopeError("--all-ranks only applies with --nproc N --predict")
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
     quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
     report = traces = to_dict = same_as = None
     with quiet:
-        if args.ranks is not None:
+        if args.nproc is not None:
             report, traces, to_dict, same_as = _run_ranks(args, script_args)
             result = traces[0]
         else:
@@ -147,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_ranks(args: argparse.Namespace, script_args: list[str]):
     """`run --nproc N`: the script as N real ranks, each traced; their report."""
-    from ampscope.script.ranks import DEFAULT_TIMEOUT, check_nproc, ranks_report, run_ranks
+    from ampscope.script.ranks import DEFAULT_TIMEOUT, ranks_report, run_ranks
 
     if args.job_timeout is not None and not args.job_timeout > 0:
         raise AmpscopeError("--timeout must be a positive number of seconds")
@@ -156,8 +156,7 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
     if args.all_ranks:
         raise AmpscopeError("--all-ranks only applies with --nproc N --predict (without "
                             "--predict every rank runs)")
-    check_nproc(args.ranks)
-    traces = run_ranks(args.target, script_args, args.ranks, module=args.module,
+    traces = run_ranks(args.target, script_args, args.nproc, module=args.module,
                        device=args.device, steps=args.steps, max_forwards=args.max_forwards,
                        timeout=args.job_timeout or DEFAULT_TIMEOUT)
     return ranks_report(traces, args.target), traces, None, None
@@ -172,12 +171,12 @@ def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     from ampscope.script.ranks import report_dict
 
     report, by_rank, taken = predict_ranks(
-        args.target, script_args, args.ranks, all_ranks=args.all_ranks, module=args.module,
+        args.target, script_args, args.nproc, all_ranks=args.all_ranks, module=args.module,
         device=args.device, steps=args.steps, max_forwards=args.max_forwards,
         timeout=args.job_timeout or DEFAULT_TIMEOUT)
     first = by_rank[min(by_rank)]
     traces = [by_rank.get(k) or by_rank.get(taken.get(k) or 0, first)
-              for k in range(args.ranks)]
+              for k in range(args.nproc)]
     return report, traces, lambda r: predicted_dict(r, taken, report_dict), taken
 
 

@@ -113,8 +113,7 @@ def _add_run(sub) -> None:
                      help="with --predict: every speed trick off (same result, slower)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="TARGET is a module name, run as `python -m TARGET`")
-    # dest "ranks", not "nproc": --nproc of the model commands belongs to --distributed.
-    run.add_argument("--nproc", dest="ranks", type=int, metavar="N",
+    run.add_argument("--nproc", type=int, metavar="N",
                      help="run a torchrun-style script as N real ranks on this machine (1-8; "
                           "gloo, whatever backend it names) and add each rank's collectives; "
                           "with --predict: N up to 4096, predicted on PyTorch's fake process "
