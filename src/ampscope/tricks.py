@@ -8,7 +8,7 @@ how it falls back, which test holds it equal to the exact path):
 | trick | answers | needs |
 |---|---|---|
 | `replay` | repeated blocks, from two recorded ones | (public hooks only) |
-| `foreach` | foreach ops, over one list entry of each kind | `required_storage_length` |
+| `foreach` | foreach ops, over one list entry of each kind | `compute_required_storage_length` |
 | `shortcuts` | per-parameter ops FakeTensorMode never caches | the converter's memos |
 | `fake-cache` | other ops, from FakeTensorMode's own cache | the dispatch cache's internals |
 | `clone` | new fake tensors, by cloning a first one's attributes | FakeTensor's construction |
@@ -70,11 +70,17 @@ def unavailable() -> dict[Trick, str]:
     return {trick: why for trick in Trick if (why := _missing(trick)) is not None}
 
 
-@functools.cache
-def _missing(trick: Trick) -> str | None:
+def status(trick: Trick) -> tuple[bool, str]:
+    """Whether this torch build can take `trick`, and the private detail it uses (or "needs no
+    private detail") or why it cannot; each detail is detected on its first ask."""
     from ampscope.torchcompat import fake
 
-    ok, why = fake.status(trick.value)
+    return fake.status(trick.value)
+
+
+@functools.cache
+def _missing(trick: Trick) -> str | None:
+    ok, why = status(trick)
     return None if ok else why
 
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 def print_environment() -> None:
     import ampscope
     from ampscope.torchcompat import features, torch_build
-    from ampscope.tricks import Trick, unavailable
+    from ampscope.tricks import Trick, status
 
     print(f"ampscope {ampscope.__version__}")
     print(f"torch {torch_build()}")
     print("torch details (detected once per process):")
     for f in features():
-        print(f"  {'yes' if f.available else 'no ':3}  {f.name}: {f.detail}")
-    missing = unavailable()
+        # A missing detail's line says why, then what is off without it.
+        off = f" (off: {f.needed_by})" if not f.available and f.needed_by else ""
+        print(f"  {'yes' if f.available else 'no ':3}  {f.name}: {f.detail}{off}")
     print("speed tricks of predicted runs (--exact turns them all off):")
     for trick in Trick:
-        why = missing.get(trick)
-        print(f"  {'off' if why else 'on ':3}  {trick.value}" + (f": {why}" if why else ""))
+        # What each uses where it is on, why it is off where it is not.
+        on, why = status(trick)
+        print(f"  {'on ' if on else 'off':3}  {trick.value}: {why}")

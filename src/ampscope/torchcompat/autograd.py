@@ -40,7 +40,9 @@ def saved_tensors(node) -> Iterator[torch.Tensor]:
             value = getattr(node, name if raw else _unpacked_name(name))
         except RuntimeError:  # already released, or modified in place since
             continue
-        except Exception as e:  # a saved-tensor hook's own refusal
+        # A saved-tensor hook is the user's code (activation checkpointing's, an offloading
+        # one) and may refuse with any exception: turned into the narrow one callers handle.
+        except Exception as e:  # any hook's refusal, raised again as the narrow UnreadableSaved
             raise UnreadableSaved(f"{type(e).__name__}: {e}") from e
         for saved in value if isinstance(value, (tuple, list)) else (value,):
             t = getattr(saved, "data", None) if raw else saved
@@ -88,11 +90,48 @@ def _raw_data() -> bool:
     return saved_tensor is not None and hasattr(saved_tensor, "data")
 
 
+@functools.cache
+def _engine_state_readable() -> tuple[bool, str]:
+    """Whether the readers above tell a backward pass as the recorders assume: no graph task
+    and no node outside one; inside a custom Function's backward, a task id, that Function's
+    node, and a queued callback run before the pass ends. Tried once, on a backward of its own."""
+    if graph_task_id() != -1 or current_autograd_node() is not None:
+        return False, "the engine reports a backward pass where none runs"
+    seen: dict[str, object] = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            node = current_autograd_node()
+            seen["task"], seen["node"] = graph_task_id(), node.name() if node else None
+            def called() -> None:
+                seen["callback"] = graph_task_id()
+
+            queue_engine_callback(called)
+            return grad * 2
+
+    try:
+        with torch.enable_grad():
+            Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    except (RuntimeError, TypeError, AttributeError) as e:  # a changed engine API
+        return False, f"the engine's state cannot be read as expected ({type(e).__name__}: {e})"
+    task = seen.get("task")
+    if not isinstance(task, int) or task == -1 or seen.get("node") != "ProbeBackward":
+        return False, f"a backward pass reads as {seen} (no task id or node)"
+    if seen.get("callback") != task:
+        return False, "a callback queued on the engine did not run before its pass ended"
+    return True, "the running graph task's id and node, the engine's callback queue"
+
+
 def features() -> list[Feature]:
     raw = _raw_data()
     return [
-        Feature("autograd engine state", True,
-                "the running graph task's id and node, the engine's callback queue"),
+        Feature("autograd engine state", *_engine_state_readable(),
+                "backward pass phases and autograd nodes in every recording"),
         Feature("saved tensors read raw", raw,
                 "SavedTensor.data: saved tensors read without unpacking" if raw else
                 "no SavedTensor.data on this build: saved tensors are unpacked to be read"),

@@ -8,6 +8,7 @@ fail here, in one place, with the name that moved.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -98,6 +99,35 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [x for x in inner if isinstance(x, torch.Tensor)]
 
 
+@functools.cache
+def _modes_work() -> tuple[bool, str]:
+    """Whether a dispatch mode sees the ops run under it, stands on the stack as the readers
+    here say, and sees nothing inside `modes_off()`: tried once, on a mode of its own."""
+    seen: list[OpOverload] = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    before = dispatch_stack_depth()
+    try:
+        with Probe():
+            stacked = dispatch_stack_depth() == before + 1 and isinstance(
+                dispatch_mode_stack()[-1], Probe)
+            torch.ones(2).add_(1)
+            with modes_off():
+                torch.ones(2).add_(1)
+    except (RuntimeError, TypeError, AttributeError, IndexError) as e:  # a changed mode API
+        return False, f"a dispatch mode cannot be used as expected ({type(e).__name__}: {e})"
+    if not stacked:
+        return False, "a dispatch mode entered is not on top of the mode stack as read here"
+    if torch.ops.aten.add_.Tensor not in seen:
+        return False, "a dispatch mode does not see the ops run under it"
+    if len([f for f in seen if f is torch.ops.aten.add_.Tensor]) != 1:
+        return False, "modes_off() does not hide ops from a dispatch mode"
+    return True, "TorchDispatchMode, the mode stack, DisableTorchFunction (exact path)"
+
+
 def features() -> list[Feature]:
-    return [Feature("dispatch modes", True,
-                    "TorchDispatchMode, the mode stack, DisableTorchFunction (exact path)")]
+    return [Feature("dispatch modes", *_modes_work(), "every recording")]

@@ -68,4 +68,6 @@ def features() -> list[Feature]:
     found = all(isinstance(getattr(m, n, None), dict)
                 for n in ("_parameters", "_buffers", "_modules"))
     return [Feature("nn.Module containers", found,
-                    "_parameters, _buffers, _modules, the hook dicts")]
+                    "_parameters, _buffers, _modules, the hook dicts" if found else
+                    "missing: an nn.Module keeps no _parameters, _buffers and _modules dicts",
+                    "every recording")]

@@ -55,6 +55,10 @@ def features() -> list[Feature]:
     types = foreach_supported_types()
     listed = hasattr(_optimizer, "_get_foreach_kernels_supported_devices")
     return [Feature("foreach default types", bool(types),
-                    f"{len(types)} list(s) of classes optimizers take foreach for"),
+                    f"{len(types)} list(s) of classes optimizers take foreach for" if types else
+                    "missing: _foreach_supported_types in torch.optim.optimizer and "
+                    "torch.utils._foreach_utils",
+                    "a predicted optimizer's foreach default (it takes the for-loop)"),
             Feature("optimizer foreach devices", listed,
-                    "torch.optim's foreach device list" if listed else "not on this build: cuda")]
+                    "torch.optim's foreach device list" if listed else
+                    "not on this build: cuda is taken as the one foreach device")]

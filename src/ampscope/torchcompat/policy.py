@@ -123,6 +123,26 @@ def is_view(t: torch.Tensor) -> bool:
     return t._is_view()
 
 
+@functools.cache
+def _registrations_readable() -> tuple[bool, str]:
+    """Whether the dispatcher lists its registrations as `registrations` and `has_kernel` read
+    them: tried once on the CPU's, which every build has (the CPU autocast lists hold mm, and
+    mm has a CPU kernel of its own)."""
+    names = ("_dispatch_get_registrations_for_dispatch_key", "_dispatch_has_kernel_for_dispatch_key")
+    missing = [n for n in names if not callable(getattr(_C, n, None))]
+    if missing:
+        return False, f"missing: torch._C.{' and '.join(missing)}"
+    try:
+        listed = "aten::mm" in registrations(autocast_key("cpu"))
+        kernel = has_kernel("aten::mm", backend_key("cpu"))
+    except TypeError as e:  # a changed signature (a missing key is answered, not raised)
+        return False, f"the registrations cannot be read as expected ({e})"
+    if not listed or not kernel:
+        return False, ("the registrations read empty: aten::mm is not listed at AutocastCPU"
+                       if not listed else "aten::mm has no CPU kernel as read here")
+    return True, "the kernels registered per dispatch key (autocast op lists)"
+
+
 def features() -> list[Feature]:
-    return [Feature("dispatch registrations", True,
-                    "the kernels registered per dispatch key (autocast op lists)")]
+    return [Feature("dispatch registrations", *_registrations_readable(),
+                    "autocast policies read from the build (`ampscope policy`, emulated devices)")]
