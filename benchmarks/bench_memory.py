@@ -36,7 +36,7 @@ from ampscope.models import hf
 from ampscope.render.style import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accelerate_estimate  # noqa: E402 - a sibling script, found by the path above
+import accelerate_estimate  # a sibling script, found by the path above
 
 
 def zoo_config(name: str) -> tuple[str, dict]:

@@ -297,7 +297,7 @@ def _main(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:  # argparse: --help, usage errors
         return e.code if isinstance(e.code, int) else int(e.code is not None)
-    except Exception:  # --debug re-raises: Python would print the traceback and exit 1
+    except Exception:  # noqa: BLE001 - --debug re-raises: Python would print the traceback and exit 1
         traceback.print_exc()
         return 1
 

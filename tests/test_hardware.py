@@ -235,7 +235,7 @@ def test_a_fifo_named_as_the_table_is_refused_without_waiting_for_a_writer(tmp_p
     def look_up() -> None:
         try:
             outcome.append(hardware.table())
-        except BaseException as e:  # handed to the test's thread
+        except BaseException as e:  # noqa: BLE001 - whatever it is, handed to the test's thread
             outcome.append(e)
 
     reader = threading.Thread(target=look_up, daemon=True)

@@ -312,7 +312,7 @@ def test_a_dropped_trace_is_freed_without_the_garbage_collector(how):
     # The first fake tensor mode of a process imports torch._dynamo, where torch.fx's `wrap`
     # keeps its own frame in a cycle (`inspect.currentframe()` in a local), and with it every
     # frame that called it: PyTorch's garbage, one time only, and not the run's.
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
     model = gpt2.GPT(gpt2.PRESETS["gpt2-tiny"])
     was_enabled = gc.isenabled()

@@ -703,7 +703,7 @@ def check_build(build: Build, venv_root: Path, out: Path, allowlist: list[Allowe
         check_environment(result, venv, env, build, tmp, logs, log, update=update, tests=tests,
                           allowlist=allowlist)
         return result
-    except Exception as e:  # the harness's own failure: reported, the next build still runs
+    except Exception as e:  # noqa: BLE001 - the harness's own failure: reported, the next build still runs
         result.harness_error = f"{type(e).__name__}: {e}"
         log(f"harness error: {result.harness_error}")
         return result

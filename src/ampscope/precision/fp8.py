@@ -142,7 +142,7 @@ def _inductor_patch_state() -> tuple | None:
         return None
     try:
         patch = _quiet_import("torchao.float8._inductor_patch")
-    except Exception:  # torchao's internals moved: nothing of ours to restore
+    except Exception:  # noqa: BLE001 - torchao's internals moved or fail to import on this torch: nothing of ours to restore
         return None
     return TritonOverrides, TritonOverrides.__dict__.get("minimum"), \
         TritonOverrides.__dict__.get("maximum"), patch, patch._PATCHED  # noqa: SLF001 - torchao's flag

@@ -339,7 +339,7 @@ class RowLayout(Generic[_Record]):
         items = ", ".join(given.get(f, f"row[{i}]") for i, f in enumerate(self.fields))
         params = ", ".join(given.values())
         scope: dict[str, Callable[..., tuple]] = {}
-        exec(f"def replace(row, {params}):\n    return ({items},)\n", scope)  # noqa: S102 - made here from the record's own fields
+        exec(f"def replace(row, {params}):\n    return ({items},)\n", scope)  # exec: made here from the record's own fields
         return scope["replace"]
 
     def records(self, rows: Iterable[tuple]) -> list[_Record]:
@@ -362,7 +362,7 @@ def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
               "        append(record)\n"
               "    return records\n")
     scope = {"new": object.__new__, "blank": blank, "cls": cls}
-    exec(source, scope)  # noqa: S102 - the source is made here, from the class's own fields
+    exec(source, scope)  # the source is made here, from the class's own fields
     return cast("Callable[[Iterable[tuple]], list]", scope["build"])  # `build`, defined above
 
 

@@ -170,7 +170,7 @@ def choose_backend(
     enable_gqa: bool = False,
     *,
     target: CudaTarget = H100,
-    flags: SdpFlags = SdpFlags(),  # noqa: B008 - frozen, so a shared default is safe
+    flags: SdpFlags = SdpFlags(),  # frozen, so a shared default is safe
     grad_enabled: bool = True,
 ) -> AttentionChoice:
     """The backend `select_sdp_backend` of torch 2.13 picks for these inputs on `target`."""

@@ -73,7 +73,7 @@ class Ending:
                 func(*args, **kwargs)
             except SystemExit:
                 continue
-            except BaseException:  # as the interpreter reports it, then the next one
+            except BaseException:  # noqa: BLE001 - reported as the interpreter reports it, then the next one runs
                 print(f"Exception ignored in atexit callback {func!r}:", file=sys.stderr)
                 traceback.print_exc()
 

@@ -191,7 +191,7 @@ def _importable(name: str, predict: bool):
             return None
     try:
         return importlib.import_module(name)
-    except Exception:  # not installed, or broken: the script cannot call it either
+    except Exception:  # noqa: BLE001 - not installed, or broken: the script cannot call it either
         return None
 
 

@@ -114,7 +114,7 @@ class ProcessState:
         for name, (get, _) in _settings().items():
             try:
                 settings[name] = get()
-            except Exception:  # a setting this build cannot read: not restored either
+            except Exception:  # noqa: BLE001 - a setting this build cannot read: not restored either
                 continue
         root = logging.getLogger()
         return cls(
@@ -145,7 +145,7 @@ class ProcessState:
         for step in steps:
             try:
                 step()
-            except Exception:  # an unusual state ampscope cannot set back: keep restoring
+            except Exception:  # noqa: BLE001 - an unusual state ampscope cannot set back: keep restoring
                 continue
 
     def _restore_settings(self) -> None:
@@ -155,7 +155,7 @@ class ProcessState:
             try:
                 if get() != self.settings[name]:
                     set_(self.settings[name])
-            except Exception:
+            except Exception:  # noqa: BLE001 - one setting that cannot be set back: the others still are
                 continue
 
     def _restore_default_device(self) -> None:

@@ -206,7 +206,7 @@ def bench(model: str | None = None, ladder: Sequence[str] | None = None, *,
             result = train(config)
         except AmpscopeError:
             raise  # bad input (model, sizes, data): the same for every rung
-        except Exception as e:  # out of memory, a compiler error, a missing kernel
+        except Exception as e:  # noqa: BLE001 - out of memory, a compiler error, a missing kernel: the rung's row says which
             row.status, row.reason = "failed", _one_line(e)
             _free(device, rung.compile)
             continue
