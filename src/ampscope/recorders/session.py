@@ -275,12 +275,7 @@ class Capture:
         if root is not None and root is not module:
             self._adopt_root(root)
             return
-        self.model = module
-        self._tracker.on_new_root = None
-        self._functions.on_inputs = None
-        self.trace.model = ModelInfo(self._model_name or type(module).__name__,
-                                     type(module).__name__, 0)
-        self._watch(module)
+        self._take_model(module)
         self._on_model_call(module, args, {})  # its pre-hook was registered after this call
 
     def _adopt_owner(self, func: str, inputs: list[torch.Tensor]) -> None:
@@ -307,14 +302,18 @@ class Capture:
     def _adopt_root(self, root: nn.Module) -> None:
         """The model, found while its forward already runs (called directly): its later calls
         are recorded as model calls."""
-        self.model = root
-        self._tracker.on_new_root = None
-        self._functions.on_inputs = None
-        self.trace.model = ModelInfo(self._model_name or type(root).__name__,
-                                     type(root).__name__, 0)
-        self._watch(root)
+        self._take_model(root)
         if self._tracker.innermost_forward() is None:  # its forward(...) runs now, called directly
             self._tracker.enter_running(root, self._on_model_call)
+
+    def _take_model(self, model: nn.Module) -> None:
+        """A script's model, found: watched from now on, and no other module is looked for."""
+        self.model = model
+        self._tracker.on_new_root = None
+        self._functions.on_inputs = None
+        self.trace.model = ModelInfo(self._model_name or type(model).__name__,
+                                     type(model).__name__, 0)
+        self._watch(model)
 
     def _on_root_forward(self) -> None:
         # A new step begins: also inside optimizer.step(closure), where an optimizer that takes

@@ -1,4 +1,5 @@
-"""The dtype flow diagram as text: a vertical chain of steps, dtypes on every edge."""
+"""The dtype flow diagram as text: a vertical chain of steps, dtypes on every edge; and how a
+step is described (`relative_module`, `step_notes`), which the SVG (flowgraph.py) shares."""
 
 from __future__ import annotations
 
@@ -16,24 +17,31 @@ def _dtype(d: str) -> Text:
 SHORT_FUNCS = {"scaled_dot_product_attention": "sdpa"}
 
 
-def _casts_note(casts: tuple[tuple[str, str, str], ...]) -> str:
-    """"autocast → bf16: input, weight" (grouped by the dtype they were cast to)."""
+def relative_module(step: DiagramStep, block: str | None) -> str:
+    """The module as drawn inside its block: "attn.c_attn"; "(block)" or "(model)" for the
+    block or the model itself."""
+    if block and step.module.startswith(block + "."):
+        return step.module[len(block) + 1:]
+    if step.module in ("", block):
+        return "(block)" if block else "(model)"
+    return step.module
+
+
+def step_notes(step: DiagramStep) -> str:
+    """What autocast cast for the step, grouped by the dtype it cast to ("autocast → bf16:
+    input, weight"), and the step's own note."""
     by_target: dict[str, list[str]] = {}
-    for what, _src, dst in casts:
+    for what, _src, dst in step.casts:
         by_target.setdefault(dst, []).append(what)
-    return "; ".join(f"autocast → {SHORT_DTYPES.get(d, d)}: {', '.join(dict.fromkeys(w))}"
-                     for d, w in by_target.items())
+    casts = "; ".join(f"autocast → {SHORT_DTYPES.get(d, d)}: {', '.join(dict.fromkeys(w))}"
+                      for d, w in by_target.items())
+    return "; ".join(filter(None, (casts, step.note)))
 
 
 def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
-    module = step.module
-    if block and module.startswith(block + "."):
-        module = module[len(block) + 1:]
-    elif module == block or module == "":
-        module = "(block)" if block else "(model)"
     line = Text(f"{indent}├─ ")
     line.append(f"{SHORT_FUNCS.get(step.func, step.func):<13}", style="bold")
-    line.append(f" {module:<16} ")
+    line.append(f" {relative_module(step, block):<16} ")
     for i, d in enumerate(step.inputs):
         if i:
             line.append(" + ")
@@ -41,13 +49,9 @@ def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
     changed = step.output not in step.inputs
     line.append(" ⇒ " if changed else " → ")
     line.append_text(_dtype(step.output))
-    notes = []
-    if step.casts:
-        notes.append(_casts_note(step.casts))
-    if step.note:
-        notes.append(step.note)
+    notes = step_notes(step)
     if notes:
-        line.append("  [" + "; ".join(notes) + "]", style="dim")
+        line.append(f"  [{notes}]", style="dim")
     return line
 
 

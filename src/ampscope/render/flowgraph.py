@@ -16,6 +16,7 @@ from __future__ import annotations
 from markupsafe import Markup
 
 from ampscope.analysis.diagram import DiagramSection, DiagramStep
+from ampscope.render.diagram import SHORT_FUNCS, relative_module, step_notes
 from ampscope.render.style import SHORT_DTYPES
 from ampscope.render.templating import macros
 
@@ -28,34 +29,9 @@ WIDTH = LANE + NODE_W + 8
 CENTER = LANE + NODE_W // 2
 MAX_CHARS = 52  # a node's second line is cut here; the full text is in its tooltip
 
-SHORT_FUNCS = {"scaled_dot_product_attention": "sdpa"}
-
 
 def short(dtype: str) -> str:
     return SHORT_DTYPES.get(dtype, dtype)
-
-
-def relative_module(step: DiagramStep, block: str | None) -> str:
-    """The module as drawn inside its block: "attn.c_attn"; "(block)" or "(model)" for the
-    block or the model itself."""
-    if block and step.module.startswith(block + "."):
-        return step.module[len(block) + 1:]
-    if step.module in ("", block):
-        return "(block)" if block else "(model)"
-    return step.module
-
-
-def casts_note(casts: tuple[tuple[str, str, str], ...]) -> str:
-    """"autocast → bf16: bias, weight, input", grouped by the dtype they were cast to."""
-    by_target: dict[str, list[str]] = {}
-    for what, _src, dst in casts:
-        by_target.setdefault(dst, []).append(what)
-    return "; ".join(f"autocast → {short(d)}: {', '.join(dict.fromkeys(w))}"
-                     for d, w in by_target.items())
-
-
-def step_notes(step: DiagramStep) -> str:
-    return "; ".join(filter(None, (casts_note(step.casts), step.note)))
 
 
 def _cut(text: str, limit: int) -> str:
