@@ -79,7 +79,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 @pytest.mark.fast
 def test_every_device_of_the_grammar_has_one_entry():
-    assert DEVICES == tuple(DEVICE_TYPES)
+    assert tuple(DEVICE_TYPES) == DEVICES
     assert device_type("cuda:1") is DEVICE_TYPES["cuda"]
     for entry in DEVICE_TYPES.values():
         if entry.accelerator is not None:

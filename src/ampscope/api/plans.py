@@ -195,7 +195,7 @@ class _Search:
         if self._pool is not None:
             try:
                 return list(self._pool.map(job, args))
-            except Exception:
+            except Exception:  # noqa: BLE001 - any pool failure: the jobs run here instead
                 # A forked worker that cannot run a probe (autograd refuses to run backward
                 # in a process forked after its threads started, as in a long-lived caller):
                 # this process runs them, and raises what they raise.

@@ -259,7 +259,7 @@ def matrix(
         try:
             traces.append(trace_run(lm, inputs, setting=s,
                                     options=replace(options, predict=decided)))
-        except Exception as e:  # one setting's failure is a column, not the end of the table
+        except Exception as e:  # noqa: BLE001 - one setting's failure is a column, not the end
             first_error = first_error or e
             failures.append((s.name, _why(e)))
     if not traces:
