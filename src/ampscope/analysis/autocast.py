@@ -48,16 +48,16 @@ def table(policy: dict[str, OpPolicy], op_filter: str | None = None) -> list[Pol
     return sorted(rows, key=lambda r: (order.get(r.categories[0], 99), r.op))
 
 
-def compare(a: dict[str, OpPolicy], b: dict[str, OpPolicy], op_filter: str | None = None,
-            *, differing_only: bool = True) -> list[PolicyRow]:
-    """Ops of either device with their category on each ("passthrough" where not listed)."""
+def compare(a: dict[str, OpPolicy], b: dict[str, OpPolicy], op_filter: str | None = None
+            ) -> list[PolicyRow]:
+    """Ops whose category differs between the two devices ("passthrough" where not listed)."""
     rows = []
     for name in sorted(set(a) | set(b)):
         if op_filter is not None and op_filter not in short_name(name):
             continue
         pair = (a[name].category if name in a else "passthrough",
                 b[name].category if name in b else "passthrough")
-        if pair[0] != pair[1] or not differing_only:
+        if pair[0] != pair[1]:
             rows.append(PolicyRow(short_name(name), pair))
     return rows
 

@@ -34,9 +34,8 @@ class DeviceType:
     none. `attention`: whose `scaled_dot_product_attention` kernel choice an emulated run
     makes ("cuda": the backend PyTorch picks on that accelerator, runtime/attention_choice.py;
     "cpu": the CPU's kernels, said in a note). `rnn`: "cudnn" where the device's RNN layers run
-    cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. `rng`: how the virtual
-    device's random numbers stand for the device's. `not_emulated`: what an emulated run of
-    this device cannot do, in words (a run that needs it stops with one line).
+    cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. `not_emulated`: what an
+    emulated run of this device cannot do, in words (a run that needs it stops with one line).
     """
 
     name: str
@@ -45,18 +44,12 @@ class DeviceType:
     capability: tuple[int, int] | None = None
     attention: str = "cpu"
     rnn: str = "cpu"
-    rng: str = "the CPU's generators stand for the device's (same seeds, other numbers)"
     not_emulated: tuple[str, ...] = ()
-
-    @property
-    def virtual(self) -> bool:
-        """Whether ampscope can stand in for this device on a machine without it."""
-        return self.name != "cpu"
 
 
 DEVICE_TYPES: dict[str, DeviceType] = {
     d.name: d for d in (
-        DeviceType("cpu", rng="the CPU's own generators"),
+        DeviceType("cpu"),
         DeviceType(
             "cuda", accelerator="h100", capability=(9, 0), attention="cuda", rnn="cudnn",
             not_emulated=("CUDA graph capture (torch.cuda.graph_pool_handle)",

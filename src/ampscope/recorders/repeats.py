@@ -473,7 +473,6 @@ class BlockReplay:
     def __init__(self, tracker: ModuleTracker, functions, ops, storages: StorageTracker) -> None:
         self.tracker, self.functions, self.ops, self.storages = tracker, functions, ops, storages
         self.replayed = 0
-        self.blocks = 0
         self.doubts: list[str] = []
         # Passes that replayed blocks and never reached their second-to-last block, whose
         # forward confirms the replayed ones (a model that stops early, calls blocks out of order).
@@ -483,7 +482,6 @@ class BlockReplay:
         undo: list[Callable[[], None]] = []
         for names, blocks in repeated_runs(model):
             run = _Run(self, names, blocks)
-            self.blocks += len(blocks)
             undo.extend(run.wrap(k) for k in range(len(blocks)))
 
         def restore() -> None:

@@ -77,7 +77,6 @@ def fp8_casts(ops: list[OpCall]) -> list[Fp8Cast]:
 # `output gradient × weight` (the input's gradient) and `output gradientᵀ × input` (the
 # weight's gradient). torchao's Float8Linear casts each operand of each of these to fp8.
 INPUT, WEIGHT, GRAD_OUTPUT = "input", "weight", "output gradient"
-ROLES = (INPUT, WEIGHT, GRAD_OUTPUT)
 
 
 class GemmRoles:

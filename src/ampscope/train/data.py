@@ -101,10 +101,9 @@ class DataLoaderLite:
     the end, the loader goes back to the start (one more epoch).
     """
 
-    def __init__(self, tokens: torch.Tensor, batch: int, seq: int, *, position: int = 0,
-                 epoch: int = 0):
+    def __init__(self, tokens: torch.Tensor, batch: int, seq: int):
         self.tokens, self.B, self.T = tokens, batch, seq
-        self.position, self.epoch = position, epoch
+        self.position, self.epoch = 0, 0  # a resumed run sets them from its checkpoint
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.B, self.T
