@@ -146,6 +146,26 @@ def test_cuda_lstm_training_step():
 
 
 @needs_emulation
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_cuda_predicted_step_counts_as_the_real_one(cell):
+    """`trace` predicts by default: on the virtual CUDA device the fake cuDNN op gets the
+    weight buffer cuDNN makes for itself (its fake kernel returns none, which the backward
+    refused), and the step counts the same recurrent FLOPs as the real one, by hand."""
+    def step(model, batch):
+        model(batch["x"]).sum().backward()
+
+    gates = 4 if cell is nn.LSTM else 3
+    forward = 2 * T * B * gates * H * (IN + H)
+    for predict in (True, False):
+        t = ampscope.trace(_Tagger(cell(IN, H, batch_first=True)), {"x": torch.randn(B, T, IN)},
+                           setting="cuda:fp32", workload=step, predict=predict)
+        assert t.mode == ("predict" if predict else "run")
+        assert any("cudnn_rnn" in o.op for o in t.ops)
+        assert _flops(t, "forward", "rnn") == forward
+        assert _flops(t, "backward", "rnn") == 2 * forward
+
+
+@needs_emulation
 @pytest.mark.fast
 def test_cuda_bidirectional_two_layer_lstm_training_step():
     t = _run(_Tagger(nn.LSTM(IN, H, num_layers=2, bidirectional=True, batch_first=True)), "cuda",

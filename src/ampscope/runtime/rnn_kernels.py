@@ -132,6 +132,11 @@ def _call(mode, input, hx, cx, params, stride0, weight_buf, hidden_size, proj_si
           batch_first, dropout, train, bidirectional):
     ops = private_rnn.cudnn_rnn_ops()
     assert ops is not None  # (cuda_rnn registers nothing without them)
+    if weight_buf is None and isinstance(input, FakeTensor):
+        # cuDNN copies weights it is not given flat into a buffer of its own and returns it
+        # for the backward; the fake kernel returns none, which autograd refuses. A predicted
+        # run gives it that buffer's storage (its size, no values: the math is never run).
+        weight_buf = input.new_empty(sum(w.numel() for w in params))
     output, hy, cy, _, _ = ops.forward(
         input, list(params), stride0, weight_buf, hx, cx, private_rnn.CUDNN_MODES[mode],
         hidden_size, proj_size, num_layers, batch_first, dropout, train, bidirectional, [], None)
