@@ -153,3 +153,37 @@ def test_a_device_without_an_accelerator_names_none():
         saved.restore()
     (note,) = [n for n in vd.notes() if "saw mps" in n]
     assert "H100" not in note and "one mps device" in note
+
+
+@pytest.mark.fast
+def test_the_json_schemas_name_every_device_type():
+    """The documents' device fields are enums in the shipped JSON Schemas: a new entry in the
+    table must be named there too (this test lists where), or its runs' JSON would not
+    validate."""
+    import json
+    from importlib import resources
+
+    def enums(node, out: list) -> list:
+        if isinstance(node, dict):
+            for key in ("enum",):
+                values = node.get(key)
+                if isinstance(values, list) and "cuda" in values:
+                    out.append(values)
+            for value in node.values():
+                enums(value, out)
+        elif isinstance(node, list):
+            for value in node:
+                enums(value, out)
+        return out
+
+    schemas = resources.files("ampscope") / "schemas"
+    found = {}
+    for path in schemas.iterdir():
+        if path.name.endswith(".schema.json"):
+            for values in enums(json.loads(path.read_text()), []):
+                found.setdefault(path.name, []).append(
+                    [v for v in values if v not in ("op", None)])
+    assert found  # the schemas do hold device enums
+    for name, lists in found.items():
+        for values in lists:
+            assert sorted(values) == sorted(DEVICE_TYPES), name
