@@ -213,13 +213,13 @@ def test_a_real_run_replays_nothing():
 
 def test_a_failure_of_the_replay_itself_falls_back_to_every_block(monkeypatch):
     # Not the model's error: ampscope's own bookkeeping around a block fails (here, made to).
-    from ampscope.recorders import repeats
+    from ampscope.recorders.replayed import Replayed
 
     def broken(*args, **kwargs):
         raise KeyError("made to fail")
 
     replayed_before, full = _both(Stack())
-    monkeypatch.setattr(repeats._Replayed, "_backward", staticmethod(broken))
+    monkeypatch.setattr(Replayed, "_backward", staticmethod(broken))
     replayed, _ = _both(Stack())
     assert _replayed(replayed_before) > 0 and _replayed(replayed) == 0
     assert_same_trace(replayed, full)

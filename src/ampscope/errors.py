@@ -1,4 +1,5 @@
-"""The exceptions users see: `AmpscopeError`, and its `DtypeMismatchError` with a diagnosis.
+"""The exceptions users see: `AmpscopeError`, and its `DtypeMismatchError` with a diagnosis;
+`first_line`, what a one-line error quotes of another.
 
 An `AmpscopeError` carries a one-line message that says what went wrong and what to do. The CLI
 prints it and exits with status 2; any other exception is a bug (or comes from the user's model)
@@ -20,3 +21,10 @@ class DtypeMismatchError(AmpscopeError):
     def __init__(self, diagnosis) -> None:
         super().__init__(diagnosis.summary)
         self.diagnosis = diagnosis
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none: what a
+    one-line error quotes of the error behind it."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

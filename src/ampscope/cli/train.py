@@ -100,7 +100,7 @@ def config_from_args(args: argparse.Namespace):
 
     from ampscope.precision import on_device
     from ampscope.train import checkpoint
-    from ampscope.train.loop import TrainConfig, defaults_for
+    from ampscope.train.config import TrainConfig, defaults_for
     from ampscope.train.measure import default_device
 
     if args.resume:

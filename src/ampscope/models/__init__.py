@@ -6,7 +6,8 @@
 - `loading.py`: `load`, a spec, a bare module or a LoadedModel as the LoadedModel a run needs;
 - `catalog.py`: what `ampscope models` lists, as data (read without importing torch);
 - `gpt2.py`, `nanochat.py`: the built-in reference GPTs, one readable file each;
-- `hf.py`: Hugging Face causal LMs (the zoo from configs, local checkpoints);
+- `hf.py`: Hugging Face causal LMs (the zoo from configs, local checkpoints), with
+  `weight_files.py` (a local folder's shards and torch checkpoints, read safely);
 - `smollm2.py`: SmolLM2-135M with its real weights.
 
 The names below are imported on first use: `catalog` (what `ampscope models` lists) is read

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import nn
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.models.weight_files import load_checkpoint, shards, torch_checkpoint
 from ampscope.quiet import loggers_quiet
 from ampscope.torchcompat.ops import PYTREE_LOGGER
 
@@ -162,7 +163,7 @@ def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -
             )
     except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
         raise AmpscopeError(
-            f"cannot build a causal LM from {type(config).__name__}: {_first_line(e)}"
+            f"cannot build a causal LM from {type(config).__name__}: {first_line(e)}"
         ) from e
     if on_meta:
         module.tie_weights()  # what the skipped init_weights would have done besides initialising
@@ -219,13 +220,13 @@ def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> Loade
     if sorted(folder.glob("*.safetensors")):
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            _shards(index)  # transformers would open whatever the index names
+            shards(index)  # transformers would open whatever the index names
         module = load_pretrained(folder, config, label=name)
         return hf_loaded_model(module.to(device), name=name)
-    checkpoint = _torch_checkpoint(folder)
+    checkpoint = torch_checkpoint(folder)
     module = build_from_config(config, device=device)
     if checkpoint is not None:
-        _load_state_dict(module, checkpoint, folder)
+        load_checkpoint(module, checkpoint, folder)
     return hf_loaded_model(module, name=name)
 
 
@@ -252,11 +253,11 @@ def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
             )
     except SafetensorError as e:  # a damaged file, or one that is not safetensors at all
         raise AmpscopeError(
-            f"{label}: its .safetensors file cannot be read ({_first_line(e)}); save it again "
+            f"{label}: its .safetensors file cannot be read ({first_line(e)}); save it again "
             "with save_pretrained() or download it again"
         ) from e
     except (OSError, ValueError, RuntimeError) as e:
-        raise AmpscopeError(f"{label}: cannot load its weights: {_first_line(e)}") from e
+        raise AmpscopeError(f"{label}: cannot load its weights: {first_line(e)}") from e
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise AmpscopeError(
@@ -304,11 +305,6 @@ def quiet_transformers() -> Iterator[None]:
             transformers.utils.logging.enable_progress_bar()
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _read_config(config_file: Path) -> PretrainedConfig:
     transformers = transformers_module()
     try:
@@ -329,89 +325,9 @@ def _read_config(config_file: Path) -> PretrainedConfig:
         with quiet_transformers():
             config = transformers.AutoConfig.for_model(model_type, **config_dict)
     except ValueError as e:  # unknown model_type
-        raise AmpscopeError(f"{config_file}: {_first_line(e)}") from e
+        raise AmpscopeError(f"{config_file}: {first_line(e)}") from e
     config._attn_implementation = ATTN_IMPLEMENTATION  # noqa: SLF001 - transformers' setting
     return config
-
-
-def _torch_checkpoint(folder: Path) -> list[Path] | None:
-    """The torch checkpoint file(s) in `folder`, or None when it has none."""
-    index = folder / "pytorch_model.bin.index.json"
-    if index.is_file():
-        return _shards(index)
-    files = sorted(p for ext in ("bin", "pt", "pth") for p in folder.glob(f"*.{ext}"))
-    if len(files) > 1:
-        names = ", ".join(p.name for p in files)
-        raise AmpscopeError(f"hf:{folder}: several checkpoints ({names}); keep one per folder")
-    return [_inside(folder, p.name) for p in files] or None
-
-
-def _shards(index: Path) -> list[Path]:
-    """The shards a sharded checkpoint's index names, each checked to lie in its folder (see
-    `_inside`): an index is data from elsewhere, never a way out of the folder."""
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        shards = sorted(set(weight_map.values()), key=str)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise AmpscopeError(
-            f"hf:{index.parent}: cannot read {index.name} ({type(e).__name__}); it should map "
-            'each weight to its shard: {"weight_map": {"name": "file", ...}}'
-        ) from e
-    return [_inside(index.parent, shard) for shard in shards]
-
-
-def _inside(folder: Path, name: object) -> Path:
-    """`folder / name`, refused unless it is a regular file of the folder: a plain file name
-    (no `..`, no absolute path), and no symlink out of it except into the Hugging Face cache's
-    `blobs` folder, where a hub snapshot's files link to."""
-    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-        raise AmpscopeError(
-            f"hf:{folder}: its index names the shard {name!r} outside the folder; a shard "
-            "must be a file name in the folder itself"
-        )
-    path = folder / name
-    real, home = path.resolve(), folder.resolve()
-    blobs = home.parent.parent / "blobs"
-    if real.parent != home and real.parent != blobs:
-        raise AmpscopeError(
-            f"hf:{folder}: {name} links to {real}, outside the folder; copy the file in instead"
-        )
-    if not real.is_file():
-        raise AmpscopeError(f"hf:{folder}: {name} is missing or not a regular file")
-    return path
-
-
-def _load_state_dict(module: nn.Module, files: list[Path], folder: Path) -> None:
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            loaded = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # weights_only refuses pickled code; say so in one line
-            raise AmpscopeError(
-                f"cannot load {file} with weights_only=True: {_first_line(e)}"
-            ) from e
-        # Training scripts often save {"model": state_dict, "optimizer": ..., ...}.
-        for key in ("state_dict", "model"):
-            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
-                loaded = loaded[key]
-        state.update(loaded)
-    try:
-        missing, unexpected = module.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shape mismatches raise even with strict=False
-        detail = str(e).strip().splitlines()[-1].strip()  # the first line only names the class
-        raise AmpscopeError(f"hf:{folder}: checkpoint does not match config.json ({detail})") from e
-    # A checkpoint may store a tied weight under one of its names only (lm_head = embedding).
-    names_by_param: dict[int, list[str]] = {}
-    for param_name, param in module.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(param_name)
-    aliases = {n: names for names in names_by_param.values() for n in names}
-    missing = [k for k in missing if not any(alias in state for alias in aliases.get(k, []))]
-    if missing or unexpected:
-        keys, kind = (missing, "missing") if missing else (unexpected, "unexpected")
-        problem = f"{len(keys)} {kind} keys such as {keys[0]!r}"
-        raise AmpscopeError(
-            f"hf:{folder}: checkpoint does not match config.json ({problem}); check both come from one model"
-        )
 
 
 def _valid_token_id(config: PretrainedConfig, vocab_size: int) -> int:

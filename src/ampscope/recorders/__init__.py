@@ -18,9 +18,10 @@
 The speed tricks of a predicted run (ampscope.tricks; each has an exact path):
 
 - `repeats.py`: identical blocks recorded twice and replayed for the others, with `alike.py`
-  (which blocks are identical), `blockio.py` (what a block call takes and leaves) and
+  (which blocks are identical), `blockio.py` (what a block call takes and leaves),
   `windows.py` (one recorded block call's records, appended again under another block's names,
-  through the recorders' public methods);
+  through the recorders' public methods) and `replayed.py` (what the recorded blocks leave for
+  the replayed ones, and the autograd Function a replayed block runs as);
 - `foreach.py`: foreach ops dispatched over one list entry of each kind;
 - `shortcuts.py`: per-parameter ops FakeTensorMode never caches, answered as it would;
 - `fake_cache.py`: other ops answered from FakeTensorMode's own cache, by a cheaper key.

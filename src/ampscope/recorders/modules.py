@@ -14,7 +14,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import nn
@@ -82,8 +82,21 @@ def _quiet(hook: Callable) -> Callable:
     return quiet
 
 
-class PhaseClock(Protocol):
-    def now(self) -> Phase: ...
+class PhaseClock:
+    """Which phase the run is in. Backward is read off the autograd engine. Once a backward
+    pass has run, what follows until the model's next forward call — gradient clipping,
+    GradScaler unscaling, `optimizer.step()` — is the optimizer phase."""
+
+    def __init__(self) -> None:
+        self.after_backward = False
+        self.in_optimizer_step = False
+
+    def now(self) -> Phase:
+        if in_backward():
+            return Phase.BACKWARD
+        if self.in_optimizer_step or self.after_backward:
+            return Phase.OPTIMIZER
+        return Phase.FORWARD
 
 
 class OpenCall:

@@ -19,8 +19,7 @@ from ampscope.precision import matmul
 from ampscope.recorders import fake_cache, foreach, progress, shortcuts
 from ampscope.recorders.flops import formula as flop_formula
 from ampscope.recorders.flops import op_flops
-from ampscope.recorders.functions import PENDING as _PENDING
-from ampscope.recorders.functions import UserCalls
+from ampscope.recorders.functions import PENDING, UserCalls
 from ampscope.recorders.memory import StorageTracker
 from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.tensors import (
@@ -45,8 +44,7 @@ from ampscope.torchcompat.dispatch import (
     OpOverload,
 )
 from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
-from ampscope.torchcompat.distributed import GroupSizeUnknown
-from ampscope.torchcompat.distributed import collective_group_size as group_size
+from ampscope.torchcompat.distributed import GroupSizeUnknown, collective_group_size
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
@@ -95,7 +93,7 @@ _op_facts: dict[int, _OpFacts] = {}
 _OP_TRICKS = (Trick.FOREACH, Trick.SHORTCUTS, Trick.FAKE_CACHE)
 _FOREACH, _SHORTCUTS, _FAKE_CACHE = range(len(_OP_TRICKS))
 _NONES = tuple((None,) * n for n in range(16))
-_graph_task_id = graph_task_id  # -1 outside a backward pass
+
 
 class OpRecorder(UncompiledDispatchMode):
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: UserCalls,
@@ -161,61 +159,64 @@ class OpRecorder(UncompiledDispatchMode):
                 out = self._fell_back(_OP_TRICKS[facts.trick], e)
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
-        if not facts.recorded:
-            return out
-        # The function mode above would see every `.dtype` and `.shape` read below as a call
-        # (a Python round trip each, most of the recording's cost): none is the user's.
-        with no_torch_function():
-            functions = self._functions
-            functions.ops_seen += 1
-            inputs: list[torch.Tensor] = []
-            walk(args, inputs)
-            if kwargs:
-                walk(kwargs.values(), inputs)
-            seen_args, seen_kwargs, seen_out, named = args, kwargs, out, inputs
-            if not PLAIN_TENSORS.issuperset(types) and has_dtensor(inputs):
-                # A DTensor's op (tensor parallelism, FSDP2's sharded optimizer step): the rank
-                # runs it on its local shards, and its FLOPs and shapes are theirs.
-                seen_args, seen_kwargs, seen_out = local_values((args, kwargs, out))
-                inputs = [local_tensor(t) for t in inputs]
-            backward = _graph_task_id() != -1
-            grad_fn = node = None
-            if backward or functions.current_phase == "backward":
-                # (not yet in the engine: the gradient seed of loss.backward())
-                phase, caller, autocast_cast = Phase.BACKWARD, None, False
-                node = current_autograd_node()
-                if node is not None:
-                    grad_fn = node.name()
-            else:
-                phase = self._phase.now()
-                caller = functions.current
-                autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
-                                 and functions.current_autocast is not None)
-            if facts.flops is not None:
-                flops, flops_causal = op_flops(func, seen_args, seen_kwargs, seen_out,
-                                               facts.flops)
-            else:
-                flops = flops_causal = 0
-            results = results_of(seen_out)
-            outputs = metas_of(results)
-            rows = self.rows
-            index = len(rows)
-            if self.storages is not None:
-                self.storages.on_op(index, results, outputs, node)
-            rows.append((
-                index, facts.name, self._tracker.current_in(backward), phase,
-                metas_of(inputs), outputs, autocast_cast, caller,
-                None if caller is None else (
-                    functions.current_source if functions.current_source is not _PENDING
-                    else functions.source_now()),
-                self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
-                None if facts.precision is None else self._fp32_precision(facts.precision,
-                                                                          inputs),
-                self._group(facts.name, func, args, kwargs) if facts.collective else None,
-            ))
-            if self._progress is not None:
-                self._progress.op(index + 1, phase)
+        if facts.recorded:
+            # The function mode above would see every `.dtype` and `.shape` read while the op
+            # is recorded as a call (a Python round trip each, most of the recording's cost):
+            # none is the user's.
+            with no_torch_function():
+                self._record(func, facts, types, args, kwargs, out)
         return out
+
+    def _record(self, func: OpOverload, facts: _OpFacts, types, args: tuple, kwargs: dict,
+                out) -> None:
+        """The op's row (records.OP_ROW), appended, and its results told to the storages."""
+        functions = self._functions
+        functions.ops_seen += 1
+        inputs: list[torch.Tensor] = []
+        walk(args, inputs)
+        if kwargs:
+            walk(kwargs.values(), inputs)
+        seen_args, seen_kwargs, seen_out, named = args, kwargs, out, inputs
+        if not PLAIN_TENSORS.issuperset(types) and has_dtensor(inputs):
+            # A DTensor's op (tensor parallelism, FSDP2's sharded optimizer step): the rank
+            # runs it on its local shards, and its FLOPs and shapes are theirs.
+            seen_args, seen_kwargs, seen_out = local_values((args, kwargs, out))
+            inputs = [local_tensor(t) for t in inputs]
+        backward = graph_task_id() != -1  # -1 outside a backward pass
+        grad_fn = node = None
+        if backward or functions.current_phase == "backward":
+            # (not yet in the engine: the gradient seed of loss.backward())
+            phase, caller, autocast_cast = Phase.BACKWARD, None, False
+            node = current_autograd_node()
+            if node is not None:
+                grad_fn = node.name()
+        else:
+            phase = self._phase.now()
+            caller = functions.current
+            autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
+                             and functions.current_autocast is not None)
+        if facts.flops is not None:
+            flops, flops_causal = op_flops(func, seen_args, seen_kwargs, seen_out, facts.flops)
+        else:
+            flops = flops_causal = 0
+        results = results_of(seen_out)
+        outputs = metas_of(results)
+        rows = self.rows
+        index = len(rows)
+        if self.storages is not None:
+            self.storages.on_op(index, results, outputs, node)
+        rows.append((
+            index, facts.name, self._tracker.current_in(backward), phase,
+            metas_of(inputs), outputs, autocast_cast, caller,
+            None if caller is None else (
+                functions.current_source if functions.current_source is not PENDING
+                else functions.source_now()),
+            self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
+            None if facts.precision is None else self._fp32_precision(facts.precision, inputs),
+            self._group(facts.name, func, args, kwargs) if facts.collective else None,
+        ))
+        if self._progress is not None:
+            self._progress.op(index + 1, phase)
 
     def notes(self) -> list[str]:
         """What the trace says of the run's ops: each trick that failed, each collective whose
@@ -228,7 +229,7 @@ class OpRecorder(UncompiledDispatchMode):
         """The size of the process group a collective ran over; None where it names none, or
         where it cannot be read (kept in `unknown_groups`, for the trace's note)."""
         try:
-            return group_size(func, args, kwargs)
+            return collective_group_size(func, args, kwargs)
         except GroupSizeUnknown as e:
             self.unknown_groups.setdefault(name, str(e))
             return None

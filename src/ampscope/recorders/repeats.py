@@ -3,7 +3,8 @@ are recorded from two of them and replayed for the others, which never dispatch 
 
 A transformer's N blocks run the same ops on the same metadata; on fake tensors each op costs
 its dispatch and nothing else, so a step costs about N times one block. Here, within each run of
-at least five structurally identical consecutive children (recorders/alike.py) of a `ModuleList` or `Sequential`:
+at least five structurally identical consecutive children (recorders/alike.py) of a `ModuleList`
+or `Sequential`:
 
 - blocks 0 and 1, and the last two, run and are recorded as usual. Block 1's forward and the
   second-to-last block's backward are recorded as *windows*: the op, call and module records
@@ -12,8 +13,9 @@ at least five structurally identical consecutive children (recorders/alike.py) o
   tensor metadata, the same tensors shared with block 0, the same plain values, the same grad
   and autocast state, no gradients yet) does not run. Its forward appends block 1's records,
   renamed to its own modules and parameters, makes fake tensors for its outputs, and returns
-  them from an autograd Function whose backward appends the second-to-last block's backward
-  records and returns fake gradients for its inputs and parameters;
+  them from an autograd Function (recorders/replayed.py) whose backward appends the
+  second-to-last block's backward records and returns fake gradients for its inputs and
+  parameters;
 - storages follow their twin: one a replayed block made that block 1's twin kept past its
   forward is freed when that twin is (an autocast cast dropped with autocast's cache), unless
   the backward replay frees it first, where the recorded backward freed its own twin. Storages
@@ -22,17 +24,16 @@ at least five structurally identical consecutive children (recorders/alike.py) o
 
 Nothing is assumed without being checked: a block is replayed only when its structure matches
 (recorders/alike.py) and its call does, and a window (recorders/windows.py) is used only when
-everything it made and freed is accounted for. The recorded
-blocks are then compared with one another (block 1's forward with the second-to-last block's,
-block 1's backward with the second-to-last block's): when they differ, `ReplayDoubt` is raised
-and the caller runs the step again without replaying. docs/how-it-works.md tells the rest.
+everything it made and freed is accounted for. The recorded blocks are then compared with one
+another (block 1's forward with the second-to-last block's, block 1's backward with the
+second-to-last block's): when they differ, `ReplayDoubt` is raised and the caller runs the step
+again without replaying. docs/how-it-works.md tells the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,78 +50,19 @@ from ampscope.recorders.blockio import (
 )
 from ampscope.recorders.memory import StorageTracker, storage_of
 from ampscope.recorders.modules import ModuleTracker
-from ampscope.recorders.tensors import described, fake_from, no_torch_function, tensor_key
+from ampscope.recorders.replayed import (
+    BlockPass,
+    RecordedBackward,
+    RecordedForward,
+    ReplayContext,
+    ReplayDoubt,
+    Replayed,
+    bookkeeping,
+)
+from ampscope.recorders.tensors import described, no_torch_function, tensor_key
 from ampscope.recorders.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree
-from ampscope.tricks import TrickFailed
-
-
-class ReplayDoubt(TrickFailed):
-    """A replayed block's recorded twins turned out to differ: trace the step again in full."""
-
-
-@contextlib.contextmanager
-def _bookkeeping(what: str) -> Iterator[None]:
-    """ampscope's own work around a block (never the block's code): should it fail, that is a
-    doubt — the step runs again with every block dispatched — and never the user's error."""
-    try:
-        yield
-    except ReplayDoubt:
-        raise
-    except Exception as e:  # any failure of the bookkeeping is a doubt, raised as one
-        raise ReplayDoubt(f"{what}: {type(e).__name__}: {e}") from e
-
-
-# -- the replay itself
-
-
-class _Pass:
-    """One forward pass through a run of blocks (a new one starts at block 0), and what its
-    recorded blocks left for the replayed ones."""
-
-    def __init__(self) -> None:
-        self.off = False  # something did not check out: the rest of the pass runs for real
-        self.last = 0
-        self.replayed = 0
-        self.first_inputs: list[weakref.ref] = []  # block 0's tensor arguments
-        self.forward: _Forward | None = None  # block 1's forward window, usable for replay
-        self.forward_twin: _Forward | None = None  # the second-to-last block's forward window
-        self.backward: _Backward | None = None  # the second-to-last block's backward window
-
-
-class _Forward:
-    """A recorded block forward, ready to replay."""
-
-    def __init__(self, window: Window, spec, leaves: list, shared: list[bool],
-                 inputs: list, out_spec, out_leaves: list, saved_inputs: list[int],
-                 fates: list, input_frees: list[tuple[int, int]], state: tuple) -> None:
-        self.window = window
-        self.spec = spec  # the arguments' structure
-        self.leaves = leaves  # per argument leaf: a tensor's key, or the plain value
-        self.shared = shared  # per tensor argument: the same tensor block 0 got
-        self.inputs = inputs  # the tensor arguments' storage entries (to tell which it freed)
-        self.out_spec = out_spec
-        self.out_leaves = out_leaves  # per output leaf: a tensor `described`, or the value
-        # Positions its graph saved in [*tensor arguments, *parameters, *buffers].
-        self.saved_inputs = saved_inputs
-        self.fates = fates  # per storage made: ("out", k), ("freed", offset) or "kept"
-        self.state = state  # grad mode and autocast as it ran
-        self.normalized: tuple = ()  # its records made relative, to compare with its twin
-        self.input_frees = input_frees  # (tensor argument position, offset freed at)
-
-
-class _Backward:
-    """A recorded block backward, ready to replay."""
-
-    def __init__(self, window: Window, fates: list, frees: list[tuple], grad_inputs: list,
-                 grad_params: list) -> None:
-        self.window = window
-        self.fates = fates  # per storage made: ("grad_in", k), ("grad_param", k), "freed", "kept"
-        self.frees = frees  # (("made", j) | ("input", k) | ("grad_out", k), offset)
-        self.grad_inputs = grad_inputs  # per input needing grad: its gradient, `described`
-        self.grad_params = grad_params  # per parameter: its gradient, `described` (or None)
-        self.normalized: tuple = ()
 
 
 class _Run:
@@ -130,7 +72,7 @@ class _Run:
         self.replay = replay
         self.names = names
         self.blocks = blocks
-        self.current: _Pass | None = None
+        self.current: BlockPass | None = None
 
     def wrap(self, k: int) -> Callable[[], None]:
         block = self.blocks[k]
@@ -149,7 +91,7 @@ class _Run:
                 graph_task_id() != -1:
             return original(*args, **kwargs)  # called as .forward(...), or inside a backward
         if k == 0:
-            self.current = _Pass()
+            self.current = BlockPass()
         p = self.current
         if p is None or p.off or p.last != k - 1 and k != 0:
             if p is not None:
@@ -165,26 +107,27 @@ class _Run:
         if k == 1 or k == n - 2:
             return self.record_forward(p, k, original, args, kwargs)
         if 2 <= k <= n - 3 and p.forward is not None:
-            replayed = self.replay_forward(p, k, args, kwargs)
+            with bookkeeping(self.names[k]):
+                replayed = self.replay_forward(p, k, args, kwargs)
             if replayed is not _NOT_REPLAYED:
                 return replayed
         return original(*args, **kwargs)
 
     # -- recording
-    def record_forward(self, p: _Pass, k: int, original: Callable, args: tuple, kwargs: dict):
+    def record_forward(self, p: BlockPass, k: int, original: Callable, args: tuple, kwargs: dict):
         replay = self.replay
         block = self.blocks[k]
-        with _bookkeeping(self.names[k]), no_torch_function():
+        with bookkeeping(self.names[k]), no_torch_function():
             leaves, spec = pytree.tree_flatten((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             fake = all(is_fake(t) for t in tensors) and tensors
             inputs = [replay.storages.entry_of(t) for t in tensors]
             state = grad_and_autocast_state()
             attributes = attribute_ids(block)
-        with _bookkeeping(self.names[k]):
+        with bookkeeping(self.names[k]):
             window = Window(replay, self.names[k])
         out = original(*args, **kwargs)
-        with _bookkeeping(self.names[k]), no_torch_function():
+        with bookkeeping(self.names[k]), no_torch_function():
             window.close(replay)
             usable = fake and attribute_ids(block) == attributes
             recorded = self._forward_of(window, p, k, spec, leaves, tensors, inputs, out, state) \
@@ -198,12 +141,12 @@ class _Run:
                 raise ReplayDoubt(f"{self.names[k]}'s forward differs from {self.names[1]}'s")
             self.replay.unchecked.discard(p)
         if recorded is not None and torch.is_grad_enabled():
-            with _bookkeeping(self.names[k]):
+            with bookkeeping(self.names[k]):
                 self._watch_backward(p, k, window.prefix, tensors, out, recorded)
         return out
 
-    def _forward_of(self, window: Window, p: _Pass, k: int, spec, leaves: list,
-                    tensors: list, inputs: list, out, state: tuple) -> _Forward | None:
+    def _forward_of(self, window: Window, p: BlockPass, k: int, spec, leaves: list,
+                    tensors: list, inputs: list, out, state: tuple) -> RecordedForward | None:
         replay = self.replay
         out_leaves, out_spec = pytree.tree_flatten(out)
         if not plain_spec(spec) or not plain_spec(out_spec):
@@ -248,13 +191,13 @@ class _Run:
         saved_inputs = [i for i, t in enumerate(held) if id(storage_of(t)) in saved]
         if saved - {id(storage_of(held[i])) for i in saved_inputs}:
             return None
-        recorded = _Forward(window, spec, keys, shared, inputs, out_spec, descriptions,
+        recorded = RecordedForward(window, spec, keys, shared, inputs, out_spec, descriptions,
                             saved_inputs, fates, input_frees, state)
         recorded.normalized = window.normalized(replay, [*fates, *input_frees, *saved_inputs])
         return recorded
 
-    def _watch_backward(self, p: _Pass, k: int, prefix: str, tensors: list, out,
-                        recorded: _Forward) -> None:
+    def _watch_backward(self, p: BlockPass, k: int, prefix: str, tensors: list, out,
+                        recorded: RecordedForward) -> None:
         """Record this block's backward as a window: from its outputs' gradients arriving to
         its inputs' gradients leaving (tensor hooks; they change no gradient)."""
         outputs = [t for t in pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -285,7 +228,7 @@ class _Run:
                 if len(state["grad_in"]) == wanted:
                     window = state["window"]
                     window.close(self_.replay)
-                    with _bookkeeping(prefix), no_torch_function():
+                    with bookkeeping(prefix), no_torch_function():
                         self_.backward_of(p, k, window, state, wanted, params, recorded)
             return hook
 
@@ -294,8 +237,8 @@ class _Run:
         for i, t in enumerate(needing):
             t.register_hook(left(i))
 
-    def backward_of(self, p: _Pass, k: int, window: Window, state: dict, wanted: int,
-                     params: list, recorded: _Forward) -> None:
+    def backward_of(self, p: BlockPass, k: int, window: Window, state: dict, wanted: int,
+                     params: list, recorded: RecordedForward) -> None:
         replay = self.replay
         grad_in = {id(entry): ("grad_in", i) for i, (entry, _) in state["grad_in"].items()
                    if entry is not None}
@@ -321,7 +264,7 @@ class _Run:
         usable = usable and window.is_own(replay, forward=False)
         backward = None
         if usable:
-            backward = _Backward(window, fates, frees,
+            backward = RecordedBackward(window, fates, frees,
                                  [state["grad_in"][i][1] for i in range(wanted)],
                                  [None if g is None else described(g) for g in grads])
             backward.normalized = window.normalized(replay, [*fates, *frees])
@@ -332,11 +275,7 @@ class _Run:
             replay.doubts.append(f"{self.names[k]}'s backward differs from {self.names[-2]}'s")
 
     # -- replaying
-    def replay_forward(self, p: _Pass, k: int, args: tuple, kwargs: dict):
-        with _bookkeeping(self.names[k]):
-            return self._replay_forward(p, k, args, kwargs)
-
-    def _replay_forward(self, p: _Pass, k: int, args: tuple, kwargs: dict):
+    def replay_forward(self, p: BlockPass, k: int, args: tuple, kwargs: dict):
         template = p.forward
         assert template is not None
         with no_torch_function():
@@ -365,8 +304,9 @@ class _Run:
         p.replayed += 1
         self.replay.replayed += 1
         self.replay.unchecked.add(p)  # until its forward twin is compared
-        context = _Context(self, p, k, tensors, len(needing), params, trainable)
-        outputs = _Replayed.apply(context, *needing, *trainable)
+        context = ReplayContext(self.replay, self.names[k], p, tensors, len(needing), params,
+                                trainable, list(block.buffers()))
+        outputs = Replayed.apply(context, *needing, *trainable)
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
         it = iter(outputs)
@@ -375,96 +315,6 @@ class _Run:
 
 
 _NOT_REPLAYED = object()
-
-
-class _Context:
-    """What a replayed block's forward leaves for its backward: no tensor (autograd holds what
-    the block saves, and frees it as it would), the entries of its arguments' storages."""
-
-    def __init__(self, run: _Run, p: _Pass, k: int, tensors: list, needing: int,
-                 all_params: list, params: list) -> None:
-        self.run, self.p, self.k = run, p, k
-        self.tensors: list | None = tensors  # until the forward replay is done
-        self.inputs: list = []  # the arguments' storage entries
-        self.needing = needing
-        self.all_params = all_params  # the block's parameters, as its replay found them
-        self.params = params  # those of them that want a gradient
-        self.made: list = []  # per storage block 1's forward made: this block's twin entry
-
-
-class _Replayed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, context: _Context, *tensors):
-        with _bookkeeping(context.run.names[context.k]):
-            return _Replayed._forward(ctx, context, tensors)
-
-    @staticmethod
-    def _forward(ctx, context: _Context, tensors: tuple):
-        run, p, k = context.run, context.p, context.k
-        template = p.forward
-        # (_replay_forward checked the template; the tensors go at the end of this forward)
-        assert template is not None and context.tensors is not None
-        replay = run.replay
-        prefix = run.names[k]
-        with no_torch_function():
-            outputs = [fake_from(context.tensors[0] if context.tensors else tensors[0], d)
-                       for d in template.out_leaves if isinstance(d, tuple)]
-            inputs = context.inputs = [replay.storages.entry_of(t) for t in context.tensors]
-            made = template.window.append_renamed(
-                replay, prefix, template.fates,
-                real={("out", i): t for i, t in enumerate(outputs)},
-                pins=[(inputs[i], offset) for i, offset in template.input_frees])
-        context.made = made
-        ctx.context = context
-        block = run.blocks[k]
-        held = [*context.tensors, *context.all_params, *block.buffers()]
-        ctx.save_for_backward(*[held[i] for i in template.saved_inputs])
-        context.tensors = None
-        not_differentiable = [t for t, d in zip(outputs, [d for d in template.out_leaves
-                                                          if isinstance(d, tuple)], strict=True)
-                              if not d[4]]
-        if not_differentiable:
-            ctx.mark_non_differentiable(*not_differentiable)
-        return tuple(outputs) if len(outputs) != 1 else outputs[0]
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        with _bookkeeping(ctx.context.run.names[ctx.context.k]):
-            return _Replayed._backward(ctx, grad_outputs)
-
-    @staticmethod
-    def _backward(ctx, grad_outputs: tuple):
-        context: _Context = ctx.context
-        run, p, k = context.run, context.p, context.k
-        replay = run.replay
-        template, twin = p.backward, p.forward_twin
-        if template is None or twin is None or p.forward is None or \
-                twin.normalized != p.forward.normalized:
-            raise ReplayDoubt(f"{run.names[k]}'s backward has no recorded twin to replay")
-        with no_torch_function():
-            like = grad_outputs[0] if grad_outputs else None
-            assert like is not None  # autograd runs a backward only for outputs: one grad each
-            grad_inputs = [None if d is None else fake_from(like, d) for d in template.grad_inputs]
-            grad_params = [None if d is None else fake_from(like, d) for d in template.grad_params]
-            real = {("grad_in", i): g for i, g in enumerate(grad_inputs) if g is not None}
-            real |= {("grad_param", i): g for i, g in enumerate(grad_params) if g is not None}
-            inputs = context.inputs
-            grad_entries = [replay.storages.entry_of(g) if g is not None else None
-                            for g in grad_outputs]
-            releases = []
-            for (kind, j), offset in template.frees:
-                if kind == "made":
-                    releases.append((context.made[j], offset))
-                elif kind == "input":
-                    releases.append((inputs[j], offset))
-                else:
-                    releases.append((grad_entries[j] if j < len(grad_entries) else None, offset))
-            template.window.append_renamed(replay, run.names[k], template.fates, real=real,
-                                           pins=releases)
-        trainable = {id(q) for q in context.params}
-        by_param = [g for q, g in zip(context.all_params, grad_params, strict=True)
-                    if id(q) in trainable]
-        return (None, *grad_inputs[:context.needing], *by_param)
 
 
 class BlockReplay:
@@ -476,7 +326,7 @@ class BlockReplay:
         self.doubts: list[str] = []
         # Passes that replayed blocks and never reached their second-to-last block, whose
         # forward confirms the replayed ones (a model that stops early, calls blocks out of order).
-        self.unchecked: set[_Pass] = set()
+        self.unchecked: set[BlockPass] = set()
 
     def install(self, model: nn.Module) -> Callable[[], None]:
         undo: list[Callable[[], None]] = []

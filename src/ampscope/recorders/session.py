@@ -22,18 +22,18 @@ from ampscope.precision.matmul import matmul_precision
 from ampscope.recorders import inventory
 from ampscope.recorders.functions import FunctionRecorder, InferenceAsNoGrad
 from ampscope.recorders.memory import StorageTracker
-from ampscope.recorders.modules import ModuleTracker, in_backward
+from ampscope.recorders.modules import ModuleTracker, PhaseClock
 from ampscope.recorders.observed import observed_setting
 from ampscope.recorders.ops import OpRecorder
 from ampscope.recorders.passes import PassLog
-from ampscope.recorders.repeats import BlockReplay, ReplayDoubt
+from ampscope.recorders.repeats import BlockReplay
+from ampscope.recorders.replayed import ReplayDoubt
 from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
     Finding,
     ModelInfo,
-    Phase,
     SettingRecord,
     StorageRecord,
     Trace,
@@ -48,23 +48,6 @@ log = logging.getLogger(__name__)
 
 _MATMULS = frozenset({"torch.matmul", "torch.mm", "torch.bmm", "torch.addmm", "Tensor.matmul",
                        "Tensor.__matmul__", "Tensor.__rmatmul__", "Tensor.mm"})
-
-
-class _PhaseClock:
-    """Which phase the run is in. Backward is read off the autograd engine. Once a backward
-    pass has run, what follows until the model's next forward call — gradient clipping,
-    GradScaler unscaling, `optimizer.step()` — is the optimizer phase."""
-
-    def __init__(self) -> None:
-        self.after_backward = False
-        self.in_optimizer_step = False
-
-    def now(self) -> Phase:
-        if in_backward():
-            return Phase.BACKWARD
-        if self.in_optimizer_step or self.after_backward:
-            return Phase.OPTIMIZER
-        return Phase.FORWARD
 
 
 _signatures: dict[Callable, inspect.Signature] = {}
@@ -147,21 +130,11 @@ class Capture:
         """`model=None` (a script run by `ampscope run`): the first module called outside any
         other becomes the model, with everything it holds. `options` says the rest
         (`CaptureOptions`)."""
-        options = options or CaptureOptions()
-        self.options = options
-        model_name, setting, workload = options.model_name, options.setting, options.workload
-        replay_blocks, thin = options.replay_blocks, options.thin
+        options = self.options = options or CaptureOptions()
         self.model = model
-        self._op_check = options.op_check  # see OpRecorder.check
-        self._setting = setting
-        self._findings = options.findings
-        self._explain_failure = options.explain_failure
-        self._model_name = model_name
-        self.candidates = options.candidates
-        self.device = options.device
         self.trace = Trace(
-            model=ModelInfo(model_name or type(model).__name__, type(model).__name__, 0),
-            setting=setting or UNKNOWN_SETTING, workload=workload,
+            model=ModelInfo(options.model_name or type(model).__name__, type(model).__name__, 0),
+            setting=options.setting or UNKNOWN_SETTING, workload=options.workload,
         )
         # Strong references until `finish`: a workload's optimizer is gone by the time the
         # inventory is taken, and its state is part of what the trace must report.
@@ -170,16 +143,14 @@ class Capture:
         self._arguments: dict[str, object] = {}
         self._handles: list = []
         self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
-        self._rerun_on_doubt = replay_blocks  # the caller runs the step again if asked
-        self._replay_blocks = replay_blocks and enabled(Trick.REPLAY)
-        self._thin = replay_blocks if thin is None else thin
+        self._replay_blocks = options.replay_blocks and enabled(Trick.REPLAY)
+        self._thin = options.replay_blocks if options.thin is None else options.thin
         self._replay: BlockReplay | None = None
-        self._on_model_forward = options.on_model_forward
 
     # -- recorders
     def _start(self) -> None:
         self._matmul_precision = matmul_precision()
-        clock = self._clock = _PhaseClock()
+        clock = self._clock = PhaseClock()
         tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
@@ -188,8 +159,8 @@ class Capture:
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
-        self._ops.check = self._op_check
-        self._ops.device = self.device
+        self._ops.check = self.options.op_check
+        self._ops.device = self.options.device
         self._passes = PassLog(self._ops.rows, self._functions.rows, tracker)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
@@ -293,9 +264,9 @@ class Capture:
 
     def _outermost(self, holds: Callable[[nn.Module], bool]) -> nn.Module | None:
         """The outermost module the script made for which `holds` is true, if any."""
-        if not self.candidates:
+        if not self.options.candidates:
             return None
-        modules = list(self.candidates)
+        modules = list(self.options.candidates)
         children = {id(c) for m in modules for c in m.children()}
         return next((m for m in modules if id(m) not in children and holds(m)), None)
 
@@ -311,7 +282,7 @@ class Capture:
         self.model = model
         self._tracker.on_new_root = None
         self._functions.on_inputs = None
-        self.trace.model = ModelInfo(self._model_name or type(model).__name__,
+        self.trace.model = ModelInfo(self.options.model_name or type(model).__name__,
                                      type(model).__name__, 0)
         self._watch(model)
 
@@ -322,8 +293,8 @@ class Capture:
         self._clock.in_optimizer_step = False
         self._functions.step_end()  # a step that raised, caught by the user's code
         self._functions.step += 1
-        if self._on_model_forward is not None:
-            self._on_model_forward()
+        if self.options.on_model_forward is not None:
+            self.options.on_model_forward()
 
     def _on_root_forward_end(self, output: object) -> None:
         self._passes.end(output)
@@ -411,15 +382,15 @@ class Capture:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop()
-        explain = self._explain_failure
+        explain = self.options.explain_failure
         if exc is not None and explain is not None and hasattr(exc, "add_note"):  # Python >= 3.11
             text = explain(self.failure)
             if text is not None:  # shown under the user's own traceback
                 exc.add_note("ampscope: " + text)
         if exc_type is None:
             self.finish()
-            if self._findings is not None:
-                self.trace.findings = self._findings(self.trace)
+            if self.options.findings is not None:
+                self.trace.findings = self.options.findings(self.trace)
 
     def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:
@@ -448,7 +419,7 @@ class Capture:
         model, trace = cast(nn.Module, self.model), self.trace
         if self._replay is not None:
             self._replay.check()
-        if self._ops.fallbacks and self._rerun_on_doubt:
+        if self._ops.fallbacks and self.options.replay_blocks:  # the caller runs it again
             raise ReplayDoubt(self._ops.fallbacks[0])
         # First: a run that trained relabels its other passes' ops and calls.
         trace.passes = self._passes.records()
@@ -458,8 +429,8 @@ class Capture:
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
-        if self._setting is None:  # known by now: `finish` runs on a model
-            trace.setting = observed_setting(model, self.device, trace,
+        if self.options.setting is None:  # known by now: `finish` runs on a model
+            trace.setting = observed_setting(model, self.options.device, trace,
                                              self._matmul_precision)
         trace.parameters = inventory.parameters(model, names, params)
         if self.options.rank_roles:

@@ -18,7 +18,7 @@ from rich.text import Text
 from ampscope.files import write_atomic
 from ampscope.render.style import format_bytes
 from ampscope.train.bench import BenchReport
-from ampscope.train.loop import EvalLog, StepLog, TrainResult
+from ampscope.train.config import EvalLog, StepLog, TrainResult
 
 
 def format_mfu(mfu: float | None) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 from ampscope.quiet import loggers_quiet
 from ampscope.runtime.norm_stats import TargetNormStats
 from ampscope.torchcompat import fake, optim
@@ -199,8 +199,7 @@ def _run_real(func: OpOverload, args: tuple, kwargs: tuple, *, tiny: bool) -> st
         try:
             func(*real_args, **real_kwargs)
         except Exception as e:  # noqa: BLE001 - the kernel's refusal is the answer
-            text = str(e).strip()
-            return text.splitlines()[0] if text else type(e).__name__
+            return first_line(e)
     return None
 
 

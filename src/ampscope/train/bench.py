@@ -34,7 +34,8 @@ from ampscope.precision import Setting, device_available, matmul, on_device, par
 from ampscope.records import dtype_name
 from ampscope.torchcompat import dynamo
 from ampscope.train import measure
-from ampscope.train.loop import TrainConfig, defaults_for, train
+from ampscope.train.config import TrainConfig, defaults_for
+from ampscope.train.loop import train
 
 RUNG_PARTS = ("compile", "flash")
 
@@ -172,7 +173,7 @@ def bench(model: str | None = None, ladder: Sequence[str] | None = None, *,
           seed: int = 0, on_rung: Callable[[int, str], None] | None = None) -> BenchReport:
     """Run every rung for `warmup` + `steps` training steps; time the last `steps`.
 
-    `compile` compiles every rung. Defaults come from `loop.defaults_for(device)` and
+    `compile` compiles every rung. Defaults come from `config.defaults_for(device)` and
     `default_ladder()`; `on_rung(i, name)` is called before rung i runs.
     """
     device = device or measure.default_device()

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 
 FORMAT = "ampscope.train-checkpoint/1"
 
@@ -141,9 +141,8 @@ def _readable(path: Path) -> Iterator[None]:
     try:
         yield
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise AmpscopeError(f"cannot read the checkpoint {path} ({detail}); resume from another "
-                            "step-NNNNNN folder, or train again without --resume") from e
+        raise AmpscopeError(f"cannot read the checkpoint {path} ({first_line(e)}); resume from "
+                            "another step-NNNNNN folder, or train again without --resume") from e
 
 
 def read(path: str | Path) -> Checkpoint:
