@@ -42,7 +42,8 @@ def _setting(setting: str | Setting) -> Setting:
     return resolve_device(parse_setting(setting) if isinstance(setting, str) else setting)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of this machine free now, for a job's ranks to meet at."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -112,7 +113,7 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
            "optimizer": options.optimizer, "seed": options.seed, "timeout": timeout}
     with tempfile.TemporaryDirectory(prefix="ampscope-dist-") as tmp:
         result = Path(tmp, "rank0.json")
-        context = mp.start_processes(_worker, args=(job, _free_port(), str(result)),
+        context = mp.start_processes(_worker, args=(job, free_port(), str(result)),
                                      nprocs=parallel.world_size, join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + timeout

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,6 +33,7 @@ import uuid
 from collections.abc import Sequence
 
 from ampscope.analysis.findings import plural
+from ampscope.distributed.launch import free_port
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import (
     DistributedReport,
@@ -51,12 +51,6 @@ from ampscope.script.child import answer, spawn
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
 MAX_NPROC = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
@@ -85,7 +79,7 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
                "steps": steps, "predict": False, "virtual": None,
                "max_forwards": max_forwards, "rank": True}
-    port, run_id = _free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
+    port, run_id = free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory(prefix="ampscope-ranks-") as folder:
         results = [os.path.join(folder, f"rank{k}.json") for k in range(nproc)]
         states = [os.path.join(folder, f"rank{k}.state") for k in range(nproc)]

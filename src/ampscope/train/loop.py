@@ -126,21 +126,6 @@ def _batch(lm: LoadedModel, x: torch.Tensor, y: torch.Tensor) -> Batch:
     return {lm.input_name: ids, lm.target_name: targets.to(torch.int64)}
 
 
-@torch.no_grad()
-def evaluate(lm: LoadedModel, loader: DataLoaderLite, batches: int, setting: Setting,
-             device: str) -> float:
-    """Mean loss over the first `batches` validation batches (the same ones every time)."""
-    lm.module.eval()
-    loader.position = 0
-    total = torch.zeros((), device=device)
-    for _ in range(batches):
-        x, y = loader.next_batch()
-        with setting.autocast():
-            total += lm.loss(_batch(lm, x.to(device), y.to(device))).float()
-    lm.module.train()
-    return (total / batches).item()
-
-
 def _check_resume(saved: dict, config: TrainConfig, notes: list[str]) -> None:
     for name in SAME_RUN:
         if saved.get(name) != getattr(config, name):
@@ -194,9 +179,9 @@ def train(config: TrainConfig, *, resume: str | None = None,
         if config.sample_tokens:
             result.sample, unknown = _sample(run.lm, run.tokenizer, config, setting, device)
             if unknown:
-                run.notes.append(f"the sample drew {unknown} id(s) past the tokenizer's "
-                                 f"{run.tokenizer.vocab_size:,}, which stand for no text: left "
-                                 "out")
+                result.notes.append(f"the sample drew {unknown} id(s) past the tokenizer's "
+                                    f"{run.tokenizer.vocab_size:,}, which stand for no text: "
+                                    "left out")
     return result
 
 
@@ -211,9 +196,7 @@ class _Run:
     lm: LoadedModel
     run_lm: LoadedModel  # the compiled module with --compile, sharing `lm`'s parameters
     saved: checkpoint.Checkpoint | None
-    notes: list[str]
     tokenizer: Tokenizer
-    grad_accum: int
     train_loader: DataLoaderLite
     val_loader: DataLoaderLite
     optimizer: torch.optim.Optimizer
@@ -264,10 +247,9 @@ class _Run:
             train_tokens=len(parts.train), val_tokens=len(parts.val),
             tokens_per_step=total_batch, grad_accum=total_batch // (B * T),
             flops_per_token=flops_per_token, flops_formula=formula, notes=notes)
-        return cls(config, setting, device, lm, run_lm, saved, notes, tokenizer,
-                   total_batch // (B * T), DataLoaderLite(parts.train, B, T),
-                   DataLoaderLite(parts.val, B, T), optimizer, scaler,
-                   setting.autocast_dtype or params,  # what the matmuls run in
+        return cls(config, setting, device, lm, run_lm, saved, tokenizer,
+                   DataLoaderLite(parts.train, B, T), DataLoaderLite(parts.val, B, T),
+                   optimizer, scaler, setting.autocast_dtype or params,  # what the matmuls run in
                    measure.accelerator(device), result)
 
     def restore(self) -> int:
@@ -286,9 +268,21 @@ class _Run:
         result.evals = [EvalLog(**e) for e in saved.history["evals"]]
         return saved.step
 
+    @torch.no_grad()
     def evaluate(self) -> float:
-        return evaluate(self.run_lm, self.val_loader, self.config.eval_batches, self.setting,
-                        self.device)
+        """Mean loss over the first `eval_batches` validation batches (the same ones every
+        time)."""
+        lm, loader, device = self.run_lm, self.val_loader, self.device
+        batches = self.config.eval_batches
+        lm.module.eval()
+        loader.position = 0
+        total = torch.zeros((), device=device)
+        for _ in range(batches):
+            x, y = loader.next_batch()
+            with self.setting.autocast():
+                total += lm.loss(_batch(lm, x.to(device), y.to(device))).float()
+        lm.module.train()
+        return (total / batches).item()
 
     def step(self, step: int) -> StepLog:
         """One optimizer step over `grad_accum` micro-batches, timed."""
@@ -297,14 +291,15 @@ class _Run:
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss_accum = torch.zeros((), device=device)
-        for _ in range(self.grad_accum):
+        grad_accum = self.result.grad_accum
+        for _ in range(grad_accum):
             x, y = self.train_loader.next_batch()
             batch = _batch(self.lm, x.to(device), y.to(device))
             with self.setting.autocast():
                 loss = self.run_lm.loss(batch)
             # Gradients add up over micro-batches: divide so that they average instead,
             # as one big batch of total_batch tokens would.
-            loss = loss / self.grad_accum
+            loss = loss / grad_accum
             loss_accum += loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
