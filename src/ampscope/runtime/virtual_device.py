@@ -310,21 +310,16 @@ class VirtualDevice:
         if self.accelerator is not None:
             memory = cast(int, self.accelerator.memory_bytes)  # by_name's: never None
             answers["get_memory_info"] = lambda device=None: (memory - self._live(), memory)
-        accelerator = getattr(torch, "accelerator", None)  # since 2.6
-        if accelerator is None:
-            return []
-        return [(accelerator, name, value) for name, value in answers.items()
-                if hasattr(accelerator, name)]
+        return [(torch.accelerator, name, value) for name, value in answers.items()
+                if hasattr(torch.accelerator, name)]
 
     def _torch_internal_patches(self) -> list[tuple[object, str, object]]:
         """What torch asks below the public device API: the module of the current accelerator,
         the accelerator and tensor subclasses (runtime/device_internals.py), and the pinning
         of DataLoader batches (done in a thread of its own, which the device
         mode does not reach)."""
-        patches: list[tuple[object, str, object]] = []
-        if hasattr(torch, "get_device_module"):
-            patches.append((torch, "get_device_module",
-                            _defaulting(torch.get_device_module, self.target)))
+        patches: list[tuple[object, str, object]] = [
+            (torch, "get_device_module", _defaulting(torch.get_device_module, self.target))]
         patches += internal_patches(self.mode, self.target)
         pinning = devices.dataloader_pinning()
         if pinning is not None:
