@@ -96,7 +96,7 @@ def gpt2_tiny_report() -> dict:
     flops = [flop_report(t, tokens=tokens_of(t)) for t in traces]
     memory = [memory_report(t) for t in traces]
     numerics = hand_numerics()
-    html = report_html(traces, matrix, memory=memory, flops=flops, numerics=numerics)
+    html = report_html(traces, matrix, reports=[*memory, *flops, numerics])
     return {"matrix": matrix, "traces": traces, "flops": flops, "memory": memory,
             "numerics": numerics, "html": html}
 

@@ -37,7 +37,7 @@ from ampscope.records import (
     TensorMeta,
     Trace,
 )
-from ampscope.render.html import memory_html, report_html
+from ampscope.render.html import report_html, section_html
 from tests.helpers import SETTINGS, divergence, gpt2_tiny_report, setting_record
 
 HEADINGS = ("Findings", "Dtype flow", "Settings matrix", "Memory", "FLOPs by module",
@@ -133,8 +133,8 @@ def test_the_url_check_sees_loads():
 
 
 def test_report_is_the_same_every_time(run):
-    again = report_html(run["traces"], run["matrix"], memory=run["memory"], flops=run["flops"],
-                        numerics=run["numerics"])
+    again = report_html(run["traces"], run["matrix"],
+                        reports=[*run["memory"], *run["flops"], run["numerics"]])
     assert again == run["html"]
 
 
@@ -178,7 +178,7 @@ def test_trace_fragment_has_tensors_findings_and_flow(run):
 
 
 def test_memory_fragment(run):
-    html = memory_html(run["memory"][0])
+    html = section_html(run["memory"][0])
     assert html.startswith('<div class="ampscope">') and "<h2>Memory</h2>" in html
     assert html.count("<svg") == 2
 
@@ -245,7 +245,7 @@ def test_module_and_class_names_are_escaped():
     })()
     matrix, traces = ampscope.matrix(evil, torch.randn(2, 4), settings=SETTINGS,
                                      workload="forward")
-    html = report_html(traces, matrix, memory=[memory_report(t) for t in traces])
+    html = report_html(traces, matrix, reports=[memory_report(t) for t in traces])
     assert_inert(html)
     assert SCRIPT in page_text(html) and IMG in page_text(html)  # it is shown, as text
     for fragment in (traces[1]._repr_html_(), matrix._repr_html_()):
@@ -281,8 +281,8 @@ def test_every_text_from_records_is_escaped():
         [BlockDivergence(SCRIPT, 0, divergence(1e-3))], None, [],
         [CastRange(name, "forward", "input", "float8_e4m3fn", "tensorwise", 1, 8, 8, 0, 1)])],
         [tensor_range("activation", SCRIPT, torch.tensor([1e6]))])
-    html = report_html([trace], build_matrix([trace]), memory=[memory_report(trace)],
-                       flops=[flops], numerics=numerics, title=SCRIPT)
+    html = report_html([trace], build_matrix([trace]),
+                       reports=[memory_report(trace), flops, numerics], title=SCRIPT)
     assert_inert(html)
     assert html.count("&lt;script&gt;") >= 9
     for fragment in (trace._repr_html_(), flops._repr_html_(), numerics._repr_html_()):
@@ -321,8 +321,8 @@ def test_a_script_payload_is_escaped_everywhere_it_appears(tmp_path):
     matrix, traces = ampscope.matrix(module.build(), torch.randn(2, 4), settings=SETTINGS,
                                      workload="forward")
     assert len(traces) == 2 and any(o.source == "m<script>.py:14" for o in traces[1].ops)
-    html = report_html(traces, matrix, memory=[memory_report(t) for t in traces],
-                       flops=[flop_report(t, tokens=2) for t in traces])
+    html = report_html(traces, matrix, reports=[*(memory_report(t) for t in traces),
+                                                *(flop_report(t, tokens=2) for t in traces)])
     pages = [html, traces[1]._repr_html_(), matrix._repr_html_()]
     for page in pages:
         assert_inert(page)
@@ -410,7 +410,7 @@ def test_the_numerics_section_shows_each_fp8_cast_as_the_numerics_record_holds_i
     report = fp8_numerics
     assert [s.setting for s in report.settings] == FP8_SETTINGS
     matrix, traces = ampscope.matrix("gpt2-tiny", settings=FP8_SETTINGS, seq=16)
-    page = report_html(traces, matrix, numerics=report)
+    page = report_html(traces, matrix, reports=[report])
     section = re.search(r'<section id="numerics">.*?</section>', page, re.S)[0]
     fragment = report._repr_html_()
     assert section in fragment  # the notebook shows the same section

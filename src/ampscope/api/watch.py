@@ -150,8 +150,7 @@ class Watch:
         trace, out = self.trace, self.out
         assert trace is not None and out is not None  # (_end calls this with both set)
         traces = [trace]
-        page = report_html(traces, build_matrix(traces), memory=[memory(trace)],
-                           flops=[flops(trace)])
+        page = report_html(traces, build_matrix(traces), reports=[memory(trace), flops(trace)])
         try:
             out.mkdir(parents=True, exist_ok=True)
             stem = out / f"ampscope-step{self.step}"

@@ -3,7 +3,8 @@
 - `parser.py`: the arguments, a function per command; `checks.py`: what is refused before
   anything runs; `examples.py`: the examples every `--help` ends with;
 - `commands.py`, `train.py`, `fit.py`: one function per command (call the library, render);
-- `common.py`: what the commands share (console, progress, JSON output, one-line errors);
+- `common.py`: what the commands share (console, progress, one-line errors, the end of each);
+  `exports.py`: `--json`, `--csv`, `--perfetto`, `--report`, each registered once;
 - `hardware.py`: `--gpu`, `--peak-flops`, `--memory`; `environment.py`: `--version -v`;
 - `startup.py`: a command's imports with the garbage collector paused.
 
@@ -19,9 +20,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from ampscope.cli import commands, common, startup
+from ampscope.cli import commands, exports, startup
 from ampscope.cli.checks import check_flags, check_outputs
-from ampscope.cli.common import _write_json, one_line
+from ampscope.cli.common import one_line
 from ampscope.cli.hardware import resolve_hardware
 from ampscope.cli.parser import (
     _GLOBAL_FLAGS,
@@ -36,7 +37,7 @@ from ampscope.errors import AmpscopeError, DtypeMismatchError
 # Nothing imported here imports torch: `--help`, `--version` and argument errors answer at once;
 # the commands (cli/commands.py) import the library inside each function.
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "default_setting", "main", "one_line", "run",
-           "_parser", "_values_after_dashes", "_write_json"]
+           "_parser", "_values_after_dashes"]
 
 
 @contextlib.contextmanager
@@ -137,18 +138,18 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         check_outputs(args)
         resolve_hardware(args)
         startup.preload(args, freeze=freeze_imports)
-        command = getattr(commands, f"cmd_{args.command}")
+        command = getattr(commands, f"cmd_{args.command}", commands.registered_command)
         with _verbose(args.verbose), _exact_path(getattr(args, "exact", False)):
-            if "-" not in (getattr(args, "json", None), getattr(args, "csv", None)):
+            if not exports.to_stdout(args):
                 return command(args)
             # JSON (or CSV) alone on stdout: whatever user code prints goes to stderr.
             with _stdout_kept_for_the_document() as stream:
-                common.json_stream = stream
+                exports.json_stream = stream
                 try:
                     with contextlib.redirect_stdout(sys.stderr):
                         return command(args)
                 finally:
-                    common.json_stream = None
+                    exports.json_stream = None
     except DtypeMismatchError as e:
         if args.debug:
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ampscope.cli.exports import given
 from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, unwritable_folder
 
@@ -67,19 +68,16 @@ _NOT_NEGATIVE = ("warmup_steps", "warmup", "save_every", "sample_tokens")
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before the run, not after it."""
-    paths = []
-    for flag in ("json", "csv", "perfetto"):
-        path = getattr(args, flag, None)
-        if path is not None and (path != "-" or flag == "perfetto"):
-            paths.append(path)
     if getattr(args, "perfetto", None) == "-":
         raise AmpscopeError("--perfetto writes a file: give a path, e.g. --perfetto step.json")
-    if getattr(args, "json", None) == "-" and getattr(args, "csv", None) == "-":
-        raise AmpscopeError("--json - and --csv - would both write to stdout: give one a file")
+    asked = given(args)
+    to_stdout = [export.flag for export, path in asked if path == "-" and export.stdout]
+    if len(to_stdout) > 1:
+        raise AmpscopeError(f"{' - and '.join(to_stdout)} - would both write to stdout: give "
+                            "one a file")
+    paths = [path for export, path in asked if path != "-" or not export.stdout]
     if args.command == "report":
         paths.append(args.output)
-    if args.command in ("run", "trace") and args.report:
-        paths.append(args.report)
     for path in paths:
         why = unwritable(path)
         if why is not None:

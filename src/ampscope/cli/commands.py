@@ -1,11 +1,15 @@
 """The commands behind `ampscope …`: each parses nothing, calls the library, and renders
-(the arguments are defined in cli/__init__.py). No analysis lives here."""
+(the arguments are defined in cli/parser.py). A registered report's command without a
+`cmd_NAME` here is `registered_command`. No analysis lives here."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
-import sys
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from ampscope.cli.common import (
@@ -15,10 +19,13 @@ from ampscope.cli.common import (
     _run_options,
     _run_progress,
     _show,
-    _write_json,
+    show_report,
 )
+from ampscope.cli.exports import EXPORTS, write_exports
+from ampscope.cli.fit import cmd_fit  # noqa: F401 - `ampscope fit`, found here by name
+from ampscope.cli.train import cmd_bench, cmd_train  # noqa: F401 - likewise
 from ampscope.errors import AmpscopeError
-from ampscope.files import write_atomic
+from ampscope.render.registry import REPORTS, kind_of
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:
@@ -46,12 +53,10 @@ def cmd_distributed(args: argparse.Namespace) -> int:
             report = predict(args.model, parallel, **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
-    if getattr(args, "report", None) and report.trace is not None:  # `memory` has no --report
-        memory, flops = _step_reports(report.trace, memory=True, flops=True)
-        _write_report(args.report, [report.trace], memory=memory, flops=flops,
-                      distributed=report)
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_distributed(report))
+    trace = report.trace
+    return _show(args, lambda: render_distributed(report), json=report.to_dict,
+                 report=None if trace is None else lambda: _page(
+                     [trace], _step_reports(trace, memory=True, flops=True), distributed=report))
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -63,31 +68,23 @@ def cmd_trace(args: argparse.Namespace) -> int:
     [setting] = _on_device([args.setting], args.device)
     with _run_progress(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
-    if args.report:
-        memory, flops = _step_reports(result, memory=True, flops=True)
-        _write_report(args.report, [result], memory=memory, flops=flops)
-    return _show_trace(args, result)
+    return _show_trace(args, result, page=lambda: _page(
+        [result], _step_reports(result, memory=True, flops=True)))
 
 
-def _show_trace(args: argparse.Namespace, result, extra: list | None = None,
-                to_json=None) -> int:
-    """`trace` and `run`: the timeline to --perfetto PATH, then JSON (the trace's, or
-    `to_json`'s), CSV and the rendering (with `extra` renderables after the trace's)."""
+def _show_trace(args: argparse.Namespace, result, *, page, extra: list | None = None,
+                document=None) -> int:
+    """`trace` and `run`: the HTML `page`, the timeline, JSON (the trace's, or `document`'s),
+    CSV and the rendering (with `extra` renderables after the trace's)."""
     from rich.console import Group
 
     from ampscope.analysis.summary import trace_summary
     from ampscope.render.text import render_trace
 
-    if args.perfetto:
-        try:
-            result.to_perfetto(args.perfetto)
-        except OSError as e:
-            raise AmpscopeError(f"cannot write {args.perfetto}: {e.strerror}") from e
-        print(f"Wrote {args.perfetto}", file=sys.stderr)  # plain: a path must not be wrapped
-    return _show(args, to_json or result.to_json,
-                 lambda: Group(render_trace(trace_summary(result, ops=args.ops,
-                                                          diagram=args.diagram)), *(extra or [])),
-                 table=lambda: result.table("ops" if args.ops else "modules"))
+    return _show(args, lambda: Group(render_trace(trace_summary(
+        result, ops=args.ops, diagram=args.diagram)), *(extra or [])), report=page,
+        perfetto=result, json=document or result.to_dict,
+        csv=lambda: result.table("ops" if args.ops else "modules"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -121,28 +118,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ampscope.distributed.verdicts import verdicts
 
         report.notes += verdicts(report, args.accelerator)
-    timed = args.step_time is not None
-    memory, flops = _step_reports(result, memory=args.memory or bool(args.report),
-                                  flops=args.flops or timed or bool(args.report),
-                                  step_time=args.step_time, gpu=args.accelerator)
-    if args.report:
-        _write_report(args.report, [result], memory=memory, flops=flops, distributed=report,
-                      same_as=same_as)
-    extra = []
-    if args.memory:
-        from ampscope.render.memory import render_memory
-        extra += [render_memory(r) for r in memory]
-    if args.flops or timed:
-        from ampscope.render.flops import render_flops
-        extra += [render_flops(r) for r in flops]
+    shown = {"memory": args.memory, "flops": args.flops or args.step_time is not None}
+    reports = _step_reports(result, memory=shown["memory"] or bool(args.report),
+                            flops=shown["flops"] or bool(args.report),
+                            step_time=args.step_time, gpu=args.accelerator)
+    page = partial(_page, [result], reports, distributed=report, same_as=same_as)
+    extra = [kind_of(r).load("view")(r) for r in reports if shown[kind_of(r).name]]
     if report is not None:
         from ampscope.render.ranks import render_ranks
         from ampscope.script.ranks import report_dict
 
         extra.append(render_ranks(report, traces))
-        return _show_trace(args, result, extra=extra, to_json=lambda: json.dumps(
-            (to_dict or report_dict)(report), indent=1))
-    return _show_trace(args, result, extra=extra)
+        return _show_trace(args, result, page=page, extra=extra,
+                           document=lambda: (to_dict or report_dict)(report))
+    return _show_trace(args, result, page=page, extra=extra)
 
 
 def _run_ranks(args: argparse.Namespace, script_args: list[str]):
@@ -181,31 +170,47 @@ def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
 
 
 def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,
-                  gpu=None) -> tuple[list, list]:
+                  gpu=None) -> list:
     """The memory and FLOP reports of a finished trace, those asked for (the FLOPs with
     throughput and MFU for a step time)."""
     from ampscope.api import flops as flop_count
     from ampscope.api import memory as memory_of
 
-    return (([memory_of(result)] if memory else []),
+    return (([memory_of(result)] if memory else []) +
             ([flop_count(result, step_time=step_time, gpu=gpu)] if flops else []))
 
 
-def _write_report(path: str, traces: list, *, memory: list, flops: list, matrix=None,
-                  numerics=None, distributed=None, same_as=None) -> None:
-    """The HTML report, written atomically; one line on stderr says where. `distributed` (a
+def _page(traces: list, reports, *, matrix=None, **more) -> str:
+    """The HTML report of `traces` with `reports`' sections; `distributed` (a
     DistributedReport) adds its ranks, `same_as` the run rank each other rank is taken to be."""
     from ampscope.analysis.compare import build_matrix
     from ampscope.render.html import report_html
 
-    page = report_html(traces, matrix if matrix is not None else build_matrix(traces),
-                       memory=memory, flops=flops, numerics=numerics, distributed=distributed,
-                       same_as=same_as)
-    try:
-        write_atomic(path, page)
-    except OSError as e:
-        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
-    print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
+    return report_html(traces, matrix if matrix is not None else build_matrix(traces),
+                       reports=reports, **more)
+
+
+@contextlib.contextmanager
+def _runs(args: argparse.Namespace, total: int) -> Iterator[Callable[..., Callable]]:
+    """A bar over `total` runs of the model; yields `on_run(start, label)`: the `on_setting`
+    callback of the runs counted from `start`, each described as `label` and the setting."""
+    progress = _progress()
+    with progress:
+        task = progress.add_task(f"Building {args.model}…", total=total)
+
+        def on_run(start: int = 0, label: str = f"{args.workload} under ") -> Callable:
+            return lambda i, name: progress.update(task, completed=start + i,
+                                                   description=label + name)
+
+        yield on_run
+
+
+def _settings(args: argparse.Namespace, example: str) -> list[str]:
+    """--settings, split, each on --device; refused when empty."""
+    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
+    if not settings:
+        raise AmpscopeError(f"--settings needs at least one setting, e.g. {example}")
+    return settings
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -213,150 +218,85 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from ampscope.render.matrix import render_matrix
 
     options = _run_options(args)
-    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
-    if not settings:
-        raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
-    progress = _progress()
-    with progress:
-        task = progress.add_task(f"Building {args.model}…", total=len(settings))
-
-        def on_setting(i: int, name: str) -> None:
-            progress.update(task, completed=i, description=f"{args.workload} under {name}")
-
-        result, _ = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
-        progress.update(task, completed=len(settings))
-    return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
-                 lambda: render_matrix(result), table=result.table)
+    settings = _settings(args, "fp32,fp32+amp-bf16")
+    with _runs(args, len(settings)) as on_run:
+        result, _ = matrix(args.model, settings=settings, on_setting=on_run(),
+                           **options.as_kwargs())
+    return _show(args, lambda: render_matrix(result), json=result.to_dict, csv=result.table)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ampscope.analysis.flops import flop_report
-    from ampscope.analysis.memory import memory_report
-    from ampscope.analysis.summary import tokens_of
     from ampscope.api import matrix, numerics
 
     options = _run_options(args)
-    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
-    if not settings:
-        raise AmpscopeError("--settings needs at least one setting, e.g. fp32,fp32+amp-bf16")
+    settings = _settings(args, "fp32,fp32+amp-bf16")
     if args.numerics and args.workload not in ("forward", "train"):
         raise AmpscopeError("--numerics compares the forward or train workload, not "
                             f"{args.workload}")
     runs = len(settings) + (len(settings) + 1 if args.numerics else 0)
-    progress = _progress()
-    with progress:
-        task = progress.add_task(f"Building {args.model}…", total=runs)
-
-        def on_setting(i: int, name: str) -> None:
-            progress.update(task, completed=i, description=f"{args.workload} under {name}")
-
-        def on_numerics(i: int, name: str) -> None:
-            progress.update(task, completed=len(settings) + i, description=f"numerics: {name}")
-
-        result, traces = matrix(args.model, settings=settings, on_setting=on_setting, **options.as_kwargs())
+    with _runs(args, runs) as on_run:
+        result, traces = matrix(args.model, settings=settings, on_setting=on_run(),
+                                **options.as_kwargs())
         values = None
         if args.numerics:
             values = numerics(args.model, settings=settings, workload=args.workload,
                               batch=args.batch, seq=args.seq, optimizer=args.optimizer,
-                              on_setting=on_numerics)
-    if args.json:
-        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
-    _write_report(args.output, traces, matrix=result,
-                  memory=[memory_report(t) for t in traces],
-                  flops=[flop_report(t, tokens=tokens_of(t)) for t in traces], numerics=values)
+                              on_setting=on_run(len(settings), "numerics: "))
+    write_exports(args, json=result.to_dict)
+    reports = [r for t in traces for r in _step_reports(t, memory=True, flops=True)]
+    if values is not None:
+        reports.append(values)
+    EXPORTS["report"].write(lambda: _page(traces, reports, matrix=result), args.output)
     return 0
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
     if args.distributed:
         return cmd_distributed(args)
-    from ampscope.api import memory
-    from ampscope.render.memory import render_memory
-
-    options = _run_options(args)
-    [setting] = _on_device([args.setting], args.device)
-    doing = "Tracing and measuring" if args.measure else "Tracing"
-    with _run_progress(f"{doing} the memory of {args.model} under {setting}…"):
-        report = memory(args.model, setting=setting, measure=args.measure, **options.as_kwargs())
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_memory(report), table=report.table)
+    return _traced_report(args, "Tracing and measuring" if args.measure else "Tracing", "memory")
 
 
 def cmd_flops(args: argparse.Namespace) -> int:
-    from ampscope.api import flops
-    from ampscope.render.flops import render_flops
+    return _traced_report(args, "Counting and timing" if args.measure else "Counting", "FLOPs",
+                          step_time=args.step_time, gpu=args.accelerator)
 
+
+def _traced_report(args: argparse.Namespace, doing: str, what: str, **more) -> int:
+    """`memory`, `flops`: the report of one traced step, by the function registered for it."""
     options = _run_options(args)
     [setting] = _on_device([args.setting], args.device)
-    doing = "Counting and timing" if args.measure else "Counting"
-    with _run_progress(f"{doing} the FLOPs of {args.model} under {setting}…"):
-        report = flops(args.model, setting=setting, step_time=args.step_time,
-                       measure=args.measure, gpu=args.accelerator, **options.as_kwargs())
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_flops(report), table=report.table)
+    with _run_progress(f"{doing} the {what} of {args.model} under {setting}…"):
+        report = REPORTS[args.command].load("api")(args.model, setting=setting,
+                                                   measure=args.measure, **more,
+                                                   **options.as_kwargs())
+    return show_report(args, report)
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
     from ampscope.api import numerics
-    from ampscope.render.numerics import render_numerics
 
-    settings = _on_device([s.strip() for s in args.settings.split(",") if s.strip()], args.device)
-    if not settings:
-        raise AmpscopeError("--settings needs at least one setting, e.g. fp32+amp-bf16,bf16")
-    progress = _progress()
-    with progress:
-        task = progress.add_task(f"Building {args.model}…", total=len(settings) + 1)
-
-        def on_setting(i: int, name: str) -> None:
-            progress.update(task, completed=i, description=f"{args.workload} under {name}")
-
+    settings = _settings(args, "fp32+amp-bf16,bf16")
+    with _runs(args, len(settings) + 1) as on_run:
         report = numerics(args.model, settings=settings, reference=args.reference,
                           workload=args.workload, batch=args.batch, seq=args.seq,
-                          on_setting=on_setting)
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_numerics(report, all_modules=args.all))
+                          on_setting=on_run())
+    return show_report(args, report, all_modules=args.all)
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
     from ampscope.analysis.format_table import measured_report
-    from ampscope.render.formats import render_formats
 
     # Without values, the facts as measured on this torch build answer without importing torch.
     report = None if args.values else measured_report()
-    if report is None:
-        from ampscope.analysis.formats import formats_report
-
-        report = formats_report(args.values)
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_formats(report))
+    return show_report(args, report or REPORTS["formats"].load("api")(args.values))
 
 
-def cmd_policy(args: argparse.Namespace) -> int:
-    from ampscope.api import policy
-    from ampscope.render.autocast import render_policy
-
-    report = policy(args.device, args.dtype, op=args.op, compare=args.compare, quiz=args.quiz,
-                    history=args.history)
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_policy(report))
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from ampscope.cli.train import cmd_train as train
-
-    return train(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from ampscope.cli.train import cmd_bench as bench
-
-    return bench(args)
-
-
-def cmd_fit(args: argparse.Namespace) -> int:
-    from ampscope.cli.fit import cmd_fit as fit
-
-    return fit(args)
+def registered_command(args: argparse.Namespace) -> int:
+    """A registered report's command without a `cmd_NAME` of its own (`policy`): its function,
+    called with the command's arguments of the same names, then shown."""
+    make = REPORTS[args.command].load("api")
+    names = [n for n in inspect.signature(make).parameters if hasattr(args, n)]
+    return show_report(args, make(**{n: getattr(args, n) for n in names}))
 
 
 def _check_regular(path: str) -> None:
@@ -406,8 +346,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
             _, (a, b) = matrix(args.model, settings=settings, **options.as_kwargs())
     result = diff_traces(a, b)
-    return _show(args, lambda: json.dumps(result.to_dict(), indent=1),
-                 lambda: render_diff(result, args.a, args.b, ops=args.ops))
+    return _show(args, lambda: render_diff(result, args.a, args.b, ops=args.ops),
+                 json=result.to_dict)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -415,6 +355,5 @@ def cmd_models(args: argparse.Namespace) -> int:
     from ampscope.render.models import render_models
 
     models = catalog()
-    return _show(args, lambda: json.dumps(models.to_dict(), indent=1),
-                 lambda: render_models(models))
+    return _show(args, lambda: render_models(models), json=models.to_dict)
 

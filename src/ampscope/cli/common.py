@@ -1,20 +1,16 @@
-"""What every command shares: the console, progress bars, one-line errors, JSON output, and the
-run options every model-running command takes."""
+"""What every command shares: the console, progress bars, one-line errors, the end (exports
+and the rendering), and the run options every model-running command takes."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import re
-import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TextIO
+from typing import Any
 
-from ampscope.errors import AmpscopeError
-from ampscope.files import write_atomic
-
-if TYPE_CHECKING:  # the records import torch: the command line starts without it
-    from ampscope.records.table import Table
+from ampscope.cli.exports import write_exports
+from ampscope.render.registry import kind_of
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 300
@@ -74,39 +70,21 @@ def _run_progress(description: str, *, after: float | None = None, console=None
         yield
 
 
-def _show(args: argparse.Namespace, to_json: Callable[[], str], render: Callable[[], object],
-          table: Callable[[], Table] | None = None) -> int:
-    """The end of every command: JSON to --json PATH and the printed table as CSV to --csv PATH
-    when asked ('-': that document only, on stdout), then the rendering for a person."""
-    if args.json:
-        _write_json(to_json(), args.json)
-    if table is not None and getattr(args, "csv", None):
-        _write_output(table().to_csv().removesuffix("\n"), args.csv)
-    if "-" in (args.json, getattr(args, "csv", None)):
-        return 0
-    _console().print(render())
+def _show(args: argparse.Namespace, render: Callable[[], object], **parts: Any) -> int:
+    """The end of every command: the exports asked for, each from its part (cli/exports.py:
+    `json=`, `csv=`, `perfetto=`, `report=`), then the rendering for a person, unless an export
+    went to stdout ('-': that document only)."""
+    if not write_exports(args, **parts):
+        _console().print(render())
     return 0
 
 
-# The real stdout while a command with `--json -` runs with user code's prints sent to stderr.
-json_stream: TextIO | None = None
-
-
-def _write_json(text: str, path: str) -> None:
-    """Write to PATH, or stdout for '-'; say where it went on stderr."""
-    _write_output(text, path)
-
-
-def _write_output(text: str, path: str) -> None:
-    """Write to PATH (atomically), or stdout for '-'; say where it went on stderr."""
-    if path == "-":
-        (json_stream or sys.stdout).write(text + "\n")
-        return
-    try:
-        write_atomic(path, text + "\n")
-    except OSError as e:
-        raise AmpscopeError(f"cannot write {path}: {e.strerror}") from e
-    print(f"Wrote {path}", file=sys.stderr)  # plain: a path must not be wrapped
+def show_report(args: argparse.Namespace, report: Any, **view_options: Any) -> int:
+    """The end of a registered report's command (render/registry.py): its JSON, its table as
+    CSV where it has one, and its view (given `view_options`)."""
+    kind = kind_of(report)
+    return _show(args, lambda: kind.load("view")(report, **view_options), json=report.to_dict,
+                 csv=report.table if kind.table else None)
 
 
 def _run_options(args: argparse.Namespace):

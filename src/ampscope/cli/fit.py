@@ -4,9 +4,9 @@ the subparser with `add_fit_parser`."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from ampscope.cli.common import _console, _show
+from ampscope.cli.exports import add_exports
 from ampscope.errors import AmpscopeError
 
 
@@ -39,9 +39,7 @@ def add_fit_parser(sub) -> argparse.ArgumentParser:
                         "with -s fp32 (default: none, the setting's dtypes)")
     p.add_argument("--no-variants", action="store_true",
                    help="only the search: skip what would buy room")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
+    add_exports(p, "json")
     return p
 
 
@@ -57,8 +55,7 @@ def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
     report = plans(args.model, args.gpus, gpu=args.gpu, memory_size=args.memory,
                    setting=args.setting, mp_policy=args.mp_policy, seq=seq,
                    optimizer=args.optimizer, on_probe=console.print)
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1),
-                 lambda: render_plans(report))
+    return _show(args, lambda: render_plans(report), json=report.to_dict)
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -84,4 +81,4 @@ def cmd_fit(args: argparse.Namespace) -> int:
                  on_probe=lambda p: console.print(probe_line(p)))
     from ampscope.render.fit import render_fit
 
-    return _show(args, lambda: json.dumps(report.to_dict(), indent=1), lambda: render_fit(report))
+    return _show(args, lambda: render_fit(report), json=report.to_dict)

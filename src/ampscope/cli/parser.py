@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from ampscope.cli.examples import add_examples
+from ampscope.cli.exports import add_exports
 from ampscope.cli.fit import add_fit_parser
 from ampscope.cli.hardware import add_hardware_arguments
 from ampscope.cli.train import add_bench_parser, add_train_parser
@@ -19,6 +20,7 @@ from ampscope.defaults import (
     MAX_FORWARDS,
 )
 from ampscope.hardware.device_types import DEVICE_TYPES
+from ampscope.render.registry import REPORTS
 
 
 class _UsageError(Exception):
@@ -61,17 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_matrix(sub)
     _add_report(sub)
     _add_diff(sub)
-    _add_memory(sub)
-    _add_flops(sub)
-    _add_numerics(sub)
-    _add_formats(sub)
-    _add_policy(sub)
+    for kind in REPORTS.values():  # memory, flops, numerics, formats, policy: render/registry.py
+        _REPORT_ARGUMENTS.get(kind.name, add_exports)(sub.add_parser(kind.name, help=kind.help))
     add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
     add_bench_parser(sub)  # ampscope bench: the precision ladder
     add_fit_parser(sub)  # ampscope fit: the largest batch that fits a GPU (cli/fit.py)
     _add_models(sub)
     add_examples(parser, sub.choices)  # every command's --help ends with examples (examples.py)
-    _add_verbose(parser, sub.choices)
+    _add_global_flags(parser, sub.choices)
     return parser
 
 
@@ -84,10 +83,7 @@ def _add_trace(sub) -> None:
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
                        help="draw the dtype flow of one forward pass, one block drawn once")
-    trace.add_argument("--report", metavar="PATH",
-                       help="also write the HTML report of the trace (findings, dtype flow, "
-                            "memory, FLOPs; with --distributed: each rank)")
-    _add_export_arguments(trace, csv="the modules table (with --ops: the ops)", perfetto=True)
+    add_exports(trace, "report", "csv", "perfetto")
     _add_distributed_arguments(trace)
 
 
@@ -128,9 +124,7 @@ def _add_run(sub) -> None:
     run.add_argument("--ops", action="store_true", help="add the op-level listing")
     run.add_argument("--diagram", action="store_true",
                      help="draw the dtype flow of one forward pass")
-    run.add_argument("--json", metavar="PATH", help="write the trace as JSON ('-' for stdout: "
-                                                    "the script's prints go to stderr; with "
-                                                    "--nproc: the ranks' distributed report)")
+    add_exports(run, "json")
     run.add_argument("--memory", action="store_true",
                      help="add the memory report of the captured steps")
     run.add_argument("--flops", action="store_true",
@@ -143,12 +137,7 @@ def _add_run(sub) -> None:
                                     "uses, e.g. h100 (default: this machine's GPU; h100 for "
                                     "emulated cuda); with --nproc: the GPU whose memory each "
                                     "rank's peak is held against")
-    run.add_argument("--report", metavar="PATH",
-                     help="also write the HTML report of the run (findings, dtype flow, "
-                          "memory, FLOPs; with --nproc: each rank)")
-    _add_export_arguments(run, csv="the modules table (with --ops: the ops)", perfetto=True)
-    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                     help=argparse.SUPPRESS)
+    add_exports(run, "report", "csv", "perfetto")
     run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                      help="the script's own arguments ('--' first if they could be read as "
@@ -161,7 +150,7 @@ def _add_matrix(sub) -> None:
     matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
                         help="comma-separated settings (default: %(default)s)")
     _add_run_arguments(matrix)
-    _add_export_arguments(matrix, csv="the modules table")
+    add_exports(matrix, "csv")
 
 
 def _add_report(sub) -> None:
@@ -188,21 +177,18 @@ def _add_diff(sub) -> None:
     diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
 
 
-def _add_memory(sub) -> None:
-    memory = sub.add_parser("memory", help="every byte of one step by category and dtype; the "
-                                           "peak and where it happens")
+def _add_memory(memory: argparse.ArgumentParser) -> None:
     _add_model_argument(memory)
     memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(memory)
     memory.add_argument("--measure", action="store_true",
                         help="also run the step untraced and show its measured peak beside "
                              "the prediction (a real CUDA device or the CPU)")
-    _add_export_arguments(memory, csv="bytes by category and dtype")
+    add_exports(memory, "csv")
     _add_distributed_arguments(memory)
 
 
-def _add_flops(sub) -> None:
-    flops = sub.add_parser("flops", help="FLOPs of one step by phase, dtype and module; MFU")
+def _add_flops(flops: argparse.ArgumentParser) -> None:
     _add_model_argument(flops)
     flops.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(flops)
@@ -214,12 +200,10 @@ def _add_flops(sub) -> None:
     add_hardware_arguments(flops, memory=False,
                            gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
                                     "(default: this machine's GPU; h100 for emulated cuda)")
-    _add_export_arguments(flops, csv="FLOPs by module")
+    add_exports(flops, "csv")
 
 
-def _add_numerics(sub) -> None:
-    numerics = sub.add_parser("numerics", help="how far each setting's values drift from a "
-                                               "high-precision reference, layer by layer")
+def _add_numerics(numerics: argparse.ArgumentParser) -> None:
     _add_model_argument(numerics)
     numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
                           help="comma-separated settings (default: %(default)s)")
@@ -234,25 +218,17 @@ def _add_numerics(sub) -> None:
                           help="device of every setting without a DEVICE: prefix (emulated "
                                "when absent: CUDA's dtypes, the CPU's kernels)")
     numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
-    numerics.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
-    numerics.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                          help=argparse.SUPPRESS)
+    add_exports(numerics)
 
 
-def _add_formats(sub) -> None:
-    formats = sub.add_parser("formats", help="number formats: range, eps, and how each stores "
-                                             "given values")
+def _add_formats(formats: argparse.ArgumentParser) -> None:
     formats.add_argument("values", nargs="*", metavar="VALUE",
                          help="decimal values to store in every format, e.g. 1e-8 65504 0.1 nan "
                               "-inf")
-    formats.add_argument("--json", metavar="PATH",
-                         help="write the result as JSON ('-' for stdout)")
-    formats.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS)
+    add_exports(formats)
 
 
-def _add_policy(sub) -> None:
-    policy = sub.add_parser("policy", help="the autocast policy of this PyTorch build, per op")
+def _add_policy(policy: argparse.ArgumentParser) -> None:
     policy.add_argument("--device", "-d", choices=list(DEVICE_TYPES), default="cpu",
                         help="device whose policy to show (default: %(default)s)")
     policy.add_argument("--dtype", choices=["bf16", "fp16"],
@@ -265,16 +241,17 @@ def _add_policy(sub) -> None:
     policy.add_argument("--history", action="store_true",
                         help="how the device's policy changed in earlier PyTorch releases, for "
                              "the ops GPT-style models call (with the pull request of each)")
-    policy.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
-    policy.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)
+    add_exports(policy)
+
+
+# A registered report's command takes these arguments before (or around) its exports; one
+# without an entry takes its exports alone.
+_REPORT_ARGUMENTS = {"memory": _add_memory, "flops": _add_flops, "numerics": _add_numerics,
+                     "formats": _add_formats, "policy": _add_policy}
 
 
 def _add_models(sub) -> None:
-    models = sub.add_parser("models", help="list the built-in models and the HF zoo")
-    models.add_argument("--json", metavar="PATH", help="write the list as JSON ('-' for stdout)")
-    models.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)
+    add_exports(sub.add_parser("models", help="list the built-in models and the HF zoo"))
 
 
 class _Version(argparse.Action):
@@ -293,12 +270,15 @@ class _Version(argparse.Action):
 _GLOBAL_FLAGS = ("--debug", "-v", "--verbose")  # taken before or after the command
 
 
-def _add_verbose(parser: argparse.ArgumentParser,
-                 commands: Mapping[str, argparse.ArgumentParser]) -> None:
-    """-v/--verbose on the top level and on every command (as --debug: either place)."""
+def _add_global_flags(parser: argparse.ArgumentParser,
+                      commands: Mapping[str, argparse.ArgumentParser]) -> None:
+    """-v/--verbose and --debug on the top level and on every command: either place (SUPPRESS:
+    a command's own default keeps the top level's value)."""
     help_text = "show the decisions ampscope makes (predicted or real, emulated, fallbacks)"
     parser.add_argument("-v", "--verbose", action="store_true", help=help_text)
     for command in commands.values():
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help=argparse.SUPPRESS)
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                              help=help_text)
 
@@ -337,20 +317,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="predicted: take the exact path, every speed trick off: dispatch "
                              "every repeated block, foreach entry and op instead of replaying "
                              "identical ones and answering known ones (same result, slower)")
-    parser.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)  # SUPPRESS: keep a top-level --debug
-
-
-def _add_export_arguments(parser: argparse.ArgumentParser, *, csv: str,
-                          perfetto: bool = False) -> None:
-    """--csv (the table a command prints) and --perfetto (the step as a timeline)."""
-    parser.add_argument("--csv", metavar="PATH",
-                        help=f"write {csv} as CSV ('-' for stdout)")
-    if perfetto:
-        parser.add_argument("--perfetto", metavar="PATH",
-                            help="write the step as a timeline for ui.perfetto.dev or "
-                                 "chrome://tracing (Trace Event JSON)")
+    add_exports(parser, "json")
 
 
 def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

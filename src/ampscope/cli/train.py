@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
-from ampscope.cli.common import _console, _progress, _show, _write_json
+from ampscope.cli.common import _console, _progress, _show
+from ampscope.cli.exports import add_exports, write_exports
 from ampscope.errors import AmpscopeError
 
 DEVICES = ["cpu", "cuda", "mps"]
@@ -56,9 +56,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="prompt of the sample (default: a newline)")
     p.add_argument("--log-every", type=int, metavar="N",
                    help="print every N-th step (default: 20 lines per run)")
-    p.add_argument("--json", metavar="PATH", help="write the run as JSON ('-' for stdout)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
+    add_exports(p, "json")
     return p
 
 
@@ -81,9 +79,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="device (default: cuda when there is one, else cpu)")
     p.add_argument("--data", metavar="PATH", help="UTF-8 text file (default: CPython's docs)")
     p.add_argument("--out", metavar="DIR", help="save the plot as DIR/bench.png")
-    p.add_argument("--json", metavar="PATH", help="write the table as JSON ('-' for stdout)")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
+    add_exports(p, "json")
     return p
 
 
@@ -136,8 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train(config, resume=args.resume, log=progress, on_start=on_start)
     console.print(train_header(result))
     console.print(train_summary(result))
-    if args.json:
-        _write_json(json.dumps(result.to_dict(), indent=1), args.json)
+    write_exports(args, json=result.to_dict)
     return 0
 
 
@@ -165,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        warmup=args.warmup, batch=args.batch, seq=args.seq,
                        total_batch=args.total_batch, compile=args.compile, data=args.data,
                        on_rung=on_rung)
-    _show(args, lambda: json.dumps(report.to_dict(), indent=1), lambda: render_bench(report))
+    _show(args, lambda: render_bench(report), json=report.to_dict)
     if args.json == "-":
         return 0
     if args.out:

@@ -1,6 +1,7 @@
 """HTML: the self-contained report page (`ampscope report`, and `--report PATH` of `run` and
 `trace`, with a Ranks section for a distributed run) and the notebook fragments (`_repr_html_`
-of Trace, Matrix, FlopReport and NumericsReport), from the same section templates.
+of Trace, Matrix and every report of render/registry.py with a section), from the same section
+templates.
 
 The markup is in jinja2 templates (render/templates/, shipped with the package) rendered with
 autoescaping on: everything that comes from the model or the user (module, class and parameter
@@ -38,6 +39,7 @@ from ampscope.render.plots import (
     live_bytes_svg,
     memory_at_peak_svg,
 )
+from ampscope.render.registry import REPORTS, kind_of
 from ampscope.render.templating import environment, macros
 
 MONO = 'ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace'
@@ -147,7 +149,11 @@ def memory_body(reports: Sequence[MemoryReport]) -> Markup:
     return _sections().memory(reports, charts, breakdowns)
 
 
-def numerics_body(report: NumericsReport) -> Markup:
+def numerics_body(reports: Sequence[NumericsReport]) -> Markup:
+    return Markup().join(map(_numerics, reports))
+
+
+def _numerics(report: NumericsReport) -> Markup:
     rows: list[list[str]] = []
     if report.settings:
         first = report.settings[0]
@@ -244,16 +250,10 @@ def matrix_html(matrix: Matrix) -> str:
     return fragment(section("matrix", "Settings matrix", matrix_body(matrix)))
 
 
-def flops_html(report: FlopReport) -> str:
-    return fragment(section("flops", "FLOPs by module", flops_body([report])))
-
-
-def memory_html(report: MemoryReport) -> str:
-    return fragment(section("memory", "Memory", memory_body([report])))
-
-
-def numerics_html(report: NumericsReport) -> str:
-    return fragment(section("numerics", "Numerics per layer", numerics_body(report)))
+def section_html(report: object) -> str:
+    """A registered report's notebook view: its section of the HTML report (render/registry.py)."""
+    kind = kind_of(report)
+    return fragment(section(kind.name, kind.section or kind.name, kind.load("body")([report])))
 
 
 def ranks_html(report: DistributedReport,
@@ -261,28 +261,26 @@ def ranks_html(report: DistributedReport,
     return fragment(section("ranks", "Ranks", ranks_body(report, same_as)))
 
 
-def report_html(traces: Sequence[Trace], matrix: Matrix, *,
-                memory: Sequence[MemoryReport] = (), flops: Sequence[FlopReport] = (),
-                numerics: NumericsReport | None = None, title: str | None = None,
+def report_html(traces: Sequence[Trace], matrix: Matrix, *, reports: Sequence[object] = (),
+                title: str | None = None,
                 distributed: DistributedReport | None = None,
                 same_as: Mapping[int, int | None] | None = None) -> str:
     """The whole report as one HTML page that opens offline: the traces of one model and
-    workload under several settings, their matrix, and optionally their memory and FLOP
-    reports (one per trace), a numerics report and the distributed report of a DDP or FSDP2
-    job (with `same_as`, the run rank each rank that did not run is taken to be, None where
-    not known) — each computed beforehand: this only renders. A section whose report is not
-    given is left out."""
+    workload under several settings, their matrix, and optionally `reports` (memory and FLOPs
+    one per trace, numerics, any registered report with a section: one section a kind, in the
+    order of render/registry.py) and the distributed report of a DDP or FSDP2 job (with
+    `same_as`, the run rank each rank that did not run is taken to be, None where not known) —
+    each computed beforehand: this only renders. A section whose report is not given is left
+    out."""
     if not traces:
         raise ValueError("a report needs at least one trace")
     sections = [("findings", "Findings", findings_body(traces)),
                 ("flow", "Dtype flow", flow_body(traces)),
                 ("matrix", "Settings matrix", matrix_body(matrix))]
-    if memory:
-        sections.append(("memory", "Memory", memory_body(memory)))
-    if flops:
-        sections.append(("flops", "FLOPs by module", flops_body(flops)))
-    if numerics is not None:
-        sections.append(("numerics", "Numerics per layer", numerics_body(numerics)))
+    for kind in REPORTS.values():
+        mine = [r for r in reports if kind_of(r) is kind]
+        if mine and kind.section:
+            sections.append((kind.name, kind.section, kind.load("body")(mine)))
     if distributed is not None:
         sections.append(("ranks", "Ranks", ranks_body(distributed, same_as)))
     return environment().get_template("page.html.j2").render(

@@ -1,0 +1,84 @@
+"""The reports, each registered once and looked up by name (as torchtitan's `register_train_spec`).
+
+A `ReportKind` names all one kind of report has: the command `ampscope NAME`, its class
+(`to_dict()`: the JSON `--json` writes, `ampscope.NAME/1`, described by `schemas/NAME.schema.json`),
+the public function that makes one, its terminal view, and the title and body of its section of
+the HTML report, which is also its notebook view. Parts are named "module:attribute" and imported
+only when used, so the parser reads this module without torch, and each layer loads only what
+it may import (render: the class and the body; cli: the function and the view).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["REPORTS", "ReportKind", "kind_of", "register_report"]
+
+
+@dataclass(frozen=True)
+class ReportKind:
+    name: str  # the command, the schema file, "ampscope.NAME/1", the docs/json-schema.md section
+    help: str  # the command's line in `ampscope --help`
+    report: str | type  # the class
+    api: str | Callable[..., Any]  # the public function that makes one
+    view: str | Callable[..., Any]  # report (and the command's view options) -> rich renderable
+    section: str | None = None  # the title of its section in the HTML report and notebook view
+    body: str | Callable[..., Any] | None = None  # [reports] -> that section's HTML
+    table: str | None = None  # what `report.table()` holds, for --csv ("FLOPs by module")
+
+    def load(self, part: str) -> Any:
+        """A part (`"report"`, `"api"`, `"view"`, `"body"`), imported on first use."""
+        ref = getattr(self, part)
+        if not isinstance(ref, str):
+            return ref
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+REPORTS: dict[str, ReportKind] = {}
+
+
+def register_report(kind: ReportKind) -> ReportKind:
+    """Register one kind of report under its name (once: a name is never taken twice)."""
+    if kind.name in REPORTS:
+        raise ValueError(f"a report named {kind.name!r} is already registered")
+    REPORTS[kind.name] = kind
+    return kind
+
+
+def kind_of(report: object) -> ReportKind:
+    """The registered kind of `report`, found by its class's name: nothing is imported."""
+    cls = type(report)
+    for kind in REPORTS.values():
+        if kind.report in (cls, f"{cls.__module__}:{cls.__qualname__}"):
+            return kind
+    raise ValueError(f"{cls.__name__} is not a registered report (render/registry.py)")
+
+
+register_report(ReportKind(
+    "memory", "every byte of one step by category and dtype; the peak and where it happens",
+    "ampscope.analysis.memory:MemoryReport", "ampscope.api.reports:memory",
+    "ampscope.render.memory:render_memory", "Memory", "ampscope.render.html:memory_body",
+    table="bytes by category and dtype"))
+register_report(ReportKind(
+    "flops", "FLOPs of one step by phase, dtype and module; MFU",
+    "ampscope.analysis.flops:FlopReport", "ampscope.api.reports:flops",
+    "ampscope.render.flops:render_flops", "FLOPs by module", "ampscope.render.html:flops_body",
+    table="FLOPs by module"))
+register_report(ReportKind(
+    "numerics", "how far each setting's values drift from a high-precision reference, layer by "
+                "layer",
+    "ampscope.analysis.numerics:NumericsReport", "ampscope.api.reports:numerics",
+    "ampscope.render.numerics:render_numerics", "Numerics per layer",
+    "ampscope.render.html:numerics_body"))
+register_report(ReportKind(
+    "formats", "number formats: range, eps, and how each stores given values",
+    "ampscope.analysis.format_table:FormatsReport", "ampscope.analysis.formats:formats_report",
+    "ampscope.render.formats:render_formats"))
+register_report(ReportKind(
+    "policy", "the autocast policy of this PyTorch build, per op",
+    "ampscope.analysis.autocast:PolicyReport", "ampscope.api.reports:policy",
+    "ampscope.render.autocast:render_policy"))
