@@ -34,8 +34,9 @@ class DeviceType:
     none. `attention`: whose `scaled_dot_product_attention` kernel choice an emulated run
     makes ("cuda": the backend PyTorch picks on that accelerator, runtime/attention_choice.py;
     "cpu": the CPU's kernels, said in a note). `rnn`: "cudnn" where the device's RNN layers run
-    cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. `not_emulated`: what an
-    emulated run of this device cannot do, in words (a run that needs it stops with one line).
+    cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. What an emulated run
+    cannot do (a custom kernel, a real collective) fails where it is called, in one line
+    naming the call (runtime/emulation.py's `device_api_error`).
     """
 
     name: str
@@ -44,20 +45,14 @@ class DeviceType:
     capability: tuple[int, int] | None = None
     attention: str = "cpu"
     rnn: str = "cpu"
-    not_emulated: tuple[str, ...] = ()
 
 
 DEVICE_TYPES: dict[str, DeviceType] = {
     d.name: d for d in (
         DeviceType("cpu"),
-        DeviceType(
-            "cuda", accelerator="h100", capability=(9, 0), attention="cuda", rnn="cudnn",
-            not_emulated=("CUDA graph capture (torch.cuda.graph_pool_handle)",
-                          "NCCL collectives of a real (not predicted) multi-rank run",
-                          "custom CUDA kernels and extensions (Triton, compiled ones)"),
-        ),
-        DeviceType("mps", not_emulated=("Metal kernels of extensions",)),
-        DeviceType("xpu", not_emulated=("SYCL kernels of extensions",)),
+        DeviceType("cuda", accelerator="h100", capability=(9, 0), attention="cuda", rnn="cudnn"),
+        DeviceType("mps"),
+        DeviceType("xpu"),
     )
 }
 
