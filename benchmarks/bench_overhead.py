@@ -5,7 +5,7 @@ three ways:
 
   untraced   `with applied(setting, module): workloads.run(...)`
   DebugMode  the same inside `torch.utils._debug_mode.DebugMode()` with default options
-  ampscope   the same inside a `Capture` (recorders/session.py: the module tracker, the function
+  ampscope   the same inside a `Capture` (runs/session.py: the module tracker, the function
              and op recorders, the storage tracker), then `capture.finish(...)`: the records as
              `ampscope.trace` builds them (the garbage collector paused meanwhile, as there),
              without planning the run or deriving findings
@@ -36,7 +36,7 @@ from ampscope import workloads
 from ampscope.api import load
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, applied, parse_setting
-from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.runs.session import Capture, CaptureOptions
 from ampscope.runtime.predict import gc_paused
 
 OPTIONS = workloads.RunOptions("train", optimizer="adamw")

@@ -74,7 +74,7 @@ def test_recorders_name_the_fields_of_a_row():
     import ast
 
     found = []
-    for path in sorted((ROOT / "src" / "ampscope" / "recorders").glob("*.py")):
+    for path in sorted((ROOT / "src" / "ampscope" / "runs").glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found += [f"{path.name}:{line}" for line in _literal_row_indexing(tree)]
     assert not found, found

@@ -278,7 +278,7 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
 
 
 def test_torch_level_calls_are_named_as_user_code_spells_them():
-    from ampscope.recorders.functions import func_name
+    from ampscope.runs.functions import func_name
 
     assert func_name(torch._foreach_norm) == "torch._foreach_norm"  # not _VariableFunctionsClass
     assert func_name(torch.mm) == "torch.mm"  # not torch.spmm

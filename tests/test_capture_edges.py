@@ -199,7 +199,7 @@ def test_held_state_behind_a_shared_object_is_found_from_any_module():
     """An object several modules hold (a config, a shared cache) is looked into once for the
     whole model, yet a tensor it holds deeper than one module's path reaches is still found
     from another module whose path reaches it: the walk remembers the depth it had left."""
-    from ampscope.recorders.inventory import _DEPTH, held_state
+    from ampscope.runs.inventory import _DEPTH, held_state
 
     class Box:
         def __init__(self, inner):

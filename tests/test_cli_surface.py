@@ -281,7 +281,7 @@ def test_decisions_are_logged_where_they_are_made(caplog):
     # Every note the trace carries was logged as the decision was made, in the same words.
     assert t.notes and set(t.notes) <= set(messages)
     by_logger = {r.name: r.getMessage() for r in caplog.records}
-    assert by_logger["ampscope.api.planning"] == (
+    assert by_logger["ampscope.api.preparation"] == (
         "Predicted on fake tensors, as asked: no weight was materialised.")
     assert by_logger["ampscope.precision.apply"] == (
         "Running under cuda:fp32+amp-bf16: parameters in float32, autocast bfloat16, float32 "

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ampscope import tricks
-from ampscope.api import plans
+from ampscope.api import parallel_plans
 from ampscope.distributed.launch import predict
 from ampscope.distributed.parallel import Parallel
-from ampscope.recorders import foreach
+from ampscope.runs import foreach
 from ampscope.torchcompat import distributed as compat
 from tests.helpers import assert_same_trace
 
@@ -88,12 +88,12 @@ def test_a_predicted_fsdp_rank_with_the_tricks_equals_the_exact_path(monkeypatch
 
 def test_a_tensor_parallel_probe_with_the_tricks_equals_the_exact_path(monkeypatch):
     seen = _took_part(monkeypatch)
-    lm, base, parallel = plans._checked("llama-3.2-1b", "bf16", None, 4)
-    plans._truncate(lm.module, 3)
+    lm, base, parallel = parallel_plans._checked("llama-3.2-1b", "bf16", None, 4)
+    parallel_plans._truncate(lm.module, 3)
 
     def probe():
-        with plans._fake_group(4):
-            return plans._probe(lm, base, parallel, 2, 2, 3, 2, 32, "adamw", True)
+        with parallel_plans._fake_group(4):
+            return parallel_plans._probe(lm, base, parallel, 2, 2, 3, 2, 32, "adamw", True)
 
     quick = probe()
     assert seen["chunks"] > 0 and seen["dtensor foreach"] > 0

@@ -1,4 +1,4 @@
-"""Fake ops answered from FakeTensorMode's own cache by a cheaper key (recorders/fake_cache.py):
+"""Fake ops answered from FakeTensorMode's own cache by a cheaper key (runs/fake_cache.py):
 each answer equals FakeTensorMode's own for the same call — the ground truth, made by calling
 the op under the mode — down to which storage it is on; the calls it answers never reach the
 mode; a mode that may change an op's results keeps every call; and a predicted step with the
@@ -14,9 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampscope
-from ampscope.recorders import fake_cache
-from ampscope.recorders.fake_cache import CachedAnswers
-from ampscope.recorders.foreach import NOT_THINNED
+from ampscope.runs import fake_cache
+from ampscope.runs.fake_cache import CachedAnswers
+from ampscope.runs.foreach import NOT_THINNED
 from ampscope.runtime.norm_stats import TargetNormStats
 from tests.helpers import REPLAY_NOTE, assert_same_trace
 

@@ -23,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runtime": ("test_virtual_device.py", "test_attention.py", "test_emulation.py",
                 "test_predict.py"),
     "models": ("test_models_registry.py", "test_models_reference.py", "test_hf_folders.py"),
-    "recorders": ("test_capture.py", "test_capture_edges.py", "test_optimizer_step_call.py",
+    "runs": ("test_capture.py", "test_capture_edges.py", "test_optimizer_step_call.py",
                   "test_modes.py", "test_progress.py", "test_repeats.py"),
     "workloads": ("test_settings.py", "test_inputs.py", "test_sampling_fidelity.py"),
     "analysis": ("test_flow.py", "test_causes.py", "test_diff.py", "test_diagnosis.py",
@@ -64,7 +64,7 @@ def test_every_layer_listed_is_a_package_of_the_layer_contract():
     names = {name.strip() for layer in contract["layers"] for name in layer.split("|")}
     assert set(LAYERS) <= names, set(LAYERS) - names
     # every layer of the chain docs/architecture.md draws is listed
-    assert set(LAYERS) >= {"records", "runtime", "precision", "models", "recorders", "workloads",
+    assert set(LAYERS) >= {"records", "runtime", "precision", "models", "runs", "workloads",
                            "analysis", "train", "distributed", "render", "api", "script",
                            "cli", "integrations", "torchcompat"}
 

@@ -17,8 +17,8 @@ from ampscope.api import tokens_of
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
 from ampscope.models import gpt2
-from ampscope.recorders import flops
-from ampscope.recorders.flops import _kept_fraction
+from ampscope.runs import flops
+from ampscope.runs.flops import _kept_fraction
 
 
 def _linear_step(module, batch):
@@ -202,7 +202,7 @@ def test_own_attention_formulas_agree_with_torchs_where_torch_counts():
     release, grouped-query shapes where torch counts them (it asserts on them before 2.12)."""
     from torch.utils import flop_counter
 
-    from ampscope.recorders.flops import _sdpa_backward, _sdpa_forward
+    from ampscope.runs.flops import _sdpa_backward, _sdpa_forward
     from ampscope.torchcompat import flops as torch_flops
 
     shapes = [((2, 4, 8, 16), (2, 4, 12, 16), (2, 4, 12, 32))]
@@ -217,7 +217,7 @@ def test_own_attention_formulas_agree_with_torchs_where_torch_counts():
 
 @pytest.mark.fast
 def test_flop_formula_detection_reports_its_features():
-    from ampscope.recorders.flops import formula
+    from ampscope.runs.flops import formula
     from ampscope.torchcompat import flops as torch_flops
 
     found = {f.name: f for f in torch_flops.features()}
@@ -264,7 +264,7 @@ def test_a_registered_formula_reaches_the_trace():
     code = textwrap.dedent(f"""
         import torch
         import ampscope
-        from ampscope.recorders.flops import register_flop_formula
+        from ampscope.runs.flops import register_flop_formula
 
         @register_flop_formula({_CDIST!r})
         def cdist_flops(x1, x2, p, compute_mode=None, **kwargs):

@@ -1,4 +1,4 @@
-"""Fake foreach ops run over one list entry of each kind (recorders/foreach.py): the results
+"""Fake foreach ops run over one list entry of each kind (runs/foreach.py): the results
 equal those of the fake kernel run over every entry — the ground truth, which the thinned call
 never consults — and a predicted step that thins its optimizer's ops records exactly what the
 step that runs them whole records."""
@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ampscope
-from ampscope.recorders import foreach
+from ampscope.runs import foreach
 from tests.helpers import assert_same_trace
 
 

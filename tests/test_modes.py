@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampscope
-from ampscope.recorders.ops import OpRecorder
+from ampscope.runs.ops import OpRecorder
 
 
 class _Small(nn.Module):
@@ -23,7 +23,7 @@ class _Small(nn.Module):
 @pytest.mark.fast
 def test_the_op_recorder_handler_is_not_wrapped_by_pytorch():
     handler = OpRecorder.__dict__["__torch_dispatch__"]
-    assert handler.__code__.co_filename.endswith("recorders/ops.py")  # not torch's wrapper
+    assert handler.__code__.co_filename.endswith("runs/ops.py")  # not torch's wrapper
     assert not OpRecorder._should_skip_dynamo()
 
 

@@ -11,7 +11,7 @@ import ampscope
 from ampscope.analysis.numerics import NumericsReport, divergence, ranges, tensor_range
 from ampscope.cli import main
 from ampscope.errors import AmpscopeError
-from ampscope.recorders.values import Values
+from ampscope.runs.values import Values
 
 BF16_EPS = 2.0**-7
 

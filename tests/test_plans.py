@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from ampscope.api.plans import derived_peaks, traced_peaks
+from ampscope.api.parallel_plans import derived_peaks, traced_peaks
 from ampscope.cli import main
 
 # (model, GPUs, tp, checkpointing, depth, micro-batch, setting, policy): each family the search

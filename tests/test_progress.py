@@ -9,7 +9,7 @@ from rich.console import Console
 
 import ampscope
 from ampscope.cli import common, main
-from ampscope.recorders import progress
+from ampscope.runs import progress
 
 
 @pytest.mark.fast

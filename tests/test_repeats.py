@@ -1,4 +1,4 @@
-"""Repeated blocks traced once (recorders/repeats.py): a predicted trace that replays identical
+"""Repeated blocks traced once (runs/repeats.py): a predicted trace that replays identical
 blocks equals, record for record, the trace that dispatches every block — the ground truth here
 is the full run, which the replay never consults; and where blocks are not alike, or turn out
 not to be, nothing is replayed."""
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampscope
-from ampscope.recorders.alike import alike, repeated_runs
+from ampscope.runs.alike import alike, repeated_runs
 from tests.helpers import REPLAY_NOTE, assert_same_trace
 
 
@@ -213,7 +213,7 @@ def test_a_real_run_replays_nothing():
 
 def test_a_failure_of_the_replay_itself_falls_back_to_every_block(monkeypatch):
     # Not the model's error: ampscope's own bookkeeping around a block fails (here, made to).
-    from ampscope.recorders.replayed import Replayed
+    from ampscope.runs.replayed import Replayed
 
     def broken(*args, **kwargs):
         raise KeyError("made to fail")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import ampscope
-from ampscope.recorders import flops
+from ampscope.runs import flops
 from ampscope.runtime.rnn_kernels import emulable
 
 IN, H, T, B, OUT = 3, 4, 5, 2, 6  # input size, hidden size, steps, batch, the head's outputs

@@ -1,4 +1,4 @@
-"""One run environment (recorders/environment.py): every command's run is assembled there.
+"""One run environment (runs/environment.py): every command's run is assembled there.
 
 The source is read (AST): outside the environment and the modules that define each context,
 no module constructs a virtual device, a fake mode, an emulation or a capture, or enters
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ampscope.precision import parse_setting, resolve_device
-from ampscope.recorders.environment import RunEnvironment, exact_retry
+from ampscope.runs.environment import RunEnvironment, exact_retry
 from ampscope.tricks import TrickFailed, exact
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampscope"
@@ -24,12 +24,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ampscope"
 # environment, and the module that defines it (or, for a capture, the distributed capture,
 # which is a capture kind a user's own job builds on each rank).
 ASSEMBLY = {
-    "applied": {"recorders/environment.py", "precision/apply.py"},
-    "predicting": {"recorders/environment.py", "runtime/predict.py"},
-    "fake_mode": {"recorders/environment.py", "runtime/predict.py"},
-    "VirtualDevice": {"recorders/environment.py", "runtime/virtual_device.py"},
-    "Emulation": {"recorders/environment.py", "runtime/emulation.py", "precision/apply.py"},
-    "Capture": {"recorders/environment.py", "recorders/session.py", "distributed/capture.py"},
+    "applied": {"runs/environment.py", "precision/apply.py"},
+    "predicting": {"runs/environment.py", "runtime/predict.py"},
+    "fake_mode": {"runs/environment.py", "runtime/predict.py"},
+    "VirtualDevice": {"runs/environment.py", "runtime/virtual_device.py"},
+    "Emulation": {"runs/environment.py", "runtime/emulation.py", "precision/apply.py"},
+    "Capture": {"runs/environment.py", "runs/session.py", "distributed/capture.py"},
 }
 
 

@@ -148,9 +148,9 @@ def test_a_predicted_script_records_what_its_real_run_records(data, device):
 
 def test_predicted_script_thins_its_optimizers_foreach_ops_to_the_same_trace(data, monkeypatch):
     """On the virtual CUDA device the script's AdamW runs foreach; predicted, its ops run over
-    one entry of each kind (recorders/foreach.py). The ground truth is the same run with every
+    one entry of each kind (runs/foreach.py). The ground truth is the same run with every
     entry dispatched: the trace and the memory peak are the same."""
-    from ampscope.recorders import foreach
+    from ampscope.runs import foreach
 
     args = [data, "--n_layer=4", "--block_size=16"]
     original = foreach.thinned_call

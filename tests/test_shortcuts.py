@@ -1,7 +1,7 @@
-"""Per-parameter fake ops answered without FakeTensorMode's dispatch (recorders/shortcuts.py):
+"""Per-parameter fake ops answered without FakeTensorMode's dispatch (runs/shortcuts.py):
 each answer equals FakeTensorMode's own for the same call — the ground truth, which the
 shortcut does not consult — and a predicted step that takes the shortcuts (and the cache
-answers, recorders/fake_cache.py) records exactly what the step without them records, with far
+answers, runs/fake_cache.py) records exactly what the step without them records, with far
 fewer calls reaching FakeTensorMode."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ampscope
-from ampscope.recorders import foreach
-from ampscope.recorders.shortcuts import answer
+from ampscope.runs import foreach
+from ampscope.runs.shortcuts import answer
 from tests.helpers import assert_same_trace
 
 aten = torch.ops.aten

@@ -85,7 +85,7 @@ def test_a_missing_storage_length_turns_the_foreach_trick_off_and_the_trace_is_e
     # on CUDA) is answered by it.
     import torch._prims_common as prims_common
 
-    from ampscope.recorders import foreach
+    from ampscope.runs import foreach
 
     options = {"setting": "cuda:bf16", "workload": "train", "seq": 8, "predict": True,
                "optimizer": "adamw"}
@@ -118,7 +118,7 @@ def test_a_trick_that_behaves_differently_is_found_out_by_its_probe(monkeypatch,
 
 
 def test_a_trick_failing_mid_run_reruns_the_step_on_the_exact_path(monkeypatch, exact_trace):
-    from ampscope.recorders import fake_cache
+    from ampscope.runs import fake_cache
 
     calls = []
 
@@ -135,7 +135,7 @@ def test_a_trick_failing_mid_run_reruns_the_step_on_the_exact_path(monkeypatch, 
 def test_under_run_a_failing_trick_falls_back_op_by_op(monkeypatch, tmp_path):
     """A script has side effects and cannot run again: the op the trick failed on runs the
     exact way, the trick is off for the rest of the run, and the trace says so."""
-    from ampscope.recorders import shortcuts
+    from ampscope.runs import shortcuts
 
     def broken(func, args, kwargs):
         raise RuntimeError("made to fail")
@@ -209,7 +209,7 @@ def test_a_trick_whose_wrong_answer_makes_the_model_fail_is_caught_by_the_exact_
     was given. The step then runs on the exact path, and its trace is the answer."""
     import torch
 
-    from ampscope.recorders import fake_cache, foreach
+    from ampscope.runs import fake_cache, foreach
 
     def wrong(self, func, args, kwargs):
         if func is torch.ops.aten.addmm.default:

@@ -12,7 +12,7 @@ so the command line answers `--help`, `--version` and argument errors in a fract
 second that importing torch takes.
 
 The packages, in their layers (docs/architecture.md): `cli/` and `integrations/`; `api/` and
-`script/`; `render/`; `analysis/`, `train/`, `distributed/`; `recorders/` and `workloads.py`;
+`script/`; `render/`; `analysis/`, `train/`, `distributed/`; `runs/` and `workloads.py`;
 `precision/` and `models/`; `runtime/` (a run as on another device, or predicted); `records/`, `hardware/`, `schemas/`, `nested.py` (the tensors in
 nested arguments) and `tricks.py` (the speed tricks and their one switch); at the bottom
 `errors.py` (`AmpscopeError`), `files.py` (atomic writes), `defaults.py` (what `--help` shows),

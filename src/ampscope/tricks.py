@@ -93,4 +93,4 @@ def fell_back(trick: Trick, error: BaseException) -> str:
 class TrickFailed(Exception):
     """A speed trick could not be trusted on this run or this torch build (a replayed block
     unlike its twins, a private detail that changed): the run is done again on the exact
-    path, every trick off (`recorders/environment.py`'s `exact_retry`, the one place)."""
+    path, every trick off (`runs/environment.py`'s `exact_retry`, the one place)."""

@@ -1,6 +1,6 @@
 """Where the FLOPs of a step go, and the conventions people quote for them, side by side.
 
-Counted FLOPs come from the ops that ran (recorders/flops.py: PyTorch's formulas plus the CPU
+Counted FLOPs come from the ops that ran (runs/flops.py: PyTorch's formulas plus the CPU
 attention kernels they lack). The conventions are computed from the model's shapes as the trace
 saw them:
 
@@ -74,7 +74,7 @@ class FlopReport:
     conventions: list[Convention] = field(default_factory=list)
     attention: AttentionShape | None = None
     utilization: Utilization | None = None  # with a step time: throughput and MFU
-    # FLOPs of a training run's evaluation and sampling passes (recorders/passes.py): counted
+    # FLOPs of a training run's evaluation and sampling passes (runs/passes.py): counted
     # apart, outside `total`, the conventions and MFU, which are the step's.
     evaluation: int = 0
 

@@ -1,7 +1,7 @@
 """Memory of a traced step, from its storages: every byte by category and dtype, the peak and
 where it happens, the live bytes over the step, and the formulas people use beside the counts.
 
-Everything here reads `Trace.storages` (recorders/memory.py): one record per storage, so views
+Everything here reads `Trace.storages` (runs/memory.py): one record per storage, so views
 and tied weights count once. A storage is live from the op that made it through the op after
 which it was freed (`StorageRecord.created`..`freed`, inclusive); the live bytes "at op k" are
 those of every storage live through op k, which includes op k's inputs and outputs together.

@@ -14,7 +14,7 @@ round-to-nearest gives 0) or land among the subnormals (below the smallest norma
 Under an fp8 recipe, each cast into fp8 at the scale the recipe used (one per tensor, or one per
 row): the share of its non-zero values that saturate (|x · scale| above the format's max,
 clamped to it) and that underflow (non-zero, 0 in fp8), counted on the run's real tensors by
-`recorders.values` and summed here over a layer's calls.
+`runs.values` and summed here over a layer's calls.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ampscope.analysis.flow import split_block
-from ampscope.recorders.values import CastValues, Values
+from ampscope.runs.values import CastValues, Values
 
 SCHEMA = "ampscope.numerics/1"
 

@@ -1,6 +1,6 @@
 """Parallel plans for N GPUs: each plan's per-rank peak, derived from a few traced ranks.
 
-`ampscope fit --gpus N` (api/plans.py) traces rank 0 of a plan — FSDP2 over `dp` ranks,
+`ampscope fit --gpus N` (api/parallel_plans.py) traces rank 0 of a plan — FSDP2 over `dp` ranks,
 tensor parallelism over `tp`, activation checkpointing or not — on fake tensors and PyTorch's
 fake process group, at a reduced depth (the model's first 2 and 3 repeated blocks) and
 micro-batches 2 and 3 (1 on its own). What is pure lives here: the rules that take those

@@ -60,7 +60,7 @@ def forward_passes(trace: Trace) -> int:
     """How many times the model itself was called forward in the traced step: 1 for one step,
     more for a script traced over several optimizer steps or with gradient accumulation
     (micro-steps). In a run that trained, only its training passes count: its evaluation and
-    sampling passes are not part of the step (recorders/passes.py)."""
+    sampling passes are not part of the step (runs/passes.py)."""
     train = [p for p in trace.passes if p.kind == PassKind.TRAIN]
     if train:
         return len(train)

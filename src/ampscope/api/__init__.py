@@ -1,11 +1,12 @@
 """The Python API: `trace()` runs a workload under a setting; `capture()` records user code.
 
-- `planning.py`: the model, its batch, real or predicted;
+- `preparation.py`: what a run needs before it runs: the setting resolved, the model, its
+  batch, real or predicted;
 - `tracing.py`: `trace`, `matrix`, `capture`;
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy`;
 - `measure.py`: an untraced step's wall time and allocator peak (CUDA or CPU);
 - `fit.py`: `fit`, the largest batch whose predicted step fits a GPU;
-- `plans.py`: `plans`, the parallel plans of a model on N GPUs (`fit --gpus N`);
+- `parallel_plans.py`: `plans`, the parallel plans of a model on N GPUs (`fit --gpus N`);
 - `watch.py`: `watch`, one optimizer step of the user's own training loop, traced as it runs.
 """
 

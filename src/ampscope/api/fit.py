@@ -26,13 +26,13 @@ from ampscope.analysis.fit import (
     parse_bytes,
 )
 from ampscope.analysis.memory import MemoryReport, memory_report
-from ampscope.api.planning import ID_BYTES_PER_TOKEN, resolved
+from ampscope.api.preparation import ID_BYTES_PER_TOKEN, resolved
 from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
-from ampscope.recorders.environment import RunEnvironment
 from ampscope.render.style import format_bytes
+from ampscope.runs.environment import RunEnvironment
 
 AS_GIVEN = "as given"
 # The most real memory the token ids of a batch the search picks may take (`_batch_limit`):
@@ -176,7 +176,7 @@ def _batch_limit(seq: int) -> tuple[int, str]:
     """The largest batch the search probes at `seq`, and why it probes none larger.
 
     No run takes a batch over `workloads.MAX_SIZE`. Far below that, a probe's token ids are
-    made for real even on fake tensors (planning.batch_for), so the search picks no batch whose
+    made for real even on fake tensors (preparation.batch_for), so the search picks no batch whose
     ids would take more than `_IDS_BUDGET` or half the memory free here: a batch it chose is
     never refused by the run (with a message quoting a batch the user never gave), and never
     takes the machine's memory or minutes to make."""

@@ -14,11 +14,11 @@ from torch import nn
 
 from ampscope import workloads
 from ampscope.analysis.memory import MeasuredPeak
-from ampscope.api.planning import batch_for, resolved
+from ampscope.api.preparation import batch_for, resolved
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting
-from ampscope.recorders.environment import RunEnvironment
+from ampscope.runs.environment import RunEnvironment
 from ampscope.workloads import RunOptions
 
 

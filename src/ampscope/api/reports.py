@@ -18,7 +18,7 @@ from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import tokens_of
 from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
-from ampscope.api.planning import batch_for, resolved, run_shortfall
+from ampscope.api.preparation import batch_for, resolved, run_shortfall
 from ampscope.api.tracing import trace
 from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
 from ampscope.errors import AmpscopeError
@@ -32,9 +32,9 @@ from ampscope.precision import (
     policy_history,
 )
 from ampscope.precision.quiz import quiz as run_quiz
-from ampscope.recorders.environment import RunEnvironment
-from ampscope.recorders.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.records import Finding, SettingRecord, Trace, dtype_name
+from ampscope.runs.environment import RunEnvironment
+from ampscope.runs.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.runtime.autocast_policy import read_policy
 from ampscope.workloads import RunOptions
 

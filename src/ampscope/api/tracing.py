@@ -17,7 +17,7 @@ from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.memory import memory_report
-from ampscope.api.planning import batch_for, inputs_in_param_dtype, plan, resolved
+from ampscope.api.preparation import batch_for, inputs_in_param_dtype, plan, resolved
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.models.base import Batch, LoadedModel
@@ -25,10 +25,10 @@ from ampscope.precision import (
     DEVICES,
     Setting,
 )
-from ampscope.recorders.environment import RunEnvironment, exact_retry
-from ampscope.recorders.session import Capture
 from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
+from ampscope.runs.environment import RunEnvironment, exact_retry
+from ampscope.runs.session import Capture
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import (
     data_dependent,

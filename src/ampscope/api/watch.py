@@ -20,8 +20,8 @@ from torch.utils.hooks import RemovableHandle
 from ampscope.api.tracing import capture
 from ampscope.errors import AmpscopeError
 from ampscope.files import unwritable, write_atomic
-from ampscope.recorders.session import Capture
 from ampscope.records import Trace
+from ampscope.runs.session import Capture
 from ampscope.torchcompat import optim
 
 log = logging.getLogger(__name__)

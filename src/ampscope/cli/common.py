@@ -52,7 +52,7 @@ def _run_progress(description: str, *, after: float | None = None, console=None
 
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-    from ampscope.recorders.progress import reporting
+    from ampscope.runs.progress import reporting
 
     after = PROGRESS_AFTER_S if after is None else after
     console = console or _console(stderr=True)

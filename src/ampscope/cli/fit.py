@@ -44,7 +44,7 @@ def add_fit_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
-    from ampscope.api.plans import plans
+    from ampscope.api.parallel_plans import plans
     from ampscope.render.plans import render_plans
 
     if seq == "auto":

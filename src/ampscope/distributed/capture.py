@@ -31,9 +31,9 @@ from ampscope.distributed.report import (
     collectives,
     rank_peak,
 )
-from ampscope.recorders.session import Capture, CaptureOptions
-from ampscope.recorders.tensors import local_tensor
 from ampscope.records import SettingRecord, Trace, dtype_name
+from ampscope.runs.session import Capture, CaptureOptions
+from ampscope.runs.tensors import local_tensor
 from ampscope.torchcompat.distributed import storage_id
 
 

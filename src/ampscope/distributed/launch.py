@@ -149,7 +149,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
 
     from ampscope.distributed.step import rank_step
     from ampscope.models import registry
-    from ampscope.recorders.environment import exact_retry
+    from ampscope.runs.environment import exact_retry
     from ampscope.torchcompat.distributed import fake_store, no_fake_collectives
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)

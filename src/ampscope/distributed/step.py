@@ -23,8 +23,8 @@ from ampscope.distributed.report import Collective, DistributedReport
 from ampscope.models.base import LoadedModel
 from ampscope.patches import patched
 from ampscope.precision import Setting
-from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
+from ampscope.runs.environment import RunEnvironment
 from ampscope.runtime.predict import check_matmul_dtypes, fake_batch
 from ampscope.torchcompat.distributed import compress_hook, rank_chunks_patch
 from ampscope.torchcompat.fake import fake_mode_suspended

@@ -30,7 +30,7 @@ class _Named(str, enum.Enum):
 class Phase(_Named):
     """The part of a step an op, call or storage belongs to (sampling steps are forward).
     "evaluation": a forward pass of a run that trained which was not itself a training pass
-    (an evaluation or sampling pass between steps: recorders/passes.py)."""
+    (an evaluation or sampling pass between steps: runs/passes.py)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -39,7 +39,7 @@ class Phase(_Named):
 
 
 class PassKind(_Named):
-    """What a forward pass of the model was for (recorders/passes.py)."""
+    """What a forward pass of the model was for (runs/passes.py)."""
 
     TRAIN = "train"  # the backward pass reached its output before the optimizer stepped
     EVALUATION = "evaluation"  # no gradient, or never backpropagated
@@ -150,7 +150,7 @@ class OpCall:
     input_names: tuple[str | None, ...]
     # In backward: the autograd node that ran it (e.g. "AddmmBackward0").
     grad_fn: str | None = None
-    # FLOPs by PyTorch's convention (recorders/flops.py; 0 for ops without a formula), and the
+    # FLOPs by PyTorch's convention (runs/flops.py; 0 for ops without a formula), and the
     # same with causal attention counted only on the score entries the mask keeps.
     flops: int = 0
     flops_causal: int = 0
@@ -240,7 +240,7 @@ class FailedCall:
 
 
 class StorageCategory(_Named):
-    """What a storage is, in the precedence recorders/memory.py applies (first match wins)."""
+    """What a storage is, in the precedence runs/memory.py applies (first match wins)."""
 
     PARAMETER = "parameter"
     BUFFER = "buffer"
@@ -262,7 +262,7 @@ STORAGE_CATEGORIES: tuple[StorageCategory, ...] = tuple(StorageCategory)
 class StorageRecord:
     """One storage of the step: a block of memory that any number of tensors view (a view or
     a tied weight is no new storage). Live from op `created` through op `freed`, inclusive;
-    see recorders/memory.py for how it is seen and categorised, docs/memory.md for the limits."""
+    see runs/memory.py for how it is seen and categorised, docs/memory.md for the limits."""
 
     id: int  # in the order the storages were first seen
     nbytes: int
@@ -369,7 +369,7 @@ def _builder(cls: type) -> Callable[[Iterable[tuple]], list]:
     return cast("Callable[[Iterable[tuple]], list]", scope["build"])  # `build`, defined above
 
 
-# The rows the op recorder keeps (recorders/ops.py) and the replay engine copies
-# (recorders/windows.py).
+# The rows the op recorder keeps (runs/ops.py) and the replay engine copies
+# (runs/windows.py).
 OP_ROW = RowLayout(OpCall)
 FUNCTION_ROW = RowLayout(FunctionCall)

@@ -70,12 +70,12 @@ class Trace:
     findings: list[Finding] = field(default_factory=list)
     mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
-    storages: list[StorageRecord] = field(default_factory=list)  # memory: recorders/memory.py
+    storages: list[StorageRecord] = field(default_factory=list)  # memory: runs/memory.py
     held: list[HeldRecord] = field(default_factory=list)  # KV caches, plain tensor attributes
     passes: list[PassRecord] = field(default_factory=list)  # the model's forward passes
     # A rank of a distributed job whose parameters are sharded (DTensors): for every rank of
     # the world, the lowest rank whose shard of each parameter has the same shape (its role;
-    # recorders/inventory.py). Empty otherwise.
+    # runs/inventory.py). Empty otherwise.
     rank_roles: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:

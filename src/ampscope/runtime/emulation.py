@@ -351,7 +351,7 @@ class Emulation:
     def notes(self, workload: str, forward_ops: Sequence[str]) -> list[str]:
         """What the run assumed, in plain words, for the trace's notes. `forward_ops`, the names
         of the forward ops the trace recorded, count the attention calls: a replayed block's
-        among them, which chose no kernel of its own (recorders/repeats.py)."""
+        among them, which chose no kernel of its own (runs/repeats.py)."""
         notes = [
             f"Emulated {self.device} on the CPU: autocast followed the {self.device} policy "
             f"read from this PyTorch build ({torch.__version__})."

@@ -188,7 +188,7 @@ class TargetNormStats(UncompiledDispatchMode):
     @staticmethod
     def passes_through(func: OpOverload) -> bool:
         """Whether the mode hands `func` on unchanged: all but the norms and their backwards
-        (recorders/fake_cache.py answers those others without it)."""
+        (runs/fake_cache.py answers those others without it)."""
         return func not in BACKWARDS and func not in NORMS
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -52,10 +52,10 @@ from ampscope.analysis.summary import pass_notes
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.precision import DEVICES
-from ampscope.recorders.environment import RunEnvironment
-from ampscope.recorders.session import Capture
-from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import Trace, dtype_name
+from ampscope.runs.environment import RunEnvironment
+from ampscope.runs.session import Capture
+from ampscope.runs.tensors import no_torch_function
 from ampscope.runtime.compiled import EagerCompile
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import data_dependent

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 from ampscope.nested import tensors_in
 from ampscope.patches import patched
-from ampscope.recorders.source import user_source
 from ampscope.render.style import format_bytes
+from ampscope.runs.source import user_source
 from ampscope.torchcompat.fake import FakeTensor
 
 # Savers that write tensors to a path from C or Rust, unseen by `open`: (module, function,

@@ -11,8 +11,8 @@ import weakref
 from collections.abc import Iterator
 
 from ampscope.patches import patched
-from ampscope.recorders.session import Capture
-from ampscope.recorders.source import user_source
+from ampscope.runs.session import Capture
+from ampscope.runs.source import user_source
 from ampscope.runtime.predict import (
     foreach_defaults_as_real,
     gc_paused,

@@ -7,14 +7,14 @@ and by a probe that checks the detail behaves as the trick assumes, and is off (
 reason in `features()`) where it does not:
 
 - the dispatch cache (`cache_api()`): FakeTensorMode's cache of op results' metadata, its key
-  builder and the function that makes results from an entry (recorders/fake_cache.py);
+  builder and the function that makes results from an entry (runs/fake_cache.py);
 - cloning a fake tensor's attributes (`clone_wrap`): a new fake tensor made as the C++
   subclass with the attributes `FakeTensor.__new__` set on an earlier one (runtime/predict.py);
 - the converter's memos (`remember_constant`): entering a fake constant in the books the
-  converter keeps of its own conversions (recorders/shortcuts.py).
+  converter keeps of its own conversions (runs/shortcuts.py).
 
 Two more tricks need details found here too: `foreach` the storage length a tensor needs
-(`required_storage_length`, from torch's `_prims_common`; recorders/foreach.py), `prim-device`
+(`required_storage_length`, from torch's `_prims_common`; runs/foreach.py), `prim-device`
 FakeTensorMode's kernel-invocation flag (`kernel_invocation_flag`). Each is looked up on the
 first ask only, so importing this module reaches none of them.
 """

@@ -1,7 +1,7 @@
 """PyTorch's FLOP formulas (`torch.utils.flop_counter`), and what each release can count.
 
 - `aten_op(name)`: the aten op of that name ("_cudnn_rnn", "mkldnn_rnn_layer"), None where this
-  build has none: ampscope's own formulas name their ops so (recorders/flops.py), and
+  build has none: ampscope's own formulas name their ops so (runs/flops.py), and
   an underscored op's name is written in this package only;
 - `torch_formula(packet)`: the formula FlopCounterMode uses for an op, None where it has none;
 - `sees_shapes_only(formula)`: whether a formula was registered to see argument shapes only

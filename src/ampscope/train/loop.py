@@ -37,8 +37,8 @@ from ampscope import hardware
 from ampscope.errors import AmpscopeError
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.precision import Setting, main_dtype, parse_setting, resolve_device
-from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
+from ampscope.runs.environment import RunEnvironment
 from ampscope.train import checkpoint, measure
 from ampscope.train.config import EvalLog, StepLog, TrainConfig, TrainResult
 from ampscope.train.data import DEFAULT_CORPUS, DataLoaderLite, load_tokens, split

@@ -19,16 +19,6 @@ from torch.optim.optimizer import (
 )
 
 from ampscope.precision.matmul import matmul_precision
-from ampscope.recorders import inventory
-from ampscope.recorders.functions import FunctionRecorder, InferenceAsNoGrad
-from ampscope.recorders.memory import StorageTracker
-from ampscope.recorders.modules import ModuleTracker, PhaseClock
-from ampscope.recorders.observed import observed_setting
-from ampscope.recorders.ops import OpRecorder
-from ampscope.recorders.passes import PassLog
-from ampscope.recorders.repeats import BlockReplay
-from ampscope.recorders.replayed import ReplayDoubt
-from ampscope.recorders.tensors import no_torch_function
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
@@ -38,6 +28,16 @@ from ampscope.records import (
     StorageRecord,
     Trace,
 )
+from ampscope.runs import inventory
+from ampscope.runs.functions import FunctionRecorder, InferenceAsNoGrad
+from ampscope.runs.memory import StorageTracker
+from ampscope.runs.modules import ModuleTracker, PhaseClock
+from ampscope.runs.observed import observed_setting
+from ampscope.runs.ops import OpRecorder
+from ampscope.runs.passes import PassLog
+from ampscope.runs.repeats import BlockReplay
+from ampscope.runs.replayed import ReplayDoubt
+from ampscope.runs.tensors import no_torch_function
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.dynamo import eager_stance
@@ -90,12 +90,12 @@ class CaptureOptions:
     aten op before it runs (predict mode's matmul dtype check).
 
     `replay_blocks` (for a run on fake tensors) records repeated identical blocks once and
-    replays the others (recorders/repeats.py); `finish` raises `ReplayDoubt` when that turned
+    replays the others (runs/repeats.py); `finish` raises `ReplayDoubt` when that turned
     out unsound, or when another speed trick failed during the run (the caller runs it again on
     the exact path). `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors
-    over one list entry of each kind (recorders/foreach.py), answers per-parameter ops
-    FakeTensorMode never caches without it (recorders/shortcuts.py) and others from its cache
-    (recorders/fake_cache.py); a trick that fails is then off for the rest of the run, its op
+    over one list entry of each kind (runs/foreach.py), answers per-parameter ops
+    FakeTensorMode never caches without it (runs/shortcuts.py) and others from its cache
+    (runs/fake_cache.py); a trick that fails is then off for the rest of the run, its op
     run the exact way, and the trace says so. Each trick is used only where this torch build
     has what it needs and the exact path is not asked for (ampscope.tricks).
 

@@ -47,7 +47,6 @@ from collections.abc import Callable
 import torch
 
 from ampscope.patches import patch
-from ampscope.recorders.tensors import PLAIN_TENSORS, meta_of, stored_tensors
 from ampscope.records import (
     STORAGE_CATEGORIES,
     OpCall,
@@ -57,6 +56,7 @@ from ampscope.records import (
     from_rows,
 )
 from ampscope.records.fp8 import fp8_casts
+from ampscope.runs.tensors import PLAIN_TENSORS, meta_of, stored_tensors
 from ampscope.torchcompat.autograd import (
     UnreadableSaved,
     graph_task_id,
@@ -73,7 +73,7 @@ _ACTIVATION, _TEMPORARY = StorageCategory.ACTIVATION, StorageCategory.TEMPORARY
 class _Storage(weakref.ref):
     """A weak reference to one storage that carries what is known of it (the reference is the
     record: one object per storage, and its callback receives it). `dated`: the op index its
-    free is dated at, when a replayed block (recorders/repeats.py) knows it better than the
+    free is dated at, when a replayed block (runs/repeats.py) knows it better than the
     moment the storage goes; `followers`: replayed storages freed when this one is."""
 
     __slots__ = ("key", "nbytes", "meta", "created", "freed", "saved", "category", "names",
@@ -204,7 +204,7 @@ class StorageTracker:
         else:
             self._shrunk[key] = meta
 
-    # -- for replayed blocks (recorders/repeats.py)
+    # -- for replayed blocks (runs/repeats.py)
     def start_log(self) -> int:
         """Start noting frees (nested starts are counted); returns where the log is now."""
         self._logging += 1
@@ -214,7 +214,7 @@ class StorageTracker:
         self._logging -= 1
         return len(self.log)
 
-    # -- the storages recorded so far, for the replay engine (recorders/windows.py)
+    # -- the storages recorded so far, for the replay engine (runs/windows.py)
     def created_count(self) -> int:
         return len(self._seen)
 

@@ -2,7 +2,7 @@
 above autocast (`FunctionRecorder`, a TorchFunctionMode), and `torch.inference_mode()` blocks
 run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`).
 
-The op recorder (recorders/ops.py) reads the call in progress from the `FunctionRecorder` it is
+The op recorder (runs/ops.py) reads the call in progress from the `FunctionRecorder` it is
 given at construction, through the `UserCalls` protocol, the whole channel between the two: an
 aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself a
 cast while autocast is on.
@@ -22,14 +22,6 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ampscope.patches import patch
 from ampscope.precision import AUTOCAST_DEVICES
-from ampscope.recorders.modules import ModuleTracker, PhaseClock
-from ampscope.recorders.source import source_from
-from ampscope.recorders.tensors import (
-    meta_of,
-    metas_of,
-    results_of,
-    walk,
-)
 from ampscope.records import (
     EXPLICIT_CASTS,
     FUNCTION_ROW,
@@ -40,6 +32,14 @@ from ampscope.records import (
     Phase,
     dtype_name,
     module_label,
+)
+from ampscope.runs.modules import ModuleTracker, PhaseClock
+from ampscope.runs.source import source_from
+from ampscope.runs.tensors import (
+    meta_of,
+    metas_of,
+    results_of,
+    walk,
 )
 from ampscope.runtime.autocast_key import key_state
 from ampscope.torchcompat.autograd import graph_task_id
@@ -145,7 +145,7 @@ def _put_back_on_stack(mode: TorchFunctionMode, depth: int) -> None:
 
 
 class UserCalls(Protocol):
-    """What the op recorder (recorders/ops.py) reads of the user-level call in progress, and
+    """What the op recorder (runs/ops.py) reads of the user-level call in progress, and
     the two things it tells back: the whole channel between the two recorders, which the
     `FunctionRecorder` it is given at construction provides."""
 

@@ -1,5 +1,5 @@
 """Which of a model's blocks are alike: structurally identical, so that one recorded call can
-stand for another's (recorders/repeats.py replays them).
+stand for another's (runs/repeats.py replays them).
 
 Blocks are alike when they have the same classes, parameter and buffer shapes, strides, dtypes
 and `requires_grad`, the same plain attributes (a configuration object compared by value, an
@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ampscope.recorders.tensors import tensor_key
+from ampscope.runs.tensors import tensor_key
 from ampscope.torchcompat import modules as module_state
 
 MIN_BLOCKS = 5  # two recorded at each end and at least one replayed

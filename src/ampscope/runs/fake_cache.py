@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ampscope.recorders.foreach import NOT_THINNED
-from ampscope.recorders.tensors import no_torch_function
+from ampscope.runs.foreach import NOT_THINNED
+from ampscope.runs.tensors import no_torch_function
 from ampscope.runtime.predict import new_fake
 from ampscope.torchcompat import fake
 from ampscope.torchcompat.dispatch import (

@@ -25,8 +25,8 @@ from torch.nn.modules.module import (
 )
 
 from ampscope.patches import patch
-from ampscope.recorders.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.records import ModuleCall, Phase, TensorMeta
+from ampscope.runs.tensors import metas, metas_of, no_torch_function, tensors_in
 from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
 from ampscope.torchcompat.modules import drop_global_forward_hook
 
@@ -183,7 +183,7 @@ class ModuleTracker:
         self._names.update(names)
 
     # -- queries used while ops run
-    # -- the calls recorded so far, for the replay engine (recorders/windows.py)
+    # -- the calls recorded so far, for the replay engine (runs/windows.py)
     def call_count(self) -> int:
         return len(self._calls)
 

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from ampscope.recorders.tensors import dtensor_layout, local_tensor
 from ampscope.records import (
     TARGET_NAMES,
     BufferRecord,
@@ -23,6 +22,7 @@ from ampscope.records import (
     dtype_name,
     from_rows,
 )
+from ampscope.runs.tensors import dtensor_layout, local_tensor
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.distributed import shard_shapes
 

@@ -1,4 +1,4 @@
-"""A replayed block (recorders/repeats.py): what its recorded twins left for it (`BlockPass`),
+"""A replayed block (runs/repeats.py): what its recorded twins left for it (`BlockPass`),
 and `Replayed`, the autograd Function it runs as instead of dispatching an op: its forward and
 backward append their recorded twins' records under its names and return fake tensors.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ampscope.recorders.tensors import fake_from, no_torch_function
-from ampscope.recorders.windows import Recorders, Window
+from ampscope.runs.tensors import fake_from, no_torch_function
+from ampscope.runs.windows import Recorders, Window
 from ampscope.tricks import TrickFailed
 
 

@@ -1,6 +1,6 @@
 """The aten ops that really ran: `OpRecorder` (a TorchDispatchMode) sits below autocast and
 autograd and sees every op, including the `_to_copy` casts autocast inserted and every backward
-and optimizer op, each recorded under the user-level call it ran in (recorders/functions.py).
+and optimizer op, each recorded under the user-level call it ran in (runs/functions.py).
 
 An aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself
 a cast (`F.linear` under autocast casts its input, weight and bias) while autocast is on.
@@ -16,13 +16,18 @@ from typing import Any
 import torch
 
 from ampscope.precision import matmul
-from ampscope.recorders import fake_cache, foreach, progress, shortcuts
-from ampscope.recorders.flops import formula as flop_formula
-from ampscope.recorders.flops import op_flops
-from ampscope.recorders.functions import PENDING, UserCalls
-from ampscope.recorders.memory import StorageTracker
-from ampscope.recorders.modules import ModuleTracker, PhaseClock
-from ampscope.recorders.tensors import (
+from ampscope.records import (
+    OP_ROW,
+    OpCall,
+    Phase,
+)
+from ampscope.runs import fake_cache, foreach, progress, shortcuts
+from ampscope.runs.flops import formula as flop_formula
+from ampscope.runs.flops import op_flops
+from ampscope.runs.functions import PENDING, UserCalls
+from ampscope.runs.memory import StorageTracker
+from ampscope.runs.modules import ModuleTracker, PhaseClock
+from ampscope.runs.tensors import (
     PLAIN_TENSORS,
     data_dtypes,
     has_dtensor,
@@ -32,11 +37,6 @@ from ampscope.recorders.tensors import (
     no_torch_function,
     results_of,
     walk,
-)
-from ampscope.records import (
-    OP_ROW,
-    OpCall,
-    Phase,
 )
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
@@ -104,12 +104,12 @@ class OpRecorder(UncompiledDispatchMode):
         # Called with (func, args) before each op runs; may raise as the op's real kernel would
         # (predict mode checks what fake tensors' meta kernels do not).
         self.check: Callable[[OpOverload, tuple], None] | None = None
-        # Told of each op's results, to follow the storages they allocate (recorders/memory.py).
+        # Told of each op's results, to follow the storages they allocate (runs/memory.py).
         self.storages: StorageTracker | None = None
         # On fake tensors, the speed tricks that may answer ops (`use_tricks`): foreach ops
-        # over one entry of each kind (recorders/foreach.py), per-parameter ops FakeTensorMode
-        # never caches (recorders/shortcuts.py), ops whose FakeTensorMode cache entry is known
-        # (recorders/fake_cache.py), and C++ reads of a fake tensor's device.
+        # over one entry of each kind (runs/foreach.py), per-parameter ops FakeTensorMode
+        # never caches (runs/shortcuts.py), ops whose FakeTensorMode cache entry is known
+        # (runs/fake_cache.py), and C++ reads of a fake tensor's device.
         self.tricks: frozenset[Trick] = frozenset()
         self._answering = (False,) * len(_OP_TRICKS)  # by _OpFacts.trick: is it on?
         self.prim_device: bool | None = False  # None: decided on the first fake device read

@@ -151,7 +151,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
     arguments, parameters, buffers and tensor attributes): class, dtype, shape, stride, storage
     offset, device, whether it wants a gradient and whether autograd made it. The one key for
     that question; the foreach and fake-cache tricks key fake tensors as FakeTensorMode's own
-    cache does instead (recorders/foreach.py, recorders/fake_cache.py), by its fields."""
+    cache does instead (runs/foreach.py, runs/fake_cache.py), by its fields."""
     return (type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device,
             t.requires_grad, t.grad_fn is None)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ampscope.recorders.tensors import (
+from ampscope.runs.tensors import (
     described,
     dtensor_layout,
     fake_from,

@@ -38,7 +38,7 @@ from ampscope.analysis.plans import (
     places,
     ranked,
 )
-from ampscope.api.planning import resolved
+from ampscope.api.preparation import resolved
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
@@ -252,7 +252,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     from torch.distributed.device_mesh import init_device_mesh
 
     from ampscope.distributed.step import rank_step
-    from ampscope.recorders.environment import exact_retry
+    from ampscope.runs.environment import exact_retry
 
     # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -6,7 +6,7 @@ counter (`torch.tensor(0.0)`) when its state is created, and reads each counter 
 `.item()` twice a step; the autograd engine detaches each gradient as it stores it. On a 70B
 Llama that is about 3,700 ops, at 30 to 150 µs each through FakeTensorMode, which keeps none
 of them in its cache (ops it does cache, such as the moments' `zeros_like`, are answered from
-it: recorders/fake_cache.py). In a predicted run (as foreach ops are thinned, and by the same
+it: runs/fake_cache.py). In a predicted run (as foreach ops are thinned, and by the same
 switch) the op recorder answers them itself:
 
 - `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ampscope.recorders.foreach import NOT_THINNED
-from ampscope.recorders.tensors import no_torch_function
+from ampscope.runs.foreach import NOT_THINNED
+from ampscope.runs.tensors import no_torch_function
 from ampscope.runtime.predict import new_fake, wrap_fake
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import OpOverload, active_fake_mode, no_dispatch

@@ -3,7 +3,7 @@ are recorded from two of them and replayed for the others, which never dispatch 
 
 A transformer's N blocks run the same ops on the same metadata; on fake tensors each op costs
 its dispatch and nothing else, so a step costs about N times one block. Here, within each run of
-at least five structurally identical consecutive children (recorders/alike.py) of a `ModuleList`
+at least five structurally identical consecutive children (runs/alike.py) of a `ModuleList`
 or `Sequential`:
 
 - blocks 0 and 1, and the last two, run and are recorded as usual. Block 1's forward and the
@@ -13,7 +13,7 @@ or `Sequential`:
   tensor metadata, the same tensors shared with block 0, the same plain values, the same grad
   and autocast state, no gradients yet) does not run. Its forward appends block 1's records,
   renamed to its own modules and parameters, makes fake tensors for its outputs, and returns
-  them from an autograd Function (recorders/replayed.py) whose backward appends the
+  them from an autograd Function (runs/replayed.py) whose backward appends the
   second-to-last block's backward records and returns fake gradients for its inputs and
   parameters;
 - storages follow their twin: one a replayed block made that block 1's twin kept past its
@@ -23,7 +23,7 @@ or `Sequential`:
   dated where the window freed them.
 
 Nothing is assumed without being checked: a block is replayed only when its structure matches
-(recorders/alike.py) and its call does, and a window (recorders/windows.py) is used only when
+(runs/alike.py) and its call does, and a window (runs/windows.py) is used only when
 everything it made and freed is accounted for. The recorded blocks are then compared with one
 another (block 1's forward with the second-to-last block's, block 1's backward with the
 second-to-last block's): when they differ, `ReplayDoubt` is raised and the caller runs the step
@@ -40,17 +40,17 @@ import torch
 from torch import nn
 
 from ampscope.patches import patch
-from ampscope.recorders.alike import PLAIN_VALUES, attribute_ids, repeated_runs
-from ampscope.recorders.blockio import (
+from ampscope.runs.alike import PLAIN_VALUES, attribute_ids, repeated_runs
+from ampscope.runs.blockio import (
     grad_and_autocast_state,
     is_fake,
     plain_spec,
     saved_storages,
     shared_with_first,
 )
-from ampscope.recorders.memory import StorageTracker, storage_of
-from ampscope.recorders.modules import ModuleTracker
-from ampscope.recorders.replayed import (
+from ampscope.runs.memory import StorageTracker, storage_of
+from ampscope.runs.modules import ModuleTracker
+from ampscope.runs.replayed import (
     BlockPass,
     RecordedBackward,
     RecordedForward,
@@ -59,8 +59,8 @@ from ampscope.recorders.replayed import (
     Replayed,
     bookkeeping,
 )
-from ampscope.recorders.tensors import described, no_torch_function, tensor_key
-from ampscope.recorders.windows import Window
+from ampscope.runs.tensors import described, no_torch_function, tensor_key
+from ampscope.runs.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree
 

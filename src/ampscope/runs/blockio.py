@@ -1,4 +1,4 @@
-"""What a block call takes and leaves, as the replay of repeated blocks (recorders/repeats.py)
+"""What a block call takes and leaves, as the replay of repeated blocks (runs/repeats.py)
 compares them: its arguments' metadata and structure, what it shares with block 0, the grad and
 autocast state it ran under, and the storages its autograd graph saved."""
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ampscope.recorders.memory import saved_tensors, storage_of
+from ampscope.runs.memory import saved_tensors, storage_of
 from ampscope.torchcompat.autograd import reads_saved_raw, saving_through_hooks
 from ampscope.torchcompat.dispatch import pytree, pytree_children
 from ampscope.torchcompat.fake import FakeTensor

@@ -38,7 +38,7 @@ from torch import nn
 
 from ampscope.models.loading import load
 from ampscope.precision import Setting, applied
-from ampscope.recorders.session import Capture, CaptureOptions
+from ampscope.runs.session import Capture, CaptureOptions
 from ampscope.runtime.emulation import Emulation
 from ampscope.runtime.predict import check_matmul_dtypes, fake_mode, gc_enabled, predicting
 from ampscope.runtime.virtual_device import VirtualDevice
@@ -77,7 +77,7 @@ class RunEnvironment:
                                                else virtual)
         self.device = target  # the device the run's code believes it has (None: this one)
         self.target = target if emulated else None  # the device emulated here, if one is
-        self.predict = predict  # decided later for a run that plans first (api/planning.py)
+        self.predict = predict  # decided later for a run that plans first (api/preparation.py)
         self._fake: FakeTensorMode | None = None
         # One virtual device for loading and running: a model built under it keeps its tags.
         self.virtual = VirtualDevice(target) if emulated and target is not None else None

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ampscope.recorders.modules import ModuleTracker, in_backward
 from ampscope.records import Phase, dtype_name
 from ampscope.records.fp8 import FP8_DTYPES, GemmRoles
+from ampscope.runs.modules import ModuleTracker, in_backward
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import TorchDispatchMode, inner_tensors
 

@@ -25,7 +25,7 @@ get; no `out_val`) and reads only shapes and non-tensor arguments: counts are ca
 parameter whose schema argument has a default needs one too (the dispatcher may leave it out).
 Register at import, before anything runs: the op recorder keeps what it looked up per op.
 
-What is counted. Every op that reaches the op recorder (recorders/ops.py, a dispatch mode) is
+What is counted. Every op that reaches the op recorder (runs/ops.py, a dispatch mode) is
 counted, once: a composite (`linear`, `lstm.input`) decomposes before the mode sees it, so
 only its parts are counted, and ops a kernel runs inside itself are not seen, so a fused op is
 counted alone. RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without

@@ -17,8 +17,8 @@ from ampscope.precision import (
     parse_setting,
     resolve_device,
 )
-from ampscope.recorders.environment import RunEnvironment
 from ampscope.records import dtype_name
+from ampscope.runs.environment import RunEnvironment
 from ampscope.workloads import RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.

@@ -1,18 +1,18 @@
 """A window: the records one recorded block call appended, and the storages it made and freed
-— what recorders/repeats.py replays for that block's identical twins, renamed to them.
+— what runs/repeats.py replays for that block's identical twins, renamed to them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
-from ampscope.recorders.memory import StorageTracker
-from ampscope.recorders.modules import ModuleTracker
 from ampscope.records import FUNCTION_ROW, OP_ROW, Phase
+from ampscope.runs.memory import StorageTracker
+from ampscope.runs.modules import ModuleTracker
 
 if TYPE_CHECKING:  # the op recorder's module imports the replay engine's users
-    from ampscope.recorders.functions import FunctionRecorder
-    from ampscope.recorders.ops import OpRecorder
+    from ampscope.runs.functions import FunctionRecorder
+    from ampscope.runs.ops import OpRecorder
 
 # The fields a window reads or changes in the rows it copies (records.OP_ROW, FUNCTION_ROW).
 _INDEX, _MODULE, _CALLER, _NAMES = (OP_ROW.at(f) for f in ("index", "module", "caller",
