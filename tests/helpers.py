@@ -268,3 +268,18 @@ def assert_same_trace(quick, full) -> None:
     for key in a:  # one key at a time: a failure names what differs
         assert a[key] == b[key], key
     assert memory_report(quick).peak == memory_report(full).peak
+
+
+def modules_after(imports: str, *prefixes: str) -> list[str]:
+    """The modules named `prefix` or under it that a fresh interpreter holds after running
+    `imports` (what an import drags in, seen from outside this test process)."""
+    import ast
+    import subprocess
+    import sys
+
+    code = (f"import sys\n{imports}\nprefixes = {prefixes!r}\n"
+            "print(sorted(m for m in sys.modules if any(m == p or m.startswith(p + '.') "
+            "for p in prefixes)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    return ast.literal_eval(result.stdout.strip())

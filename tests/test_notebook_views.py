@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers import modules_after
+
 pytestmark = pytest.mark.fast
 
 _IMPORT_THEN_REGISTER = """
@@ -31,8 +33,4 @@ def test_importing_the_views_gives_no_class_a_view_until_registered():
 
 
 def test_the_records_import_no_view():
-    code = ("import sys\nimport ampscope.records\n"
-            "print(sorted(m for m in sys.modules if m.startswith('ampscope.render')))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
-    assert result.stdout.strip() == "[]"
+    assert modules_after("import ampscope.records", "ampscope.render") == []
