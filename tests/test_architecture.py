@@ -3,6 +3,7 @@ and no import cycle between ampscope's modules."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,6 @@ _ROWS = {"rows", "op_log"}
 def _literal_row_indexing(tree) -> list[int]:
     """Lines that read a row's field by number (`r[7]`, `rows[i][4]`) or unpack a row by
     position (`_, name, *_ = self.rows[i]`)."""
-    import ast
 
     def named(node, names: set[str]) -> bool:
         name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
@@ -71,7 +71,6 @@ def _literal_row_indexing(tree) -> list[int]:
 def test_recorders_name_the_fields_of_a_row():
     """A row's fields are read and changed by name (records.OP_ROW.at("caller"), OP_ROW.replace),
     never by position: a field added to a record would silently shift every number."""
-    import ast
 
     found = []
     for path in sorted((ROOT / "src" / "ampscope" / "runs").glob("*.py")):
@@ -82,7 +81,6 @@ def test_recorders_name_the_fields_of_a_row():
 
 def test_the_row_check_finds_literal_indexing():
     """The check above, on the forms the recorders used before rows had named fields."""
-    import ast
 
     code = ("a = r[7]\nb = rows[i][4][0]\nrows[i] = row[:6] + (False,) + row[7:]\n"
             "c = row[2]\n_, name, module, *_ = self.rows[where]\nd = rows[-1]\n")
@@ -111,7 +109,6 @@ _NOT_PATCHES = {
 
 def _attribute_changes(tree) -> list[tuple[int, str]]:
     """Assignments to an attribute of something other than `self`, and `setattr` calls."""
-    import ast
 
     found = []
     for node in ast.walk(tree):
@@ -133,7 +130,6 @@ def test_every_replacement_of_others_code_goes_through_the_patch_registry():
     ampscope.patches (undone as made, listed while in force, checked by the state tests). An
     attribute of one of ampscope's own objects (not `self`) is allowed when the name says so:
     a record being filled, a call's outputs."""
-    import ast
 
     src = ROOT / "src" / "ampscope"
     external = ("torch", "nn", "builtins", "io", "os", "atexit", "sys", "F", "module", "block",
@@ -155,7 +151,6 @@ def test_every_replacement_of_others_code_goes_through_the_patch_registry():
 def test_modules_and_functions_stay_small():
     """A module a reader can hold in mind (at most 500 lines) and functions that fit a screen
     or two (at most 80 lines): split by what the parts do when one grows past it."""
-    import ast
 
     long_files, long_functions = [], []
     for path in sorted((ROOT / "src" / "ampscope").rglob("*.py")):
@@ -174,7 +169,6 @@ def test_modules_and_functions_stay_small():
 def test_every_package_docstring_names_its_files():
     """A package's docstring is its table of contents: every module in it is named there
     (`name.py`), so a reader finds where each thing lives without opening them all."""
-    import ast
 
     missing = []
     for init in sorted((ROOT / "src" / "ampscope").rglob("__init__.py")):
@@ -184,3 +178,23 @@ def test_every_package_docstring_names_its_files():
             if module.name != "__init__.py" and module.name not in doc:
                 missing.append(f"{package.relative_to(ROOT / 'src')}: {module.name}")
     assert not missing, missing
+
+
+def test_modules_that_share_a_file_name_name_each_other():
+    """Two modules may share a file name only as one concern at different layers (the FLOP
+    recorder, report and view: runs/flops.py, analysis/flops.py, render/flops.py), and each
+    docstring says where its namesakes are; any other clash is a name to change."""
+    package = ROOT / "src" / "ampscope"
+    by_name: dict[str, list[Path]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(path)
+    unnamed = []
+    for paths in by_name.values():
+        for path in paths if len(paths) > 1 else []:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+            for other in paths:
+                rel = other.relative_to(package).as_posix()
+                if other != path and f"`{rel}`" not in doc:
+                    unnamed.append(f"{path.relative_to(package).as_posix()} does not name {rel}")
+    assert not unnamed, unnamed

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ampscope import tricks
-from ampscope.cli.environment import print_environment
+from ampscope.cli.version import print_environment
 from ampscope.torchcompat import autograd, dispatch, distributed, fake, features, policy
 
 pytestmark = pytest.mark.fast

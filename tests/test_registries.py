@@ -1,4 +1,4 @@
-"""The report registry (render/registry.py) and the export registry (cli/exports.py): every
+"""The report registry (render/report_kinds.py) and the export registry (cli/exports.py): every
 registered report has its JSON Schema, its docs section and its public function; a report
 registered in a test, and nothing else, gets its command, its JSON, its view, its notebook view
 and its section of the HTML page; every command takes exactly the exports registered for it."""
@@ -18,7 +18,7 @@ import ampscope
 from ampscope import schemas
 from ampscope.cli import _parser, main
 from ampscope.cli.exports import EXPORTS
-from ampscope.render.registry import REPORTS, ReportKind, kind_of, register_report
+from ampscope.render.report_kinds import REPORTS, ReportKind, kind_of, register_report
 
 ROOT = Path(__file__).parent.parent
 

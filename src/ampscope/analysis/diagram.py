@@ -11,7 +11,8 @@ A layer whose matmul ran in fp8 (torchao's Float8Linear) is drawn as one `linear
 with the fp8 formats its operands held: they show a higher dtype outside, and autocast's cast of
 them to bf16 keeps their fp8 data. The recipe's own calls around it (scales from the amax, in
 float64; the casts into fp8; the bias's cast) are left out, as the findings sum them up.
-"""
+
+Namesakes, the same concern at another layer: `render/diagram.py`."""
 
 from __future__ import annotations
 

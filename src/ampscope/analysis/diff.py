@@ -45,7 +45,8 @@ lacks a thing is `null`:
 Tensor categories: "parameter", "gradient", "buffer", "optimizer state" (name
 "PARAM:KEY", e.g. "transformer.wte.weight:exp_avg"), "input", "target", "output".
 Counts in the summary are of calls, ops, casts and tensors, not of collapsed rows.
-"""
+
+Namesakes, the same concern at another layer: `render/diff.py`."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ extrapolation. To get there in few runs it guesses: a storage's size is almost a
 in the batch (batch × sequence × width), so from two fitting probes the live bytes at every op
 are extrapolated to the largest batch whose every op stays within the budget; that guess and
 the batch after it are then probed. A wrong guess costs a probe and falls back on bisection.
-"""
+
+Namesakes, the same concern at another layer: `api/fit.py`, `cli/fit.py`, `render/fit.py`."""
 
 from __future__ import annotations
 

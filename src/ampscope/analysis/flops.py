@@ -16,7 +16,9 @@ L, H, Q and T are read off the attention ops of the first forward pass (query sh
 
 MFU uses the counted FLOPs (PyTorch's convention: full attention), split by the dtype each
 matmul ran in, against that dtype's peak (see hardware.mfu).
-"""
+
+Namesakes, the same concern at another layer: `render/flops.py`, `runs/flops.py`,
+`torchcompat/flops.py`."""
 
 from __future__ import annotations
 

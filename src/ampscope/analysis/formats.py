@@ -28,7 +28,8 @@ Where the facts come from:
 `digits` is mantissa_bits·log10(2) = -log10(eps): how many decimal digits the format resolves
 next to 1.0 (numpy's `finfo.precision` and torch's `finfo.resolution` = 10^-floor(digits) use the
 same measure). Counting the implicit leading bit, (mantissa_bits + 1)·log10(2), adds 0.3.
-"""
+
+Namesakes, the same concern at another layer: `render/formats.py`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Read from the ops, not from the setting, so a model that a script or a factory c
 is described the same way: a matmul ran in fp8 when its operands held fp8 data
 (`OpCall.input_data`), a cast into fp8 is a `_to_copy` to a float8 dtype with the scale found
 by `records.fp8`.
-"""
+
+Namesakes, the same concern at another layer: `precision/fp8.py`, `records/fp8.py`."""
 
 from __future__ import annotations
 

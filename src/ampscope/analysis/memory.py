@@ -6,7 +6,8 @@ and tied weights count once. A storage is live from the op that made it through 
 which it was freed (`StorageRecord.created`..`freed`, inclusive); the live bytes "at op k" are
 those of every storage live through op k, which includes op k's inputs and outputs together.
 See docs/memory.md for the method and what it does not model.
-"""
+
+Namesakes, the same concern at another layer: `render/memory.py`, `runs/memory.py`."""
 
 from __future__ import annotations
 

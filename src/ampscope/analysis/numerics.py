@@ -15,7 +15,8 @@ Under an fp8 recipe, each cast into fp8 at the scale the recipe used (one per te
 row): the share of its non-zero values that saturate (|x · scale| above the format's max,
 clamped to it) and that underflow (non-zero, 0 in fp8), counted on the run's real tensors by
 `runs.values` and summed here over a layer's calls.
-"""
+
+Namesakes, the same concern at another layer: `render/numerics.py`."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ The rules:
 
 tests/test_plans.py traces plans at their full depth and other micro-batches and compares, to
 the byte.
-"""
+
+Namesakes, the same concern at another layer: `render/plans.py`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ tensors and its memory report); the
 search that picks the runs is in analysis/fit.py. The model is built once on the meta device
 and every probe runs on it: each run makes its own fake working copies of the weights
 (`precision.applied`), so nothing carries over from one probe to the next.
-"""
+
+Namesakes, the same concern at another layer: `analysis/fit.py`, `cli/fit.py`, `render/fit.py`."""
 
 from __future__ import annotations
 

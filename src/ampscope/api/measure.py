@@ -1,6 +1,8 @@
 """Measurements of an untraced step on this machine's real device: its wall time (for MFU)
 and the allocator's peak (beside the predicted one): CUDA's own counter on a GPU, the
-profiler's allocation events on the CPU."""
+profiler's allocation events on the CPU.
+
+Namesakes, the same concern at another layer: `train/measure.py`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 - `commands.py`, `train.py`, `fit.py`: one function per command (call the library, render);
 - `common.py`: what the commands share (console, progress, one-line errors, the end of each);
   `exports.py`: `--json`, `--csv`, `--perfetto`, `--report`, each registered once;
-- `hardware.py`: `--gpu`, `--peak-flops`, `--memory`; `environment.py`: `--version -v`;
+- `hardware.py`: `--gpu`, `--peak-flops`, `--memory`; `version.py`: `--version -v`;
 - `startup.py`: a command's imports with the garbage collector paused.
 
 No analysis lives here.
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
     if not [a for a in argv if a not in _GLOBAL_FLAGS]:
         argv.append("trace")  # bare `ampscope` traces the built-in default model
     if "--version" in argv and ("-v" in argv or "--verbose" in argv):
-        from ampscope.cli.environment import print_environment
+        from ampscope.cli.version import print_environment
 
         print_environment()
         return 0

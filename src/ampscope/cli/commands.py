@@ -25,7 +25,7 @@ from ampscope.cli.exports import EXPORTS, write_exports
 from ampscope.cli.fit import cmd_fit  # noqa: F401 - `ampscope fit`, found here by name
 from ampscope.cli.train import cmd_bench, cmd_train  # noqa: F401 - likewise
 from ampscope.errors import AmpscopeError
-from ampscope.render.registry import REPORTS, kind_of
+from ampscope.render.report_kinds import REPORTS, kind_of
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:

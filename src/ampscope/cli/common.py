@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ampscope.cli.exports import write_exports
-from ampscope.render.registry import kind_of
+from ampscope.render.report_kinds import kind_of
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_MESSAGE = 300
@@ -80,7 +80,7 @@ def _show(args: argparse.Namespace, render: Callable[[], object], **parts: Any) 
 
 
 def show_report(args: argparse.Namespace, report: Any, **view_options: Any) -> int:
-    """The end of a registered report's command (render/registry.py): its JSON, its table as
+    """The end of a registered report's command (render/report_kinds.py): its JSON, its table as
     CSV where it has one, and its view (given `view_options`)."""
     kind = kind_of(report)
     return _show(args, lambda: kind.load("view")(report, **view_options), json=report.to_dict,

@@ -1,6 +1,6 @@
 """The exports, each registered once: the flag, how it writes the part of a command's result
 it reads (`_show(args, render, json=…, csv=…, perfetto=…, report=…)`), the commands that take
-it with each one's help line (`reports`: every registered report's, render/registry.py), and
+it with each one's help line (`reports`: every registered report's, render/report_kinds.py), and
 whether '-' means stdout. The parser adds the flags from here, `check_outputs` refuses an
 unwritable path before the run, and `write_exports` writes them in this order, through
 `write_atomic`, saying where on stderr. Torch-free: the parser reads it.
@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from ampscope.errors import AmpscopeError
 from ampscope.files import write_atomic
-from ampscope.render.registry import REPORTS, ReportKind
+from ampscope.render.report_kinds import REPORTS, ReportKind
 
 # The real stdout while a command with `--json -` runs with user code's prints sent to stderr.
 json_stream: TextIO | None = None

@@ -1,5 +1,7 @@
 """`ampscope fit`: its arguments and the command (parse, call, render). cli/__init__.py adds
-the subparser with `add_fit_parser`."""
+the subparser with `add_fit_parser`.
+
+Namesakes, the same concern at another layer: `analysis/fit.py`, `api/fit.py`, `render/fit.py`."""
 
 from __future__ import annotations
 

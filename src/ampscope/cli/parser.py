@@ -20,7 +20,7 @@ from ampscope.defaults import (
     MAX_FORWARDS,
 )
 from ampscope.hardware.device_types import DEVICE_TYPES
-from ampscope.render.registry import REPORTS
+from ampscope.render.report_kinds import REPORTS
 
 
 class _UsageError(Exception):
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_matrix(sub)
     _add_report(sub)
     _add_diff(sub)
-    for kind in REPORTS.values():  # memory, flops, numerics, formats, policy: render/registry.py
+    for kind in REPORTS.values():  # memory, flops, numerics, formats, policy: render/report_kinds.py
         _REPORT_ARGUMENTS.get(kind.name, add_exports)(sub.add_parser(kind.name, help=kind.help))
     add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
     add_bench_parser(sub)  # ampscope bench: the precision ladder

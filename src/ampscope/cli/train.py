@@ -1,5 +1,7 @@
 """`ampscope train` and `ampscope bench`: their arguments, and the commands (parse, call,
-render). cli/__init__.py adds the two subparsers with `add_train_parser` / `add_bench_parser`."""
+render). cli/__init__.py adds the two subparsers with `add_train_parser` / `add_bench_parser`.
+
+Namesakes, the same concern at another layer: `render/train.py`."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from ampscope.distributed.report import (
 )
 from ampscope.records import SettingRecord, Trace, dtype_name
 from ampscope.runs.session import Capture, CaptureOptions
-from ampscope.runs.tensors import local_tensor
+from ampscope.runs.tensor_meta import local_tensor
 from ampscope.torchcompat.distributed import storage_id
 
 

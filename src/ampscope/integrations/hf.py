@@ -20,7 +20,8 @@ fails to load, an out-of-memory) leaves `train()` without another callback call.
   here, for the next `train()`; `auto_find_batch_size` restarts the loop after an
   out-of-memory error by calling `on_train_begin` again).
 - `on_train_end` closes, as before.
-"""
+
+Namesakes, the same concern at another layer: `models/hf.py`."""
 
 from __future__ import annotations
 

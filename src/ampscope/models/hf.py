@@ -10,7 +10,8 @@ Every model is built with `attn_implementation="sdpa"` and in float32 whatever t
 dtype is the setting's choice, not the checkpoint's.
 
 `transformers` is imported only here and only when an HF spec is resolved (it takes seconds).
-"""
+
+Namesakes, the same concern at another layer: `integrations/hf.py`."""
 
 from __future__ import annotations
 

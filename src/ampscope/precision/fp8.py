@@ -6,7 +6,8 @@ each with a scale computed from the tensor's amax (dynamic scaling). ampscope na
 as torchao does (`Float8LinearRecipeName`) and converts with torchao's own
 `convert_to_float8_training`; on a device without fp8 matmuls (the CPU, an emulated device) the
 config's `emulate=True` runs them in higher precision on the same fp8 values.
-"""
+
+Namesakes, the same concern at another layer: `analysis/fp8.py`, `records/fp8.py`."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ Grammar (see docs/settings.md)::
     fp8     torchao fp8 training; RECIPE one of torchao's (tensorwise, rowwise, ...; precision/fp8.py)
 
 Applying a setting (and undoing it exactly) is `precision/apply.py`.
-"""
+
+Namesakes, the same concern at another layer: `records/setting.py`."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ optionally rounded to a power of 2), then `x * scale`, a clamp to the format's r
 before it on the same tensor names the scale by its shape: one number (tensorwise) or one per
 row (rowwise). The op that made the scale is the last earlier op in the same module with the
 scale's dtype and shape.
-"""
+
+Namesakes, the same concern at another layer: `analysis/fp8.py`, `precision/fp8.py`."""
 
 from __future__ import annotations
 

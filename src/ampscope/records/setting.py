@@ -3,7 +3,8 @@
 `precision.Setting` is the live form (torch dtypes, an autocast context); a trace keeps this
 record of it instead, so every layer above capture reads typed fields and the JSON stays the
 same `setting` object it always was.
-"""
+
+Namesakes, the same concern at another layer: `precision/setting.py`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
   SVG), `flowgraph.py` (the dtype flow as SVG), `templating.py` (the jinja2 environment of the
   templates in `templates/`);
 - `notebook.py`: Jupyter display (`register()`, called by the package root);
-- `registry.py`: the reports, each registered once (`register_report`): command, view,
+- `report_kinds.py`: the reports, each registered once (`register_report`): command, view,
   notebook view, section of the HTML report.
 
 The step as a Trace Event timeline is no view: it is data, `Trace.to_perfetto`

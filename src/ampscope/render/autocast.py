@@ -1,4 +1,6 @@
-"""`ampscope policy`: an autocast policy, two devices' differences, and the quiz, as tables."""
+"""`ampscope policy`: an autocast policy, two devices' differences, and the quiz, as tables.
+
+Namesakes, the same concern at another layer: `analysis/autocast.py`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The dtype flow diagram as text: a vertical chain of steps, dtypes on every edge; and how a
-step is described (`relative_module`, `step_notes`), which the SVG (flowgraph.py) shares."""
+step is described (`relative_module`, `step_notes`), which the SVG (flowgraph.py) shares.
+
+Namesakes, the same concern at another layer: `analysis/diagram.py`."""
 
 from __future__ import annotations
 

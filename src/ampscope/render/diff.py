@@ -1,4 +1,6 @@
-"""Terminal rendering of a `TraceDiff` with rich. Reads the report; computes nothing of its own."""
+"""Terminal rendering of a `TraceDiff` with rich. Reads the report; computes nothing of its own.
+
+Namesakes, the same concern at another layer: `analysis/diff.py`."""
 
 from __future__ import annotations
 

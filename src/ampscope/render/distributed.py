@@ -1,4 +1,6 @@
-"""Terminal rendering of a `DistributedReport`: per-rank bytes held, and rank 0's collectives."""
+"""Terminal rendering of a `DistributedReport`: per-rank bytes held, and rank 0's collectives.
+
+Namesakes, the same concern at another layer: `torchcompat/distributed.py`."""
 
 from __future__ import annotations
 

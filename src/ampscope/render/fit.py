@@ -1,4 +1,6 @@
-"""`ampscope fit`: each probe as it runs, then the limit, what fills it, and what buys room."""
+"""`ampscope fit`: each probe as it runs, then the limit, what fills it, and what buys room.
+
+Namesakes, the same concern at another layer: `analysis/fit.py`, `api/fit.py`, `cli/fit.py`."""
 
 from __future__ import annotations
 

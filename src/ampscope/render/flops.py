@@ -1,4 +1,7 @@
-"""`ampscope flops`: FLOPs by phase, dtype and module, the conventions, and MFU."""
+"""`ampscope flops`: FLOPs by phase, dtype and module, the conventions, and MFU.
+
+Namesakes, the same concern at another layer: `analysis/flops.py`, `runs/flops.py`,
+`torchcompat/flops.py`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`ampscope formats`: one table of format facts, then one table per value. Reads reports only."""
+"""`ampscope formats`: one table of format facts, then one table per value. Reads reports only.
+
+Namesakes, the same concern at another layer: `analysis/formats.py`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """HTML: the self-contained report page (`ampscope report`, and `--report PATH` of `run` and
 `trace`, with a Ranks section for a distributed run) and the notebook fragments (`_repr_html_`
-of Trace, Matrix and every report of render/registry.py with a section), from the same section
+of Trace, Matrix and every report of render/report_kinds.py with a section), from the same section
 templates.
 
 The markup is in jinja2 templates (render/templates/, shipped with the package) rendered with
@@ -39,7 +39,7 @@ from ampscope.render.plots import (
     live_bytes_svg,
     memory_at_peak_svg,
 )
-from ampscope.render.registry import REPORTS, kind_of
+from ampscope.render.report_kinds import REPORTS, kind_of
 from ampscope.render.templating import environment, macros
 
 MONO = 'ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace'
@@ -251,7 +251,7 @@ def matrix_html(matrix: Matrix) -> str:
 
 
 def section_html(report: object) -> str:
-    """A registered report's notebook view: its section of the HTML report (render/registry.py)."""
+    """A registered report's notebook view: its section of the HTML report (render/report_kinds.py)."""
     kind = kind_of(report)
     return fragment(section(kind.name, kind.section or kind.name, kind.load("body")([report])))
 
@@ -268,7 +268,7 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *, reports: Sequence[ob
     """The whole report as one HTML page that opens offline: the traces of one model and
     workload under several settings, their matrix, and optionally `reports` (memory and FLOPs
     one per trace, numerics, any registered report with a section: one section a kind, in the
-    order of render/registry.py) and the distributed report of a DDP or FSDP2 job (with
+    order of render/report_kinds.py) and the distributed report of a DDP or FSDP2 job (with
     `same_as`, the run rank each rank that did not run is taken to be, None where not known) —
     each computed beforehand: this only renders. A section whose report is not given is left
     out."""

@@ -1,5 +1,7 @@
 """Terminal rendering of a `MemoryReport`: the peak, bytes by category and dtype, the formulas
-beside the counts, and the live bytes over the step as one line of blocks."""
+beside the counts, and the live bytes over the step as one line of blocks.
+
+Namesakes, the same concern at another layer: `analysis/memory.py`, `runs/memory.py`."""
 
 from __future__ import annotations
 

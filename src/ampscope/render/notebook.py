@@ -3,7 +3,7 @@
 Jupyter shows an object as HTML when its class has a `_repr_html_` method. Records and reports
 sit below this layer and must not import it, so `register()` gives each class in `VIEWS` its
 view: the trace's, the matrix's, and the section of every report registered with one
-(render/registry.py). Importing this module changes nothing: the package root calls
+(render/report_kinds.py). Importing this module changes nothing: the package root calls
 `register()` on the first use of any of its names (`ampscope.trace`, ...), and code that imports
 the records and reports from their own modules, without those names, calls it itself.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ampscope.analysis.compare import Matrix
 from ampscope.records import Trace
 from ampscope.render.html import matrix_html, section_html, trace_html
-from ampscope.render.registry import REPORTS
+from ampscope.render.report_kinds import REPORTS
 
 VIEWS: dict[type, Callable[..., str]] = {Trace: trace_html, Matrix: matrix_html}
 

@@ -1,4 +1,6 @@
-"""`ampscope numerics`: divergence from the reference by depth, gradients, and ranges."""
+"""`ampscope numerics`: divergence from the reference by depth, gradients, and ranges.
+
+Namesakes, the same concern at another layer: `analysis/numerics.py`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""`ampscope fit --gpus N`: the plans searched, best first, and the answer in one line."""
+"""`ampscope fit --gpus N`: the plans searched, best first, and the answer in one line.
+
+Namesakes, the same concern at another layer: `analysis/plans.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The per-rank section of `ampscope run --nproc N`: what each rank's parameters, gradients and
 optimizer state hold (of a sharded parameter, the rank's shard), and the collectives each rank
 ran (printed after rank 0's usual trace report), and the report's notes (with `--gpu`, whether
-each rank's peak fits: distributed/verdicts.py)."""
+each rank's peak fits: distributed/verdicts.py).
+
+Namesakes, the same concern at another layer: `script/ranks.py`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Renderers only read results (docs/architecture.md); the plot is drawn with matplotlib's `Figure` and
 Agg canvas directly, never through pyplot, so no global figure state is touched.
-"""
+
+Namesakes, the same concern at another layer: `cli/train.py`."""
 
 from __future__ import annotations
 

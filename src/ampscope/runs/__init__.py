@@ -11,7 +11,7 @@
 - `passes.py`: what each forward pass of the model was for (training, evaluation, sampling);
 - `memory.py`: every storage's birth, death and saved-for-backward flag;
 - `flops.py`: FLOPs per aten op; `inventory.py`: parameters, buffers, optimizer state;
-- `values.py`: values for numerics; `source.py`: the user's file:line; `tensors.py`: tensor
+- `values.py`: values for numerics; `source.py`: the user's file:line; `tensor_meta.py`: tensor
   metadata (`meta_of`, `tensor_key`);
 - `progress.py`: how far a run has got, told to a callback the caller sets.
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ampscope.runs.tensors import tensor_key
+from ampscope.runs.tensor_meta import tensor_key
 from ampscope.torchcompat import modules as module_state
 
 MIN_BLOCKS = 5  # two recorded at each end and at least one replayed

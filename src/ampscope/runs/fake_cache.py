@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ampscope.runs.foreach import NOT_THINNED
-from ampscope.runs.tensors import no_torch_function
+from ampscope.runs.tensor_meta import no_torch_function
 from ampscope.runtime.predict import new_fake
 from ampscope.torchcompat import fake
 from ampscope.torchcompat.dispatch import (

@@ -39,7 +39,9 @@ siblings never reach the recorder and have no formula: one would count those mat
 Causal attention is also counted on the entries the mask keeps: row i of a causal (L, S) score
 matrix keeps min(i + 1, S) keys (top-left alignment, as `is_causal`): L·(L+1)/2 of L·L when
 L == S.
-"""
+
+Namesakes, the same concern at another layer: `analysis/flops.py`, `render/flops.py`,
+`torchcompat/flops.py`."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ampscope.runs.tensors import (
+from ampscope.runs.tensor_meta import (
     described,
     dtensor_layout,
     fake_from,

@@ -35,7 +35,7 @@ from ampscope.records import (
 )
 from ampscope.runs.modules import ModuleTracker, PhaseClock
 from ampscope.runs.source import source_from
-from ampscope.runs.tensors import (
+from ampscope.runs.tensor_meta import (
     meta_of,
     metas_of,
     results_of,

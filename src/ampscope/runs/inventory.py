@@ -22,7 +22,7 @@ from ampscope.records import (
     dtype_name,
     from_rows,
 )
-from ampscope.runs.tensors import dtensor_layout, local_tensor
+from ampscope.runs.tensor_meta import dtensor_layout, local_tensor
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.distributed import shard_shapes
 

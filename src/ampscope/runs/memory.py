@@ -37,7 +37,8 @@ resize to the op before the next one, with the dtype and shape it was first seen
 
 Storages made outside any recorded op (inside a kernel, or by C++ without dispatching) are not
 seen; neither are the allocator's own reserves (see docs/memory.md).
-"""
+
+Namesakes, the same concern at another layer: `analysis/memory.py`, `render/memory.py`."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from ampscope.records import (
     from_rows,
 )
 from ampscope.records.fp8 import fp8_casts
-from ampscope.runs.tensors import PLAIN_TENSORS, meta_of, stored_tensors
+from ampscope.runs.tensor_meta import PLAIN_TENSORS, meta_of, stored_tensors
 from ampscope.torchcompat.autograd import (
     UnreadableSaved,
     graph_task_id,

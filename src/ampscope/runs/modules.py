@@ -5,7 +5,8 @@ uses: global module forward hooks for the forward pass, and `register_multi_grad
 module's outputs (its backward starts) and inputs (its backward ends). ModTracker itself keeps
 only a set of class-path names; we need qualified names in the traced model, call records with
 dtypes and an innermost-module stack for attributing ops.
-"""
+
+Namesakes, the same concern at another layer: `torchcompat/modules.py`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from torch.nn.modules.module import (
 
 from ampscope.patches import patch
 from ampscope.records import ModuleCall, Phase, TensorMeta
-from ampscope.runs.tensors import metas, metas_of, no_torch_function, tensors_in
+from ampscope.runs.tensor_meta import metas, metas_of, no_torch_function, tensors_in
 from ampscope.torchcompat.autograd import graph_task_id, queue_engine_callback
 from ampscope.torchcompat.modules import drop_global_forward_hook
 

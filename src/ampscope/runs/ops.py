@@ -4,7 +4,8 @@ and optimizer op, each recorded under the user-level call it ran in (runs/functi
 
 An aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself
 a cast (`F.linear` under autocast casts its input, weight and bias) while autocast is on.
-"""
+
+Namesakes, the same concern at another layer: `torchcompat/ops.py`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ampscope.runs.flops import op_flops
 from ampscope.runs.functions import PENDING, UserCalls
 from ampscope.runs.memory import StorageTracker
 from ampscope.runs.modules import ModuleTracker, PhaseClock
-from ampscope.runs.tensors import (
+from ampscope.runs.tensor_meta import (
     PLAIN_TENSORS,
     data_dtypes,
     has_dtensor,

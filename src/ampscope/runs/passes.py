@@ -21,7 +21,7 @@ import torch
 
 from ampscope.records import FUNCTION_ROW, OP_ROW, PassKind, PassRecord, Phase
 from ampscope.runs.modules import ModuleTracker
-from ampscope.runs.tensors import no_torch_function, tensors_in
+from ampscope.runs.tensor_meta import no_torch_function, tensors_in
 
 # Ops that turn a pass's output into tokens: a pass followed by one samples.
 _SAMPLING_OPS = frozenset({"aten.multinomial.default", "aten.argmax.default",

@@ -59,7 +59,7 @@ from ampscope.runs.replayed import (
     Replayed,
     bookkeeping,
 )
-from ampscope.runs.tensors import described, no_torch_function, tensor_key
+from ampscope.runs.tensor_meta import described, no_torch_function, tensor_key
 from ampscope.runs.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree

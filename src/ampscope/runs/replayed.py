@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ampscope.runs.tensors import fake_from, no_torch_function
+from ampscope.runs.tensor_meta import fake_from, no_torch_function
 from ampscope.runs.windows import Recorders, Window
 from ampscope.tricks import TrickFailed
 

@@ -37,7 +37,7 @@ from ampscope.runs.ops import OpRecorder
 from ampscope.runs.passes import PassLog
 from ampscope.runs.repeats import BlockReplay
 from ampscope.runs.replayed import ReplayDoubt
-from ampscope.runs.tensors import no_torch_function
+from ampscope.runs.tensor_meta import no_torch_function
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.dynamo import eager_stance

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ampscope.runs.foreach import NOT_THINNED
-from ampscope.runs.tensors import no_torch_function
+from ampscope.runs.tensor_meta import no_torch_function
 from ampscope.runtime.predict import new_fake, wrap_fake
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.dispatch import OpOverload, active_fake_mode, no_dispatch

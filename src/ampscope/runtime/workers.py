@@ -19,7 +19,8 @@ autocast region inside the dataset's code would meet.
 `pinned(mode)` is DataLoader's batch pinning on the virtual device: pinned memory is host
 memory, so a pinned batch is on the CPU as user code sees it, also when it was unpickled from a
 worker in the pin-memory thread, which the device mode of the main thread does not reach.
-"""
+
+Namesakes, the same concern at another layer: `torchcompat/workers.py`."""
 
 from __future__ import annotations
 

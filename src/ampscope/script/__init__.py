@@ -13,7 +13,7 @@ the virtual device (runtime/virtual_device.py), so its device checks, `torch.cud
 tensors: its model is never materialised, whatever its size.
 
 A run ends as under `python`, stopped or not: the script's atexit handlers run, its log
-handlers and open files are flushed and closed (script/ending.py, script/files.py). The files
+handlers and open files are flushed and closed (script/ending.py, script/written_files.py). The files
 it wrote are listed in the trace's notes; a predicted run writes no checkpoint of fake tensors.
 
 From Python, `run_script` runs the script in a child process by default (script/child.py), so
@@ -27,7 +27,7 @@ The package:
 - `__init__.py`: `run_script`, and the run in this process.
 - `target.py`: the script or module as `python` starts it; where it failed.
 - `predicted.py`: fake weights, `.item()` of fake values, `model.to()` of fake parameters.
-- `files.py`: what the script wrote, left open, or (predicted) was kept from writing.
+- `written_files.py`: what the script wrote, left open, or (predicted) was kept from writing.
 - `ending.py`: its atexit handlers, `os._exit`, forks.
 - `state.py`: the caller's process state, saved and restored.
 - `child.py`: the run in a spawned child process.
@@ -55,16 +55,16 @@ from ampscope.precision import DEVICES
 from ampscope.records import Trace, dtype_name
 from ampscope.runs.environment import RunEnvironment
 from ampscope.runs.session import Capture
-from ampscope.runs.tensors import no_torch_function
+from ampscope.runs.tensor_meta import no_torch_function
 from ampscope.runtime.compiled import EagerCompile
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import data_dependent
 from ampscope.runtime.workers import leaving_workers
 from ampscope.script.ending import Ending, ScriptExited, exit_code
-from ampscope.script.files import ScriptFiles, watched
 from ampscope.script.predicted import fake_model, fake_values, made_modules, swappable
 from ampscope.script.state import ProcessState
 from ampscope.script.target import nth, runner, user_line
+from ampscope.script.written_files import ScriptFiles, watched
 from ampscope.tricks import exact
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.

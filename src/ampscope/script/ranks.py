@@ -19,7 +19,8 @@ leaves a collective (runtime/collective_watch.py).
 `ranks_report` turns the N traces into an `ampscope.distributed/1` report with
 distributed/report.py's functions: per rank, what its parameters and gradients hold and every
 collective its trace recorded.
-"""
+
+Namesakes, the same concern at another layer: `render/ranks.py`."""
 
 from __future__ import annotations
 

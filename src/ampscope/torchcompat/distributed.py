@@ -1,5 +1,7 @@
 """Distributed details: the collectives' op names, c10d's implementation module, the fake process
-group's store, DDP's compression hook, storage ids, FSDP2's per-rank chunking."""
+group's store, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
+
+Namesakes, the same concern at another layer: `render/distributed.py`."""
 
 from __future__ import annotations
 

@@ -11,7 +11,9 @@
 - `counts_grouped_query_attention()`: whether torch's attention formulas accept
   grouped-query shapes (fewer key/value heads than query heads); releases whose
   `sdpa_flop_count` asserts equal head counts need ampscope's own formula for them.
-"""
+
+Namesakes, the same concern at another layer: `analysis/flops.py`, `render/flops.py`,
+`runs/flops.py`."""
 
 from __future__ import annotations
 

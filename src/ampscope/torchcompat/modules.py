@@ -4,7 +4,8 @@
 `_buffers`, `_modules`) and its hooks in more; ampscope walks them without the per-call cost of
 `named_parameters()` and puts working copies into them for a run. Unchanged since torch 1.x,
 but private: reached only through here.
-"""
+
+Namesakes, the same concern at another layer: `runs/modules.py`."""
 
 from __future__ import annotations
 

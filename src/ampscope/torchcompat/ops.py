@@ -5,7 +5,8 @@ releases. Every such op ampscope refers to is named here, once, as the op and, w
 matches or registers by name, as its name (`TO_COPY_NAME`: the records keep ops as strings).
 So are the names of torch's private modules ampscope quiets the loggers of.
 tests/test_torch_private.py fails on such a name written anywhere else.
-"""
+
+Namesakes, the same concern at another layer: `runs/ops.py`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ stacks, and the global hook dicts of nn.Module and torch.optim.
 A forked process inherits its parent's thread-local mode stacks and every global hook, and none
 of them has a public way to be listed and thinned: each detail is looked up here, once, and a
 build without one leaves the workers as they are (they still run, only traced for nothing).
-"""
+
+Namesakes, the same concern at another layer: `runtime/workers.py`."""
 
 from __future__ import annotations
 

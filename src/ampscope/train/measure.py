@@ -6,7 +6,8 @@ Peak memory is `torch.cuda.max_memory_allocated` on CUDA (the tensors' bytes, wh
 allocator handed out) and the process's peak resident set size on the CPU, the only peak a
 CPU process has; Linux lets a process reset that peak (`/proc/self/clear_refs`), so each run
 of a ladder gets its own figure.
-"""
+
+Namesakes, the same concern at another layer: `api/measure.py`."""
 
 from __future__ import annotations
 

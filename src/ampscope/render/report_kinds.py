@@ -55,7 +55,7 @@ def kind_of(report: object) -> ReportKind:
     for kind in REPORTS.values():
         if kind.report in (cls, f"{cls.__module__}:{cls.__qualname__}"):
             return kind
-    raise ValueError(f"{cls.__name__} is not a registered report (render/registry.py)")
+    raise ValueError(f"{cls.__name__} is not a registered report (render/report_kinds.py)")
 
 
 register_report(ReportKind(
