@@ -189,3 +189,35 @@ def test_the_json_schemas_name_every_device_type():
             if name == "bench.schema.json" and sorted(values) == ["cpu", "cuda", "mps"]:
                 continue  # the reference trainer's own devices, run for real (cli/train.py)
             assert sorted(values) == sorted(DEVICE_TYPES), name
+
+
+@pytest.mark.fast
+def test_a_build_whose_regions_cannot_be_retargeted_falls_back_and_says_so(monkeypatch, capsys):
+    """Where a CPU-built autocast region does not enter as the device type it is given, the
+    virtual device keeps one autocast state (as before the two were told apart): the target's
+    regions still run its default dtype, and `--version -v` says what is off."""
+    from ampscope.cli.version import print_environment
+    from ampscope.torchcompat import autocast_regions
+
+    monkeypatch.setattr(autocast_regions, "retarget", lambda region, device, dtype: None)
+    autocast_regions.retargetable.cache_clear()
+    try:
+        assert autocast_regions.retargetable()[0] is False
+        emulation, virtual = _on_virtual()
+        saved = GlobalState.save()
+        try:
+            with emulation, virtual:
+                linear, x = nn.Linear(4, 4).to("cuda"), torch.randn(2, 4, device="cuda")
+                with torch.autocast("cuda"):
+                    assert linear(x).dtype == torch.float16
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    assert linear(x).dtype == torch.bfloat16  # one state: the old answer
+        finally:
+            saved.restore()
+        print_environment()
+        line = next(x for x in capsys.readouterr().out.splitlines() if "autocast regions" in x)
+        assert line.lstrip().startswith("no") and "off: torch.autocast(\"cpu\") kept apart" in line
+    finally:
+        monkeypatch.undo()
+        autocast_regions.retargetable.cache_clear()
+    assert autocast_regions.retargetable()[0] is True

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import nn
 
 from ampscope.models.loading import load
-from ampscope.precision import Setting, applied
+from ampscope.precision import Setting, applied, device_available
 from ampscope.runs.session import Capture, CaptureOptions
 from ampscope.runtime.emulation import Emulation
 from ampscope.runtime.predict import check_matmul_dtypes, fake_mode, gc_enabled, predicting
+from ampscope.runtime.virtual_autocast import target_default_dtype
 from ampscope.runtime.virtual_device import VirtualDevice
 from ampscope.tricks import TrickFailed, exact, exact_path
 
@@ -66,8 +67,6 @@ class RunEnvironment:
 
     def __init__(self, setting: Setting | None = None, *, predict: bool = False,
                  device: str | None = None, virtual: bool | None = None) -> None:
-        from ampscope.precision import device_available
-
         self.setting = setting
         target = device if setting is None else setting.device
         if setting is not None:
@@ -117,20 +116,17 @@ class RunEnvironment:
             return predicting(self.fake)
         return gc_enabled(collecting)
 
-    def capture_options(self, **options) -> CaptureOptions:
-        """A capture's options with what this run decides: the setting's record, the dtype
-        check a fake run's meta kernels lack, block replay where tricks are on."""
+    def capture(self, model: nn.Module | None, **options) -> Capture:
+        """A `Capture` of `model` for this run (`options`: CaptureOptions fields) with what
+        this run decides: the setting's record, the dtype check a fake run's meta kernels
+        lack, and block replay where the speed tricks are on."""
         if self.setting is not None:
             options.setdefault("setting", self.setting.record())
         if self.fake is not None:
             options.setdefault("op_check", check_matmul_dtypes)
-        return CaptureOptions(**options)
-
-    def capture(self, model: nn.Module | None, **options) -> Capture:
-        """A `Capture` of `model` for this run (`options`: CaptureOptions fields)."""
-        if self.fake is not None and model is not None:
-            options.setdefault("replay_blocks", not exact())
-        return Capture(model, self.capture_options(**options))
+            if model is not None:
+                options.setdefault("replay_blocks", not exact())
+        return Capture(model, CaptureOptions(**options))
 
     @contextlib.contextmanager
     def recording(self, capture: Capture | None = None) -> Iterator[None]:
@@ -147,14 +143,16 @@ class RunEnvironment:
             return contextlib.nullcontext()
         return self.virtual.active(memory=capture.memory_now if capture is not None else None)
 
-    def emulated(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def emulated(self) -> Iterator[Emulation | None]:
         """The target's emulation alone (kernels and autocast policy), for a run without a
-        setting of its own; with a setting, `applied` enters it."""
+        setting of its own (with a setting, `applied` enters it); kept for the notes."""
         if self.target is None:
-            return contextlib.nullcontext()
-        from ampscope.runtime.virtual_autocast import target_default_dtype
-
-        return _Entered(self, Emulation(self.target, target_default_dtype(self.target)))
+            yield None
+            return
+        with Emulation(self.target, target_default_dtype(self.target)) as emulation:
+            self.emulation = emulation
+            yield emulation
 
     def emulation_notes(self, trace: Trace, workload: str | None = None) -> list[str]:
         """What the emulation assumed (the target's policy, the kernels it chose as the
@@ -171,20 +169,6 @@ class RunEnvironment:
     def device_notes(self) -> list[str]:
         """What the run's code asked of the virtual device, where it had one."""
         return self.virtual.notes() if self.virtual is not None else []
-
-
-class _Entered(contextlib.AbstractContextManager):
-    """An emulation entered for a run, kept on the environment for its notes."""
-
-    def __init__(self, env: RunEnvironment, emulation: Emulation) -> None:
-        self.env, self.inner = env, emulation
-
-    def __enter__(self) -> Emulation:
-        self.env.emulation = self.inner.__enter__()
-        return self.env.emulation
-
-    def __exit__(self, *exc) -> None:
-        self.inner.__exit__(*exc)
 
 
 def exact_retry(attempt: Callable[[], T], *, what: str = "the run") -> T:

@@ -14,7 +14,9 @@ active, the state functions torch's own `autocast` regions call (`is_autocast_en
 - the CPU's own state ("cpu") in a shadow that drives no kernel: `torch.autocast("cpu")`
   around a model on the virtual `cuda` device changes nothing, as on the GPU, where CPU
   autocast never reaches a CUDA tensor (and `enabled=False` for "cpu" does not turn the
-  target's autocast off).
+  target's autocast off). This needs a region built for the CPU to enter as the target's
+  (torchcompat/autocast_regions.py); on a build where it cannot, there is no shadow and
+  `ampscope --version -v` says so.
 
 ampscope's own code reads the state that drives the kernels through autocast_key.py, never through the answers user code gets.
 """
@@ -29,6 +31,8 @@ import torch
 from ampscope.hardware.device_types import device_type
 from ampscope.runtime import emulation
 from ampscope.runtime.autocast_key import key_state, set_key_state
+from ampscope.runtime.autocast_policy import autocast_dtype_for
+from ampscope.torchcompat.autocast_regions import retarget, retargetable
 
 # The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
 CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -36,8 +40,6 @@ CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 def target_default_dtype(target: str) -> torch.dtype:
     """The target's default autocast dtype: its table entry's, else the build's own."""
-    from ampscope.runtime.autocast_policy import autocast_dtype_for
-
     name = device_type(target).autocast_dtype
     return getattr(torch, name) if name is not None else autocast_dtype_for(target)
 
@@ -63,14 +65,19 @@ class AutocastSlots:
             set_key_state("cpu", *before)
 
     def _slot(self, device_type: str) -> str | None:
-        """"cpu" for the CPU's key, None for the shadow, else the device type itself."""
+        """"cpu" for the CPU's key, None for the shadow, else the device type itself. Where
+        this build's regions cannot be retargeted (torchcompat/autocast_regions.py), the
+        CPU's state is the target's: no shadow."""
         if device_type == self.target:
             return "cpu"
-        return None if device_type == "cpu" else device_type
+        if device_type == "cpu" and retargetable()[0]:
+            return None
+        return device_type
 
     def patches(self) -> list[tuple[object, str, object]]:
         """torch's autocast state functions, each reading or writing its device's slot."""
         target = self.target
+        retargetable()  # found out now, on torch's own functions, before they are replaced
 
         def is_autocast_enabled(device_type: str = "cuda") -> bool:
             slot = self._slot(device_type)
@@ -131,8 +138,9 @@ def _autocast_init(target: str) -> Callable:
             # runs on any floating dtype it is set to).
             dtype = CPU_AUTOCAST_DTYPES[0]
         original(self, "cpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-        self.fast_dtype = accepted
-        self.device = target  # its __enter__ and __exit__ go to the target's slot
+        # Its __enter__ and __exit__ go to the target's slot (where this build cannot retarget
+        # a region, the CPU's, which is then the target's too).
+        retarget(self, target if retargetable()[0] else "cpu", accepted)
 
     return __init__
 

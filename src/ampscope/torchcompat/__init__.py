@@ -24,7 +24,7 @@ The modules: `features.py` (what this build offers, for `ampscope --version -v`)
 (FakeTensor internals the speed tricks use), `autograd.py` (the engine's state),
 `optim.py` (optimizers' lists and hooks), `modules.py` (nn.Module's own dicts),
 `ops.py` (underscored ATen ops), `devices.py` (what the virtual device needs),
-`attention.py` (the SDPA switches), `rnn.py` (cuDNN's RNN ops), `policy.py` (dispatcher details of autocast policies),
+`attention.py` (the SDPA switches), `autocast_regions.py` (how an autocast region enters), `rnn.py` (cuDNN's RNN ops), `policy.py` (dispatcher details of autocast policies),
 `flops.py` (torch's FLOP formulas), `distributed.py`, `inductor.py`, `workers.py` (what a
 forked DataLoader worker drops to leave a run).
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # The modules of this package that report features, in the order `--version -v` lists them.
 _REPORTING = ("fake", "dispatch", "dynamo", "optim", "autograd", "distributed", "devices",
-              "attention", "rnn", "policy", "flops", "modules", "workers")
+              "attention", "rnn", "policy", "flops", "modules", "workers", "autocast_regions")
 
 
 @dataclass(frozen=True)
