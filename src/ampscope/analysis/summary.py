@@ -143,6 +143,7 @@ class TraceSummary:
     modules: list[FlowRow]  # the forward pass's module calls, repeated blocks collapsed
     changes: list[FlowRow]  # the module rows whose output dtype differs from their input's
     findings: list[Finding]
+    diagnostics: list[Diagnostic]  # what the checks judged, most severe first
     ops: dict[str, list[FlowRow]] = field(default_factory=dict)  # phase → op rows, when asked
     diagram: Diagram | None = None  # the dtype flow of one forward pass, when asked
 
@@ -158,6 +159,7 @@ def trace_summary(trace: Trace, *, ops: bool = False, diagram: bool = False) -> 
     return TraceSummary(
         model=trace.model, setting=trace.setting, workload=trace.workload, mode=trace.mode,
         notes=list(trace.notes), inventory=dtype_inventory(trace), modules=flow,
-        changes=dtype_changes(flow), findings=list(trace.findings), ops=by_phase,
+        changes=dtype_changes(flow), findings=list(trace.findings),
+        diagnostics=list(trace.diagnostics), ops=by_phase,
         diagram=build_diagram(trace) if diagram else None,
     )

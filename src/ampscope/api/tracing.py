@@ -8,14 +8,15 @@ import gc
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
 
 from ampscope import workloads
+from ampscope.analysis.checks import judge
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
-from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.memory import memory_report
 from ampscope.api.preparation import batch_for, inputs_in_param_dtype, plan, resolved
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
@@ -29,6 +30,7 @@ from ampscope.records import Trace, dtype_name
 from ampscope.render.style import format_bytes
 from ampscope.runs.environment import RunEnvironment, exact_retry
 from ampscope.runs.session import Capture
+from ampscope.runs.source import source_line
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import (
     data_dependent,
@@ -42,6 +44,9 @@ from ampscope.workloads import DEFAULT_OPTIONS, RunOptions
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
+
+# Findings and checks filled in, a check silenced by a comment on the user's line.
+judged = partial(judge, line_of=source_line)
 
 
 def trace(
@@ -185,7 +190,7 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
     notes += env.emulation_notes(result, workload_name)
     result.notes = notes + result.notes  # what the capture itself noted comes last
     result.notes += env.device_notes()
-    result.findings = derive_findings(result)
+    judged(result)
     return result
 
 
@@ -285,7 +290,7 @@ def capture(model: nn.Module, *, name: str | None = None,
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
     env = RunEnvironment(device=device)
-    recorder = env.capture(model, model_name=name, workload="custom", findings=derive_findings,
+    recorder = env.capture(model, model_name=name, workload="custom", judge=judged,
                            explain_failure=_explain, device=device)
     if env.virtual is None:
         return recorder

@@ -7,6 +7,7 @@ analysed without the model:
 - `records/tensors.py`: what one capture sees (module calls, op calls, tensors, storages), and
   `RowLayout`, a record's fields by name while a recorder keeps it as a row;
 - `records/setting.py`: the setting a trace ran under, as data;
+- `records/diagnostics.py`: `Diagnostic`, one judgement of a run (id, severity, evidence, fix);
 - `records/trace.py`: `Trace`, everything one capture saw, and its JSON form;
 - `records/table.py`: `Table`, the one tabular form (DataFrame, CSV); `records/trace_table.py`:
   a trace's ops, modules and tensors as tables;
@@ -17,6 +18,7 @@ analysed without the model:
 Nothing here imports another ampscope layer.
 """
 
+from ampscope.records.diagnostics import SEVERITIES, Diagnostic
 from ampscope.records.setting import UNKNOWN_SETTING, SettingRecord
 from ampscope.records.tensors import (
     EXPLICIT_CASTS,
@@ -49,8 +51,8 @@ from ampscope.records.tensors import (
 from ampscope.records.trace import SCHEMA, Finding, ModelInfo, Trace
 
 __all__ = [
-    "EXPLICIT_CASTS", "PHASES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
-    "BufferRecord", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
+    "EXPLICIT_CASTS", "PHASES", "SEVERITIES", "UNKNOWN_SETTING", "SCHEMA", "STORAGE_CATEGORIES", "TARGET_NAMES", "ArgumentOrigin",
+    "BufferRecord", "Diagnostic", "FailedCall", "Finding", "FunctionCall", "HeldRecord", "InputRecord", "ModelInfo",
     "ModuleCall", "OpCall", "OptimizerStateRecord", "ParameterRecord", "PassKind", "PassRecord", "Phase", "SettingRecord",
     "StorageCategory", "StorageRecord", "TensorMeta", "Trace", "dtype_name", "from_rows", "module_label",
     "FUNCTION_ROW", "OP_ROW", "RowLayout",

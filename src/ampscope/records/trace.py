@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ampscope.files import write_atomic
+from ampscope.records.diagnostics import Diagnostic
 from ampscope.records.perfetto import perfetto_trace
 from ampscope.records.setting import SettingRecord
 from ampscope.records.table import Table
@@ -68,6 +69,8 @@ class Trace:
     inputs: list[InputRecord] = field(default_factory=list)
     outputs: list[InputRecord] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    # What the checks judged (analysis/checks/): errors, warnings and notes, most severe first.
+    diagnostics: list[Diagnostic] = field(default_factory=list)
     mode: str = "run"  # "run": tensors held real values; "predict": fake tensors, no memory
     notes: list[str] = field(default_factory=list)  # what the run assumed (emulation, predict)
     storages: list[StorageRecord] = field(default_factory=list)  # memory: runs/memory.py
@@ -99,6 +102,7 @@ class Trace:
                 "held": [_plain(h) for h in self.held],
             },
             "findings": [asdict(f) for f in self.findings],
+            "diagnostics": [d.to_dict() for d in self.diagnostics],
             "storages": [_storage(s) for s in self.storages],
             "rank_roles": list(self.rank_roles),
             "passes": [asdict(p) for p in self.passes],
@@ -189,6 +193,7 @@ class Trace:
                   for h in tensors.get("held", [])],
             findings=[Finding(f["text"], f["cause"], f.get("source"))
                       for f in data.get("findings", [])],
+            diagnostics=[Diagnostic.from_dict(d) for d in data.get("diagnostics", [])],
             mode=data.get("mode", "run"),
             notes=list(data.get("notes", [])),
             storages=[StorageRecord(s.get("id", i), s["nbytes"], s["dtype"], tuple(s.get("shape", ())),

@@ -9,6 +9,7 @@ from rich.text import Text
 from ampscope.analysis.flow import FlowRow
 from ampscope.analysis.summary import DtypeCount, TraceSummary
 from ampscope.records import Finding, SettingRecord
+from ampscope.render.checks import diagnostics_text
 from ampscope.render.diagram import render_diagram
 from ampscope.render.style import ColumnOptions, dtype_text, short_op
 
@@ -84,8 +85,11 @@ def findings_list(findings: list[Finding]) -> Text:
 
 def render_trace(summary: TraceSummary) -> RenderableType:
     """What `ampscope trace` prints (see analysis.summary.trace_summary for what is in it)."""
-    parts: list[RenderableType] = [header(summary), Text(), inventory_table(summary.inventory),
-                                   Text(), flow_table(summary.modules, "Modules, forward pass")]
+    parts: list[RenderableType] = [header(summary), Text()]
+    if summary.diagnostics:  # what is wrong comes first; nothing is said when nothing is
+        parts += [diagnostics_text(summary.diagnostics, summary.setting.device)]
+    parts += [inventory_table(summary.inventory), Text(),
+              flow_table(summary.modules, "Modules, forward pass")]
     if summary.changes:
         text = Text("Where activations change dtype\n", style="italic")
         for r in summary.changes:

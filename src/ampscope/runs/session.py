@@ -22,7 +22,6 @@ from ampscope.precision.matmul import matmul_precision
 from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
-    Finding,
     ModelInfo,
     SettingRecord,
     StorageRecord,
@@ -84,9 +83,9 @@ def _step_name(optimizer) -> str:
 class CaptureOptions:
     """How a `Capture` records, fixed when it is made.
 
-    `findings` and `explain_failure` are given by the API (they are analysis, which capture
-    does not import): the first fills `trace.findings` when a `with` block ends, the second
-    turns the call that raised into a note under the user's traceback. `op_check` sees every
+    `judge` and `explain_failure` are given by the API (they are analysis, which capture
+    does not import): the first fills `trace.findings` and `trace.diagnostics` when a `with`
+    block ends, the second turns the call that raised into a note under the user's traceback. `op_check` sees every
     aten op before it runs (predict mode's matmul dtype check).
 
     `replay_blocks` (for a run on fake tensors) records repeated identical blocks once and
@@ -109,7 +108,7 @@ class CaptureOptions:
     setting: SettingRecord | None = None
     workload: str = "custom"
     op_check: Callable[[OpOverload, tuple], None] | None = None
-    findings: Callable[[Trace], list[Finding]] | None = None
+    judge: Callable[[Trace], None] | None = None
     explain_failure: Callable[[FailedCall | None], str | None] | None = None
     replay_blocks: bool = False
     thin: bool | None = None
@@ -389,8 +388,8 @@ class Capture:
                 exc.add_note("ampscope: " + text)
         if exc_type is None:
             self.finish()
-            if self.options.findings is not None:
-                self.trace.findings = self.options.findings(self.trace)
+            if self.options.judge is not None:
+                self.options.judge(self.trace)
 
     def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:

@@ -7,6 +7,7 @@ sense: their `.float()` is exactly what a finding must point at.
 
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 from types import CodeType, FrameType
@@ -31,6 +32,8 @@ TORCH, AMPSCOPE, USER = 0, 1, 2
 # Keyed by file name, not by code object: a code object's hash is worked out from its contents
 # on every lookup (about 0.4 µs, for each frame of each walk), a string's is computed once.
 _kind_cache: dict[str, int] = {}
+# The user files seen, by the name a source label gives them ("train.py" -> its path).
+_user_paths: dict[str, str] = {}
 
 
 def _kind(code: CodeType) -> int:
@@ -43,6 +46,7 @@ def _kind(code: CodeType) -> int:
             kind = AMPSCOPE
         else:
             kind = USER
+            _user_paths.setdefault(os.path.basename(path), path)
         _kind_cache[path] = kind
     return kind
 
@@ -76,3 +80,12 @@ def source_from(frame: FrameType | None) -> str | None:
             return None
         frame = frame.f_back
     return None
+
+
+def source_line(label: str) -> str | None:
+    """The text of the user line a label names ("train.py:12"), where a run saw that file."""
+    name, _, line = label.rpartition(":")
+    path = _user_paths.get(name)
+    if path is None or not line.isdigit():
+        return None
+    return linecache.getline(path, int(line)) or None

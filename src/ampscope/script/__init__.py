@@ -43,11 +43,13 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ampscope.analysis.checks import judge
 from ampscope.analysis.diagnosis import diagnose
-from ampscope.analysis.findings import derive_findings, plural
+from ampscope.analysis.findings import plural
 from ampscope.analysis.summary import pass_notes
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
@@ -55,6 +57,7 @@ from ampscope.precision import DEVICES
 from ampscope.records import Trace, dtype_name
 from ampscope.runs.environment import RunEnvironment
 from ampscope.runs.session import Capture
+from ampscope.runs.source import source_line
 from ampscope.runs.tensor_meta import no_torch_function
 from ampscope.runtime.compiled import EagerCompile
 from ampscope.runtime.emulation import device_api_error
@@ -69,6 +72,9 @@ from ampscope.tricks import exact
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
+
+# Findings and checks filled in, a check silenced by a comment on the user's line.
+judged = partial(judge, line_of=source_line)
 
 
 class _StopScript(BaseException):
@@ -154,7 +160,7 @@ class _ScriptRun:
         # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
         self.compiled = EagerCompile(on_wrapper=self.made.discard)
         self.capture = env.capture(
-            None, workload="script", findings=derive_findings, thin=predict,
+            None, workload="script", judge=judged, thin=predict,
             on_model_forward=self._count_forward, candidates=self.made, device=device,
             rank_roles=True)
         self.target, self.fake = env.virtual, env.fake
@@ -271,7 +277,7 @@ class _ScriptRun:
         notes += self.env.emulation_notes(result)  # the kernels it chose as the device would
         notes += self.compiled.notes()
         result.notes = notes + result.notes
-        result.findings = derive_findings(result)
+        judged(result)
         return result
 
     def _stepped_gradients(self, result: Trace) -> None:
