@@ -19,8 +19,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _run(capsys, argv: list[str]) -> dict:
-    # `run` takes its own options before the script; what follows the script is the script's.
-    argv = [*argv[:1], "--json", "-", *argv[1:]] if argv[0] == "run" else [*argv, "--json", "-"]
+    # `run` and `check` take their own options before the script; what follows the script is the script's.
+    argv = ([*argv[:1], "--json", "-", *argv[1:]] if argv[0] in ("run", "check")
+            else [*argv, "--json", "-"])
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -77,6 +78,10 @@ def _trimmed(document: dict, keep: int = 8) -> dict:
     return document
 
 
+# Commands run before a case's own, to write the files it reads.
+_PREPARED = {"check-trace": ["trace", "gpt2-tiny", "-s", "cuda:fp32", "--seq", "8", "--predict",
+                             "--json", "{tmp}/cuda-fp32.json"]}
+
 # (id, schema name, argv; "{tmp}" is the test's tmp_path), each with changes that must make
 # the document invalid: (path, new value or DELETE).
 CASES = [
@@ -117,6 +122,18 @@ CASES = [
       "--block_size=16", "--batch_size=2"], [
         (("setting", "emulated"), "yes"),
         (("ops", 0, "phase"), "sideways"),
+    ]),
+    ("trace-diagnostics", "trace", ["trace", "gpt2-tiny", "-s", "cuda:fp32", "--seq", "8",
+                                    "--predict"], [
+        (("diagnostics", 0, "severity"), "fatal"),
+        (("diagnostics", 0, "id"), "W701"),
+        (("diagnostics", 0, "evidence"), "many"),
+        (("diagnostics", 0, "fix"), DELETE),
+    ]),
+    ("check-trace", "check", ["check", "{tmp}/cuda-fp32.json"], [
+        (("diagnostics", 0, "severity"), "info"),
+        (("failed",), "no"),
+        (("mode",), "dry-run"),
     ]),
     ("matrix", "matrix",
      ["matrix", "gpt2-tiny", "--settings", "fp32,fp32+amp-bf16,bf16", "--seq", "8", "--predict"], [
@@ -249,7 +266,10 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_command_output_validates_and_broken_copies_fail(case, capsys, tmp_path):
-    _, name, argv, breaks = case
+    id_, name, argv, breaks = case
+    if id_ in _PREPARED:  # a command that reads a file another command writes
+        assert main([a.replace("{tmp}", str(tmp_path)) for a in _PREPARED[id_]]) == 0
+        capsys.readouterr()
     document = _run(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv])
     schema = schemas.load(name)
     assert document["schema"] == schema["$id"] == f"ampscope.{name}/1"

@@ -11,7 +11,7 @@ import torch
 from ampscope.analysis.diagram import Diagram, build_diagram
 from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
 from ampscope.analysis.fp8 import fp8_module_notes
-from ampscope.records import Finding, ModelInfo, PassKind, Phase, SettingRecord, Trace
+from ampscope.records import Diagnostic, Finding, ModelInfo, PassKind, Phase, SettingRecord, Trace
 
 
 @cache

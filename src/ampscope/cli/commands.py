@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
+from ampscope.cli.check import cmd_check  # noqa: F401 - `ampscope check`, found here by name
 from ampscope.cli.common import (
     _console,
     _on_device,

@@ -28,6 +28,12 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "ampscope run --predict --device cuda train.py   # full size, no memory",
         "ampscope run --nproc 2 --device cuda train_ddp.py   # 2 ranks, as torchrun",
     ),
+    "check": (
+        "ampscope check --device cuda train.py --batch_size=4",
+        "ampscope check --strict --ignore AMP701 train.py   # in CI: warnings fail too",
+        "ampscope check trace.json   # a trace written with --json",
+        "ampscope check --list",
+    ),
     "fit": (
         "ampscope fit llama-3-8b --gpu h100 -s bf16 --seq 4096",
         "ampscope fit gpt2 --memory 24GiB --seq auto   # the longest sequence too",

@@ -79,6 +79,7 @@ EXPORTS: dict[str, Export] = {e.dest: e for e in (  # in the order they are writ
         "run": _to("the trace", "JSON", ": the script's prints go to stderr; with --nproc: the "
                                         "ranks' distributed report"),
         "models": _to("the list", "JSON"), "train": _to("the run", "JSON"),
+        "check": _to("the diagnostics", "JSON"),
         "bench": _to("the table", "JSON")},
         reports=lambda kind: _to("the result", "JSON"), stdout=True),
     Export("--csv", lambda table, path: _text(table().to_csv().removesuffix("\n"), path),

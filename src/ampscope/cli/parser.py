@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Mapping
 from typing import NoReturn
 
+from ampscope.cli.check import add_check_parser
 from ampscope.cli.examples import add_examples
 from ampscope.cli.exports import add_exports
 from ampscope.cli.fit import add_fit_parser
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     _add_trace(sub)
     _add_run(sub)
+    add_check_parser(sub)  # ampscope check: the precision mistakes of a run (cli/check.py)
     _add_matrix(sub)
     _add_report(sub)
     _add_diff(sub)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from rich.console import Group, RenderableType
+from rich.padding import Padding
 from rich.text import Text
 
 from ampscope.records import SEVERITIES, Diagnostic
@@ -19,23 +21,27 @@ def tally(diagnostics: list[Diagnostic]) -> str:
     return ", ".join(parts) or "nothing found"
 
 
-def diagnostics_text(diagnostics: list[Diagnostic], device: str) -> Text:
-    """The diagnostics under a "Check" title; `device` is the run's target."""
-    text = Text()
-    text.append(f"Check: {tally(diagnostics)}\n", style="italic")
+def diagnostics_text(diagnostics: list[Diagnostic], device: str) -> Group:
+    """The diagnostics under a "Check" title; `device` is the run's target. Each paragraph
+    wraps under its own indent."""
+    parts: list[RenderableType] = [Text(f"Check: {tally(diagnostics)}", style="italic")]
     for d in diagnostics:
-        text.append(f"  {d.severity} ", style=_STYLE[d.severity])
-        text.append(f"{d.id} {d.name}", style="bold")
+        head = Text("  ")
+        head.append(f"{d.severity} ", style=_STYLE[d.severity])
+        head.append(f"{d.id} {d.name}", style="bold")
         if d.source:
-            text.append(f"  {d.source}", style="dim")
-        text.append(f"\n    {d.message}\n")
-        for line in d.evidence:
-            text.append("    evidence: ", style="dim")
-            text.append(f"{line}\n")
+            head.append(f"  {d.source}", style="dim")
+        parts += [head, _paragraph("", d.message)]
+        parts += [_paragraph("evidence: ", line) for line in d.evidence]
         if d.consequence:
-            text.append(f"    on {device}: ", style="dim")
-            text.append(f"{d.consequence}\n")
+            parts.append(_paragraph(f"on {device}: ", d.consequence))
         if d.fix:
-            text.append("    fix: ", style="dim")
-            text.append(f"{d.fix}\n")
-    return text
+            parts.append(_paragraph("fix: ", d.fix))
+    return Group(*parts, Text())
+
+
+def _paragraph(label: str, text: str) -> Padding:
+    body = Text()
+    body.append(label, style="dim")
+    body.append(text)
+    return Padding(body, (0, 0, 0, 4))

@@ -46,7 +46,7 @@ def _kind(code: CodeType) -> int:
             kind = AMPSCOPE
         else:
             kind = USER
-            _user_paths.setdefault(os.path.basename(path), path)
+            _user_paths[os.path.basename(path)] = path  # the latest of that name
         _kind_cache[path] = kind
     return kind
 
@@ -88,4 +88,5 @@ def source_line(label: str) -> str | None:
     path = _user_paths.get(name)
     if path is None or not line.isdigit():
         return None
+    linecache.checkcache(path)  # a file edited since it was last read is read again
     return linecache.getline(path, int(line)) or None

@@ -2,7 +2,7 @@
 
 One file per document, `<name>.schema.json`, shipped inside the package: `trace` for
 `ampscope.trace/1`, `matrix`, `diff`, `memory`, `distributed`, `flops`, `numerics`, `policy`,
-`formats`, `models`, `train`, `bench`, `fit` and `plans` likewise. Each file's `$id` is the document's `schema`
+`formats`, `models`, `train`, `bench`, `fit`, `plans` and `check` likewise. Each file's `$id` is the document's `schema`
 string (`"ampscope.trace/1"`) and it stands alone: shared definitions are copied into each
 file's `$defs`. What the fields mean is in docs/json-schema.md.
 

@@ -23,6 +23,12 @@ def loss_in_16_bit(trace: Trace) -> Iterator[Hit]:
     if not losses or not any(o.phase == Phase.BACKWARD for o in trace.ops):
         return
     dtype = losses[0].outputs[0].dtype
+    # Where every trained weight is in that dtype and no autocast ran, the whole step is
+    # 16-bit by choice and the loss comes with it: worth knowing (a note). Where the step is
+    # mixed (float32 weights, or autocast), the loss escaped the float32 it should have had.
+    trained = [p for p in trace.parameters if p.requires_grad]
+    pure = (all(p.dtype == dtype for p in trained)
+            and not any(c.autocast for c in trace.calls if c.phase == Phase.FORWARD))
     yield Hit(
         f"The training loss is computed in {dtype}: {where(losses[0])}.",
         (f"{count(len(losses), 'loss op')} returned {dtype}, the first "
@@ -34,4 +40,4 @@ def loss_in_16_bit(trace: Trace) -> Iterator[Hit]:
         "that starts from it inherits the error",
         "compute the loss in float32: F.cross_entropy(logits.float(), targets), or run the "
         "forward under torch.autocast, whose policy computes losses in float32",
-        losses[0].source)
+        losses[0].source, "note" if pure else None)

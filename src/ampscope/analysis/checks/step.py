@@ -39,7 +39,7 @@ def where(op: OpCall) -> str:
     name = ".".join(op.op.split(".")[:2])
     text = name
     if op.module is not None:
-        text += f" in {module_label(op.module)}"
+        text += f" in module {module_label(op.module)}" if op.module else " in the model"
     if op.source:
         text += f" at {op.source}"
     return text

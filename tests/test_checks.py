@@ -1,0 +1,287 @@
+"""The checks (analysis/checks/): each rule on a small script that makes the mistake, asserting
+its id, severity and evidence, and the same script corrected, asserting silence; how a finding
+is silenced; `ampscope check`'s exit status; and no false alarm on the repository's examples and
+the reference models in the built-in settings."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ampscope
+from ampscope.analysis.checks import RULES, check_trace, silenced
+from ampscope.cli import main
+from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
+from ampscope.records import Trace
+from ampscope.script import run_script
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+# A small model and one training step; {before}, {forward}, {loss}, {step} are the variants.
+_STEP = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+{before}
+for _ in range(2):
+    x, y = torch.randn(4, 8, device=dev), torch.randn(4, 4, device=dev)
+{forward}
+{loss}
+{step}
+    opt.zero_grad()
+"""
+
+
+def _script(tmp_path: Path, before: str = "", forward: str = "", loss: str = "",
+            step: str = "") -> Path:
+    indent = "    "
+    text = _STEP.format(before=before, forward=textwrap.indent(forward, indent),
+                        loss=textwrap.indent(loss, indent), step=textwrap.indent(step, indent))
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return path
+
+
+def _line(path: Path, needle: str) -> str:
+    """"train.py:N" of the first line holding `needle`, read from the file itself."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if needle in line:
+            return f"{path.name}:{n}"
+    raise AssertionError(needle)
+
+
+def _diagnostics(path: Path, device: str | None = "cuda", **options) -> dict:
+    trace = run_script(str(path), [], device=device, in_process=True, **options)
+    return {d.id: d for d in trace.diagnostics}
+
+
+_FP16 = "with torch.autocast(dev, dtype=torch.float16):\n    out = model(x)"
+_BF16 = "with torch.autocast(dev, dtype=torch.bfloat16):\n    out = model(x)"
+_MSE = "    loss = F.mse_loss(out.float(), y)"
+_SCALER = "scaler = torch.amp.GradScaler(dev)"
+_SCALED_STEP = "scaler.scale(loss).backward()\nscaler.step(opt)\nscaler.update()"
+
+
+@pytest.mark.parametrize("device", ["cuda", None])
+def test_fp16_without_loss_scaling(tmp_path, device):
+    bad = _script(tmp_path, forward=_FP16 + "\n" + _MSE, step="loss.backward()\nopt.step()")
+    found = _diagnostics(bad, device)
+    d = found["AMP201"]
+    assert (d.severity, d.name) == ("warning", "fp16-without-loss-scaling")
+    assert d.source == _line(bad, "loss.backward()")
+    assert "torch.autocast(dtype=torch.float16)" in d.message
+    assert "ran in float16" in d.evidence[0] and "aten.mm" in d.evidence[0]
+    assert "GradScaler" in d.fix
+    good = _script(tmp_path, before=_SCALER, forward=_FP16 + "\n" + _MSE, step=_SCALED_STEP)
+    assert not {"AMP201", "AMP202", "AMP203"} & set(_diagnostics(good, device))
+
+
+def test_fp16_parameters_without_loss_scaling_name_their_origin(tmp_path):
+    bad = _script(tmp_path, before="model.half()",
+                  forward="out = model(x.half())\nloss = F.mse_loss(out.float(), y)",
+                  step="loss.backward()\nopt.step()")
+    d = _diagnostics(bad)["AMP201"]
+    assert "4 trained parameters are float16" in d.message
+    assert "keep float32 parameters" in d.fix
+
+
+def test_loss_scaling_without_fp16(tmp_path):
+    bad = _script(tmp_path, before=_SCALER, forward=_BF16 + "\n" + _MSE, step=_SCALED_STEP)
+    d = _diagnostics(bad)["AMP202"]
+    assert d.severity == "warning"
+    assert "it ran in bfloat16" in d.message
+    assert d.source == _line(bad, "scaler.step(opt)")
+    good = _script(tmp_path, forward=_BF16 + "\n" + _MSE, step="loss.backward()\nopt.step()")
+    assert not {"AMP201", "AMP202"} & set(_diagnostics(good))
+
+
+_CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_gradients_read_before_unscale(tmp_path, predict):
+    bad = _script(tmp_path, before=_SCALER, forward=_FP16 + "\n" + _MSE,
+                  step=f"scaler.scale(loss).backward()\n{_CLIP}\nscaler.unscale_(opt)\n"
+                       "scaler.step(opt)\nscaler.update()")
+    d = _diagnostics(bad, predict=predict)["AMP203"]
+    assert d.severity == "warning"
+    assert d.source == _line(bad, "clip_grad_norm_")
+    assert f"unscaled them at {_line(bad, 'unscale_(opt)')}" in d.message
+    good = _script(tmp_path, before=_SCALER, forward=_FP16 + "\n" + _MSE,
+                   step=f"scaler.scale(loss).backward()\nscaler.unscale_(opt)\n{_CLIP}\n"
+                        "scaler.step(opt)\nscaler.update()")
+    assert "AMP203" not in _diagnostics(good, predict=predict)
+
+
+def test_loss_in_16_bit(tmp_path):
+    # Under autocast the logits are bfloat16; a loss taken on them outside autocast is too.
+    bad = _script(tmp_path, forward=_BF16, loss="loss = F.mse_loss(out, y.bfloat16())",
+                  step="loss.backward()\nopt.step()")
+    d = _diagnostics(bad)["AMP601"]
+    assert (d.severity, d.source) == ("warning", _line(bad, "F.mse_loss"))
+    assert "aten.mse_loss" in d.evidence[0] and "bfloat16" in d.evidence[0]
+    good = _script(tmp_path, forward=_BF16, loss=_MSE.strip(), step="loss.backward()\nopt.step()")
+    assert "AMP601" not in _diagnostics(good)
+
+
+def test_loss_of_a_pure_16_bit_model_is_a_note(tmp_path):
+    pure = _script(tmp_path, before="model.bfloat16()",
+                   forward="out = model(x.bfloat16())",
+                   loss="loss = F.mse_loss(out, y.bfloat16())", step="loss.backward()\nopt.step()")
+    assert _diagnostics(pure)["AMP601"].severity == "note"
+
+
+_BN = """\
+import torch
+import torch.nn as nn
+model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)){cast}
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    x = torch.randn(16, 4{xcast})
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_norm_statistics_in_16_bit(tmp_path):
+    bad = tmp_path / "bn.py"
+    bad.write_text(_BN.format(cast=".bfloat16()", xcast=", dtype=torch.bfloat16"))
+    d = _diagnostics(bad, device=None)["AMP501"]
+    assert d.severity == "warning"
+    assert "1.running_mean" in d.message and "1.running_var" in d.message
+    good = tmp_path / "bn_ok.py"
+    good.write_text(_BN.format(cast="", xcast=""))
+    assert "AMP501" not in _diagnostics(good, device=None)
+
+
+_ROTARY = """\
+import torch
+import torch.nn as nn
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+    def forward(self, x):
+        return self.proj(x) * self.inv_freq.repeat(2)
+model = Rotary(){cast}
+model(torch.randn(2, 8{xcast}))
+"""
+
+
+def test_rotary_tables_in_16_bit_are_a_note(tmp_path):
+    low = tmp_path / "rope.py"
+    low.write_text(_ROTARY.format(cast=".bfloat16()", xcast=", dtype=torch.bfloat16"))
+    d = _diagnostics(low, device=None)["AMP502"]
+    assert d.severity == "note"
+    assert "inv_freq" in d.message
+    assert "from position 52" in d.consequence  # 0.1 rad at p·2^-9: p > 51.2
+    fp32 = tmp_path / "rope_ok.py"
+    fp32.write_text(_ROTARY.format(cast="", xcast=""))
+    assert "AMP502" not in _diagnostics(fp32, device=None)
+
+
+def test_fp32_matmuls_without_tf32_on_a_gpu(tmp_path):
+    plain = _script(tmp_path, forward="out = model(x)", loss=_MSE.strip(),
+                    step="loss.backward()\nopt.step()")
+    d = _diagnostics(plain)["AMP701"]
+    assert d.severity == "note"
+    # H100 SXM: float32 67 TFLOP/s, TF32 495 dense (hardware/known.py): 7.4×.
+    assert "7.4× faster" in d.message
+    tf32 = _script(tmp_path, before='torch.set_float32_matmul_precision("high")',
+                   forward="out = model(x)", loss=_MSE.strip(), step="loss.backward()\nopt.step()")
+    assert "AMP701" not in _diagnostics(tf32)
+    assert "AMP701" not in _diagnostics(plain, device=None)  # the CPU has no TF32
+
+
+def test_a_comment_on_the_line_silences_one_rule(tmp_path):
+    step = "loss.backward()  # ampscope: ignore[AMP201]\nopt.step()"
+    quiet = _script(tmp_path, forward=_FP16 + "\n" + _MSE, step=step)
+    assert "AMP201" not in _diagnostics(quiet)
+    other = _script(tmp_path, forward=_FP16 + "\n" + _MSE,
+                    step="loss.backward()  # ampscope: ignore[AMP999]\nopt.step()")
+    assert "AMP201" in _diagnostics(other)
+
+
+@pytest.mark.fast
+def test_silencing_comments():
+    d = check_trace  # (the rule objects are what a comment names)
+    assert d is not None
+    from ampscope.records import Diagnostic
+
+    diag = Diagnostic("AMP201", "fp16-without-loss-scaling", "warning", "m", (), "", "", "t.py:1")
+    assert silenced(diag, "loss.backward()  # ampscope: ignore")
+    assert silenced(diag, "x  # ampscope: ignore[AMP202, fp16-without-loss-scaling]")
+    assert not silenced(diag, "x  # ampscope: ignore[AMP202]")
+    assert not silenced(diag, "x  # ignore[AMP201]")
+    assert not silenced(diag, None)
+
+
+@pytest.mark.fast
+def test_every_rule_is_documented():
+    page = (Path(__file__).parent.parent / "docs" / "checks.md").read_text()
+    for r in RULES.values():
+        assert f"## {r.id} {r.name}" in page, r.id
+
+
+def test_check_command_exit_status_and_ignore(tmp_path, capsys):
+    bad = _script(tmp_path, before=_SCALER, forward=_BF16 + "\n" + _MSE, step=_SCALED_STEP)
+    assert main(["check", "--device", "cuda", "--quiet", str(bad)]) == 0  # a warning
+    assert "warning AMP202 loss-scaling-without-fp16" in capsys.readouterr().out
+    assert main(["check", "--device", "cuda", "--strict", "--quiet", str(bad)]) == 1
+    capsys.readouterr()
+    assert main(["check", "--device", "cuda", "--strict", "--quiet", "--ignore",
+                 "loss-scaling-without-fp16", str(bad)]) == 0
+    assert main(["check", "--ignore", "AMP999", str(bad)]) == 2
+    assert "no check 'AMP999'" in capsys.readouterr().err
+
+
+def test_check_of_a_saved_trace(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    assert main(["trace", "gpt2-tiny", "-s", "cuda:fp32", "--seq", "8", "--predict",
+                 "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["diagnostics"] = []  # written before the checks: today's checks judge it
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["check", "--json", "-", str(path)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [d["id"] for d in document["diagnostics"]] == ["AMP701"]
+    assert Trace.from_dict(data).diagnostics == []
+
+
+# -- no false alarms
+
+def _loud(trace: Trace) -> list[str]:
+    return [f"{d.id} {d.message}" for d in trace.diagnostics if d.severity != "note"]
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "nanochat-tiny", "smollm2-135m"])
+@pytest.mark.parametrize("setting", [*DEFAULT_MATRIX_SETTINGS, "fp32+amp-fp16", "cuda:fp32",
+                                     "cuda:fp32+amp-bf16", "cuda:fp32+amp-fp16",
+                                     "cuda:bf16+amp-bf16"])
+def test_reference_models_raise_no_false_alarm(model, setting):
+    if model == "nanochat-tiny" and setting == "cuda:fp32":
+        pytest.skip("nanochat's bf16 embedding on CUDA does not run with fp32 weights")
+    for workload in ("forward", "train"):
+        trace = ampscope.trace(model, setting=setting, workload=workload, seq=8, batch=1,
+                               predict=True)
+        assert _loud(trace) == [], (workload, _loud(trace))
+
+
+@pytest.mark.parametrize("script", ["train.py", "pretrain.py"])
+def test_examples_check_clean(script, capsys):
+    code = main(["check", "--device", "cuda", "--strict", "--quiet",
+                 str(EXAMPLES / "gpt" / script), "--batch_size=2", "--block_size=16",
+                 "--n_layer=1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "warning" not in out and "error" not in out
