@@ -285,3 +285,51 @@ def test_examples_check_clean(script, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "warning" not in out and "error" not in out
+
+
+# -- distributed: FSDP2 reduces gradients in float32, tensor parallelism's all-reduce of the
+# activation gradient in the parameters' bfloat16 (its silent twin, the same plan with no
+# gradient flowing into the parallel layers' input, is tests/test_run_nproc_parallel.py's).
+_TP = """\
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.w1, self.w2 = nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(self.inp(x))))
+
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(0)
+model = Block()
+parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+for step in range(2):
+    torch.manual_seed(step)
+    model(torch.randn(3, 4)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_reductions_below_reduce_dtype(tmp_path, capsys):
+    script = tmp_path / "tp.py"
+    script.write_text(_TP)
+    code = main(["run", "--nproc", "4", "--quiet", str(script)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "warning AMP101 reductions-below-reduce-dtype" in out
+    # Each rank: FSDP2's one reduce-scatter in float32, ColwiseParallel's backward all-reduce
+    # of w1's input gradient in bfloat16 (the parameters' dtype under the policy).
+    flat = " ".join(out.split())
+    assert "1 all_reduce in bfloat16" in flat
+    assert "1 reduce_scatter in float32 in the backward pass" in flat

@@ -1,0 +1,61 @@
+"""Distributed policies: what a run asked its gradient reductions to run in, and what ran."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from ampscope.analysis.checks import Hit, rule
+from ampscope.analysis.checks.step import count
+from ampscope.analysis.summary import itemsize
+from ampscope.records import OpCall, Phase, Trace
+from ampscope.torchcompat.distributed import KINDS
+
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _kind(op: OpCall) -> str | None:
+    parts = op.op.split(".")
+    return KINDS.get(parts[1] if len(parts) > 2 else op.op)
+
+
+def _reduced(op: OpCall) -> str | None:
+    """The floating dtype a reduction carried (its first floating input)."""
+    return next((m.dtype for m in op.inputs if m.dtype.startswith(("float", "bfloat"))), None)
+
+
+@rule("AMP101", "reductions-below-reduce-dtype", "warning",
+      "gradient reductions of one step in a lower precision than its others")
+def reductions_below_reduce_dtype(trace: Trace) -> Iterator[Hit]:
+    # Gradients are reduced in backward: FSDP2's reduce-scatter in its policy's reduce_dtype,
+    # DDP's all-reduce in its buckets' dtype. Another reduction of the same backward in a
+    # narrower dtype (tensor parallelism's all-reduce of activation gradients, which no
+    # MixedPrecisionPolicy governs) is the precision the policy asked for, not kept.
+    reductions = [(o, d) for o in trace.ops if o.phase == Phase.BACKWARD
+                  and _kind(o) in _REDUCTIONS and (d := _reduced(o)) is not None]
+    if not reductions:
+        return
+    widest = max((d for _, d in reductions), key=itemsize)
+    narrow = [(o, d) for o, d in reductions if itemsize(d) < itemsize(widest)]
+    if not narrow:
+        return
+    wide = Counter(_kind(o) for o, d in reductions if d == widest)
+    low = Counter((_kind(o), d) for o, d in narrow)
+    first = narrow[0][0]
+    yield Hit(
+        f"Some gradient reductions run in {narrow[0][1]} while the step's others run in "
+        f"{widest}: {', '.join(f'{count(n, k)} in {d}' for (k, d), n in low.items())}.",
+        (", ".join(f"{count(n, k)} in {widest}" for k, n in wide.items())
+         + " in the backward pass (the precision asked for: FSDP2's reduce_dtype, DDP's "
+           "buckets)",
+         f"the first narrower one: {first.op} (op {first.index})"
+         + (f" in module {first.module}" if first.module else "")
+         + (f" at {first.source}" if first.source else "")),
+        f"those sums over ranks add {narrow[0][1]} values: each partial sum rounds to "
+        f"{8 if narrow[0][1] == 'bfloat16' else 11} significant bits, and the error grows "
+        "with the number of ranks; a MixedPrecisionPolicy's reduce_dtype does not reach "
+        "tensor parallelism's collectives",
+        "keep the activations that tensor parallelism reduces in float32 around the "
+        "parallel layers (e.g. a float32 output_dtype on their FSDP2 unit, or casts in the "
+        "module's forward), or accept it and reduce_dtype=bfloat16 everywhere for speed",
+        first.source)
