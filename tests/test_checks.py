@@ -333,3 +333,58 @@ def test_tensor_parallel_reductions_below_reduce_dtype(tmp_path, capsys):
     flat = " ".join(out.split())
     assert "1 all_reduce in bfloat16" in flat
     assert "1 reduce_scatter in float32 in the backward pass" in flat
+
+
+# -- errors a GPU raises on a dtype, with where the tensor got it
+
+_MASK = """\
+import torch
+import torch.nn as nn
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+    def forward(self, x, mask):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        scores = scores.masked_fill(mask, {fill})
+        return scores.softmax(-1)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = Attn().to(dev)
+x = torch.randn(2, 4, 8, device=dev)
+mask = torch.ones(4, 4, dtype=torch.bool, device=dev).triu(1)
+with torch.autocast(dev, dtype=torch.float16):
+    model(x, mask).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("device", ["cuda", None])
+def test_a_mask_constant_float16_cannot_hold_names_where_the_scores_became_float16(tmp_path,
+                                                                                    device):
+    from ampscope.errors import DtypeMismatchError
+
+    bad = tmp_path / "attn.py"
+    bad.write_text(_MASK.format(fill="-1e9"))
+    with pytest.raises(DtypeMismatchError) as raised:
+        run_script(str(bad), [], device=device, in_process=True)
+    message = str(raised.value)
+    assert f"Tensor.masked_fill at {_line(bad, 'masked_fill')}" in message
+    assert f"it came from Tensor.matmul in (model) at {_line(bad, 'transpose')}" in message
+    assert "beyond ±65504 for a float16 tensor" in message
+    assert "torch.finfo(t.dtype).min" in raised.value.diagnosis.text()
+    good = tmp_path / "attn_ok.py"
+    good.write_text(_MASK.format(fill="torch.finfo(scores.dtype).min"))
+    run_script(str(good), [], device=device, in_process=True)
+
+
+def test_grad_scaler_over_float16_parameters_names_where_they_became_float16(tmp_path):
+    from ampscope.errors import AmpscopeError
+
+    script = _script(tmp_path, before="model.half()\n" + _SCALER,
+                     forward="out = model(x.half())", loss=_MSE.strip(), step=_SCALED_STEP)
+    with pytest.raises(AmpscopeError) as raised:
+        run_script(str(script), [], device="cuda", in_process=True)
+    message = str(raised.value)
+    assert "Attempting to unscale FP16 gradients" in message
+    # model.half() cast the two Linears' weights and biases.
+    assert f"the parameters became float16 at {_line(script, 'model.half()')} (4 tensors)" \
+        in message

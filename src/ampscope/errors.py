@@ -12,7 +12,8 @@ class AmpscopeError(Exception):
 
 
 class DtypeMismatchError(AmpscopeError):
-    """The traced model failed because two tensors met in different dtypes.
+    """The traced model failed on a dtype: two tensors met in different dtypes, or a constant
+    did not fit its tensor's dtype.
 
     `str(error)` is the one-line summary; `diagnosis.text()` adds each argument's dtype and
     origin and the usual fixes. The model's own exception is the `__cause__`.
