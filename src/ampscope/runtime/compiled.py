@@ -25,8 +25,13 @@ from ampscope.patches import patched
 from ampscope.torchcompat.dynamo import eager_module
 
 # The note a run that compiled something carries.
-COMPILE_NOTE = ("torch.compile was called: the run was eager. Compiled code runs the same "
-                "dtypes; it fuses elementwise ops and may keep fewer activations for backward.")
+# Inductor (torch.compile's default backend) computes a fused chain of 16-bit elementwise ops
+# in float32 and rounds once at its end, where eager rounds after every op.
+COMPILE_NOTE = ("torch.compile was called: the run was eager. Compiled code keeps these "
+                "dtypes between kernels, but inductor fuses elementwise ops and computes inside "
+                "each fused kernel in float32 (a bfloat16 or float16 chain rounds once, not "
+                "after each op), so its values differ slightly from eager's; it may also keep "
+                "fewer activations for backward.")
 
 
 class EagerCompile:

@@ -1,4 +1,5 @@
-"""Backend settings that cost speed on the target: float32 matmuls without TF32."""
+"""Backend settings that cost speed on the target: float32 matmuls without TF32, attention on
+the math kernel."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 from ampscope import hardware
 from ampscope.analysis.checks import Hit, rule
 from ampscope.analysis.checks.step import count
+from ampscope.analysis.summary import itemsize
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.records import Trace
 
@@ -40,3 +42,49 @@ def fp32_without_tf32(trace: Trace) -> Iterator[Hit]:
         'torch.set_float32_matmul_precision("high") (or torch.backends.cuda.matmul.'
         "allow_tf32 = True), or train under torch.autocast",
         full[0].source)
+
+
+_SDPA = "torch.nn.functional.scaled_dot_product_attention"
+_FUSED = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+          "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+          "_efficient_attention_forward")
+
+
+@rule("AMP702", "attention-math-fallback", "warning",
+      "scaled_dot_product_attention on the math kernel of a GPU")
+def attention_math_fallback(trace: Trace) -> Iterator[Hit]:
+    device = DEVICE_TYPES.get(trace.setting.device)
+    if device is None or device.attention != "cuda":
+        return
+    calls = [c for c in trace.calls if c.func == _SDPA and c.inputs]
+    if not calls:
+        return
+    fused = {o.caller for o in trace.ops if o.caller is not None
+             and any(o.op.startswith(f"aten.{name}.") for name in _FUSED)}
+    math = [c for c in calls if c.index not in fused]
+    if not math:
+        return
+    first = math[0]
+    q, k = first.inputs[0], first.inputs[1] if len(first.inputs) > 1 else first.inputs[0]
+    # The math kernel materialises the scores: batch·heads·Lq·Lk values in the input's dtype.
+    scores = 1
+    for n in (*q.shape[:-1], k.shape[-2]):
+        scores *= n
+    size = scores * itemsize(q.dtype)
+    why = ("no fused kernel takes float64" if q.dtype == "float64"
+           else "the fused kernels (flash, memory-efficient, cuDNN) refused these inputs' "
+                "shapes, strides or mask")
+    yield Hit(
+        f"{count(len(math), 'scaled_dot_product_attention call')} of {len(calls)} ran the math "
+        f"kernel on the GPU: {why}.",
+        (f"the first at {first.source or 'an unknown line'}: query {q.dtype} "
+         f"{list(q.shape)}, key {list(k.shape)}; no flash, memory-efficient or cuDNN op ran "
+         "in it",),
+        f"the math kernel writes the whole attention matrix to memory ({size:,} B "
+        "for this call, growing with the square of the sequence) and runs a matmul, a softmax "
+        "and a second matmul as separate kernels, where a fused kernel keeps the scores on "
+        "chip: slower, and more memory saved for backward",
+        "give it float16 or bfloat16 (or float32) inputs, contiguous in the last dimension, "
+        "and a boolean or additive mask of the documented shape, or is_causal=True instead of "
+        "a mask",
+        first.source)
