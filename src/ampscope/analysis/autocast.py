@@ -3,7 +3,8 @@
 The policies themselves are read from the build (runtime/autocast_policy.py); this module only arranges
 them for people.
 
-Namesakes, the same concern at another layer: `render/autocast.py`."""
+Namesakes, the same concern at another layer: `render/autocast.py`; and the checks of the
+autocast regions a run entered, `analysis/checks/autocast.py`."""
 
 from __future__ import annotations
 

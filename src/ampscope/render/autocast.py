@@ -1,6 +1,7 @@
 """`ampscope policy`: an autocast policy, two devices' differences, and the quiz, as tables.
 
-Namesakes, the same concern at another layer: `analysis/autocast.py`."""
+Namesakes, the same concern at another layer: `analysis/autocast.py`; and the checks of the
+autocast regions a run entered, `analysis/checks/autocast.py`."""
 
 from __future__ import annotations
 

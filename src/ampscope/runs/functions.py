@@ -176,6 +176,9 @@ class FunctionRecorder(TorchFunctionMode):
         # Set while a script's model is not known yet: shown each call's tensor inputs.
         self.on_inputs: Callable[[str, list[torch.Tensor]], None] | None = None
         self.ops_seen = 0  # bumped by OpRecorder: tells whether a call dispatched anything
+        # While an autocast region records (runs/autocast_regions.py): the device types of the
+        # calls' first tensors, which decide whose autocast casts them.
+        self.devices: set[str] | None = None
         self._tracker = tracker
         self._phase = phase
         # What the dispatch mode needs to know about the call now running. Its source line is
@@ -255,7 +258,10 @@ class FunctionRecorder(TorchFunctionMode):
         walk(args, inputs)
         if kwargs:
             walk(kwargs.values(), inputs)
-        autocast = _autocast_dtype(inputs[0].device.type if inputs else "cpu")
+        device = inputs[0].device.type if inputs else "cpu"
+        autocast = _autocast_dtype(device)
+        if inputs and self.devices is not None:
+            self.devices.add(device)
         if self.on_inputs is not None:
             self.on_inputs(name, inputs)
         frame = sys._getframe(1)

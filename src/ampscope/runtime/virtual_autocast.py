@@ -32,7 +32,7 @@ from ampscope.hardware.device_types import device_type
 from ampscope.runtime import emulation
 from ampscope.runtime.autocast_key import key_state, set_key_state
 from ampscope.runtime.autocast_policy import autocast_dtype_for
-from ampscope.torchcompat.autocast_regions import retarget, retargetable
+from ampscope.torchcompat.autocast_regions import note_asked, retarget, retargetable
 
 # The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
 CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -128,6 +128,7 @@ def _autocast_init(target: str) -> Callable:
         if device_type != target:
             original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             return
+        given = dtype is not None
         if dtype is None:
             dtype = torch.get_autocast_dtype(target)  # the target's slot, as torch reads it
         accepted = dtype
@@ -141,6 +142,8 @@ def _autocast_init(target: str) -> Callable:
         # Its __enter__ and __exit__ go to the target's slot (where this build cannot retarget
         # a region, the CPU's, which is then the target's too).
         retarget(self, target if retargetable()[0] else "cpu", accepted)
+        # What the code asked, over what the constructor below saw (a CPU region, a dtype).
+        note_asked(self, target, given, enabled)
 
     return __init__
 
