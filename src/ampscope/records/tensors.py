@@ -165,6 +165,10 @@ class OpCall:
     # For a collective (c10d's ops): how many ranks its process group holds, which a tensor-
     # parallel all-reduce's shapes do not tell. None for other ops.
     group: int | None = None
+    # The Python numbers the op was called with as values (`masked_fill(mask, -1e9)`, the
+    # `1e-12` of `x + 1e-12`, a clamp's bounds), in argument order, as floats: every float
+    # argument, and ints where the op takes a value (not a dim or a size). Empty for most ops.
+    scalars: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

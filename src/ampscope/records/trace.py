@@ -7,6 +7,7 @@ Fields may be added; the names and meanings of the existing ones do not change.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -162,7 +163,8 @@ class Trace:
                        o.get("caller"),
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
-                       tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"))
+                       tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"),
+                       tuple(float(x) for x in o.get("scalars", ())))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -234,7 +236,9 @@ def _op(o: OpCall) -> dict:
             "in_shapes": _shapes(o.inputs), "out_shapes": _shapes(o.outputs),
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
             "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data),
-            "fp32_precision": o.fp32_precision, "group": o.group}
+            "fp32_precision": o.fp32_precision, "group": o.group,
+            # JSON has no inf or NaN: "inf", "-inf", "nan", which float() reads back.
+            "scalars": [x if math.isfinite(x) else str(x) for x in o.scalars]}
 
 
 def _call(c: FunctionCall) -> dict:

@@ -43,6 +43,7 @@ from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
     OpOverload,
+    op_schema,
 )
 from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
 from ampscope.torchcompat.distributed import GroupSizeUnknown, collective_group_size
@@ -56,6 +57,9 @@ _META = torch.device("meta")
 log = logging.getLogger(__name__)
 
 
+# Argument types that take a number as a value: Scalar ("number"), float, and Tensor, where a
+# Python number arrives as itself (`x + 1e-12` is `aten.add.Tensor(x, 1e-12)`).
+_VALUE_TYPES = frozenset({"number", "Optional[number]", "float", "Optional[float]", "Tensor"})
 _SKIPPED_NAMESPACES = ("profiler", "prim")  # profiler markers; prim.device queries of fake tensors
 _DETACH = torch.ops.aten.detach.default
 
@@ -63,7 +67,8 @@ _DETACH = torch.ops.aten.detach.default
 class _OpFacts:
     """What the recorder needs to know of one op overload, worked out on its first call."""
 
-    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick", "precision", "collective")
+    __slots__ = ("op", "name", "recorded", "cast", "flops", "trick", "precision", "collective",
+                 "values")
 
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
@@ -81,6 +86,10 @@ class _OpFacts:
         self.precision = matmul.precision_kind(self.name)
         # A collective, whose process group's size the record keeps.
         self.collective = func.namespace in COLLECTIVE_NAMESPACES
+        # The arguments, by position and by name, that take a value: a Python int there is a
+        # number the op computes with (`x * 2`, `masked_fill(mask, -10**9)`), elsewhere a dim
+        # or a size. A Python float is a value wherever it is.
+        self.values = _value_arguments(func)
         # The speed trick that may answer it on fake tensors (tricks.py), as its place in
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
@@ -94,6 +103,34 @@ _op_facts: dict[int, _OpFacts] = {}
 _OP_TRICKS = (Trick.FOREACH, Trick.SHORTCUTS, Trick.FAKE_CACHE)
 _FOREACH, _SHORTCUTS, _FAKE_CACHE = range(len(_OP_TRICKS))
 _NONES = tuple((None,) * n for n in range(16))
+
+
+def _value_arguments(func: OpOverload) -> frozenset[int | str]:
+    """The positions and names of the op's arguments that take a value (_OpFacts.values)."""
+    if not isinstance(func, OpOverload):  # a higher-order operator: no schema
+        return frozenset()
+    return frozenset(key for i, a in enumerate(op_schema(func).arguments)
+                     if str(a.type) in _VALUE_TYPES for key in (i, a.name))
+
+
+def _scalars(args: tuple, kwargs: dict, values: frozenset) -> tuple[float, ...]:
+    """The Python numbers among an op's arguments that are values (OpCall.scalars): floats
+    anywhere, ints where `values` (_OpFacts.values) says the argument takes one; never bools
+    (`type(True) is bool`). Type tests in a plain loop: this runs for every op, and a
+    comprehension (or enumerate) costs it two to four times as much."""
+    found: tuple[float, ...] = ()
+    i = 0
+    for a in args:
+        t = type(a)
+        if t is float or (t is int and i in values):
+            found += (float(a),)
+        i += 1  # noqa: SIM113 - enumerate doubles this per-op loop's cost
+    if kwargs:
+        for k, a in kwargs.items():
+            t = type(a)
+            if t is float or (t is int and k in values):
+                found += (float(a),)
+    return found
 
 
 class OpRecorder(UncompiledDispatchMode):
@@ -215,6 +252,7 @@ class OpRecorder(UncompiledDispatchMode):
             self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
             None if facts.precision is None else self._fp32_precision(facts.precision, inputs),
             self._group(facts.name, func, args, kwargs) if facts.collective else None,
+            _scalars(args, kwargs, facts.values),
         ))
         if self._progress is not None:
             self._progress.op(index + 1, phase)

@@ -67,7 +67,7 @@ def rule(id: str, name: str, severity: str, summary: str
 
 
 # The modules that hold the rules: importing them registers them.
-_RULE_MODULES = ("loss_scaling", "loss", "buffers", "backend")
+_RULE_MODULES = ("loss_scaling", "loss", "buffers", "backend", "constants")
 for _module in _RULE_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
