@@ -52,6 +52,8 @@ class RunOptions:
     optimizer_impl: str | None = None  # from OPTIMIZER_IMPLS; None: PyTorch's choice
     # predicted: every speed trick off, every op dispatched (ampscope.tricks)
     exact: bool = False
+    # real: also record what the values say (Trace.values: runs/value_checks.py)
+    values: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):

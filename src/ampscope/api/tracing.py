@@ -65,6 +65,7 @@ def trace(
     optimizer_impl: str | None = None,
     exact: bool = False,
     every_block: bool = False,
+    values: bool = False,
 ) -> Trace:
 
     """Run `workload` once under `setting` and return what every tensor's dtype was.
@@ -79,14 +80,19 @@ def trace(
     of identical blocks and replays their records for the others (the same trace, in a
     fraction of the time), and other speed tricks answer ops without dispatching them
     (ampscope.tricks); `exact=True` (or its older name `every_block=True`) turns them all off
-    and dispatches every op: the same trace, slower.
+    and dispatches every op: the same trace, slower. `values=True` also records what the
+    values say (`Trace.values`: inf/NaN, activations near the format's limit, 16-bit updates
+    that round away, judged by the checks AMP303, AMP304, AMP401): a real run, so `predict`
+    None means False then (`predict=True` records no values).
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
     the model raised. Random token ids are made when `inputs` is None.
     """
+    if values and predict is None:
+        predict = False  # values need real tensors
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl, exact or every_block)
+                         optimizer_impl, exact or every_block, values)
     return trace_run(model, inputs, setting=setting, options=options)
 
 
@@ -152,7 +158,8 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
                              f"{dtype_name(setting.param_dtype)}, the parameters' dtype, as a "
                              f"script would under {setting.name} (no autocast to do it).")
                 log.info("%s", notes[-1])
-        capture = env.capture(lm.module, model_name=lm.name, workload=workload_name)
+        capture = env.capture(lm.module, model_name=lm.name, workload=workload_name,
+                              values=options.values)
         try:
             with env.predicting(collecting=collecting):
                 run_data = fake_batch(data, env.fake) if env.fake is not None else data
@@ -236,13 +243,17 @@ def matrix(
     exact: bool = False,
     every_block: bool = False,
     on_setting: Callable[[int, str], None] | None = None,
+    values: bool = False,
 ) -> tuple[Matrix, list[Trace]]:
     """Trace one workload under each setting (same weights, same batch) and line them up.
 
-    `on_setting(i, name)` is called before setting i runs (for a progress display).
+    `on_setting(i, name)` is called before setting i runs (for a progress display). `values`:
+    as for `trace`.
     """
+    if values and predict is None:
+        predict = False  # values need real tensors
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
-                         optimizer_impl, exact or every_block)
+                         optimizer_impl, exact or every_block, values)
     parsed = [resolved(s) for s in settings]
     if not parsed:
         raise AmpscopeError("give at least one setting")

@@ -14,6 +14,8 @@ analysed without the model:
 - `records/fp8.py`: the fp8 casts of a step and their scales, read off the op records.
 - `records/timeline.py`: when the storages are live over a step, in bytes or CUDA's blocks.
 - `records/perfetto.py`: a trace's records as a Trace Event timeline (`Trace.to_perfetto`).
+- `records/value_checks.py`: what a real run's values said (non-finite values, the largest |x|
+  per module, updates that rounded away), when the run was asked to look.
 
 Nothing here imports another ampscope layer.
 """

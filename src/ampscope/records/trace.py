@@ -34,6 +34,7 @@ from ampscope.records.tensors import (
     TensorMeta,
 )
 from ampscope.records.trace_table import KINDS, modules_table, ops_table, tensors_table
+from ampscope.records.value_checks import ValueChecks
 
 SCHEMA = "ampscope.trace/1"
 
@@ -81,6 +82,9 @@ class Trace:
     # the world, the lowest rank whose shard of each parameter has the same shape (its role;
     # runs/inventory.py). Empty otherwise.
     rank_roles: list[int] = field(default_factory=list)
+    # What a real run's values said (recorded when asked: CaptureOptions.values); None: not
+    # looked at (not asked, or a predicted run's fake tensors).
+    values: ValueChecks | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -107,6 +111,7 @@ class Trace:
             "storages": [_storage(s) for s in self.storages],
             "rank_roles": list(self.rank_roles),
             "passes": [asdict(p) for p in self.passes],
+            "values": self.values.to_dict() if self.values is not None else None,
         }
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
@@ -208,6 +213,7 @@ class Trace:
             passes=[PassRecord(PassKind(p["kind"]), p["grad"], p["first_op"], p["end_op"],
                                p["tokens"]) for p in data.get("passes", [])],
             rank_roles=list(data.get("rank_roles", [])),
+            values=ValueChecks.from_dict(data["values"]) if data.get("values") else None,
         )
 
 

@@ -13,6 +13,8 @@
 - `flops.py`: FLOPs per aten op; `inventory.py`: parameters, buffers, optimizer state;
 - `values.py`: values for numerics; `source.py`: the user's file:line; `tensor_meta.py`: tensor
   metadata (`meta_of`, `tensor_key`);
+- `value_checks.py`: what a real run's values say (inf/NaN made from finite inputs, the largest
+  |x| per module, 16-bit updates that round away), when `CaptureOptions.values` asks;
 - `progress.py`: how far a run has got, told to a callback the caller sets.
 
 The speed tricks of a predicted run (ampscope.tricks; each has an exact path):

@@ -123,6 +123,7 @@ class RunEnvironment:
         if self.setting is not None:
             options.setdefault("setting", self.setting.record())
         if self.fake is not None:
+            options["values"] = False  # a fake tensor has none
             options.setdefault("op_check", check_matmul_dtypes)
             if model is not None:
                 options.setdefault("replay_blocks", not exact())

@@ -37,6 +37,7 @@ from ampscope.runs.passes import PassLog
 from ampscope.runs.repeats import BlockReplay
 from ampscope.runs.replayed import ReplayDoubt
 from ampscope.runs.tensor_meta import no_torch_function
+from ampscope.runs.value_checks import ValueRecorder
 from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.dynamo import eager_stance
@@ -102,7 +103,8 @@ class CaptureOptions:
     runs), to find its model by a parameter when it never calls a module, only
     `module.forward(...)`; `on_model_forward`, called as each forward pass of the model begins
     (the runner bounds a run that never steps with it; it may raise to stop the run).
-    `device`: on a virtual device, the device the run is on. `rank_roles`: Trace.rank_roles."""
+    `device`: on a virtual device, the device the run is on. `rank_roles`: Trace.rank_roles.
+    `values`: a real run also records what its values say (Trace.values, runs/value_checks.py)."""
 
     model_name: str | None = None
     setting: SettingRecord | None = None
@@ -116,6 +118,7 @@ class CaptureOptions:
     candidates: weakref.WeakSet[nn.Module] | None = None
     device: str | None = None
     rank_roles: bool = False
+    values: bool = False
 
 
 class Capture:
@@ -145,6 +148,7 @@ class Capture:
         self._replay_blocks = options.replay_blocks and enabled(Trick.REPLAY)
         self._thin = options.replay_blocks if options.thin is None else options.thin
         self._replay: BlockReplay | None = None
+        self._values: ValueRecorder | None = None
 
     # -- recorders
     def _start(self) -> None:
@@ -178,6 +182,8 @@ class Capture:
         # recorders' modes, and `fullgraph=True` would fail for it.
         self._eager = eager_stance()
         self._eager.__enter__()
+        if self.options.values:  # below the op recorder; its module hook before the tracker's
+            self._values = ValueRecorder(tracker, self._ops.rows, self._names).__enter__()
         tracker.__enter__()
         self._functions.__enter__()
         self._ops.__enter__()
@@ -192,6 +198,8 @@ class Capture:
                 self._functions.__exit__(None, None, None)
             finally:
                 self._tracker.__exit__()
+                if self._values is not None:
+                    self._values.__exit__(None, None, None)
                 self._inference.__exit__()
                 self._eager.__exit__(None, None, None)
                 for handle in self._handles:
@@ -428,6 +436,8 @@ class Capture:
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
+        if self._values is not None:
+            trace.values, self._values = self._values.records(trace.ops, trace.modules), None
         if self.options.setting is None:  # known by now: `finish` runs on a model
             trace.setting = observed_setting(model, self.options.device, trace,
                                              self._matmul_precision)

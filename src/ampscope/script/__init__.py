@@ -86,7 +86,7 @@ class _StopScript(BaseException):
 def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                device: str | None = None, steps: int = 1, predict: bool = False,
                virtual: bool | None = None, max_forwards: int = MAX_FORWARDS,
-               in_process: bool = False) -> Trace:
+               in_process: bool = False, values: bool = False) -> Trace:
     """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
     `argv` as its arguments, stop it after `steps` optimizer steps (as its model's next
     forward pass begins, so the rest of the last step runs), and return what its model did. A
@@ -98,6 +98,8 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     `predict=True` runs it on fake tensors. `virtual=True` uses the virtual device even where
     the device exists (to compare the two on a GPU machine); None: only where it does not.
     Inside `ampscope.exact_path()` a predicted run takes no speed trick (`run --exact`).
+    `values=True` also records what a real run's values say (Trace.values: inf/NaN, activations
+    near the format's limit, 16-bit updates that round away); a predicted run has none.
 
     The script runs in a spawned child process, whose trace comes back as JSON; its output goes
     where the caller's goes. `in_process=True` runs it here, as the CLI does, and restores this
@@ -116,19 +118,21 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
 
         return run_in_child(target, list(argv), module=module, device=device, steps=steps,
                             predict=predict, virtual=virtual, max_forwards=max_forwards,
-                            exact=exact())
+                            exact=exact(), values=values)
     saved = ProcessState.save()
     try:
         return _run_here(label, run, device=device, steps=steps, predict=predict,
-                         virtual=virtual, max_forwards=max_forwards)
+                         virtual=virtual, max_forwards=max_forwards, values=values)
     finally:
         saved.restore()
 
 
 def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
-              predict: bool, virtual: bool | None, max_forwards: int) -> Trace:
+              predict: bool, virtual: bool | None, max_forwards: int,
+              values: bool = False) -> Trace:
     script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
-                        env=RunEnvironment(device=device, predict=predict, virtual=virtual))
+                        env=RunEnvironment(device=device, predict=predict, virtual=virtual),
+                        values=values)
     try:
         with contextlib.ExitStack() as stack:
             script.enter(stack)
@@ -145,7 +149,7 @@ class _ScriptRun:
     under, how it ended, and the trace it leaves."""
 
     def __init__(self, label: str, *, steps: int, max_forwards: int,
-                 env: RunEnvironment) -> None:
+                 env: RunEnvironment, values: bool = False) -> None:
         self.env = env  # the device it believes it has (virtual where missing), fake or real
         device, predict = env.device, env.predict
         self.label, self.steps, self.max_forwards, self.predict = label, steps, max_forwards, \
@@ -162,7 +166,7 @@ class _ScriptRun:
         self.capture = env.capture(
             None, workload="script", judge=judged, thin=predict,
             on_model_forward=self._count_forward, candidates=self.made, device=device,
-            rank_roles=True)
+            rank_roles=True, values=values)
         self.target, self.fake = env.virtual, env.fake
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
         self.files = ScriptFiles(predict)

@@ -67,7 +67,8 @@ def rule(id: str, name: str, severity: str, summary: str
 
 
 # The modules that hold the rules: importing them registers them.
-_RULE_MODULES = ("loss_scaling", "loss", "buffers", "backend", "constants")
+_RULE_MODULES = ("loss_scaling", "loss", "buffers", "backend", "constants",
+                 "value_checks")
 for _module in _RULE_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
