@@ -388,3 +388,85 @@ def test_grad_scaler_over_float16_parameters_names_where_they_became_float16(tmp
     # model.half() cast the two Linears' weights and biases.
     assert f"the parameters became float16 at {_line(script, 'model.half()')} (4 tensors)" \
         in message
+
+
+# -- the model that trains
+
+_FROZEN_FIRST = """\
+import torch
+import torch.nn as nn
+torch.manual_seed(0)
+encoder = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).requires_grad_(False)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+{optimizer}
+for _ in range(2):
+    with torch.no_grad():
+        z = encoder(torch.randn(4, 8))
+    out = model(z)
+{train}
+"""
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_the_traced_model_is_the_one_the_optimizer_trains(tmp_path, predict):
+    script = tmp_path / "distill.py"
+    script.write_text(_FROZEN_FIRST.format(
+        optimizer="opt = torch.optim.AdamW(model.parameters(), lr=1e-3)",
+        train="    out.square().mean().backward()\n    opt.step()\n    opt.zero_grad()"))
+    trace = run_script(str(script), [], in_process=True, predict=predict)
+    # model: Linear(8, 16) and Linear(16, 4), 8·16 + 16 + 16·4 + 4 = 212 parameters.
+    assert trace.model.parameters == 212
+    assert [p.name for p in trace.parameters] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert {p.grad_dtype for p in trace.parameters} == {"float32"}
+
+
+def test_without_an_optimizer_the_first_module_called_is_the_model(tmp_path):
+    script = tmp_path / "sample.py"
+    script.write_text(_FROZEN_FIRST.format(optimizer="", train=""))
+    trace = run_script(str(script), [], in_process=True)
+    assert trace.model.parameters == 8 * 8 + 8  # the encoder, as before
+
+
+def test_optimizer_state_in_16_bit(tmp_path):
+    # AdamW keeps exp_avg and exp_avg_sq in each parameter's dtype (torch/optim/adam.py).
+    fp16 = _script(tmp_path, before="model.half()", forward="out = model(x.half())",
+                   loss=_MSE.strip(), step="loss.backward()\nopt.step()")
+    d = _diagnostics(fp16)["AMP402"]
+    assert d.severity == "warning"
+    assert "exp_avg (float16), exp_avg_sq (float16)" in d.message
+    assert "m/eps" in d.consequence
+    bf16 = _script(tmp_path, before="model.bfloat16()", forward="out = model(x.bfloat16())",
+                   loss=_MSE.strip(), step="loss.backward()\nopt.step()")
+    assert _diagnostics(bf16)["AMP402"].severity == "note"  # pure bfloat16, by choice
+    fp32 = _script(tmp_path, forward="out = model(x)", loss=_MSE.strip(),
+                   step="loss.backward()\nopt.step()")
+    assert "AMP402" not in _diagnostics(fp32)
+
+
+_SDPA = """\
+import sys
+import torch
+import torch.nn.functional as F
+dt = getattr(torch, sys.argv[1])
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+lin = torch.nn.Linear(64, 3 * 64).to(dev, dt)
+q, k, v = lin(torch.randn(2, 16, 64, device=dev, dtype=dt)).view(2, 16, 3, 1, 64).unbind(2)
+out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+out.float().sum().backward()
+"""
+
+
+def test_attention_on_the_math_kernel_of_a_gpu(tmp_path):
+    script = tmp_path / "sdpa.py"
+    script.write_text(_SDPA)
+    trace = run_script(str(script), ["float64"], device="cuda", in_process=True)
+    d = {d.id: d for d in trace.diagnostics}["AMP702"]
+    assert (d.severity, d.source) == ("warning", _line(script, "scaled_dot_product_attention("))
+    assert "no fused kernel takes float64" in d.message
+    # The scores: batch 2 · 1 head · 16 · 16 float64 = 4096 B.
+    assert "(4,096 B for this call" in d.consequence
+    assert "query float64 [2, 1, 16, 64]" in d.evidence[0]
+    fused = run_script(str(script), ["bfloat16"], device="cuda", in_process=True)
+    assert "AMP702" not in {d.id for d in fused.diagnostics}
+    cpu = run_script(str(script), ["float64"], in_process=True)  # the CPU's own choice
+    assert "AMP702" not in {d.id for d in cpu.diagnostics}

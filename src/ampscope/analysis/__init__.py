@@ -5,7 +5,9 @@
 - `flow.py`: the dtype flow through modules and ops, repeated blocks collapsed;
 - `diagram.py`: the dtype flow of one forward pass as a chain of steps;
 - `findings.py`: the short list of dtype facts; `causes.py`: why each tensor changed dtype;
-- `diagnosis.py`: a dtype mismatch explained, with its fixes;
+- `checks/`: the rules that judge a run (`ampscope check`): each mistake with an id, a severity,
+  its evidence and its fix;
+- `diagnosis.py`: a dtype error explained (a mismatch, a constant out of range), with its fixes;
 - `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces;
 - `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
 - `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;

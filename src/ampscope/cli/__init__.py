@@ -2,7 +2,8 @@
 
 - `parser.py`: the arguments, a function per command; `checks.py`: what is refused before
   anything runs; `examples.py`: the examples every `--help` ends with;
-- `commands.py`, `train.py`, `fit.py`: one function per command (call the library, render);
+- `commands.py`, `train.py`, `fit.py`, `check.py`: one function per command (call the library,
+  render);
 - `common.py`: what the commands share (console, progress, one-line errors, the end of each);
   `exports.py`: `--json`, `--csv`, `--perfetto`, `--report`, each registered once;
 - `hardware.py`: `--gpu`, `--peak-flops`, `--memory`; `version.py`: `--version -v`;

@@ -8,7 +8,7 @@ import contextlib
 import io
 from pathlib import Path
 
-from ampscope.cli.common import _show
+from ampscope.cli.common import _show, load_trace
 from ampscope.cli.exports import add_exports
 from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError
@@ -38,6 +38,10 @@ def add_check_parser(sub) -> argparse.ArgumentParser:
     check.add_argument("--predict", action="store_true",
                        help="run on fake tensors: any size, no memory (value checks need a "
                             "real run)")
+    check.add_argument("--values", action="store_true",
+                       help="also check what the values say (inf/NaN, activations near the "
+                            "format's limit, 16-bit updates that round away; not with "
+                            "--predict)")
     check.add_argument("-m", dest="module", action="store_true",
                        help="TARGET is a module name, run as `python -m TARGET`")
     check.add_argument("--ignore", action="append", default=[], metavar="ID[,ID]",
@@ -58,7 +62,7 @@ def add_check_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from ampscope.analysis.checks import RULES, check_trace, unknown_ids
-    from ampscope.render.checks import diagnostics_text
+    from ampscope.render.diagnostics import diagnostics_text
 
     if args.list:
         for r in sorted(RULES.values(), key=lambda r: r.id):
@@ -71,6 +75,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     unknown = unknown_ids(ignore)
     if unknown:
         raise AmpscopeError(f"no check {unknown[0]!r}: `ampscope check --list` lists them")
+    if args.values and args.predict:
+        raise AmpscopeError("--values needs a real run: give --values or --predict, not both")
     args.model = args.target  # named in one-line errors
     trace = _trace(args)
     if Path(args.target).suffix == ".json":  # a saved trace: judged by today's checks
@@ -90,12 +96,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace):
     """The trace to check: the script run (as `ampscope run` does), or the saved trace."""
     if Path(args.target).suffix == ".json" and not args.module:
-        from ampscope.cli.commands import _load_trace
-
         if args.script_args:
             raise AmpscopeError(f"{' '.join(args.script_args)!r} follows the trace {args.target}:"
                                 " give ampscope's options before it")
-        return _load_trace(args.target)
+        return load_trace(args.target)
     from ampscope.script import run_script
 
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
@@ -103,4 +107,4 @@ def _trace(args: argparse.Namespace):
     with quiet:
         return run_script(args.target, script_args, module=args.module, device=args.device,
                           steps=args.steps, predict=args.predict, max_forwards=args.max_forwards,
-                          in_process=True)
+                          in_process=True, values=args.values)

@@ -7,10 +7,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
 
 from ampscope.cli.check import cmd_check  # noqa: F401 - `ampscope check`, found here by name
 from ampscope.cli.common import (
@@ -20,6 +18,8 @@ from ampscope.cli.common import (
     _run_options,
     _run_progress,
     _show,
+    check_regular,
+    load_trace,
     show_report,
 )
 from ampscope.cli.exports import EXPORTS, write_exports
@@ -100,6 +100,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.model = args.target  # named in one-line errors
     if args.nproc is None and args.job_timeout is not None:
         raise AmpscopeError("--timeout only applies with --nproc N")
+    if args.values and (args.predict or args.nproc is not None):
+        raise AmpscopeError("--values needs one real run: not with --predict or --nproc")
     if args.nproc is None and args.all_ranks:
         raise AmpscopeError("--all-ranks only applies with --nproc N --predict")
     # --quiet hides the script's prints (with --json -, main() already sends them to stderr).
@@ -114,7 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             # `python`.
             result = run_script(args.target, script_args, module=args.module,
                                 device=args.device, steps=args.steps, predict=args.predict,
-                                max_forwards=args.max_forwards, in_process=True)
+                                max_forwards=args.max_forwards, in_process=True,
+                                values=args.values)
     if report is not None:  # --gpu's fit verdicts join the report before its JSON, page or view
         from ampscope.distributed.verdicts import verdicts
 
@@ -300,32 +303,6 @@ def registered_command(args: argparse.Namespace) -> int:
     return show_report(args, make(**{n: getattr(args, n) for n in names}))
 
 
-def _check_regular(path: str) -> None:
-    if not Path(path).is_file():  # a folder, a FIFO (which would block), a missing file
-        raise AmpscopeError(f"cannot read {path}: not a regular file; give a trace written "
-                            "with `ampscope trace MODEL --json FILE`")
-
-
-def _load_trace(path: str):
-    from ampscope.records import Trace
-
-    _check_regular(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
-            raise ValueError(f"a JSON {type(data).__name__}, not an object")
-        return Trace.from_dict(data)
-    except OSError as e:
-        raise AmpscopeError(f"cannot read {path}: {e.strerror}") from e
-    except UnicodeDecodeError as e:
-        raise AmpscopeError(f"{path} is not a text file; give a trace written with "
-                            "`ampscope trace MODEL --json FILE`") from e
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise AmpscopeError(f"{path} is not an ampscope trace (write one with "
-                            f"`ampscope trace MODEL --json FILE`): {e}") from e
-
-
 def cmd_diff(args: argparse.Namespace) -> int:
     import os
 
@@ -335,8 +312,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     files = [os.path.exists(x) or x.endswith(".json") for x in (args.a, args.b)]
     if all(files):
         for path in (args.a, args.b):
-            _check_regular(path)
-        a, b = _load_trace(args.a), _load_trace(args.b)
+            check_regular(path)
+        a, b = load_trace(args.a), load_trace(args.b)
     elif any(files):
         raise AmpscopeError("give two trace files or two settings, not one of each")
     else:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from ampscope.cli.exports import write_exports
+from ampscope.errors import AmpscopeError
 from ampscope.render.report_kinds import kind_of
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -102,3 +105,29 @@ def _on_device(settings: list[str], device: str | None) -> list[str]:
 
     return [on_device(s, device) for s in settings] if device else settings
 
+
+def check_regular(path: str) -> None:
+    if not Path(path).is_file():  # a folder, a FIFO (which would block), a missing file
+        raise AmpscopeError(f"cannot read {path}: not a regular file; give a trace written "
+                            "with `ampscope trace MODEL --json FILE`")
+
+
+def load_trace(path: str):
+    """The trace a JSON file written with `--json` holds; one clear line for anything else."""
+    from ampscope.records import Trace
+
+    check_regular(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        return Trace.from_dict(data)
+    except OSError as e:
+        raise AmpscopeError(f"cannot read {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise AmpscopeError(f"{path} is not a text file; give a trace written with "
+                            "`ampscope trace MODEL --json FILE`") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AmpscopeError(f"{path} is not an ampscope trace (write one with "
+                            f"`ampscope trace MODEL --json FILE`): {e}") from e

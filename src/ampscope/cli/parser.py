@@ -122,6 +122,9 @@ def _add_run(sub) -> None:
                           "(to check that the others are the same)")
     run.add_argument("--timeout", dest="job_timeout", type=float, metavar="SECONDS",
                      help="with --nproc: seconds the whole job may take (default: 300)")
+    run.add_argument("--values", action="store_true",
+                     help="also check what the values say (inf/NaN, activations near the "
+                          "format's limit, 16-bit updates that round away; not with --predict)")
     run.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
     run.add_argument("--ops", action="store_true", help="add the op-level listing")
     run.add_argument("--diagram", action="store_true",

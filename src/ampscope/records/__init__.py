@@ -16,6 +16,7 @@ analysed without the model:
 - `records/perfetto.py`: a trace's records as a Trace Event timeline (`Trace.to_perfetto`).
 - `records/value_checks.py`: what a real run's values said (non-finite values, the largest |x|
   per module, updates that rounded away), when the run was asked to look.
+- `records/autocast_regions.py`: each `torch.autocast` region a run entered, and what ran in it.
 
 Nothing here imports another ampscope layer.
 """

@@ -1,6 +1,8 @@
 """`Diagnostic`: one judgement of a run (something wrong, or a deliberate choice worth knowing),
 as a linter states it: a stable id, a severity, the message, the evidence, what it does on the
-target device and the usual fix. The checks that make them live in analysis/checks/."""
+target device and the usual fix. The checks that make them live in analysis/checks/.
+
+Namesakes, the same concern at another layer: `render/diagnostics.py` (the terminal view)."""
 
 from __future__ import annotations
 

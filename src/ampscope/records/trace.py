@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ampscope.files import write_atomic
+from ampscope.records.autocast_regions import AutocastRegion
 from ampscope.records.diagnostics import Diagnostic
 from ampscope.records.perfetto import perfetto_trace
 from ampscope.records.setting import SettingRecord
@@ -85,6 +86,8 @@ class Trace:
     # What a real run's values said (recorded when asked: CaptureOptions.values); None: not
     # looked at (not asked, or a predicted run's fake tensors).
     values: ValueChecks | None = None
+    # Each torch.autocast region the run entered, in order (records/autocast_regions.py).
+    autocast_regions: list[AutocastRegion] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -112,6 +115,7 @@ class Trace:
             "rank_roles": list(self.rank_roles),
             "passes": [asdict(p) for p in self.passes],
             "values": self.values.to_dict() if self.values is not None else None,
+            "autocast_regions": [r.to_dict() for r in self.autocast_regions],
         }
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
@@ -214,6 +218,8 @@ class Trace:
                                p["tokens"]) for p in data.get("passes", [])],
             rank_roles=list(data.get("rank_roles", [])),
             values=ValueChecks.from_dict(data["values"]) if data.get("values") else None,
+            autocast_regions=[AutocastRegion.from_dict(r, i)
+                              for i, r in enumerate(data.get("autocast_regions", []))],
         )
 
 

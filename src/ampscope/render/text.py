@@ -9,7 +9,7 @@ from rich.text import Text
 from ampscope.analysis.flow import FlowRow
 from ampscope.analysis.summary import DtypeCount, TraceSummary
 from ampscope.records import Finding, SettingRecord
-from ampscope.render.checks import diagnostics_text
+from ampscope.render.diagnostics import diagnostics_text
 from ampscope.render.diagram import render_diagram
 from ampscope.render.style import ColumnOptions, dtype_text, short_op
 

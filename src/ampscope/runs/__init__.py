@@ -15,7 +15,8 @@
   metadata (`meta_of`, `tensor_key`);
 - `value_checks.py`: what a real run's values say (inf/NaN made from finite inputs, the largest
   |x| per module, 16-bit updates that round away), when `CaptureOptions.values` asks;
-- `progress.py`: how far a run has got, told to a callback the caller sets.
+- `progress.py`: how far a run has got, told to a callback the caller sets;
+- `autocast_regions.py`: each `torch.autocast` region the run enters, and the ops run in it.
 
 The speed tricks of a predicted run (ampscope.tricks; each has an exact path):
 

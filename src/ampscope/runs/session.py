@@ -23,11 +23,13 @@ from ampscope.records import (
     UNKNOWN_SETTING,
     FailedCall,
     ModelInfo,
+    OpCall,
     SettingRecord,
     StorageRecord,
     Trace,
 )
 from ampscope.runs import inventory
+from ampscope.runs.autocast_regions import RegionRecorder
 from ampscope.runs.functions import FunctionRecorder, InferenceAsNoGrad
 from ampscope.runs.memory import StorageTracker
 from ampscope.runs.modules import ModuleTracker, PhaseClock
@@ -101,7 +103,9 @@ class CaptureOptions:
 
     For a script's run: `candidates`, the modules it makes (filled by the runner as the script
     runs), to find its model by a parameter when it never calls a module, only
-    `module.forward(...)`; `on_model_forward`, called as each forward pass of the model begins
+    `module.forward(...)`; `optimizers`, the optimizers it makes, so that a module it calls
+    first but does not train (a frozen encoder, a teacher) is not taken for the model;
+    `on_model_forward`, called as each forward pass of the model begins
     (the runner bounds a run that never steps with it; it may raise to stop the run).
     `device`: on a virtual device, the device the run is on. `rank_roles`: Trace.rank_roles.
     `values`: a real run also records what its values say (Trace.values, runs/value_checks.py)."""
@@ -116,6 +120,7 @@ class CaptureOptions:
     thin: bool | None = None
     on_model_forward: Callable[[], None] | None = None
     candidates: weakref.WeakSet[nn.Module] | None = None
+    optimizers: weakref.WeakSet[torch.optim.Optimizer] | None = None
     device: str | None = None
     rank_roles: bool = False
     values: bool = False
@@ -167,6 +172,7 @@ class Capture:
         self._passes = PassLog(self._ops.rows, self._functions.rows, tracker)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
+        self._regions = RegionRecorder(self._ops.rows, self._functions, self.options.device).__enter__()
         self._undo.append(self._storages.watch_resizes())
         self._handles = [
             register_optimizer_step_pre_hook(self._on_step_begin),
@@ -201,6 +207,7 @@ class Capture:
                 if self._values is not None:
                     self._values.__exit__(None, None, None)
                 self._inference.__exit__()
+                self._regions.__exit__(None, None, None)
                 self._eager.__exit__(None, None, None)
                 for handle in self._handles:
                     handle.remove()
@@ -250,11 +257,20 @@ class Capture:
         """The first module a script calls outside any other becomes the model: or the module
         that holds it, when the script called that one's forward(...) directly."""
         root = self._outermost(lambda m: any(c is module for c in m.modules()))
+        if not self._trained(root or module):
+            return  # the model is the one the script's optimizer trains: it comes later
         if root is not None and root is not module:
             self._adopt_root(root)
             return
         self._take_model(module)
         self._on_model_call(module, args, {})  # its pre-hook was registered after this call
+
+    def _trained(self, module: nn.Module) -> bool:
+        """Whether `module` may be the model: it holds a parameter an optimizer the script made
+        trains, or no optimizer holds any yet (a sampler, or one made after the first call)."""
+        trained = {id(p) for o in self.options.optimizers or ()
+                   for group in o.param_groups for p in group["params"]}
+        return not trained or any(id(p) in trained for p in module.parameters())
 
     def _adopt_owner(self, func: str, inputs: list[torch.Tensor]) -> None:
         """A script that calls `model.forward(...)` directly runs no module hook: the model is
@@ -266,7 +282,7 @@ class Capture:
         params = [t for t in inputs if isinstance(t, nn.Parameter)]
         if params:
             root = self._outermost(lambda m: any(p is q for q in m.parameters() for p in params))
-            if root is not None:
+            if root is not None and self._trained(root):
                 self._adopt_root(root)
 
     def _outermost(self, holds: Callable[[nn.Module], bool]) -> nn.Module | None:
@@ -368,6 +384,10 @@ class Capture:
         device's torch.cuda.memory_allocated() and max_memory_allocated())."""
         return self._storages.live_bytes, self._storages.peak_bytes
 
+    def ops_so_far(self) -> list[OpCall]:
+        """The op records of the run up to now (a script that raised: up to where it did)."""
+        return self._ops.records()
+
     @property
     def failure(self):
         """The user-level call that raised during the run, if one did (a `FailedCall`)."""
@@ -436,6 +456,7 @@ class Capture:
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
+        trace.autocast_regions = self._regions.records()
         if self._values is not None:
             trace.values, self._values = self._values.records(trace.ops, trace.modules), None
         if self.options.setting is None:  # known by now: `finish` runs on a model

@@ -48,7 +48,7 @@ from functools import partial
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.analysis.checks import judge
-from ampscope.analysis.diagnosis import diagnose
+from ampscope.analysis.diagnosis import FP16_GRADIENTS, diagnose, fp16_gradients_origin
 from ampscope.analysis.findings import plural
 from ampscope.analysis.summary import pass_notes
 from ampscope.defaults import MAX_FORWARDS
@@ -64,7 +64,13 @@ from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import data_dependent
 from ampscope.runtime.workers import leaving_workers
 from ampscope.script.ending import Ending, ScriptExited, exit_code
-from ampscope.script.predicted import fake_model, fake_values, made_modules, swappable
+from ampscope.script.predicted import (
+    fake_model,
+    fake_values,
+    made_modules,
+    made_optimizers,
+    swappable,
+)
 from ampscope.script.state import ProcessState
 from ampscope.script.target import nth, runner, user_line
 from ampscope.script.written_files import ScriptFiles, watched
@@ -161,11 +167,13 @@ class _ScriptRun:
         self.exited: int | None = None  # the status of an os._exit the script called
         self.device = device
         self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # and every optimizer
         # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
         self.compiled = EagerCompile(on_wrapper=self.made.discard)
         self.capture = env.capture(
             None, workload="script", judge=judged, thin=predict,
-            on_model_forward=self._count_forward, candidates=self.made, device=device,
+            on_model_forward=self._count_forward, candidates=self.made,
+            optimizers=self.optimizers, device=device,
             rank_roles=True, values=values)
         self.target, self.fake = env.virtual, env.fake
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
@@ -206,6 +214,7 @@ class _ScriptRun:
         if fake is not None:
             stack.enter_context(fake_model(fake, target))
         stack.enter_context(made_modules(self.made))
+        stack.enter_context(made_optimizers(self.optimizers))
         stack.enter_context(self.capture.recording())
         stack.callback(register_optimizer_step_post_hook(self._count_step).remove)
         stack.enter_context(self.env.device_active(self.capture))
@@ -373,4 +382,7 @@ def _script_error(e: Exception, label: str, capture: Capture, device: str | None
         return DtypeMismatchError(diagnosis)
     message = str(e).strip().splitlines()[0] if str(e).strip() else ""
     at = f" at {where}" if where else ""
+    if FP16_GRADIENTS in message:
+        origin = fp16_gradients_origin(capture.ops_so_far())
+        message += f" ({origin})" if origin else ""
     return AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}")

@@ -40,6 +40,21 @@ def made_modules(made: weakref.WeakSet) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def made_optimizers(made: weakref.WeakSet) -> Iterator[None]:
+    """Every optimizer the script makes, while it runs (Optimizer.__init__ sees them all)."""
+    import torch
+
+    original = torch.optim.Optimizer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.add(self)
+
+    with patched(torch.optim.Optimizer, "__init__", __init__):
+        yield
+
+
+@contextlib.contextmanager
 def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[None]:
     """Predict mode for a script: every parameter and buffer a module registers becomes a fake
     tensor at once (each real one lives only until it is converted), while the script's data

@@ -7,9 +7,18 @@ A rule is one function in one of this package's modules, registered by `@rule(..
     @rule("AMP201", "fp16-without-loss-scaling", "warning", "fp16 gradients, no loss scale")
     def fp16_without_scaling(trace: Trace) -> Iterable[Hit]: ...
 
-The ids by kind: AMP0xx which model trains, AMP1xx distributed policies, AMP2xx loss scaling,
-AMP3xx values out of the format's range, AMP4xx updates that round away, AMP5xx low-precision
-buffers, AMP6xx the loss, AMP7xx backend settings, AMP8xx autocast, AMP9xx errors.
+The modules, by kind of mistake (the ids' hundreds):
+- `reductions.py`: AMP1xx, distributed policies (gradient reductions narrower than asked);
+- `loss_scaling.py`: AMP2xx, fp16 without loss scaling, a GradScaler without fp16, gradients
+  read while scaled;
+- `constants.py`: AMP301-302, constants that overflow or vanish in the dtype they meet;
+  `value_checks.py`: AMP303-304 and AMP401, what a real run's values say;
+- `updates.py`: AMP402, optimizer state in 16 bits;
+- `buffers.py`: AMP5xx, normalisation statistics and rotary tables in 16 bits;
+- `loss.py`: AMP6xx, the loss computed in 16 bits;
+- `backend.py`: AMP7xx, float32 matmuls without TF32, attention on the math kernel;
+- `autocast.py`: AMP8xx, autocast regions that do not do what they look like;
+- `evidence.py`: what the rules read off the op records (names, phases, GradScaler's ops).
 
 A finding is silenced by `ignore` (ids or names) or, on its own line, by a comment in the
 user's source: `# ampscope: ignore[AMP201]` (or `# ampscope: ignore` for every rule).
@@ -67,8 +76,8 @@ def rule(id: str, name: str, severity: str, summary: str
 
 
 # The modules that hold the rules: importing them registers them.
-_RULE_MODULES = ("loss_scaling", "loss", "buffers", "backend", "constants",
-                 "value_checks")
+_RULE_MODULES = ("reductions", "loss_scaling", "updates", "loss", "buffers", "backend", "constants",
+                 "value_checks", "autocast")
 for _module in _RULE_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 

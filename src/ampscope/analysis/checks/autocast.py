@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import UNSCALE, UPDATE_SCALE, count, named, trains
+from ampscope.analysis.checks.evidence import UNSCALE, UPDATE_SCALE, count, named, trains
 from ampscope.records import Trace
 from ampscope.records.autocast_regions import AutocastRegion
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from ampscope import hardware
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import count
+from ampscope.analysis.checks.evidence import count
 from ampscope.analysis.summary import itemsize
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.records import Trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import HALF, count
+from ampscope.analysis.checks.evidence import HALF, count
 from ampscope.records import Trace
 
 _STATISTICS = ("running_mean", "running_var")

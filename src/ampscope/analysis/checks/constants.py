@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import HALF, count, where
+from ampscope.analysis.checks.evidence import HALF, count, where
 from ampscope.records import OpCall, Phase, Trace
 
 # The ops, by name without overload, whose number argument stands for a value of the format

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import HALF, count, op_name, where
+from ampscope.analysis.checks.evidence import HALF, count, op_name, where
 from ampscope.records import Phase, Trace
 
 # ATen's loss kernels (what F.cross_entropy, F.mse_loss, ... run), by name without overload.

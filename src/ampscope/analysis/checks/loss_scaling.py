@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import (
+from ampscope.analysis.checks.evidence import (
     UNSCALE,
     UPDATE_SCALE,
     count,

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import HALF, count
+from ampscope.analysis.checks.evidence import HALF, count
 from ampscope.records import Trace
 
 
@@ -34,7 +34,12 @@ def state_in_16_bit(trace: Trace) -> Iterator[Hit]:
         consequence += ("; and float16's smallest value is 2^-24 ≈ 6e-8: the square of a "
                         "gradient below 2.4e-4 is 0 there, and Adam's update m/(√v + eps) is "
                         "then m/eps, far too large")
-    trained_low = all(p.dtype in HALF for p in trace.parameters if p.requires_grad)
+    # Moments in their own parameter's 16-bit dtype follow from that parameter (PyTorch's
+    # optimizers keep them so): the choice was the parameter's, and AMP401 measures what it
+    # costs. Moments narrower than their parameter are the optimizer's own loss: a warning.
+    dtype_of = {p.name: p.dtype for p in trace.parameters}
+    narrower = [s.param for s in trace.optimizer_state if s.dtype in HALF and s.key != "step"
+                and dtype_of.get(s.param, s.dtype) not in HALF]
     yield Hit(
         f"The optimizer keeps its state in {' and '.join(dtypes)}: "
         + ", ".join(f"{k} ({d})" for k, d in low) + ".",
@@ -45,4 +50,4 @@ def state_in_16_bit(trace: Trace) -> Iterator[Hit]:
         "keep the optimizer state in float32: float32 parameters (with torch.autocast for the "
         "compute), or an optimizer that keeps float32 moments for 16-bit weights",
         None,
-        None if squared_fp16 else ("note" if trained_low else None))
+        None if squared_fp16 or narrower else "note")

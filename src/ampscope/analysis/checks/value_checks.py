@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import UNSCALE, UPDATE_SCALE, count, named, where
+from ampscope.analysis.checks.evidence import UNSCALE, UPDATE_SCALE, count, named, where
 from ampscope.records import Phase, Trace, module_label
 from ampscope.records.value_checks import ModuleMax, NonFinite, StuckUpdate
 

@@ -1,5 +1,7 @@
 """The checks' diagnostics in the terminal: one block each, most severe first, as a linter
-prints them (`ampscope check`, and the top of every trace's report)."""
+prints them (`ampscope check`, and the top of every trace's report).
+
+Namesakes, the same concern at another layer: `records/diagnostics.py` (the record)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.step import count
+from ampscope.analysis.checks.evidence import count
 from ampscope.analysis.summary import itemsize
 from ampscope.records import OpCall, Phase, Trace
 from ampscope.torchcompat.distributed import KINDS
@@ -39,8 +39,8 @@ def reductions_below_reduce_dtype(trace: Trace) -> Iterator[Hit]:
     narrow = [(o, d) for o, d in reductions if itemsize(d) < itemsize(widest)]
     if not narrow:
         return
-    wide = Counter(_kind(o) for o, d in reductions if d == widest)
-    low = Counter((_kind(o), d) for o, d in narrow)
+    wide = Counter(_kind(o) or "" for o, d in reductions if d == widest)
+    low = Counter((_kind(o) or "", d) for o, d in narrow)
     first = narrow[0][0]
     yield Hit(
         f"Some gradient reductions run in {narrow[0][1]} while the step's others run in "

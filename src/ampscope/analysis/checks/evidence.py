@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ampscope.records import OpCall, Phase, Trace, module_label
+from ampscope.records import FunctionCall, OpCall, Phase, Trace, module_label
 
 HALF = ("float16", "bfloat16")
 # GradScaler's kernels: unscale_ (and step, which unscales when the script did not) runs the
@@ -45,8 +45,8 @@ def where(op: OpCall) -> str:
     return text
 
 
-def first_source(ops: Iterable[OpCall]) -> str | None:
-    return next((o.source for o in ops if o.source), None)
+def first_source(records: Iterable[OpCall | FunctionCall]) -> str | None:
+    return next((r.source for r in records if r.source), None)
 
 
 def count(n: int, noun: str) -> str:
