@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import ampscope
 from ampscope.analysis.checks import RULES, check_trace, silenced
@@ -470,3 +471,34 @@ def test_attention_on_the_math_kernel_of_a_gpu(tmp_path):
     assert "AMP702" not in {d.id for d in fused.diagnostics}
     cpu = run_script(str(script), ["float64"], in_process=True)  # the CPU's own choice
     assert "AMP702" not in {d.id for d in cpu.diagnostics}
+
+
+_POSITIONS = """\
+import torch
+import torch.nn as nn
+class PE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], dtype=torch.{dtype})
+        return self.proj(x) + torch.sin(pos)[None, :, None]
+PE()(torch.randn(1, {n}, 8))
+"""
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_positions_in_16_bit(tmp_path, predict):
+    script = tmp_path / "pos.py"
+    script.write_text(_POSITIONS.format(dtype="bfloat16", n=1024))
+    d = _diagnostics(script, device=None, predict=predict)["AMP503"]
+    assert (d.severity, d.source) == ("warning", _line(script, "torch.arange"))
+    # Ground truth: bfloat16 itself rounds 257 to 256.
+    assert float(torch.tensor(257.0).bfloat16()) == 256.0
+    assert "257 rounds to 256" in d.consequence
+    short = tmp_path / "short.py"
+    short.write_text(_POSITIONS.format(dtype="bfloat16", n=256))  # 0..255: all exact
+    assert "AMP503" not in _diagnostics(short, device=None, predict=predict)
+    fp32 = tmp_path / "fp32.py"
+    fp32.write_text(_POSITIONS.format(dtype="float32", n=1024))
+    assert "AMP503" not in _diagnostics(fp32, device=None, predict=predict)

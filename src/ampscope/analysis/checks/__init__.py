@@ -14,7 +14,7 @@ The modules, by kind of mistake (the ids' hundreds):
 - `constants.py`: AMP301-302, constants that overflow or vanish in the dtype they meet;
   `value_checks.py`: AMP303-304 and AMP401, what a real run's values say;
 - `updates.py`: AMP402, optimizer state in 16 bits;
-- `buffers.py`: AMP5xx, normalisation statistics and rotary tables in 16 bits;
+- `buffers.py`: AMP5xx, normalisation statistics, rotary tables and positions in 16 bits;
 - `loss.py`: AMP6xx, the loss computed in 16 bits;
 - `backend.py`: AMP7xx, float32 matmuls without TF32, attention on the math kernel;
 - `autocast.py`: AMP8xx, autocast regions that do not do what they look like;

@@ -1,4 +1,5 @@
-"""Buffers kept in a 16-bit format: normalisation statistics and rotary tables."""
+"""Buffers and positions kept in a 16-bit format: normalisation statistics, rotary tables,
+position indices."""
 
 from __future__ import annotations
 
@@ -65,3 +66,39 @@ def rotary_in_16_bit(trace: Trace) -> Iterator[Hit]:
         consequence,
         "compute the tables in float32 and keep them there (cast the rotated q and k "
         "instead), or accept it as a deliberate saving")
+
+
+# The largest integer below which every integer is exact: 2^(significand bits).
+_EXACT = {"bfloat16": 2 ** 8, "float16": 2 ** 11}
+
+
+@rule("AMP503", "positions-in-16-bit", "warning",
+      "position indices made in float16 or bfloat16 beyond the integers it holds exactly")
+def positions_in_16_bit(trace: Trace) -> Iterator[Hit]:
+    # torch.arange(T, dtype=torch.bfloat16): its values are 0, 1, ..., T-1 (with start and
+    # step, start + k·step); past 2^8 (bfloat16) or 2^11 (float16) neighbours round together.
+    found = []
+    for o in trace.ops:
+        if not o.op.startswith("aten.arange") or not o.outputs:
+            continue
+        dtype, shape = o.outputs[0].dtype, o.outputs[0].shape
+        if dtype not in _EXACT or not shape or shape[0] - 1 <= _EXACT[dtype]:  # 0..T-1
+            continue
+        found.append(o)
+    if not found:
+        return
+    first = found[0]
+    dtype, n = first.outputs[0].dtype, first.outputs[0].shape[0]
+    exact = _EXACT[dtype]
+    yield Hit(
+        f"Positions are made in {dtype}: torch.arange of {n:,} values"
+        + (f" at {first.source}" if first.source else "")
+        + f", where integers above {exact:,} are not all exact.",
+        (f"{count(len(found), 'arange')} returned {dtype} with more than {exact:,} values",),
+        f"{dtype} holds every integer up to {exact:,} only: {exact + 1:,} rounds to "
+        f"{exact:,}, past {exact:,} only every second position is left and past "
+        f"{2 * exact:,} every fourth, so neighbouring tokens get the same position, and the "
+        "rotary or sinusoidal embeddings made from them are equal",
+        "make positions as integers or float32 (torch.arange(T, dtype=torch.float32)) and cast "
+        "what is computed from them, not the positions",
+        first.source)
