@@ -113,6 +113,7 @@ def test_float8_all_gather_real_equals_predicted(device, tmp_path, capsys):
     assert _facts(predicted) == _facts(real)
     assert [r["ran"] for r in predicted["ranks"]] == [True, True]
     assert real["unshard_dtypes"] == predicted["unshard_dtypes"] == ["uint8"]
+    assert "AMP102" not in real["text"]  # float8 weights all-gathered: nothing to say
     assert real["reduce_dtypes"] == predicted["reduce_dtypes"] == ["float32"]
 
 
@@ -128,8 +129,13 @@ def test_default_config_gathers_bf16_and_runs_fp8_matmuls(tmp_path, capsys):
                 ("all_gather", "backward", "bfloat16", 1056),
                 ("all_gather", "backward", "bfloat16", 1088), *REDUCE]
     assert _facts(predicted) == [(0, expected, HELD), (1, expected, HELD)]
-    # The matmuls ran in fp8 all the same (the trace's fp8 finding, on rank 0).
+    # The matmuls ran in fp8 all the same (the trace's fp8 finding, on rank 0), and the check
+    # says that their weights crossed in bfloat16: the forward all-gathers' outputs, 1088 +
+    # 1056 = 2144 B.
     assert "2 of 2 Linear layers run their matmuls in fp8" in predicted["text"]
+    text = " ".join(predicted["text"].split())
+    assert "note AMP102 fp8-weights-gathered-in-16-bit" in text
+    assert "2 all-gathers in the forward pass carried bfloat16 (2,144 B gathered)" in text
 
 
 def test_float8_alone_all_gathers_float8_predicted(tmp_path, capsys):

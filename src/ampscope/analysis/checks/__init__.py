@@ -8,7 +8,8 @@ A rule is one function in one of this package's modules, registered by `@rule(..
     def fp16_without_scaling(trace: Trace) -> Iterable[Hit]: ...
 
 The modules, by kind of mistake (the ids' hundreds):
-- `reductions.py`: AMP1xx, distributed policies (gradient reductions narrower than asked);
+- `reductions.py`: AMP1xx, distributed policies (gradient reductions narrower than asked, fp8
+  weights all-gathered in 16 bits);
 - `loss_scaling.py`: AMP2xx, fp16 without loss scaling, a GradScaler without fp16, gradients
   read while scaled;
 - `constants.py`: AMP301-302, constants that overflow or vanish in the dtype they meet;
