@@ -502,3 +502,15 @@ def test_positions_in_16_bit(tmp_path, predict):
     fp32 = tmp_path / "fp32.py"
     fp32.write_text(_POSITIONS.format(dtype="float32", n=1024))
     assert "AMP503" not in _diagnostics(fp32, device=None, predict=predict)
+
+
+def test_the_html_report_shows_the_diagnostics_first(tmp_path):
+    from ampscope.render.html import trace_html
+
+    bad = _script(tmp_path, before=_SCALER, forward=_BF16 + "\n" + _MSE, step=_SCALED_STEP)
+    page = trace_html(run_script(str(bad), [], device="cuda", in_process=True))
+    assert page.index("Check</h2>") < page.index("Tensors by dtype")
+    assert '<b class="warning">warning</b> <b>AMP202 loss-scaling-without-fp16</b>' in page
+    clean = _script(tmp_path, forward=_BF16 + "\n" + _MSE, step="loss.backward()\nopt.step()")
+    assert "Check</h2>" not in trace_html(run_script(str(clean), [], device="cuda",
+                                                     in_process=True))

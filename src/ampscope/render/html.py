@@ -65,6 +65,8 @@ CSS = f"""
   border-radius: 8px; padding: 0 6px; margin-left: 6px; white-space: nowrap; }}
 .ampscope ul.findings {{ margin: 4px 0 10px; padding-left: 22px; }}
 .ampscope ul.findings li {{ margin: 3px 0; }}
+.ampscope b.error {{ color: #b3261e; }} .ampscope b.warning {{ color: #a15c00; }}
+.ampscope b.note {{ color: #1a6fa8; }}
 .ampscope details > summary {{ cursor: pointer; }}
 .ampscope details.setting > summary {{ font-weight: 600; margin: 8px 0 4px; }}
 .ampscope .flows {{ display: flex; flex-wrap: wrap; gap: 28px; align-items: flex-start; }}
@@ -107,6 +109,18 @@ def header(traces: Sequence[Trace]) -> Markup:
 
 def findings_body(traces: Sequence[Trace]) -> Markup:
     return _sections().findings(traces)
+
+
+def diagnostics_body(traces: Sequence[Trace]) -> Markup:
+    """What the checks found in each trace (render/diagnostics.py prints the same)."""
+    return _sections().diagnostics(traces)
+
+
+def _checked(traces: Sequence[Trace]) -> list[tuple[str, str, Markup]]:
+    """The Check section, where a trace has diagnostics: what is wrong comes first."""
+    if not any(t.diagnostics for t in traces):
+        return []
+    return [("check", "Check", diagnostics_body(traces))]
 
 
 def inventory_body(trace: Trace) -> Markup:
@@ -241,7 +255,9 @@ def fragment(*parts: Markup) -> str:
 
 
 def trace_html(trace: Trace) -> str:
-    return fragment(header([trace]), section("tensors", "Tensors by dtype", inventory_body(trace)),
+    checked = [section(*c) for c in _checked([trace])]
+    return fragment(header([trace]), *checked,
+                    section("tensors", "Tensors by dtype", inventory_body(trace)),
                     section("findings", "Findings", findings_body([trace])),
                     section("flow", "Dtype flow", flow_body([trace])))
 
@@ -274,7 +290,7 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *, reports: Sequence[ob
     out."""
     if not traces:
         raise ValueError("a report needs at least one trace")
-    sections = [("findings", "Findings", findings_body(traces)),
+    sections = [*_checked(traces), ("findings", "Findings", findings_body(traces)),
                 ("flow", "Dtype flow", flow_body(traces)),
                 ("matrix", "Settings matrix", matrix_body(matrix))]
     for kind in REPORTS.values():

@@ -8,6 +8,7 @@ import functools
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from ampscope.records import module_label
+from ampscope.render.diagnostics import tally
 from ampscope.render.flops import human
 from ampscope.render.plots import dtype_color
 from ampscope.render.style import SHORT_DTYPES, format_bytes, short_op
@@ -24,7 +25,7 @@ def environment() -> Environment:
     env.filters.update(
         dtype_color=dtype_color, short_dtype=lambda d: SHORT_DTYPES.get(d, d), human=human,
         bytes=format_bytes, short_op=short_op, module_label=module_label,
-        thousands=lambda n: f"{n:,}", zip=lambda a, b: zip(a, b, strict=True))
+        thousands=lambda n: f"{n:,}", zip=lambda a, b: zip(a, b, strict=True), tally=tally)
     env.globals.update(share=share)
     return env
 
