@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from ampscope.records import FailedCall, OpCall, module_label
+from ampscope.torchcompat.ops import TO_COPY_NAME
 
 _FLOATS = ("float64", "float32", "bfloat16", "float16")
 
@@ -97,6 +98,8 @@ def diagnose(failure: FailedCall | None) -> Diagnosis | None:
     return Diagnosis(summary, tuple(lines))
 
 
+# The cast op's name without its overload ("aten._to_copy").
+_TO_COPY = TO_COPY_NAME.rsplit(".", 1)[0] + "."
 # GradScaler's refusal, raised in Python before any op runs (torch/amp/grad_scaler.py).
 FP16_GRADIENTS = "Attempting to unscale FP16 gradients"
 
@@ -108,7 +111,7 @@ def fp16_gradients_origin(ops: list[OpCall]) -> str | None:
     first_use = next((o.index for o in ops if any(o.input_names)), len(ops))
     lines: dict[str, int] = {}
     for o in ops[:first_use]:
-        if (o.op.startswith(("aten._to_copy", "aten.to")) and o.source and o.inputs
+        if (o.op.startswith((_TO_COPY, "aten.to.")) and o.source and o.inputs
                 and o.outputs and o.inputs[0].dtype == "float32"
                 and o.outputs[0].dtype == "float16"):
             lines[o.source] = lines.get(o.source, 0) + 1

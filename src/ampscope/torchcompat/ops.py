@@ -45,6 +45,13 @@ SDPA_FLASH_FOR_CPU_NAMES = ("_scaled_dot_product_flash_attention_for_cpu",
                             "_scaled_dot_product_flash_attention_for_cpu_backward")
 # GradScaler's update of its scale, which reads whether a gradient was inf or NaN.
 AMP_UPDATE_SCALE_NAME = "aten._amp_update_scale_.default"
+# GradScaler's kernels by op name without namespace and overload: unscale_ (and step, which
+# unscales where the script did not) runs the first, update() the second.
+AMP_UNSCALE_OP = "_amp_foreach_non_finite_check_and_unscale_"
+AMP_UPDATE_SCALE_OP = "_amp_update_scale_"
+# The fused attention kernels' forward ops, by name: SDPA's backends and the kernels they call.
+FUSED_ATTENTION_NAMES = (*(SDPA_OP_NAMES[b][0] for b in ("flash", "efficient", "cudnn")),
+                         "_flash_attention_forward", "_efficient_attention_forward")
 # The optimizers' multi-tensor ops all begin so (`_foreach_add_`, `_foreach_sqrt`).
 FOREACH_PREFIX = "_foreach_"
 

@@ -11,6 +11,7 @@ from ampscope.analysis.checks.evidence import count
 from ampscope.analysis.summary import itemsize
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.records import Trace
+from ampscope.torchcompat.ops import FUSED_ATTENTION_NAMES
 
 
 @rule("AMP701", "fp32-matmuls-without-tf32", "note",
@@ -45,9 +46,7 @@ def fp32_without_tf32(trace: Trace) -> Iterator[Hit]:
 
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
-_FUSED = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-          "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
-          "_efficient_attention_forward")
+_FUSED = FUSED_ATTENTION_NAMES
 
 
 @rule("AMP702", "attention-math-fallback", "warning",

@@ -14,6 +14,7 @@ import torch
 from ampscope.analysis.checks import Hit, rule
 from ampscope.analysis.checks.evidence import HALF, count, where
 from ampscope.records import OpCall, Phase, Trace
+from ampscope.torchcompat.ops import FOREACH_PREFIX
 
 # The ops, by name without overload, whose number argument stands for a value of the format
 # the op computes in. Those that store it: the CPU and CUDA kernels convert it with a range
@@ -26,8 +27,8 @@ _CHECKED = _BOUNDS | {"masked_fill", "masked_fill_", "fill", "fill_", "full", "f
 _STORED = _CHECKED | {"scalar_tensor", "where"}
 # Those that add it (one tensor operand: with two, the number is `alpha`, a factor).
 _ADDITIVE = frozenset({"add", "add_", "sub", "sub_", "rsub"})
-_FOREACH_ADDITIVE = frozenset({"_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_",
-                               "_foreach_clamp_min", "_foreach_clamp_min_"})
+_FOREACH_ADDITIVE = frozenset(FOREACH_PREFIX + n for n in ("add", "add_", "sub", "sub_",
+                                                          "clamp_min", "clamp_min_"))
 # Those that multiply by it: too large a factor is overflow for about every operand. Not for
 # AMP302: the kernels keep a factor in float32 (their opmath), so what rounds is the product,
 # which depends on the data; a tiny factor alone is no mistake.

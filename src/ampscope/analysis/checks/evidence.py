@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ampscope.records import FunctionCall, OpCall, Phase, Trace, module_label
+from ampscope.torchcompat.ops import AMP_UNSCALE_OP, AMP_UPDATE_SCALE_OP
 
 HALF = ("float16", "bfloat16")
 # GradScaler's kernels: unscale_ (and step, which unscales when the script did not) runs the
 # first, update() the second. Either one in a step says a GradScaler was there.
-UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
-UPDATE_SCALE = "_amp_update_scale_"
+UNSCALE = AMP_UNSCALE_OP
+UPDATE_SCALE = AMP_UPDATE_SCALE_OP
 
 
 def op_name(op: OpCall) -> str:

@@ -18,6 +18,7 @@ from ampscope.analysis.checks.evidence import (
     where,
 )
 from ampscope.records import Phase, Trace
+from ampscope.torchcompat.ops import FOREACH_PREFIX
 
 _SCALER_FIX = ("scale the loss: scaler = torch.amp.GradScaler(device); "
                "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()")
@@ -89,8 +90,9 @@ def scaler_without_fp16(trace: Trace) -> Iterator[Hit]:
 
 # Ops that read gradients' values before the optimizer uses them: clip_grad_norm_,
 # clip_grad_value_, a logged gradient norm.
-_GRADIENT_READS = frozenset({"_foreach_norm", "linalg_vector_norm", "norm", "_foreach_clamp_max_",
-                             "_foreach_clamp_min_", "clamp_", "abs", "_foreach_abs"})
+_GRADIENT_READS = frozenset({"linalg_vector_norm", "norm", "clamp_", "abs",
+                             *(FOREACH_PREFIX + n for n in ("norm", "clamp_max_", "clamp_min_",
+                                                            "abs"))})
 
 
 @rule("AMP203", "scaled-gradients-read", "warning",
