@@ -22,6 +22,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ def patch(owner: object, name: str, value: object) -> Callable[[], None]:
     original = held[name] if own and held is not None else getattr(owner, name, _MISSING)
     entry = Patch(owner, name, value, original, own)
     _touched.setdefault((id(owner), name), (owner, name, original if own else _MISSING))
-    setattr(owner, name, value)
+    _set(owner, name, value)
     _active.append(entry)
 
     def undo() -> None:
@@ -69,10 +70,31 @@ def patch(owner: object, name: str, value: object) -> Callable[[], None]:
 
 def _put_back(entry: Patch) -> None:
     if entry.own:
-        setattr(entry.owner, entry.name, entry.original)
+        _set(entry.owner, entry.name, entry.original)
     else:
         with contextlib.suppress(AttributeError):
-            delattr(entry.owner, entry.name)
+            _delete(entry.owner, entry.name)
+
+
+def _is_instance(owner: object) -> bool:
+    return not isinstance(owner, (type, types.ModuleType))
+
+
+# An instance's own attribute is set and deleted past its class's __setattr__/__delattr__: a
+# wrapper module that forwards attributes to the module it wraps (Lightning Fabric's, accelerate's)
+# would otherwise give the wrapped module the wrapper's `forward` too, which calls it back.
+def _set(owner: object, name: str, value: object) -> None:
+    if _is_instance(owner):
+        object.__setattr__(owner, name, value)
+    else:
+        setattr(owner, name, value)
+
+
+def _delete(owner: object, name: str) -> None:
+    if _is_instance(owner):
+        object.__delattr__(owner, name)
+    else:
+        delattr(owner, name)
 
 
 def undo_all() -> int:
