@@ -10,6 +10,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import sysconfig
 from types import CodeType, FrameType
 
 import torch
@@ -90,3 +91,32 @@ def source_line(label: str) -> str | None:
         return None
     linecache.checkcache(path)  # a file edited since it was last read is read again
     return linecache.getline(path, int(line)) or None
+
+
+# Where installed packages live: code there is a library's, not the user's own.
+_LIBRARIES = tuple(dict.fromkeys(
+    os.path.join(p, "") for p in (sysconfig.get_paths().get("purelib"),
+                                  sysconfig.get_paths().get("platlib")) if p))
+
+
+def library_line(frame: FrameType | None) -> str | None:
+    """Where torch or an installed library runs the code at `frame` (outwards past ampscope's
+    own frames): "torch/nn/init.py:119"; None where that code is the user's."""
+    while frame is not None:
+        code = frame.f_code
+        kind = _kind_cache.get(code.co_filename)
+        if kind is None:
+            kind = _kind(code)
+        if kind == AMPSCOPE or code.co_name == "__torch_function__":
+            frame = frame.f_back
+            continue
+        path = code.co_filename
+        if kind == TORCH and path in _PASS_THROUGH:
+            frame = frame.f_back
+            continue
+        for root in (os.path.dirname(os.path.dirname(_TORCH_DIR)) + os.sep, *_LIBRARIES):
+            if kind == TORCH or path.startswith(root):
+                return f"{os.path.relpath(path, root) if path.startswith(root) else path}:" \
+                       f"{frame.f_lineno}"
+        return None
+    return None

@@ -177,6 +177,7 @@ class _ScriptRun:
             rank_roles=True, values=values)
         self.target, self.fake = env.virtual, env.fake
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
+        self.values_answered: list[str] = []  # library lines whose truth tests were answered
         self.files = ScriptFiles(predict)
         self.ending = Ending()
 
@@ -220,7 +221,7 @@ class _ScriptRun:
         stack.enter_context(self.env.device_active(self.capture))
         stack.enter_context(swappable(self.capture, target, fake))
         if fake is not None:
-            stack.enter_context(fake_values(self.values_read))
+            stack.enter_context(fake_values(self.values_read, self.values_answered))
         stack.enter_context(watched(self.files))
         stack.enter_context(self.ending.watching())
         stack.enter_context(self.compiled.active())  # after the virtual device's own
@@ -317,6 +318,9 @@ class _ScriptRun:
         for line in dict.fromkeys(self.values_read):
             notes.append(f".item() of a fake tensor at {line} returned NaN (predict mode has "
                          "no values).")
+        for line in dict.fromkeys(self.values_answered):
+            notes.append(f"{line} tested a fake tensor's truth: answered as the usual case "
+                         "(nothing out of range, no inf or NaN), which changes no dtype or shape.")
         return notes + self.files.notes()
 
 

@@ -7,12 +7,13 @@ Also the modules a script makes (every run needs them to find the model by a par
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 
 from ampscope.patches import patched
 from ampscope.runs.session import Capture
-from ampscope.runs.source import user_source
+from ampscope.runs.source import library_line, user_source
 from ampscope.runtime.predict import (
     foreach_defaults_as_real,
     gc_paused,
@@ -118,20 +119,38 @@ def _fake_inside(t) -> bool:
 
 
 @contextlib.contextmanager
-def fake_values(read: list[str]) -> Iterator[None]:
+def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
     """`.item()` of a fake tensor (a loss printed for the log) returns NaN, and the line is
-    noted; any other read of a value (`if loss < best`) still stops the run."""
+    noted in `read`. A truth test of a fake tensor inside torch or an installed library
+    (`if not mask.any()` in `nn.init.trunc_normal_`, a trainer's `isnan(loss)` filter) is
+    answered as the usual case — no element of `.any()`, every element of `.all()`, otherwise
+    false: no value out of range, no NaN — which changes no dtype or shape; the library line
+    is noted in `answered`. Any other read of a value in user code (`if loss < best`) still
+    stops the run."""
     import torch
     from torch.overrides import TorchFunctionMode
 
-    item = torch.Tensor.item
+    item, boolean = torch.Tensor.item, torch.Tensor.__bool__
+    # Fake tensors made by .all() (or torch.all), by id: their truth is True in the usual
+    # case. (By id, with a weak reference to tell a reused id: a tensor's == is elementwise.)
+    every = {torch.Tensor.all, torch.all}
+    made_by_all: dict[int, weakref.ref] = {}
 
     class FakeValues(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is item and isinstance(args[0], FakeTensor):
                 read.append(user_source(skip=2) or "an unknown line")
                 return float("nan")
-            return func(*args, **(kwargs or {}))
+            if func is boolean and isinstance(args[0], FakeTensor):
+                line = library_line(sys._getframe(1))
+                if line is not None:
+                    answered.append(line)
+                    ref = made_by_all.get(id(args[0]))
+                    return ref is not None and ref() is args[0]
+            out = func(*args, **(kwargs or {}))
+            if func in every and isinstance(out, FakeTensor):
+                made_by_all[id(out)] = weakref.ref(out)
+            return out
 
     with FakeValues():
         yield
