@@ -43,7 +43,9 @@ from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
     OpOverload,
+    higher_order,
     op_schema,
+    run_decomposed,
 )
 from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
 from ampscope.torchcompat.distributed import GroupSizeUnknown, collective_group_size
@@ -134,6 +136,7 @@ def _scalars(args: tuple, kwargs: dict, values: frozenset) -> tuple[float, ...]:
 
 
 class OpRecorder(UncompiledDispatchMode):
+    supports_higher_order_operators = True  # run decomposed: each of their ops is recorded
     def __init__(self, tracker: ModuleTracker, phase: PhaseClock, functions: UserCalls,
                  names: dict[int, tuple[weakref.ref, str]]):
         super().__init__()
@@ -188,6 +191,8 @@ class OpRecorder(UncompiledDispatchMode):
         # By id: an OpOverload hashes in Python; the facts hold the op, so its id stays its own.
         facts = _op_facts.get(id(func))
         if facts is None:
+            if higher_order(func):  # flex_attention: the aten ops it runs are recorded
+                return run_decomposed(self, func, args, kwargs)
             facts = _op_facts[id(func)] = _OpFacts(func)
         out = foreach.NOT_THINNED
         if self._answering[facts.trick]:

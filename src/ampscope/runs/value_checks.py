@@ -43,9 +43,11 @@ from ampscope.runs.modules import ModuleTracker, in_backward
 from ampscope.runs.tensor_meta import results_of
 from ampscope.torchcompat.dispatch import (
     disable_torch_dispatch,
+    higher_order,
     modes_off,
     no_torch_function,
     op_schema,
+    run_decomposed,
 )
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 
@@ -99,6 +101,8 @@ def _version(t: torch.Tensor) -> int:
 class ValueRecorder(UncompiledDispatchMode):
     """Enter it below the op recorder and before the module tracker (its module hook must see
     the tracker's call still open); `records` when the run is over."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, tracker: ModuleTracker, op_rows: list,
                  names: dict[int, tuple[weakref.ref, str]]) -> None:
@@ -167,6 +171,8 @@ class ValueRecorder(UncompiledDispatchMode):
 
     # -- ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if higher_order(func):  # flex_attention: its aten ops come through one by one
+            return run_decomposed(self, func, args, kwargs)
         if kwargs is None:
             kwargs = {}
         facts = _facts.get(id(func))

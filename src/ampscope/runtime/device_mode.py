@@ -25,7 +25,9 @@ from ampscope.torchcompat import devices
 from ampscope.torchcompat.dispatch import (
     TorchDispatchMode,
     active_fake_mode,
+    higher_order,
     no_torch_function,
+    run_decomposed,
 )
 from ampscope.torchcompat.fake import FakeTensor
 
@@ -351,11 +353,15 @@ class BackingFactories(TorchDispatchMode):
     tensor made is untagged, so `DeviceMode` says it is on the target. Under a FakeTensorMode
     the call goes on as it is: fake tensors keep the target device themselves."""
 
+    supports_higher_order_operators = True
+
     def __init__(self, device_mode: DeviceMode) -> None:
         super().__init__()
         self.device_mode = device_mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if higher_order(func):  # flex_attention: its aten ops come through one by one
+            return run_decomposed(self, func, args, kwargs)
         device = kwargs.get("device") if kwargs else None
         if device is not None and self.device_mode.is_target(device) and \
                 active_fake_mode() is None:

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterator
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.overrides import _pop_mode, _push_mode
 from torch.utils import _pytree as pytree
 from torch.utils._mode_utils import no_dispatch
@@ -27,7 +27,7 @@ from ampscope.torchcompat.features import Feature
 __all__ = [
     "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "active_fake_mode",
     "default_device", "disable_torch_dispatch", "op_schema", "dispatch_mode_stack", "dispatch_stack_depth",
-    "function_stack_depth", "inner_tensors", "is_traceable_wrapper_subclass", "no_dispatch",
+    "function_stack_depth", "higher_order", "inner_tensors", "run_decomposed", "is_traceable_wrapper_subclass", "no_dispatch",
     "no_torch_function",
     "pop_function_mode", "proxy_mode_active", "push_function_mode", "pytree", "pytree_children",
 ]
@@ -50,6 +50,41 @@ default_device: Callable[[], str] = _C._get_default_device
 
 push_function_mode = _push_mode
 pop_function_mode = _pop_mode
+
+
+def higher_order(func: object) -> bool:
+    """Whether `func` is a higher-order operator (flex_attention, cond, ...), which reaches a
+    dispatch mode whose class sets `supports_higher_order_operators` with no arguments' types."""
+    return isinstance(func, HigherOrderOperator)
+
+
+def run_decomposed(mode: TorchDispatchMode, func: HigherOrderOperator, args: tuple,
+                   kwargs: dict | None):
+    """A higher-order operator that reached `mode`: its dense implementation, the one eager
+    PyTorch runs without a compiler, with `mode` back on the stack so that each aten op it runs
+    reaches the mode as any other; NotImplemented where it has none (PyTorch then says so)."""
+    kernel = func.py_kernels.get(_C.DispatchKey.CompositeExplicitAutograd)
+    if kernel is None:
+        return NotImplemented
+    with mode, _Decomposing():
+        return kernel(*args, **(kwargs or {}))
+
+
+class _Decomposing(TorchDispatchMode):
+    """Below autograd, where a higher-order operator's implementation runs, composite ops
+    (matmul, to) reach the modes whole: this one splits each into the ops it is made of
+    (bmm, _to_copy), as autograd's dispatch does everywhere else, so the modes below see the
+    ops a device runs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, OpOverload) and func.namespace == "aten" and \
+                func.has_kernel_for_dispatch_key(_C.DispatchKey.CompositeImplicitAutograd):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
