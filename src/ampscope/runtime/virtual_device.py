@@ -44,6 +44,7 @@ from ampscope.hardware.device_types import device_type
 from ampscope.patches import patched
 from ampscope.runtime import workers
 from ampscope.runtime.compiled import COMPILE_NOTE
+from ampscope.runtime.cuda_graphs import GraphUse, graph_pool_handle
 from ampscope.runtime.device_internals import internal_patches
 from ampscope.runtime.device_load import load_patches
 from ampscope.runtime.device_mode import BackingFactories, DeviceMode
@@ -188,6 +189,7 @@ class VirtualDevice:
         self.mode = DeviceMode(target)
         self.memory: Callable[[], tuple[int, int]] | None = None
         self.used: set[str] = set()  # which virtual answers the run asked for, for the notes
+        self.graphs = GraphUse()  # CUDA graphs, run eagerly
         self._stack: contextlib.ExitStack | None = None
         self._peak_base = 0
 
@@ -273,6 +275,11 @@ class VirtualDevice:
                 (backend.nvtx, "range", lambda msg, *args, **kwargs: contextlib.nullcontext()),
                 (torch.backends.cuda, "is_built", lambda: True),
                 (torch.backends.cudnn, "is_available", lambda: True),
+                # CUDA graphs, run eagerly (runtime/cuda_graphs.py).
+                (backend, "CUDAGraph", self.graphs.graph_class()),
+                (backend, "graph", self.graphs.graph_context()),
+                (backend, "graph_pool_handle", graph_pool_handle),
+                (backend, "make_graphed_callables", self.graphs.make_graphed_callables()),
             ]
             patches += [(backend, name, _refusing(backend, name)) for name in _REFUSED
                         if hasattr(backend, name)]
@@ -379,6 +386,7 @@ class VirtualDevice:
                  "really lived on the CPU."]
         if "compile" in self.used:
             notes.append(COMPILE_NOTE)
+        notes += self.graphs.notes(self.target)
         if "synchronize" in self.used:
             notes.append(f"torch.{self.target}.synchronize() returned at once: the run is "
                          "synchronous on the CPU, and its timings are the CPU's.")
