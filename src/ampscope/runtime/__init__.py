@@ -15,7 +15,8 @@ runs on (precision/ says what a setting is and applies it).
   (its generators and seeds), `device_load.py` (`torch.load` onto it) and
   `device_internals.py` (the accelerator torch's own code asks for, tensor subclasses on it);
 - `user_frames.py`: the user's line an error names;
-- `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly;
+- `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly; `cuda_graphs.py`:
+  CUDA graphs on the virtual device, captured blocks run once, eagerly;
 - `predict.py`: predict mode, the run on fake tensors.
 - `process_group.py`: a script's process groups on gloo (`run --nproc`).
 - `collective_watch.py`: the collective each rank of `run --nproc` is in, for the line that

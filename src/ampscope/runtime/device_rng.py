@@ -64,11 +64,14 @@ def generator_type(target: str) -> type:
 
 def _set_state(state: torch.Tensor) -> None:
     """The target's `set_rng_state`: the state of the default generator that stands for it. A
-    state saved by a real GPU (its Philox seed and offset) seeds it with that seed: the CPU
-    generator cannot take a Philox offset."""
+    Philox state (a real GPU's, or DTensor's per-shard one: its seed and offset) seeds it with
+    the two mixed: the CPU generator cannot take a Philox offset, and each offset still draws
+    its own stream."""
     state = torch.as_tensor(state)
     if state.numel() == _PHILOX_STATE_BYTES and state.dtype == torch.uint8:
-        torch.default_generator.manual_seed(int.from_bytes(bytes(state[:8].tolist()), "little"))
+        raw = bytes(state.tolist())
+        seed, offset = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+        torch.default_generator.manual_seed((seed + offset * 0x9E3779B97F4A7C15) % 2 ** 64)
         return
     torch.default_generator.set_state(state)
 
@@ -107,3 +110,11 @@ def rng_patches(target: str) -> list[tuple[object, str, object]]:
     patches += [(backend, name, value) for name, value in answers.items()
                 if hasattr(backend, name)]
     return patches
+
+
+def philox_state() -> torch.Tensor:
+    """A Philox state (seed, offset 0; 16 bytes) for the virtual device's generator, for code
+    that reads the device's state as Philox's (DTensor's random ops on shards)."""
+    seed = torch.default_generator.initial_seed() % 2 ** 64
+    raw = seed.to_bytes(8, "little") + (0).to_bytes(8, "little")
+    return torch.tensor(list(raw), dtype=torch.uint8)

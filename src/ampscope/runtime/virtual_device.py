@@ -51,6 +51,7 @@ from ampscope.runtime.device_mode import BackingFactories, DeviceMode
 from ampscope.runtime.device_rng import rng_patches
 from ampscope.runtime.virtual_autocast import AutocastSlots
 from ampscope.torchcompat import devices
+from ampscope.torchcompat.distributed import dtensor_rng_op
 from ampscope.torchcompat.fake import FakeTensor
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -328,6 +329,12 @@ class VirtualDevice:
         patches: list[tuple[object, str, object]] = [
             (torch, "get_device_module", _defaulting(torch.get_device_module, self.target))]
         patches += internal_patches(self.mode, self.target)
+        rng_op = dtensor_rng_op()
+        if rng_op is not None:
+            # A shard's random op at its offset of CUDA's Philox generator: the virtual
+            # device's generator is the CPU's, which has no offsets; the op runs on it.
+            patches.append((*rng_op, self._note(
+                "dtensor_rng", lambda start, end, op, *args, **kwargs: op(*args, **kwargs))))
         pinning = devices.dataloader_pinning()
         if pinning is not None:
             patches.append((pinning, "pin_memory", workers.pinned(self.mode)))
@@ -387,6 +394,10 @@ class VirtualDevice:
         if "compile" in self.used:
             notes.append(COMPILE_NOTE)
         notes += self.graphs.notes(self.target)
+        if "dtensor_rng" in self.used:
+            notes.append("DTensor's random ops (nn.init on sharded parameters) drew from each "
+                         "rank's CPU generator: a GPU's Philox offsets per shard are not "
+                         "emulated, so the values differ; dtypes and shapes do not.")
         if "synchronize" in self.used:
             notes.append(f"torch.{self.target}.synchronize() returned at once: the run is "
                          "synchronous on the CPU, and its timings are the CPU's.")

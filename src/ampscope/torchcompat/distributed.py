@@ -331,3 +331,27 @@ def features() -> list[Feature]:
                     "a collective's own group in the wire bytes (the world size is taken)"),
             Feature("DTensor shard shapes", shapes is not None, shapes_why,
                     "run --nproc --predict's roles (every rank runs)")]
+
+
+def dtensor_rng_tracker() -> type | None:
+    """DTensor's RNG tracker class (random ops on sharded parameters: `nn.init.normal_` after
+    FSDP2's `to_empty`), which reads the device generator's state and moves it to the device;
+    None where this build has no such class or method."""
+    try:
+        from torch.distributed.tensor import _random
+    except ImportError:
+        return None
+    tracker = getattr(_random, "OffsetBasedRNGTracker", None)
+    return tracker if tracker is not None and "_get_device_state" in vars(tracker) else None
+
+
+def dtensor_rng_op() -> tuple[object, str] | None:
+    """Where DTensor's dispatch finds `run_dtensor_rng_op`, the operator that runs a random op
+    on a shard at its offset of the device's Philox generator (CUDA only): (module, name), or
+    None where this build has none."""
+    try:
+        from torch.distributed.tensor import _dispatch
+    except ImportError:
+        return None
+    name = "run_dtensor_rng_op"
+    return (_dispatch, name) if hasattr(_dispatch, name) else None
