@@ -18,6 +18,7 @@ from jsonschema import Draft202012Validator
 
 from ampscope import schemas
 from ampscope.cli import main
+from ampscope.errors import AmpscopeError
 from tests.test_json_schema import _exact
 
 PARAMS = 4 * 8 + 8 + 8 * 2 + 2  # hand-derived: the two Linear layers' weights and biases
@@ -215,3 +216,28 @@ def test_fsdp2_all_gathers_in_bf16_and_reduce_scatters_in_fp32(device, tmp_path,
         assert sorted(c for c in calls if c[0] == "reduce_scatter") == [
             ("reduce_scatter", "backward", "float32", 18 * 4),
             ("reduce_scatter", "backward", "float32", 40 * 4)]
+
+
+RANK_FAILS = """
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+torch.nn.Linear(4, 4)(torch.randn(2, 4))
+if dist.get_rank() == 1:
+    raise ValueError("rank one is unhappy")
+dist.barrier()
+"""
+
+
+def test_a_failed_rank_is_one_line_and_its_own_traceback_under_debug(tmp_path, capsys):
+    script = _script(tmp_path, RANK_FAILS, name="fails.py")
+    assert main(["run", "--nproc", "2", "-q", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("ampscope: error: rank 1 of 2 failed: fails.py raised ValueError at "
+                           "fails.py:7: rank one is unhappy")
+    with pytest.raises(AmpscopeError) as raised:
+        main(["--debug", "run", "--nproc", "2", "-q", str(script)])
+    told = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "rank 1's traceback:" in told
+    assert 'File "' + str(script) + '", line 7' in told or "fails.py\", line 7" in told
+    assert told.rstrip().endswith("ValueError: rank one is unhappy")

@@ -155,13 +155,32 @@ def main(argv: list[str]) -> int:
         payload = {"error": {"type": "DtypeMismatchError", "message": str(e), "diagnosis": {
             "summary": e.diagnosis.summary, "lines": list(e.diagnosis.lines)}}}
     except AmpscopeError as e:
-        payload = {"error": {"type": "AmpscopeError", "message": str(e)}}
+        payload = {"error": {"type": "AmpscopeError", "message": str(e),
+                             "traceback": _traceback(e)}}
     except KeyboardInterrupt:
         payload = {"interrupted": True}
     except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
-        payload = {"error": {"type": type(e).__name__, "message": str(e)}}
+        payload = {"error": {"type": type(e).__name__, "message": str(e),
+                             "traceback": _traceback(e)}}
     write_atomic(result, json.dumps(payload))
     return 0
+
+
+def _traceback(e: BaseException) -> str:
+    """The traceback of what the script raised (the cause of ampscope's one-line error), for
+    `--debug` in the process that reads the answer."""
+    import traceback
+
+    return "".join(traceback.format_exception(e.__cause__ or e))
+
+
+def traceback_of(path: str) -> str | None:
+    """The traceback a child wrote with its error, if it wrote one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("error", {}).get("traceback")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _rank_groups(predict: bool):

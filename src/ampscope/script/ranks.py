@@ -48,7 +48,7 @@ from ampscope.distributed.report import (
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.runtime.collective_watch import describe, read_state
-from ampscope.script.child import answer, spawn
+from ampscope.script.child import answer, spawn, traceback_of
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
 MAX_NPROC = 8
@@ -124,7 +124,11 @@ def _wait(processes: list[subprocess.Popen], results: list[str], target: str,
                        and _failure(results[k], codes.setdefault(k, code), target)]
             errors = {k: _failure(results[k], codes[k], target) or "" for k in failed}
             first = min(failed, key=lambda k: (_from_a_peer(errors[k]), _ended_at(results[k])))
-            raise AmpscopeError(f"rank {first} of {nproc} failed: {errors[first]}") from None
+            failure = AmpscopeError(f"rank {first} of {nproc} failed: {errors[first]}")
+            told = traceback_of(results[first])
+            if told and hasattr(failure, "add_note"):  # Python >= 3.11; shown under --debug
+                failure.add_note(f"rank {first}'s traceback:\n{told.rstrip()}")
+            raise failure from None
         if len(codes) < nproc:
             if time.monotonic() > deadline:
                 waiting = [k for k in range(nproc) if k not in codes]
