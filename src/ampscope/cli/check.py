@@ -9,55 +9,12 @@ import io
 from pathlib import Path
 
 from ampscope.cli.common import _show, load_trace
-from ampscope.cli.exports import add_exports
-from ampscope.defaults import MAX_FORWARDS
 from ampscope.errors import AmpscopeError
-from ampscope.hardware.device_types import DEVICE_TYPES
 
 SCHEMA = "ampscope.check/1"
 # The exit status when a diagnostic fails the check (errors; warnings too with --strict).
 # ampscope's own failures keep theirs (2: bad input or a run that failed).
 FAILED = 1
-
-
-def add_check_parser(sub) -> argparse.ArgumentParser:
-    check = sub.add_parser(
-        "check", help="run your script (or read a saved trace) and name the precision "
-                      "mistakes in it: id, severity, evidence and fix",
-        description="Run a training script as `ampscope run` does (or read a trace written "
-                    "with --json) and\nreport what the checks find. Exits 1 when an error is "
-                    "found (with --strict: a warning too).")
-    check.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
-                       help="the device the script should see; one this machine lacks is "
-                            "virtual (default: this machine's)")
-    check.add_argument("--steps", type=int, default=1,
-                       help="stop after this many optimizer steps (default: %(default)s)")
-    check.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
-                       help="stop a script that runs N forward passes without an optimizer "
-                            "step (default: %(default)s)")
-    check.add_argument("--predict", action="store_true",
-                       help="run on fake tensors: any size, no memory (value checks need a "
-                            "real run)")
-    check.add_argument("--values", action="store_true",
-                       help="also check what the values say (inf/NaN, activations near the "
-                            "format's limit, 16-bit updates that round away; not with "
-                            "--predict)")
-    check.add_argument("-m", dest="module", action="store_true",
-                       help="TARGET is a module name, run as `python -m TARGET`")
-    check.add_argument("--ignore", action="append", default=[], metavar="ID[,ID]",
-                       help="leave out these checks (ids or names, e.g. AMP701 or "
-                            "fp32-matmuls-without-tf32); may be repeated")
-    check.add_argument("--strict", action="store_true",
-                       help="warnings fail the check too (exit 1)")
-    check.add_argument("--list", action="store_true", help="list every check and exit")
-    check.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
-    add_exports(check, "json")
-    check.add_argument("target", metavar="TARGET", nargs="?",
-                       help="the script (with -m, the module), or a trace written with --json")
-    check.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                       help="the script's own arguments ('--' first if they could be read as "
-                            "ampscope's)")
-    return check
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -7,7 +7,6 @@ import argparse
 from collections.abc import Mapping
 from typing import NoReturn
 
-from ampscope.cli.check import add_check_parser
 from ampscope.cli.examples import add_examples
 from ampscope.cli.exports import add_exports
 from ampscope.cli.fit import add_fit_parser
@@ -61,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     _add_trace(sub)
     _add_run(sub)
-    add_check_parser(sub)  # ampscope check: the precision mistakes of a run (cli/check.py)
+    _add_check(sub)  # ampscope check: the precision mistakes of a run (cli/check.py runs it)
     _add_matrix(sub)
     _add_report(sub)
     _add_diff(sub)
@@ -89,24 +88,30 @@ def _add_trace(sub) -> None:
     _add_distributed_arguments(trace)
 
 
+def _add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    """What `run` and `check` both take to run a script: the device it sees, when it stops,
+    and whether its weights are fake."""
+    parser.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
+                     help="the device the script should see; one this machine lacks is virtual "
+                          "(default: this machine's)")
+    parser.add_argument("--steps", type=int, default=1,
+                     help="stop after this many optimizer steps (default: %(default)s)")
+    parser.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
+                     help="stop a script that runs N forward passes of its model without an "
+                          "optimizer step (a sampler, a loop that never steps); 0: no bound "
+                          "(default: %(default)s)")
+    parser.add_argument("--predict", action="store_true",
+                     help="every weight becomes a fake tensor as the model registers it: any "
+                          "size, no memory (the data stays real)")
+
+
 def _add_run(sub) -> None:
     run = sub.add_parser(
         "run", help="run your own script, unmodified, and trace its model (on a device this "
                     "machine lacks, a virtual one)",
         description="Run a training or sampling script as `python SCRIPT ARGS` would, stop it\n"
                     "after --steps optimizer steps, and trace the model it runs.")
-    run.add_argument("--device", "-d", choices=list(DEVICE_TYPES),
-                     help="the device the script should see; one this machine lacks is virtual "
-                          "(default: this machine's)")
-    run.add_argument("--steps", type=int, default=1,
-                     help="stop after this many optimizer steps (default: %(default)s)")
-    run.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
-                     help="stop a script that runs N forward passes of its model without an "
-                          "optimizer step (a sampler, a loop that never steps); 0: no bound "
-                          "(default: %(default)s)")
-    run.add_argument("--predict", action="store_true",
-                     help="every weight becomes a fake tensor as the model registers it: any "
-                          "size, no memory (the data stays real)")
+    _add_script_arguments(run)
     run.add_argument("--exact", action="store_true",
                      help="with --predict: every speed trick off (same result, slower)")
     run.add_argument("-m", dest="module", action="store_true",
@@ -147,6 +152,35 @@ def _add_run(sub) -> None:
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                      help="the script's own arguments ('--' first if they could be read as "
                           "ampscope's)")
+
+
+def _add_check(sub) -> None:
+    check = sub.add_parser(
+        "check", help="run your script (or read a saved trace) and name the precision "
+                      "mistakes in it: id, severity, evidence and fix",
+        description="Run a training script as `ampscope run` does (or read a trace written "
+                    "with --json) and\nreport what the checks find. Exits 1 when an error is "
+                    "found (with --strict: a warning too).")
+    _add_script_arguments(check)
+    check.add_argument("--values", action="store_true",
+                       help="also check what the values say (inf/NaN, activations near the "
+                            "format's limit, 16-bit updates that round away; not with "
+                            "--predict)")
+    check.add_argument("-m", dest="module", action="store_true",
+                       help="TARGET is a module name, run as `python -m TARGET`")
+    check.add_argument("--ignore", action="append", default=[], metavar="ID[,ID]",
+                       help="leave out these checks (ids or names, e.g. AMP701 or "
+                            "fp32-matmuls-without-tf32); may be repeated")
+    check.add_argument("--strict", action="store_true",
+                       help="warnings fail the check too (exit 1)")
+    check.add_argument("--list", action="store_true", help="list every check and exit")
+    check.add_argument("--quiet", "-q", action="store_true", help="hide the script's own output")
+    add_exports(check, "json")
+    check.add_argument("target", metavar="TARGET", nargs="?",
+                       help="the script (with -m, the module), or a trace written with --json")
+    check.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                       help="the script's own arguments ('--' first if they could be read as "
+                            "ampscope's)")
 
 
 def _add_matrix(sub) -> None:

@@ -41,6 +41,7 @@ from ampscope.records import ModuleCall, OpCall, Phase, dtype_name
 from ampscope.records.value_checks import ModuleMax, NonFinite, StuckUpdate, ValueChecks
 from ampscope.runs.modules import ModuleTracker, in_backward
 from ampscope.runs.tensor_meta import results_of
+from ampscope.torchcompat.autograd import write_count
 from ampscope.torchcompat.dispatch import (
     disable_torch_dispatch,
     higher_order,
@@ -89,13 +90,6 @@ _facts: dict[int, _Facts] = {}
 def _checked(t) -> bool:
     return (type(t) in _PLAIN and t.dtype in _CHECKED and t.layout is torch.strided
             and not t.is_meta)
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version  # noqa: SLF001 - autograd's counter of writes, shared with its views
-    except RuntimeError:  # an inference tensor keeps no version: never taken as known
-        return -1
 
 
 class ValueRecorder(UncompiledDispatchMode):
@@ -153,7 +147,7 @@ class ValueRecorder(UncompiledDispatchMode):
 
     def _known_as(self, t: torch.Tensor, slot: int, written: bool = False) -> None:
         known = self._known
-        known[id(t)] = (weakref.ref(t), _version(t), slot, written)
+        known[id(t)] = (weakref.ref(t), write_count(t), slot, written)
         if len(known) > self._prune_at:  # drop the tensors that are gone
             for key in [k for k, (ref, *_) in known.items() if ref() is None]:
                 del known[key]
@@ -164,7 +158,7 @@ class ValueRecorder(UncompiledDispatchMode):
         entry = self._known.get(id(t))
         if entry is not None and entry[0]() is t:
             # autograd counts an in-place write after the op has run: once more then
-            version, known, written = _version(t), entry[1], entry[3]
+            version, known, written = write_count(t), entry[1], entry[3]
             if version != -1 and (version == known or (written and version == known + 1)):
                 return entry[2]
         return self._measure(t)

@@ -28,7 +28,7 @@ import torch
 from ampscope.runtime.device_mode import DeviceMode
 from ampscope.runtime.device_rng import philox_state
 from ampscope.torchcompat import devices
-from ampscope.torchcompat.distributed import c10d_module, dtensor_rng_tracker
+from ampscope.torchcompat.distributed import c10d_module, dtensor_rng_state_reader
 
 Patches = list[tuple[object, str, object]]
 
@@ -44,13 +44,13 @@ def internal_patches(mode: DeviceMode, target: str) -> Patches:
     if maker is not None:
         owner, name, make = maker
         patches.append((owner, name, staticmethod(_on_backing(mode, make))))
-    tracker = dtensor_rng_tracker()
-    if tracker is not None:
+    reader = dtensor_rng_state_reader()
+    if reader is not None:
         # DTensor's random ops read the device generator's state as Philox's (seed, offset)
         # and move it to the device, inside its own dispatch where no mode of the run is
         # active: the virtual device's generator is the CPU's, so the state is a Philox one
         # made for it, on the CPU (where DTensor gives it back to the generator anyway).
-        patches.append((tracker, "_get_device_state", lambda self: philox_state()))
+        patches.append((*reader, lambda self: philox_state()))
     return patches
 
 

@@ -45,6 +45,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from torch import nn
+from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampscope.analysis.checks import judge
@@ -67,8 +69,7 @@ from ampscope.script.ending import Ending, ScriptExited, exit_code
 from ampscope.script.predicted import (
     fake_model,
     fake_values,
-    made_modules,
-    made_optimizers,
+    made,
     swappable,
 )
 from ampscope.script.state import ProcessState
@@ -214,8 +215,8 @@ class _ScriptRun:
         stack.enter_context(self.env.emulated())
         if fake is not None:
             stack.enter_context(fake_model(fake, target))
-        stack.enter_context(made_modules(self.made))
-        stack.enter_context(made_optimizers(self.optimizers))
+        stack.enter_context(made(nn.Module, self.made))
+        stack.enter_context(made(Optimizer, self.optimizers))
         stack.enter_context(self.capture.recording())
         stack.callback(register_optimizer_step_post_hook(self._count_step).remove)
         stack.enter_context(self.env.device_active(self.capture))

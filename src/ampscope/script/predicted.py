@@ -26,32 +26,16 @@ from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 
 
 @contextlib.contextmanager
-def made_modules(made: weakref.WeakSet) -> Iterator[None]:
-    """Every nn.Module the script makes, while it runs (nn.Module.__init__ sees them all)."""
-    import torch
-
-    original = torch.nn.Module.__init__
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.add(self)
-
-    with patched(torch.nn.Module, "__init__", __init__):
-        yield
-
-
-@contextlib.contextmanager
-def made_optimizers(made: weakref.WeakSet) -> Iterator[None]:
-    """Every optimizer the script makes, while it runs (Optimizer.__init__ sees them all)."""
-    import torch
-
-    original = torch.optim.Optimizer.__init__
+def made(cls: type, into: weakref.WeakSet) -> Iterator[None]:
+    """Every instance of `cls` the script makes while it runs, added to `into` (its
+    `__init__` sees them all): its modules (nn.Module), its optimizers (Optimizer)."""
+    original = vars(cls)["__init__"]  # its own: both classes define one
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        made.add(self)
+        into.add(self)
 
-    with patched(torch.optim.Optimizer, "__init__", __init__):
+    with patched(cls, "__init__", __init__):
         yield
 
 

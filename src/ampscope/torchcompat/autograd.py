@@ -136,3 +136,12 @@ def features() -> list[Feature]:
                 "SavedTensor.data: saved tensors read without unpacking" if raw else
                 "no SavedTensor.data on this build: saved tensors are unpacked to be read"),
     ]
+
+
+def write_count(t: torch.Tensor) -> int:
+    """Autograd's counter of writes to `t` (shared with its views); -1 where it keeps none (an
+    inference tensor) or this build has no such counter: never taken as unchanged."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return -1

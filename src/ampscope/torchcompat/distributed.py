@@ -333,16 +333,16 @@ def features() -> list[Feature]:
                     "run --nproc --predict's roles (every rank runs)")]
 
 
-def dtensor_rng_tracker() -> type | None:
-    """DTensor's RNG tracker class (random ops on sharded parameters: `nn.init.normal_` after
-    FSDP2's `to_empty`), which reads the device generator's state and moves it to the device;
-    None where this build has no such class or method."""
+def dtensor_rng_state_reader() -> tuple[type, str] | None:
+    """Where DTensor's RNG tracker (random ops on sharded parameters: `nn.init.normal_` after
+    FSDP2's `to_empty`) reads the device generator's state as Philox's and moves it to the
+    device: (class, method name), or None where this build has no such method."""
     try:
         from torch.distributed.tensor import _random
     except ImportError:
         return None
-    tracker = getattr(_random, "OffsetBasedRNGTracker", None)
-    return tracker if tracker is not None and "_get_device_state" in vars(tracker) else None
+    tracker, name = getattr(_random, "OffsetBasedRNGTracker", None), "_get_device_state"
+    return (tracker, name) if tracker is not None and name in vars(tracker) else None
 
 
 def dtensor_rng_op() -> tuple[object, str] | None:
