@@ -12,9 +12,12 @@ undoes it), so that:
 - `undo_all()` undoes them all at once, in a forked process that leaves the run;
 - `active()` lists the changes in force now: none once a run has ended, which the tests check
   after runs that fail in every way (tests/test_state.py);
-- `changed()` lists every attribute ampscope ever replaced in this process that is not what it
+- `changed()` lists every attribute ampscope replaced in this process that is not what it
   was before the first replacement: empty whenever no run is in progress, which the tests'
-  state check asserts.
+  state check asserts. An attribute is remembered only until it is put back as it was (no
+  replacement of it left in force): the registry then holds nothing of its owner, so a model
+  whose `forward` a run wrapped is freed with the user's last reference to it, not kept until
+  the process exits (tests/test_patches_memory.py).
 
 Nothing here imports torch.
 """
@@ -44,8 +47,10 @@ class Patch:
 _active: list[Patch] = []
 _MISSING = object()
 # (id(owner), name) -> (owner, name, the owner's own value before ampscope first replaced it,
-# or _MISSING where it had none of its own). Owners are modules and classes, which live as long
-# as the process, and the instances whose `forward` a run wrapped, kept alive by this entry.
+# or _MISSING where it had none of its own), while a replacement of it is in force or after the
+# last one was undone without putting that value back (which `changed()` reports). An entry
+# holds its owner, which may be a user's model (the instances whose `forward` a run wrapped):
+# `undo` drops it once the attribute is as it was, or every traced model would stay alive.
 _touched: dict[tuple[int, str], tuple[object, str, object]] = {}
 
 
@@ -64,8 +69,23 @@ def patch(owner: object, name: str, value: object) -> Callable[[], None]:
             return  # undone already
         _active.remove(entry)
         _put_back(entry)
+        _forget_if_restored(entry.owner, name)
 
     return undo
+
+
+def _forget_if_restored(owner: object, name: str) -> None:
+    """Drop the registry's entry for `owner.name` once no replacement of it is in force and
+    its own value is the one it had before the first: nothing is left to report, and the
+    entry alone would keep `owner` alive."""
+    key = (id(owner), name)
+    touched = _touched.get(key)
+    if touched is None or any(p.owner is owner and p.name == name for p in _active):
+        return
+    held = _own_attributes(owner)
+    now = held.get(name, _MISSING) if held is not None else _MISSING
+    if now is touched[2]:
+        del _touched[key]
 
 
 def _put_back(entry: Patch) -> None:
@@ -103,7 +123,9 @@ def undo_all() -> int:
     the code that would undo them one by one."""
     undone = len(_active)
     while _active:
-        _put_back(_active.pop())
+        entry = _active.pop()
+        _put_back(entry)
+        _forget_if_restored(entry.owner, entry.name)
     return undone
 
 
