@@ -18,7 +18,7 @@ import pytest
 from ampscope import hardware
 from ampscope.cli import _parser, _values_after_dashes, main
 from ampscope.cli.checks import check_flags as _check_flags
-from ampscope.cli.examples import EXAMPLES
+from ampscope.cli.examples import examples
 from ampscope.cli.hardware import add_hardware_arguments, resolve_hardware
 from ampscope.errors import AmpscopeError
 
@@ -57,6 +57,9 @@ def test_the_wheel_ships_py_typed(tmp_path):
 
 
 # --- examples in --help ---------------------------------------------------------------------
+
+
+EXAMPLES = examples()  # the table's and the registered reports'
 
 
 def test_every_command_has_examples():
@@ -107,11 +110,17 @@ def test_answers_that_need_no_model_import_no_torch(argv):
 
 def test_the_package_root_imports_no_torch_until_a_name_is_used():
     code = ("import sys, ampscope\nassert 'torch' not in sys.modules\n"
+            "assert 'ampscope.render.report_kinds' not in sys.modules  # read when first asked\n"
+            "names = ampscope.__all__\nassert 'torch' not in sys.modules\n"
             "ampscope.trace\nassert 'torch' in sys.modules\n"
             "from ampscope.records import Trace\nassert hasattr(Trace, '_repr_html_')\n"
-            "print(sorted(ampscope.__all__) == sorted(ampscope._EXPORTS))")
+            "from ampscope.render.report_kinds import REPORTS\n"
+            "reports = {n for n, k in REPORTS.items() if k.public}\n"
+            "print(sorted(names) == sorted({*ampscope._EXPORTS, *reports}),"
+            " {'memory', 'flops', 'numerics', 'policy'} <= reports, 'formats' in names,"
+            " all(n in dir(ampscope) and getattr(ampscope, n) for n in names))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.strip() == "True", result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "True", "False", "True"], result.stderr[-2000:]
 
 
 # --- the user's hardware ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The report registry (render/report_kinds.py) and the export registry (cli/exports.py): every
 registered report has its JSON Schema, its docs section and its public function; a report
-registered in a test, and nothing else, gets its command, its JSON, its view, its notebook view
-and its section of the HTML page; every command takes exactly the exports registered for it."""
+registered in a test, and nothing else, gets its public name (`ampscope.NAME`), its command with
+its own arguments and examples, its JSON, its view, its notebook view and its section of the
+HTML page; every command takes exactly the exports registered for it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from markupsafe import Markup
 
 import ampscope
+import ampscope.api
 from ampscope import schemas
 from ampscope.cli import _parser, main
 from ampscope.cli.exports import EXPORTS
@@ -36,8 +38,12 @@ def test_every_registered_report_has_its_schema_and_docs_section(name):
     assert callable(cls.to_dict) and callable(kind.load("view"))
     assert kind.table is None or callable(cls.table)
     assert kind.section is None or callable(kind.load("body"))
-    if name in ampscope.__all__:  # the public name is the registered function (docs/api.md)
-        assert getattr(ampscope, name) is kind.load("api")
+    if kind.public:  # the public name is the registered function, documented
+        assert name in ampscope.__all__ and name in dir(ampscope)
+        assert getattr(ampscope, name) is kind.load("api") is getattr(ampscope.api, name)
+        assert f"## `ampscope.{name}`" in (ROOT / "docs" / "api.md").read_text()
+    else:
+        assert name not in ampscope.__all__ and not hasattr(ampscope, name)
 
 
 @pytest.mark.fast
@@ -69,6 +75,10 @@ def toy(size: int = 3) -> ToyReport:
     return ToyReport(size)
 
 
+def toy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=int, default=3, help="the toy's size")
+
+
 @pytest.fixture
 def toy_kind():
     from ampscope.render import notebook
@@ -77,13 +87,16 @@ def toy_kind():
         "toy", "a report of the tests' own", ToyReport, toy,
         lambda report: f"a toy of size {report.size}", "Toy section",
         lambda reports: Markup("".join(f"<p>toy {r.size}</p>" for r in reports)),
-        table="the toy's size"))
+        table="the toy's size", arguments=toy_arguments,
+        examples=("ampscope toy --size 7   # a toy of size 7",)))
     try:
         yield kind
     finally:
         del REPORTS["toy"]
         notebook.VIEWS.pop(ToyReport, None)
+        vars(ampscope).pop("toy", None)  # the package root keeps a name once used
     assert "a report of the tests' own" not in _parser().format_help()
+    assert "toy" not in ampscope.__all__ and not hasattr(ampscope, "toy")
 
 
 def test_one_registration_makes_the_command_the_views_and_the_page(toy_kind, capsys, tmp_path):
@@ -94,9 +107,9 @@ def test_one_registration_makes_the_command_the_views_and_the_page(toy_kind, cap
     assert "a report of the tests' own" in _parser().format_help()
     assert main(["toy", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out) == {"schema": "ampscope.toy/1", "size": 3}
-    assert main(["toy", "--csv", str(tmp_path / "toy.csv")]) == 0
-    assert "a toy of size 3" in capsys.readouterr().out
-    assert (tmp_path / "toy.csv").read_text() == "size\n3\n"
+    assert main(["toy", "--size", "4", "--csv", str(tmp_path / "toy.csv")]) == 0
+    assert "a toy of size 4" in capsys.readouterr().out
+    assert (tmp_path / "toy.csv").read_text() == "size\n4\n"
 
     notebook.register()
     fragment = ToyReport(2)._repr_html_()  # type: ignore[attr-defined]
@@ -105,3 +118,19 @@ def test_one_registration_makes_the_command_the_views_and_the_page(toy_kind, cap
     matrix, traces = ampscope.matrix("gpt2-tiny", settings=["fp32"], seq=4, workload="forward")
     page = report_html(traces, matrix, reports=[ToyReport(5)])
     assert '<section id="toy"><h2>Toy section</h2><p>toy 5</p></section>' in page
+
+
+def test_one_registration_makes_the_public_name(toy_kind):
+    assert "toy" in ampscope.__all__ and "toy" in dir(ampscope)
+    assert ampscope.toy is toy and ampscope.api.toy is toy  # type: ignore[attr-defined]
+    assert ampscope.toy(size=6) == ToyReport(6)  # type: ignore[attr-defined]
+
+
+def test_one_registration_makes_the_help(toy_kind):
+    [sub] = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    text = sub.choices["toy"].format_help()
+    # Its own argument first, then the exports it takes (a table: --csv too), then the example.
+    assert text.index("--size SIZE") < text.index("--json PATH") < text.index("--csv PATH")
+    assert "write the toy's size as CSV ('-' for stdout)" in text
+    assert text.rstrip().endswith("examples:\n  ampscope toy --size 7   # a toy of size 7")
+    assert _parser().parse_args(["toy", "--size", "7"]).size == 7

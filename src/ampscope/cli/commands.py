@@ -177,8 +177,8 @@ def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None 
                   gpu=None) -> list:
     """The memory and FLOP reports of a finished trace, those asked for (the FLOPs with
     throughput and MFU for a step time)."""
-    from ampscope.api import flops as flop_count
-    from ampscope.api import memory as memory_of
+    from ampscope.api.reports import flops as flop_count
+    from ampscope.api.reports import memory as memory_of
 
     return (([memory_of(result)] if memory else []) +
             ([flop_count(result, step_time=step_time, gpu=gpu)] if flops else []))
@@ -230,7 +230,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ampscope.api import matrix, numerics
+    from ampscope.api import matrix
+    from ampscope.api.reports import numerics
 
     options = _run_options(args)
     settings = _settings(args, "fp32,fp32+amp-bf16")
@@ -277,7 +278,7 @@ def _traced_report(args: argparse.Namespace, doing: str, what: str, **more) -> i
 
 
 def cmd_numerics(args: argparse.Namespace) -> int:
-    from ampscope.api import numerics
+    from ampscope.api.reports import numerics
 
     settings = _settings(args, "fp32+amp-bf16,bf16")
     with _runs(args, len(settings) + 1) as on_run:

@@ -1,4 +1,5 @@
-"""The examples at the end of every command's `--help`, in one table.
+"""The examples at the end of every command's `--help`: in one table, and a registered report's
+in its registration (render/report_kinds.py `examples=`).
 
 Each line is a command a person can paste: tests/test_cli_surface.py parses every one with the
 real parser, so an example that names a removed flag or a wrong value fails there. A `#` starts
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+
+from ampscope.render.report_kinds import REPORTS
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "": (
@@ -51,30 +54,6 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "ampscope diff fp32+amp-bf16 cuda:fp32+amp-bf16 --model gpt2-tiny --ops",
         "ampscope diff a.json b.json   # two traces written with --json",
     ),
-    "memory": (
-        "ampscope memory gpt2-tiny --seq 32 -w forward",
-        "ampscope memory gpt2 --device cuda --seq 256 --predict",
-        "ampscope memory llama-3-8b -d cuda -s bf16 --predict --json mem.json",
-    ),
-    "flops": (
-        "ampscope flops gpt2-tiny --seq 8",
-        "ampscope flops gpt2 -d cuda -b 8 -t 1024 --predict --step-time 0.25 --gpu a100",
-        "ampscope flops gpt2 -d cuda --predict --step-time 0.25 --peak-flops bf16=989e12,fp32=67e12",
-    ),
-    "numerics": (
-        "ampscope numerics gpt2-tiny",
-        "ampscope numerics gpt2-tiny --workload train --settings fp32+amp-bf16,bf16",
-    ),
-    "formats": (
-        "ampscope formats                 # range, eps and layout of every format",
-        "ampscope formats 0.1 65504 1e-8  # how each format stores these values",
-        "ampscope formats -inf -1e-8      # negative values as they are",
-    ),
-    "policy": (
-        "ampscope policy -d cuda --op softmax",
-        "ampscope policy --compare cpu cuda --op norm",
-        "ampscope policy --quiz",
-    ),
     "train": (
         "ampscope train --model gpt2-tiny --steps 200",
         "ampscope train --model gpt2-tiny -s fp32+amp-bf16 --steps 50 --out runs/tiny",
@@ -91,16 +70,17 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 }
 
 
-def epilog(command: str) -> str:
-    lines = EXAMPLES[command]
-    return "examples:\n" + "".join(f"  {line}\n" for line in lines)
+def examples() -> dict[str, tuple[str, ...]]:
+    """Every command's examples (the top level's under ""): the table's and the reports'."""
+    return {**EXAMPLES, **{k.name: k.examples for k in REPORTS.values() if k.examples}}
 
 
 def add_examples(parser: argparse.ArgumentParser,
                  commands: Mapping[str, argparse.ArgumentParser]) -> None:
-    """Give the top-level parser and every command in EXAMPLES their examples, printed as
+    """Give the top-level parser and every command with examples their examples, printed as
     written (RawDescriptionHelpFormatter keeps the lines and their alignment)."""
+    table = examples()
     for name, p in {"": parser, **commands}.items():
-        if name in EXAMPLES:
-            p.epilog = epilog(name)
+        if name in table:
+            p.epilog = "examples:\n" + "".join(f"  {line}\n" for line in table[name])
             p.formatter_class = argparse.RawDescriptionHelpFormatter

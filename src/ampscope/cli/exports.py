@@ -90,12 +90,18 @@ EXPORTS: dict[str, Export] = {e.dest: e for e in (  # in the order they are writ
 
 
 def add_exports(parser: argparse.ArgumentParser, *names: str) -> None:
-    """The exports `names` (default: all, in the order registered) that the command takes."""
+    """The exports `names` that the command takes; without names, every one it takes that is
+    not on it yet (a report's arguments may place some), in the order registered."""
     command = parser.prog.split()[-1]
     for name in names or EXPORTS:
         help_text = EXPORTS[name].help(command)
-        if help_text is not None:
+        if help_text is None:
+            continue
+        try:
             parser.add_argument(EXPORTS[name].flag, metavar="PATH", help=help_text)
+        except argparse.ArgumentError:  # the flag is on the parser already
+            if names:  # named twice: a mistake in the parser
+                raise
 
 
 def given(args: argparse.Namespace) -> list[tuple[Export, str]]:

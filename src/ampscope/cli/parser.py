@@ -65,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_diff(sub)
     for kind in REPORTS.values():  # memory, flops, numerics, formats, policy: render/report_kinds.py
-        _REPORT_ARGUMENTS.get(kind.name, add_exports)(sub.add_parser(kind.name, help=kind.help))
+        command = sub.add_parser(kind.name, help=kind.help)
+        if kind.arguments is not None:
+            kind.load("arguments")(command)
+        add_exports(command)  # those its arguments did not place
     add_train_parser(sub)  # ampscope train: the reference trainer (cli/train.py)
     add_bench_parser(sub)  # ampscope bench: the precision ladder
     add_fit_parser(sub)  # ampscope fit: the largest batch that fits a GPU (cli/fit.py)
@@ -216,7 +219,7 @@ def _add_diff(sub) -> None:
     diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
 
 
-def _add_memory(memory: argparse.ArgumentParser) -> None:
+def memory_arguments(memory: argparse.ArgumentParser) -> None:
     _add_model_argument(memory)
     memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(memory)
@@ -227,7 +230,7 @@ def _add_memory(memory: argparse.ArgumentParser) -> None:
     _add_distributed_arguments(memory)
 
 
-def _add_flops(flops: argparse.ArgumentParser) -> None:
+def flops_arguments(flops: argparse.ArgumentParser) -> None:
     _add_model_argument(flops)
     flops.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
     _add_run_arguments(flops)
@@ -239,10 +242,9 @@ def _add_flops(flops: argparse.ArgumentParser) -> None:
     add_hardware_arguments(flops, memory=False,
                            gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
                                     "(default: this machine's GPU; h100 for emulated cuda)")
-    add_exports(flops, "csv")
 
 
-def _add_numerics(numerics: argparse.ArgumentParser) -> None:
+def numerics_arguments(numerics: argparse.ArgumentParser) -> None:
     _add_model_argument(numerics)
     numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
                           help="comma-separated settings (default: %(default)s)")
@@ -257,17 +259,15 @@ def _add_numerics(numerics: argparse.ArgumentParser) -> None:
                           help="device of every setting without a DEVICE: prefix (emulated "
                                "when absent: CUDA's dtypes, the CPU's kernels)")
     numerics.add_argument("--all", action="store_true", help="every module, not only blocks")
-    add_exports(numerics)
 
 
-def _add_formats(formats: argparse.ArgumentParser) -> None:
+def formats_arguments(formats: argparse.ArgumentParser) -> None:
     formats.add_argument("values", nargs="*", metavar="VALUE",
                          help="decimal values to store in every format, e.g. 1e-8 65504 0.1 nan "
                               "-inf")
-    add_exports(formats)
 
 
-def _add_policy(policy: argparse.ArgumentParser) -> None:
+def policy_arguments(policy: argparse.ArgumentParser) -> None:
     policy.add_argument("--device", "-d", choices=list(DEVICE_TYPES), default="cpu",
                         help="device whose policy to show (default: %(default)s)")
     policy.add_argument("--dtype", choices=["bf16", "fp16"],
@@ -280,13 +280,6 @@ def _add_policy(policy: argparse.ArgumentParser) -> None:
     policy.add_argument("--history", action="store_true",
                         help="how the device's policy changed in earlier PyTorch releases, for "
                              "the ops GPT-style models call (with the pull request of each)")
-    add_exports(policy)
-
-
-# A registered report's command takes these arguments before (or around) its exports; one
-# without an entry takes its exports alone.
-_REPORT_ARGUMENTS = {"memory": _add_memory, "flops": _add_flops, "numerics": _add_numerics,
-                     "formats": _add_formats, "policy": _add_policy}
 
 
 def _add_models(sub) -> None:

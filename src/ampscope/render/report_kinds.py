@@ -2,10 +2,13 @@
 
 A `ReportKind` names all one kind of report has: the command `ampscope NAME`, its class
 (`to_dict()`: the JSON `--json` writes, `ampscope.NAME/1`, described by `schemas/NAME.schema.json`),
-the public function that makes one, its terminal view, and the title and body of its section of
-the HTML report, which is also its notebook view. Parts are named "module:attribute" and imported
-only when used, so the parser reads this module without torch, and each layer loads only what
-it may import (render: the class and the body; cli: the function and the view).
+the function that makes one (public as `ampscope.NAME` and `ampscope.api.NAME` unless
+`public=False`), its terminal view, the title and body of its section of the HTML report, which is
+also its notebook view, the command's arguments beyond its exports and the examples its `--help`
+ends with. Parts are named "module:attribute" and imported only when used, so the parser reads
+this module without torch, and each layer loads only what it may import (render: the class and
+the body; api and the package root: the function; cli: the function, the view and the
+arguments).
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ class ReportKind:
     section: str | None = None  # the title of its section in the HTML report and notebook view
     body: str | Callable[..., Any] | None = None  # [reports] -> that section's HTML
     table: str | None = None  # what `report.table()` holds, for --csv ("FLOPs by module")
+    # (parser) -> None: the command's arguments; the exports it did not add follow them
+    arguments: str | Callable[..., Any] | None = None
+    examples: tuple[str, ...] = ()  # the end of the command's --help, one pastable line each
+    public: bool = True  # `api` is `ampscope.NAME` and `ampscope.api.NAME` (docs/api.md)
 
     def load(self, part: str) -> Any:
-        """A part (`"report"`, `"api"`, `"view"`, `"body"`), imported on first use."""
+        """A part (`"report"`, `"api"`, `"view"`, `"body"`, `"arguments"`), imported on first
+        use."""
         ref = getattr(self, part)
         if not isinstance(ref, str):
             return ref
@@ -58,27 +66,55 @@ def kind_of(report: object) -> ReportKind:
     raise ValueError(f"{cls.__name__} is not a registered report (render/report_kinds.py)")
 
 
+def public_functions() -> dict[str, ReportKind]:
+    """The registered reports whose function is public under the report's name."""
+    return {name: kind for name, kind in REPORTS.items() if kind.public}
+
+
 register_report(ReportKind(
     "memory", "every byte of one step by category and dtype; the peak and where it happens",
     "ampscope.analysis.memory:MemoryReport", "ampscope.api.reports:memory",
     "ampscope.render.memory:render_memory", "Memory", "ampscope.render.html:memory_body",
-    table="bytes by category and dtype"))
+    table="bytes by category and dtype", arguments="ampscope.cli.parser:memory_arguments",
+    examples=(
+        "ampscope memory gpt2-tiny --seq 32 -w forward",
+        "ampscope memory gpt2 --device cuda --seq 256 --predict",
+        "ampscope memory llama-3-8b -d cuda -s bf16 --predict --json mem.json",
+    )))
 register_report(ReportKind(
     "flops", "FLOPs of one step by phase, dtype and module; MFU",
     "ampscope.analysis.flops:FlopReport", "ampscope.api.reports:flops",
     "ampscope.render.flops:render_flops", "FLOPs by module", "ampscope.render.html:flops_body",
-    table="FLOPs by module"))
+    table="FLOPs by module", arguments="ampscope.cli.parser:flops_arguments", examples=(
+        "ampscope flops gpt2-tiny --seq 8",
+        "ampscope flops gpt2 -d cuda -b 8 -t 1024 --predict --step-time 0.25 --gpu a100",
+        "ampscope flops gpt2 -d cuda --predict --step-time 0.25 --peak-flops bf16=989e12,fp32=67e12",
+    )))
 register_report(ReportKind(
     "numerics", "how far each setting's values drift from a high-precision reference, layer by "
                 "layer",
     "ampscope.analysis.numerics:NumericsReport", "ampscope.api.reports:numerics",
     "ampscope.render.numerics:render_numerics", "Numerics per layer",
-    "ampscope.render.html:numerics_body"))
+    "ampscope.render.html:numerics_body", arguments="ampscope.cli.parser:numerics_arguments",
+    examples=(
+        "ampscope numerics gpt2-tiny",
+        "ampscope numerics gpt2-tiny --workload train --settings fp32+amp-bf16,bf16",
+    )))
 register_report(ReportKind(
     "formats", "number formats: range, eps, and how each stores given values",
     "ampscope.analysis.format_table:FormatsReport", "ampscope.analysis.formats:formats_report",
-    "ampscope.render.formats:render_formats"))
+    "ampscope.render.formats:render_formats", arguments="ampscope.cli.parser:formats_arguments",
+    examples=(
+        "ampscope formats                 # range, eps and layout of every format",
+        "ampscope formats 0.1 65504 1e-8  # how each format stores these values",
+        "ampscope formats -inf -1e-8      # negative values as they are",
+    ), public=False))  # (its function is analysis's, not the API's: `ampscope formats` only)
 register_report(ReportKind(
     "policy", "the autocast policy of this PyTorch build, per op",
     "ampscope.analysis.autocast:PolicyReport", "ampscope.api.reports:policy",
-    "ampscope.render.autocast:render_policy"))
+    "ampscope.render.autocast:render_policy", arguments="ampscope.cli.parser:policy_arguments",
+    examples=(
+        "ampscope policy -d cuda --op softmax",
+        "ampscope policy --compare cpu cuda --op norm",
+        "ampscope policy --quiz",
+    )))
