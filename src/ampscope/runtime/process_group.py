@@ -7,7 +7,11 @@ gloo is the backend that runs collectives on CPU tensors in every PyTorch build.
 tensor the script believes is on "cuda:k" (really on the CPU) runs, with its dtype and shape
 as the script made them. A `device_id=` argument is dropped: it binds the group to a CUDA
 device (eager NCCL initialisation) that does not exist here. `new_group(backend=...)`, which
-`init_device_mesh` and user code call for sub-groups, is substituted the same way.
+`init_device_mesh` and user code call for sub-groups, is substituted the same way. Gloo has no
+`ReduceOp.PREMUL_SUM`, NCCL's sum of inputs each multiplied by a factor (FSDP2 reduce-scatters
+gradients with it on CUDA when a script sets a gradient divide factor, as torchtitan does): a
+reducing collective given one runs as SUM over its inputs multiplied by the factor first, the
+multiplication outside the trace, as NCCL does it inside its kernel.
 
 `FakeGroups` does the same for a predicted rank (`ampscope run --nproc N --predict`): every
 group is PyTorch's fake process group, made with the fake store
@@ -18,6 +22,8 @@ collective returns at once with its real shapes and dtypes and no peer needs to 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -26,12 +32,26 @@ import torch.distributed as dist
 
 from ampscope.errors import AmpscopeError
 from ampscope.patches import patched
-from ampscope.torchcompat.distributed import c10d_module, mesh_module
+from ampscope.torchcompat.dispatch import no_dispatch
+from ampscope.torchcompat.distributed import (
+    PremulFactorUnknown,
+    c10d_module,
+    mesh_module,
+    premul_factor,
+)
 
 log = logging.getLogger(__name__)
 
 BACKEND = "gloo"
 FAKE = "fake"
+
+# The reducing collectives, each with the parameter holding what it reduces and whether it
+# reduces in place (its payload is also its result).
+REDUCING: dict[str, tuple[str, bool]] = {
+    "all_reduce": ("tensor", True), "reduce": ("tensor", True),
+    "all_reduce_coalesced": ("tensors", True), "reduce_scatter": ("input_list", False),
+    "reduce_scatter_tensor": ("input", False), "reduce_scatter_single": ("input", False),
+}
 
 
 class GlooGroups:
@@ -39,9 +59,11 @@ class GlooGroups:
     `asked` lists the backends the script named, for the note."""
 
     backend = BACKEND
+    premul_emulated = True  # gloo lacks PREMUL_SUM; PyTorch's fake group takes any op
 
     def __init__(self) -> None:
         self.asked: list[str] = []  # as the script wrote them; "none named" when it named none
+        self.premuls = 0  # PREMUL_SUM collectives run as SUM of premultiplied inputs
 
     def _init_kwargs(self, kwargs: dict) -> dict:
         """init_process_group's other arguments, as this backend takes them."""
@@ -81,6 +103,12 @@ class GlooGroups:
                 for name, value in (("init_process_group", init), ("new_group", new)):
                     if owner is not None and hasattr(owner, name):
                         stack.enter_context(patched(owner, name, value))
+            if self.premul_emulated:
+                for owner in dict.fromkeys((dist, implementation)):
+                    for name, (payload, in_place) in REDUCING.items():
+                        if callable(original := getattr(owner, name, None)):
+                            stack.enter_context(patched(
+                                owner, name, self._premultiplying(original, payload, in_place)))
             yield self
             # A group the script left open is closed after a run that ended well; after a
             # failure the rank's process ends moments later, which closes it.
@@ -88,19 +116,57 @@ class GlooGroups:
                 with contextlib.suppress(Exception):  # a peer may be gone already
                     dist.destroy_process_group()
 
+    def _premultiplying(self, original: Callable, payload: str, in_place: bool) -> Callable:
+        """`original` (a reducing collective) that runs `ReduceOp.PREMUL_SUM(f)` as SUM over
+        its payload multiplied by f: in place where the collective reduces in place (the
+        payload is its result either way), on a copy where its input is the caller's."""
+        signature = inspect.signature(original)
+        groups = self
+
+        @functools.wraps(original)
+        def premultiplying(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            try:
+                factor = premul_factor(bound.arguments.get("op"))
+            except PremulFactorUnknown as e:
+                raise AmpscopeError(f"{e}, which gloo cannot run: the ranks of `run --nproc` "
+                                    "need it to run the script's PREMUL_SUM as a SUM") from e
+            if factor is None:
+                return original(*args, **kwargs)
+            with no_dispatch():  # NCCL multiplies inside the collective: no op of the step
+                bound.arguments[payload] = _scaled(bound.arguments[payload], factor, in_place)
+            bound.arguments["op"] = dist.ReduceOp.SUM
+            groups.premuls += 1
+            return original(*bound.args, **bound.kwargs)
+
+        return premultiplying
+
     def notes(self) -> list[str]:
         """What was substituted, in plain words."""
         named = [b for b in dict.fromkeys(self.asked) if b != self.backend]
-        if not named:
-            return []
-        note = (f"The script's process group ({', '.join(repr(b) for b in named)}) ran on "
-                f"{self._why()}")
-        log.info("%s", note)
-        return [note]
+        notes = []
+        if named:
+            notes.append(f"The script's process group ({', '.join(repr(b) for b in named)}) "
+                         f"ran on {self._why()}")
+        if self.premuls:
+            notes.append(f"{self.premuls} collective(s) asked for ReduceOp.PREMUL_SUM, which "
+                         f"{BACKEND} lacks: each ran as a SUM of its inputs multiplied by the "
+                         "factor first (NCCL multiplies inside the collective; the values "
+                         "agree to rounding, the dtypes and bytes are the same).")
+        for note in notes:
+            log.info("%s", note)
+        return notes
 
     def _why(self) -> str:
         return (f"{BACKEND}: every rank is a CPU process here, and {BACKEND} runs the "
                 "collectives on CPU tensors with the dtypes and shapes the script gave them.")
+
+
+def _scaled(payload, factor, in_place: bool):
+    """`payload` (a tensor or a list of them) multiplied by `factor`."""
+    if isinstance(payload, (list, tuple)):
+        return type(payload)(_scaled(t, factor, in_place) for t in payload)
+    return payload.mul_(factor) if in_place else payload.mul(factor)
 
 
 class FakeGroups(GlooGroups):
@@ -109,6 +175,7 @@ class FakeGroups(GlooGroups):
     the fake store for whatever rendezvous it names (no peer is there to meet)."""
 
     backend = FAKE
+    premul_emulated = False
 
     def _init_kwargs(self, kwargs: dict) -> dict:
         from ampscope.torchcompat.distributed import fake_store

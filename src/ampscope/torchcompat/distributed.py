@@ -1,5 +1,5 @@
 """Distributed details: the collectives' op names, c10d's implementation module, the fake process
-group's store, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
+group's store, PREMUL_SUM's factor, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
 
 Namesakes, the same concern at another layer: `render/distributed.py`."""
 
@@ -223,6 +223,28 @@ def no_fake_collectives(what: str) -> str | None:
     return (f"{what} needs PyTorch's collectives to run on fake tensors, which torch "
             f"{torch.__version__} lacks (they came in 2.11): run the ranks for real (`ampscope "
             "run --nproc N` without --predict, up to 8), or use torch 2.11 or later")
+
+
+class PremulFactorUnknown(RuntimeError):
+    """A `ReduceOp.PREMUL_SUM` whose factor this build does not let Python read."""
+
+
+def premul_factor(op: object) -> float | torch.Tensor | None:
+    """The factor of a `ReduceOp.PREMUL_SUM(factor)` (NCCL's sum of inputs each multiplied by
+    it), None for any other op; raises PremulFactorUnknown where the build hides it. The
+    factor is the op object's `factor` (its pickled state, `(op type, factor)`, before that)."""
+    from torch.distributed import ReduceOp
+
+    if not isinstance(op, ReduceOp) or op != ReduceOp.PREMUL_SUM:
+        return None
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = getattr(op, "__getstate__", lambda: ())()
+        factor = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    if not isinstance(factor, (float, int, torch.Tensor)):
+        raise PremulFactorUnknown(f"torch {torch.__version__} does not expose the factor of "
+                                  "ReduceOp.PREMUL_SUM")
+    return factor
 
 
 def fsdp_param_module():
