@@ -53,15 +53,13 @@ def memory(
 
     Given a `Trace` (from `trace`, `capture`, `run_script` or `Trace.from_dict`), the report is
     computed from it, with nothing run again."""
-    if isinstance(model, Trace):
-        _already_run(model, inputs, options, measure=measure)
-        return memory_report(model)
+    if measure and not isinstance(model, Trace):
+        peak_to_measure(options.get("setting", "fp32"))  # refused before anything is traced
+    report = memory_report(_traced(model, inputs, options, measure=measure))
     if measure:
-        peak_to_measure(options.get("setting", "fp32"))
-    report = memory_report(trace(model, inputs, **options))
-    if measure:
-        timed = {k: v for k, v in options.items() if k != "predict"}
-        report.measured = measure_peak_memory(model, **timed)
+        assert not isinstance(model, Trace)  # (refused by _traced: a Trace cannot be measured)
+        real = {k: v for k, v in options.items() if k != "predict"}
+        report.measured = measure_peak_memory(model, **real)
     return report
 
 
@@ -86,14 +84,10 @@ def flops(
         gpu = hardware.by_name(gpu) if gpu else None
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
-    if isinstance(model, Trace):
-        _already_run(model, inputs, options, measure=measure)
-        result = model
-    else:
-        result = trace(model, inputs, **options)
+    result = _traced(model, inputs, options, measure=measure)
     report = flop_report(result, tokens=tokens_of(result))
     if measure:
-        assert not isinstance(model, Trace)  # (refused above: a Trace cannot be measured)
+        assert not isinstance(model, Trace)  # (refused by _traced: a Trace cannot be measured)
         step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
     if step_time is not None:
         report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),
@@ -106,20 +100,23 @@ def findings(model: str | nn.Module | LoadedModel | Trace,
     """The findings of a trace in plain words, each with its cause: those of `model` traced
     with `options` (as for `trace`), or of a `Trace` already made (derived again from its
     records, so a trace read back from JSON gets them too)."""
-    if isinstance(model, Trace):
-        _already_run(model, inputs, options)
-        return derive_findings(model)
-    return trace(model, inputs, **options).findings
+    result = _traced(model, inputs, options)
+    return derive_findings(result) if result is model else result.findings
 
 
-def _already_run(result: Trace, inputs, options: dict, *, measure: bool = False) -> None:
-    """A Trace is a finished run: nothing that would change the run can apply to it."""
+def _traced(model: str | nn.Module | LoadedModel | Trace, inputs, options: dict, *,
+            measure: bool = False) -> Trace:
+    """The trace a report reads: `model` traced with `options`, or the Trace given, a finished
+    run to which nothing that would change the run can apply."""
+    if not isinstance(model, Trace):
+        return trace(model, inputs, **options)
     given = [name for name, value in (("inputs", inputs), ("measure", measure)) if value]
     given += sorted(options)
     if given:
         raise AmpscopeError(
             f"{', '.join(given)} cannot apply to a Trace that has already run; pass the model "
-            f"({result.model.name}) instead to run it again with them")
+            f"({model.model.name}) instead to run it again with them")
+    return model
 
 
 def _accelerator(given: hardware.Accelerator | None, setting: SettingRecord):

@@ -41,8 +41,7 @@ def cmd_distributed(args: argparse.Namespace) -> int:
     for flag in ("csv", "perfetto"):
         if getattr(args, flag, None):
             raise AmpscopeError(f"--{flag} is not available with --distributed; use --json PATH")
-    options = _run_options(args)
-    [setting] = _on_device([args.setting], args.device)
+    options, setting = _one_setting(args)
     nproc = args.nproc or 2
     parallel = Parallel(args.distributed, nproc, **parse_mp_policy(args.mp_policy))
     common = {"setting": setting, "batch": options.batch, "seq": options.seq,
@@ -57,7 +56,15 @@ def cmd_distributed(args: argparse.Namespace) -> int:
     trace = report.trace
     return _show(args, lambda: render_distributed(report), json=report.to_dict,
                  report=None if trace is None else lambda: _page(
-                     [trace], _step_reports(trace, memory=True, flops=True), distributed=report))
+                     [trace], _step_reports(trace), distributed=report))
+
+
+def _one_setting(args: argparse.Namespace):
+    """The run options and the one setting (--setting on --device) of `trace`, `memory`,
+    `flops` and their --distributed runs."""
+    options = _run_options(args)
+    [setting] = _on_device([args.setting], args.device)
+    return options, setting
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -65,12 +72,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return cmd_distributed(args)
     from ampscope.api import trace
 
-    options = _run_options(args)
-    [setting] = _on_device([args.setting], args.device)
+    options, setting = _one_setting(args)
     with _run_progress(f"Tracing {args.model}: {args.workload} under {setting}…"):
         result = trace(args.model, setting=setting, **options.as_kwargs())
-    return _show_trace(args, result, page=lambda: _page(
-        [result], _step_reports(result, memory=True, flops=True)))
+    return _show_trace(args, result, page=lambda: _page([result], _step_reports(result)))
 
 
 def _show_trace(args: argparse.Namespace, result, *, page, extra: list | None = None,
@@ -89,7 +94,6 @@ def _show_trace(args: argparse.Namespace, result, *, page, extra: list | None = 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import contextlib
     import io
 
     from ampscope.script import run_script
@@ -173,8 +177,8 @@ def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     return report, traces, lambda r: predicted_dict(r, taken, report_dict), taken
 
 
-def _step_reports(result, *, memory: bool, flops: bool, step_time: float | None = None,
-                  gpu=None) -> list:
+def _step_reports(result, *, memory: bool = True, flops: bool = True,
+                  step_time: float | None = None, gpu=None) -> list:
     """The memory and FLOP reports of a finished trace, those asked for (the FLOPs with
     throughput and MFU for a step time)."""
     from ampscope.api.reports import flops as flop_count
@@ -217,40 +221,39 @@ def _settings(args: argparse.Namespace, example: str) -> list[str]:
     return settings
 
 
-def cmd_matrix(args: argparse.Namespace) -> int:
+def _matrix(args: argparse.Namespace, numerics: bool = False):
+    """`matrix` and `report`: the model under every --settings, with one bar over the runs;
+    with `numerics`, then each setting's divergence from fp64. The matrix, its traces and
+    the numerics report (or None)."""
     from ampscope.api import matrix
-    from ampscope.render.matrix import render_matrix
+    from ampscope.api.reports import numerics as divergence
 
     options = _run_options(args)
     settings = _settings(args, "fp32,fp32+amp-bf16")
-    with _runs(args, len(settings)) as on_run:
-        result, _ = matrix(args.model, settings=settings, on_setting=on_run(),
-                           **options.as_kwargs())
+    with _runs(args, len(settings) + (len(settings) + 1 if numerics else 0)) as on_run:
+        result, traces = matrix(args.model, settings=settings, on_setting=on_run(),
+                                **options.as_kwargs())
+        values = divergence(args.model, settings=settings, workload=args.workload,
+                            batch=args.batch, seq=args.seq, optimizer=args.optimizer,
+                            on_setting=on_run(len(settings), "numerics: ")) if numerics else None
+    return result, traces, values
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from ampscope.render.matrix import render_matrix
+
+    result, _, _ = _matrix(args)
     return _show(args, lambda: render_matrix(result), json=result.to_dict, csv=result.table)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ampscope.api import matrix
-    from ampscope.api.reports import numerics
-
-    options = _run_options(args)
-    settings = _settings(args, "fp32,fp32+amp-bf16")
     if args.numerics and args.workload not in ("forward", "train"):
         raise AmpscopeError("--numerics compares the forward or train workload, not "
                             f"{args.workload}")
-    runs = len(settings) + (len(settings) + 1 if args.numerics else 0)
-    with _runs(args, runs) as on_run:
-        result, traces = matrix(args.model, settings=settings, on_setting=on_run(),
-                                **options.as_kwargs())
-        values = None
-        if args.numerics:
-            values = numerics(args.model, settings=settings, workload=args.workload,
-                              batch=args.batch, seq=args.seq, optimizer=args.optimizer,
-                              on_setting=on_run(len(settings), "numerics: "))
+    result, traces, values = _matrix(args, numerics=args.numerics)
     write_exports(args, json=result.to_dict)
-    reports = [r for t in traces for r in _step_reports(t, memory=True, flops=True)]
-    if values is not None:
-        reports.append(values)
+    reports = [r for t in traces for r in _step_reports(t)]
+    reports += [values] if values is not None else []
     EXPORTS["report"].write(lambda: _page(traces, reports, matrix=result), args.output)
     return 0
 
@@ -268,8 +271,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def _traced_report(args: argparse.Namespace, doing: str, what: str, **more) -> int:
     """`memory`, `flops`: the report of one traced step, by the function registered for it."""
-    options = _run_options(args)
-    [setting] = _on_device([args.setting], args.device)
+    options, setting = _one_setting(args)
     with _run_progress(f"{doing} the {what} of {args.model} under {setting}…"):
         report = REPORTS[args.command].load("api")(args.model, setting=setting,
                                                    measure=args.measure, **more,

@@ -80,10 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_trace(sub) -> None:
     trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
-    _add_model_argument(trace)
-    trace.add_argument("--setting", "-s", help=f"precision setting, e.g. fp32, bf16, "
-                       f"fp32+amp-bf16, native+amp-bf16, fp32+tf32 ({_SETTING_DEFAULT})")
-    _add_run_arguments(trace)
+    _add_one_setting(trace, ", e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, fp32+tf32")
     trace.add_argument("--ops", action="store_true", help="add the op-level listing")
     trace.add_argument("--diagram", action="store_true",
                        help="draw the dtype flow of one forward pass, one block drawn once")
@@ -188,9 +185,7 @@ def _add_check(sub) -> None:
 
 def _add_matrix(sub) -> None:
     matrix = sub.add_parser("matrix", help="one workload under several settings, side by side")
-    _add_model_argument(matrix)
-    matrix.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
-                        help="comma-separated settings (default: %(default)s)")
+    _add_settings(matrix, DEFAULT_MATRIX_SETTINGS)
     _add_run_arguments(matrix)
     add_exports(matrix, "csv")
 
@@ -198,9 +193,7 @@ def _add_matrix(sub) -> None:
 def _add_report(sub) -> None:
     report = sub.add_parser("report", help="one self-contained HTML page: findings, dtype flow, "
                                            "settings matrix, memory and FLOPs")
-    _add_model_argument(report)
-    report.add_argument("--settings", default=",".join(DEFAULT_MATRIX_SETTINGS),
-                        help="comma-separated settings (default: %(default)s)")
+    _add_settings(report, DEFAULT_MATRIX_SETTINGS)
     _add_run_arguments(report)
     report.add_argument("--numerics", action="store_true",
                         help="add each setting's divergence from an fp64 run, layer by layer "
@@ -220,9 +213,7 @@ def _add_diff(sub) -> None:
 
 
 def memory_arguments(memory: argparse.ArgumentParser) -> None:
-    _add_model_argument(memory)
-    memory.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
-    _add_run_arguments(memory)
+    _add_one_setting(memory)
     memory.add_argument("--measure", action="store_true",
                         help="also run the step untraced and show its measured peak beside "
                              "the prediction (a real CUDA device or the CPU)")
@@ -231,9 +222,7 @@ def memory_arguments(memory: argparse.ArgumentParser) -> None:
 
 
 def flops_arguments(flops: argparse.ArgumentParser) -> None:
-    _add_model_argument(flops)
-    flops.add_argument("--setting", "-s", help=f"precision setting ({_SETTING_DEFAULT})")
-    _add_run_arguments(flops)
+    _add_one_setting(flops)
     timing = flops.add_mutually_exclusive_group()
     timing.add_argument("--step-time", type=float, metavar="SECONDS",
                         help="measured wall time of one step, for throughput and MFU")
@@ -245,9 +234,7 @@ def flops_arguments(flops: argparse.ArgumentParser) -> None:
 
 
 def numerics_arguments(numerics: argparse.ArgumentParser) -> None:
-    _add_model_argument(numerics)
-    numerics.add_argument("--settings", default=",".join(DEFAULT_NUMERICS_SETTINGS),
-                          help="comma-separated settings (default: %(default)s)")
+    _add_settings(numerics, DEFAULT_NUMERICS_SETTINGS)
     numerics.add_argument("--reference", default="fp64", choices=["fp64", "fp32"],
                           help="the setting every other is compared with (default: %(default)s)")
     numerics.add_argument("--workload", "-w", default="forward", choices=["forward", "train"],
@@ -319,6 +306,21 @@ def _add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="model spec: a name from `ampscope models`, hf:PATH, or "
                              "package.module:factory (default: %(default)s)")
+
+
+def _add_one_setting(parser: argparse.ArgumentParser, examples: str = "") -> None:
+    """`trace`, `memory`, `flops`: the model, its one --setting and the run's arguments."""
+    _add_model_argument(parser)
+    parser.add_argument("--setting", "-s",
+                        help=f"precision setting{examples} ({_SETTING_DEFAULT})")
+    _add_run_arguments(parser)
+
+
+def _add_settings(parser: argparse.ArgumentParser, default: tuple[str, ...]) -> None:
+    """`matrix`, `report`, `numerics`: the model and the --settings it runs under."""
+    _add_model_argument(parser)
+    parser.add_argument("--settings", default=",".join(default),
+                        help="comma-separated settings (default: %(default)s)")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
