@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 import ampscope
-from ampscope.models import hf
+from ampscope.models import catalog, hf
 from ampscope.render.style import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,8 +41,9 @@ import accelerate_estimate  # a sibling script, found by the path above
 
 def zoo_config(name: str) -> tuple[str, dict]:
     """The zoo entry's transformers config class and arguments, as ampscope builds it."""
-    entry = hf.ZOO[name]
-    return entry.config_class, {**entry.kwargs, "attn_implementation": hf.ATTN_IMPLEMENTATION}
+    fields = {k: v for k, v in catalog.entry(name).config.items() if k != "model_type"}
+    config_class = type(hf.zoo_config(name)).__name__  # the class of its model_type
+    return config_class, {**fields, "attn_implementation": hf.ATTN_IMPLEMENTATION}
 
 
 def main() -> None:

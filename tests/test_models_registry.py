@@ -466,16 +466,21 @@ def test_loaded_model_is_exported():
     assert LoadedModel.__module__ == "ampscope.models.base"
 
 
-def test_the_catalog_table_equals_what_the_registry_builds():
+def test_every_catalog_entry_is_what_its_loader_builds():
     """`ampscope models` reads catalog.MODELS instead of building every model (no torch import):
-    each row must be what building the model on the meta device gives, in the same order."""
-    from ampscope.models import catalog, smollm2
+    each entry's family and count must be what building the model on the meta device gives, in
+    the same order, and a built-in GPT's description names the shape it is built with."""
+    from ampscope.models import catalog
 
     computed = [registry._model_info(name) for name in registry.model_names()]
-    assert list(catalog.MODELS) == computed
-    # The packages each model needs are the ones its builder checks for.
-    assert catalog.REQUIRES[smollm2.NAME] == tuple(smollm2._REQUIRED)
-    assert {n for n, needs in catalog.REQUIRES.items() if needs == ("transformers",)} == set(hf.ZOO)
+    assert [e.info for e in catalog.MODELS] == computed
+    for e in catalog.MODELS:
+        if e.family in ("gpt2", "nanochat"):
+            config = resolve(e.name, device="meta").module.config
+            assert e.description.endswith(f", {config.n_layer} layers × {config.n_embd}")
+    # Every Hugging Face model is built by transformers; the zoo needs nothing else.
+    assert all("transformers" in e.requires for e in catalog.MODELS if e.family == "hf")
+    assert {e.name for e in catalog.MODELS if e.requires == ("transformers",)} == set(hf.ZOO)
 
 
 def test_the_listing_drops_a_model_whose_packages_are_missing(monkeypatch):

@@ -25,9 +25,9 @@ _LIGHT_COMMANDS = frozenset({"models", "formats", "diff"})
 
 
 def _needs_transformers(spec: str) -> bool:
-    from ampscope.models.catalog import REQUIRES
+    from ampscope.models.catalog import requires
 
-    return spec.startswith("hf:") or "transformers" in REQUIRES.get(spec.strip(), ())
+    return spec.startswith("hf:") or "transformers" in requires(spec.strip())
 
 
 def preload(args: argparse.Namespace, *, freeze: bool) -> None:

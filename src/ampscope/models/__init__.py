@@ -4,7 +4,8 @@
   the memory guard;
 - `base.py`: `LoadedModel`, what a workload needs to drive a model;
 - `loading.py`: `load`, a spec, a bare module or a LoadedModel as the LoadedModel a run needs;
-- `catalog.py`: what `ampscope models` lists, as data (read without importing torch);
+- `catalog.py`: every named model, one entry each: what `ampscope models` lists, what builds it
+  and its preset, as data (read without importing torch);
 - `gpt2.py`, `nanochat.py`: the built-in reference GPTs, one readable file each;
 - `hf.py`: Hugging Face causal LMs (the zoo from configs, local checkpoints), with
   `weight_files.py` (a local folder's shards and torch checkpoints, read safely);

@@ -189,14 +189,11 @@ class GPT(nn.Module):
         return 6 * n_params + 12 * L * H * Q * seq_len
 
 
-PRESETS: dict[str, GPTConfig] = {
-    # OpenAI's GPT-2 sizes. The vocabulary stays at 50257 (nanoGPT pads to 50304 for speed;
-    # the published checkpoints, and so the parameter counts people quote, do not).
-    "gpt2": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": GPTConfig(block_size=1024, vocab_size=50257, n_layer=24, n_head=16, n_embd=1024),
-    # For tests: small enough to trace on a CPU in milliseconds.
-    "gpt2-tiny": GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=2, n_embd=64),
-}
+# The presets are entries of catalog.py (imported here, not at the top, so that the lines above
+# keep the numbers traces cite).
+from ampscope.models.catalog import Presets  # noqa: E402
+
+PRESETS: Presets[GPTConfig] = Presets("gpt2", GPTConfig)
 
 
 def load(preset: str, *, device: str | torch.device = "cpu",
@@ -206,8 +203,6 @@ def load(preset: str, *, device: str | torch.device = "cpu",
     GPT-2 makes no device-dependent choice, so `target_device` (the device an emulated run
     stands for) changes nothing here.
     """
-    if preset not in PRESETS:
-        raise KeyError(f"unknown gpt2 preset {preset!r}; known: {', '.join(PRESETS)}")
     config = PRESETS[preset]
     with torch.device(device):
         model = GPT(config)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from ampscope.errors import AmpscopeError, first_line
 from ampscope.models.base import Batch, LoadedModel
+from ampscope.models.catalog import Presets
 from ampscope.models.weight_files import load_checkpoint, shards, torch_checkpoint
 from ampscope.quiet import loggers_quiet
 from ampscope.torchcompat.ops import PYTREE_LOGGER
@@ -50,83 +50,6 @@ if TYPE_CHECKING:
 ATTN_IMPLEMENTATION = "sdpa"
 
 
-@dataclass(frozen=True)
-class ZooEntry:
-    """A published architecture: a transformers config class name and its arguments."""
-
-    config_class: str
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    description: str = ""
-
-
-# Figures from each model's config.json on the Hugging Face Hub. Parameter counts (tied weights
-# once) are checked against the published ones in tests/test_models_registry.py.
-_LLAMA3_ROPE = {"rope_theta": 500000.0}
-ZOO: dict[str, ZooEntry] = {
-    "opt-125m": ZooEntry(
-        "OPTConfig",
-        dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
-             vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768,
-             pad_token_id=1, bos_token_id=2, eos_token_id=2),
-        "facebook/opt-125m: learned positions, ReLU MLP, LayerNorm",
-    ),
-    "gpt2-hf": ZooEntry(
-        "GPT2Config", {}, "openai-community/gpt2 in transformers' implementation (Conv1D layers)"
-    ),
-    "llama-3.2-1b": ZooEntry(
-        "LlamaConfig",
-        dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
-             max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE,
-             rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-        "meta-llama/Llama-3.2-1B: GQA 32/8, tied embeddings, 128k context",
-    ),
-    "llama-3-8b": ZooEntry(
-        "LlamaConfig",
-        dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
-        "meta-llama/Meta-Llama-3-8B: GQA 32/8, untied embeddings",
-    ),
-    "llama-3-70b": ZooEntry(
-        "LlamaConfig",
-        dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-             num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
-        "meta-llama/Meta-Llama-3-70B: GQA 64/8 (too big to run on most CPUs)",
-    ),
-    "mistral-7b": ZooEntry(
-        "MistralConfig",
-        dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
-             max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
-             rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-        "mistralai/Mistral-7B-v0.1: GQA 32/8, sliding-window attention",
-    ),
-    "qwen2.5-0.5b": ZooEntry(
-        "Qwen2Config",
-        dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-             num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-             max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-             tie_word_embeddings=True, use_sliding_window=False,
-             bos_token_id=151643, eos_token_id=151643),
-        "Qwen/Qwen2.5-0.5B: GQA 14/2, qkv biases, tied embeddings",
-    ),
-    "smollm2-135m": ZooEntry(
-        "LlamaConfig",
-        dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
-             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-        "HuggingFaceTB/SmolLM2-135M: deep and narrow Llama, tied embeddings",
-    ),
-}  # fmt: skip
-
-
 def transformers_module():
     try:
         _torchao_quietly()
@@ -144,13 +67,20 @@ def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
 
 
-def zoo_config(name: str) -> PretrainedConfig:
-    """The zoo entry's config, set to build in float32 with SDPA attention."""
-    entry = ZOO[name]
-    config_class = getattr(transformers_module(), entry.config_class)
-    return config_class(
-        **entry.kwargs, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
+def _zoo_config(model_type: str, **fields: Any) -> PretrainedConfig:
+    """A zoo entry's config.json fields (catalog.py) as its config, set to build in float32
+    with SDPA attention."""
+    return transformers_module().AutoConfig.for_model(
+        model_type, **fields, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
     )
+
+
+# The zoo: every published architecture of catalog.py, name → config, made on look-up.
+ZOO: Presets[PretrainedConfig] = Presets("hf", _zoo_config)
+
+
+def zoo_config(name: str) -> PretrainedConfig:
+    return ZOO[name]
 
 
 def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -> nn.Module:
@@ -185,10 +115,11 @@ def _no_init(on_meta: bool) -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-def load_zoo(name: str, *, device: str | torch.device = "cpu") -> LoadedModel:
-    """Build zoo entry `name` with random weights."""
-    module = build_from_config(zoo_config(name), device=device)
-    return hf_loaded_model(module, name=name)
+def load(name: str, *, device: str | torch.device = "cpu",
+         target_device: str | None = None) -> LoadedModel:
+    """Build zoo entry `name` with random weights (no device-dependent choice to make for
+    `target_device`)."""
+    return hf_loaded_model(build_from_config(zoo_config(name), device=device), name=name)
 
 
 def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedModel:

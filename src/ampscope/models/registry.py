@@ -6,6 +6,7 @@
     hf:PATH                   a local config.json, or a folder with one and optional weights
     package.module:factory    the user's own code: factory() returns an nn.Module or LoadedModel
 
+The names are the entries of catalog.py, each built by the `load` of the module it names.
 `resolve` builds the model reproducibly (seeded, in a forked RNG, so the caller's RNG state and
 default dtype are as they were) and `list_models` describes the named ones, counting parameters
 on the meta device so that listing allocates nothing (`ampscope models` reads the same facts
@@ -29,47 +30,21 @@ import torch
 from torch import nn
 
 from ampscope.errors import AmpscopeError
-from ampscope.models import hf, smollm2
+from ampscope.models import catalog, hf
 from ampscope.models.base import LoadedModel
-from ampscope.models.catalog import ModelInfo, installed
+from ampscope.models.catalog import ModelInfo, entry, installed
 from ampscope.runtime.user_frames import user_line
-
-# Built-in families: modules under ampscope.models exposing PRESETS and load(preset, device=).
-BUILTIN_FAMILIES = ("gpt2", "nanochat")
-
-_FAMILY_DESCRIPTIONS = {
-    "gpt2": "GPT-2 as in nanoGPT's model.py",
-    "nanochat": "nanochat's GPT: RoPE, QK-norm, ReLU², untied, bf16 rotary tables",
-}
-
-
-def _family_module(family: str):
-    return importlib.import_module(f"ampscope.models.{family}")
-
-
-def _builtin_family(name: str) -> str | None:
-    for family in BUILTIN_FAMILIES:
-        if name in _family_module(family).PRESETS:
-            return family
-    return None
 
 
 def model_names() -> list[str]:
-    """Every built-in, zoo and real-weights name, in listing order."""
-    names = [name for family in BUILTIN_FAMILIES for name in _family_module(family).PRESETS]
-    return [*names, *hf.ZOO, smollm2.NAME]
+    """Every named model of catalog.py, in listing order (read now: an entry is all it takes)."""
+    return [e.name for e in catalog.MODELS]
 
 
 def _load_named(name: str, device: str | torch.device,
                 target_device: str | None = None) -> LoadedModel:
-    family = _builtin_family(name)
-    if family is not None:
-        return _family_module(family).load(name, device=device, target_device=target_device)
-    if name in hf.ZOO:
-        return hf.load_zoo(name, device=device)
-    if name == smollm2.NAME:
-        return smollm2.load(device=device)
-    raise _unknown_name(name)
+    loader = importlib.import_module(f"ampscope.models.{entry(name).module}").load
+    return loader(name, device=device, target_device=target_device)
 
 
 def _unknown_name(name: str) -> AmpscopeError:
@@ -241,35 +216,23 @@ def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
         if spec not in model_names():
             raise _unknown_name(spec)
         if device.type != "meta":
-            check_fits_in_memory(spec, _model_info(spec).parameters, device=device)
+            check_fits_in_memory(spec, entry(spec).parameters, device=device)
         return _load_named(spec, device, target_device)
 
 
 # --- listing ---------------------------------------------------------------------------------
 
 
-def _describe_builtin(family: str, name: str) -> str:
-    config = _family_module(family).PRESETS[name]
-    layers, width = getattr(config, "n_layer", None), getattr(config, "n_embd", None)
-    shape = f", {layers} layers × {width}" if layers and width else ""
-    return f"{_FAMILY_DESCRIPTIONS.get(family, family)}{shape}"
-
-
 @functools.cache
 def _model_info(name: str) -> ModelInfo:
     with _isolated_construction(0, torch.device("meta")):
         loaded = _load_named(name, "meta")
-    family = _builtin_family(name)
-    if family:
-        description = _describe_builtin(family, name)
-    else:
-        description = hf.ZOO[name].description if name in hf.ZOO else smollm2.DESCRIPTION
-    return ModelInfo(name, loaded.family, loaded.num_parameters, description)
+    return ModelInfo(name, loaded.family, loaded.num_parameters, entry(name).description)
 
 
 def list_models() -> list[ModelInfo]:
     """Every model this installation can build, with its parameter count computed by building
-    it on the meta device: the ground truth of the `catalog.MODELS` table (tested equal)."""
+    it on the meta device: the ground truth of catalog.py's counts (tested equal)."""
     return [_model_info(name) for name in model_names() if installed(name)]
 
 

