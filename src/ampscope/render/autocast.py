@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.autocast import PolicyReport, PolicyRow, meaning
-from ampscope.render.style import dtype_text
+from ampscope.render.style import ColumnOptions, dtype_text, titled_table
 
 
 def _read_from(version: str) -> dict:
@@ -19,12 +19,9 @@ def _read_from(version: str) -> dict:
 
 def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int, version: str
                  ) -> Table:
-    table = Table(title=f"Autocast on {device} with {dtype}: {len(rows)} of {total} ops",
-                  **_read_from(version),
-                  title_justify="left", show_edge=False)
-    table.add_column("op")
-    table.add_column("category")
-    table.add_column("what autocast does", style="dim")
+    table = titled_table(f"Autocast on {device} with {dtype}: {len(rows)} of {total} ops",
+                         "op", "category", ("what autocast does", {"style": "dim"}),
+                         **_read_from(version))
     for r in rows:
         table.add_row(r.op, r.categories[0], meaning(r.categories[0], dtype))
     return table
@@ -32,12 +29,8 @@ def policy_table(rows: list[PolicyRow], device: str, dtype: str, total: int, ver
 
 def compare_table(rows: list[PolicyRow], devices: tuple[str, str], dtype: str, version: str
                   ) -> Table:
-    table = Table(title=f"Where autocast differs between {devices[0]} and {devices[1]} "
-                        f"({dtype}): {len(rows)} ops", title_justify="left", show_edge=False,
-                  **_read_from(version))
-    table.add_column("op")
-    for device in devices:
-        table.add_column(device)
+    table = titled_table(f"Where autocast differs between {devices[0]} and {devices[1]} "
+                         f"({dtype}): {len(rows)} ops", "op", *devices, **_read_from(version))
     for r in rows:
         table.add_row(r.op, *(Text(c, style="dim" if c == "passthrough" else "") for c in r.categories))
     return table
@@ -47,13 +40,10 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str, versio
                ) -> Table:
     """answers: device → expression → input dtype → output dtype."""
     devices = list(answers)
-    table = Table(title=f"What comes out under autocast ({dtype})", title_justify="left",
-                  show_edge=False, **_read_from(version))
-    table.add_column("expression")
     inputs = list(next(iter(next(iter(answers.values())).values())))
-    for device in devices:
-        for name in inputs:
-            table.add_column(f"{device}\n{name} in", justify="center")
+    table = titled_table(f"What comes out under autocast ({dtype})", "expression",
+                         *((f"{device}\n{name} in", ColumnOptions(justify="center"))
+                           for device in devices for name in inputs), **_read_from(version))
     for expression in next(iter(answers.values())):
         cells = [dtype_text([answers[d][expression][i]]) for d in devices for i in inputs]
         table.add_row(expression, *cells)
@@ -63,13 +53,10 @@ def quiz_table(answers: dict[str, dict[str, dict[str, str]]], dtype: str, versio
 def history_table(report: PolicyReport) -> Table:
     """How the device's policy changed for the ops GPT-style models call."""
     assert report.history is not None
-    table = Table(title=f"Autocast on {report.device} in earlier releases (ops GPT-style models "
-                        "call)", title_justify="left", show_edge=False,
-                  caption=f"here: this build, PyTorch {report.torch}, has the change.",
-                  caption_justify="left")
-    for column in ("op", "before", "since", "release", "here"):
-        table.add_column(column)
-    table.add_column("source", no_wrap=True)
+    table = titled_table(f"Autocast on {report.device} in earlier releases (ops GPT-style "
+                         "models call)", "op", "before", "since", "release", "here",
+                         ("source", {"no_wrap": True}), caption_justify="left",
+                         caption=f"here: this build, PyTorch {report.torch}, has the change.")
     for change, has in zip(report.history, report.in_build, strict=True):
         table.add_row(change.name, Text(change.before, style="dim"), change.since,
                       change.version, "yes" if has else "no", change.source)

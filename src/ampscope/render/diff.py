@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ampscope.analysis.diff import DiffSummary, Side, TraceDiff, tensor_groups
 from ampscope.records import PHASES
-from ampscope.render.style import dtype_text, short_op
+from ampscope.render.style import ColumnOptions, dtype_text, short_op, titled_table
 
 WHICH_NAMES = 3  # names listed per group of tensor changes before "… N more"
 
@@ -44,12 +44,10 @@ def diff_header(d: TraceDiff, label_a: str, label_b: str) -> Text:
 
 
 def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
-    table = Table(title=title, title_justify="left", show_edge=False)
-    for col in columns:
-        # Names matter most: keep them on one line and let the other columns wrap instead.
-        table.add_column(col, justify="right" if col in right else "left",
-                         no_wrap=col in ("module", "tensor"), overflow="fold")
-    return table
+    # Names matter most: keep them on one line and let the other columns wrap instead.
+    return titled_table(title, *((col, ColumnOptions(no_wrap=col in ("module", "tensor"),
+                                                     overflow="fold")) for col in columns),
+                        right=right)
 
 
 def module_table(d: TraceDiff, phase: str) -> Table | None:

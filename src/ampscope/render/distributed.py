@@ -4,17 +4,11 @@ Namesakes, the same concern at another layer: `torchcompat/distributed.py`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.distributed.report import DistributedReport, summarize
-from ampscope.render.style import format_bytes
-
-if TYPE_CHECKING:
-    from rich.console import JustifyMethod
+from ampscope.render.style import format_bytes, titled_table
 
 _CATEGORIES = ("parameter", "gradient", "optimizer_state")
 
@@ -37,24 +31,16 @@ def render_distributed(report: DistributedReport) -> RenderableType:
                 f"{', '.join(report.unshard_dtypes) or '— (not sharded)'}\n")
     head.append(f"Gradients reduced in: {', '.join(report.reduce_dtypes) or '—'}")
 
-    held = Table(title="Held by each rank after the step", title_justify="left",
-                 show_edge=False)
-    held.add_column("rank", justify="right")
-    for category in _CATEGORIES:
-        held.add_column(category.replace("_", " "), justify="right")
-    held.add_column("total", justify="right")
+    columns = ["rank", *(c.replace("_", " ") for c in _CATEGORIES), "total"]
+    held = titled_table("Held by each rank after the step", *columns, right=columns)
     for r in report.ranks:
         cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
                  for c in _CATEGORIES]
         held.add_row(str(r.rank), *cells, format_bytes(r.held_total))
 
-    comms = Table(title=f"Collectives of rank {report.ranks[0].rank} in one step",
-                  title_justify="left", show_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("collective", "left"), ("phase", "left"), ("dtype", "left"), ("calls", "right"),
-        ("payload", "right"), ("sent (ring)", "right"))
-    for col, justify in columns:
-        comms.add_column(col, justify=justify)
+    numbers = ("calls", "payload", "sent (ring)")
+    comms = titled_table(f"Collectives of rank {report.ranks[0].rank} in one step",
+                         "collective", "phase", "dtype", *numbers, right=numbers)
     rows = summarize(report.ranks[0].collectives)
     for row in rows:
         comms.add_row(row.kind.replace("_", "-"), row.phase, row.dtype, str(row.calls),

@@ -4,17 +4,11 @@ Namesakes, the same concern at another layer: `analysis/fit.py`, `api/fit.py`, `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.fit import FitReport, Probe
-from ampscope.render.style import format_bytes
-
-if TYPE_CHECKING:
-    from rich.console import JustifyMethod
+from ampscope.render.style import format_bytes, titled_table
 
 
 def probe_line(probe: Probe) -> Text:
@@ -41,22 +35,15 @@ def render_fit(report: FitReport) -> RenderableType:
                 f"{report.optimizer}: predicted peak {format_bytes(report.peak_bytes)} of "
                 f"{budget} ({where}), in the {report.peak_phase} pass, "
                 f"{len(report.probes)} predicted runs.")
-    shares = Table(show_edge=False)
-    shares.add_column("what")
-    shares.add_column("bytes", justify="right")
-    shares.add_column("share", justify="right")
+    shares = titled_table(None, "what", "bytes", "share", right=("bytes", "share"))
     for s in report.at_limit:
         shares.add_row(s.label, format_bytes(s.bytes), f"{s.fraction:.0%}")
     title = Text(f"At the limit (batch {report.batch}): what is live at the peak",
                  style="italic")
     parts: list[RenderableType] = [head, Text(""), title, shares]
     if report.variants:
-        room = Table(show_edge=False)
-        columns: list[tuple[str, JustifyMethod]] = [
-            ("change", "left"), ("how", "left"), (f"peak at {report.batch}", "right"),
-            ("saved", "right"), ("largest batch", "right"), ("its peak", "right")]
-        for column, justify in columns:
-            room.add_column(column, justify=justify, no_wrap=True)
+        numbers = (f"peak at {report.batch}", "saved", "largest batch", "its peak")
+        room = titled_table(None, "change", "how", *numbers, right=numbers, no_wrap=True)
         for v in report.variants:
             room.add_row(v.name, v.change, format_bytes(v.peak_at_limit),
                          format_bytes(v.saved_bytes), str(v.batch) if v.batch else "none",

@@ -6,11 +6,10 @@ Namesakes, the same concern at another layer: `analysis/flops.py`, `runs/flops.p
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.flops import FlopReport
-from ampscope.render.style import dtype_text
+from ampscope.render.style import dtype_text, titled_table
 
 
 def human(flops: float, unit: str = "FLOP") -> str:
@@ -38,24 +37,21 @@ def render_flops(report: FlopReport) -> RenderableType:
     head.append(f" counted ({human(report.total / report.tokens) if report.tokens else '—'} "
                 "per token)")
 
-    phases = Table(title="By phase", title_justify="left", show_edge=False)
-    for col in ("phase", "FLOPs", "share"):
-        phases.add_column(col, justify="right" if col != "phase" else "left")
+    phases = titled_table("By phase", "phase", "FLOPs", "share", right=("FLOPs", "share"))
     for phase, n in report.by_phase.items():
         phases.add_row(phase, human(n), _share(n, report.total))
     if report.evaluation:  # not the step's: no share of it
         phases.add_row("evaluation (not in the step)", human(report.evaluation), "—")
 
-    dtypes = Table(title="By the dtype the matmuls ran in", title_justify="left", show_edge=False)
-    for col in ("dtype", "FLOPs", "share", "peak", "time at peak"):
-        dtypes.add_column(col, justify="right" if col != "dtype" else "left")
+    numbers = ("FLOPs", "share", "peak", "time at peak")
+    dtypes = titled_table("By the dtype the matmuls ran in", "dtype", *numbers, right=numbers)
     for dtype, n in sorted(report.by_dtype.items(), key=lambda kv: -kv[1]):
         peak = used.peaks.get(dtype) if used else None
         dtypes.add_row(dtype_text([dtype], short=False), human(n), _share(n, report.total),
                        human(peak, "FLOP/s") if peak else "n/a",
                        f"{1e3 * n / peak:.1f} ms" if peak else "n/a")
 
-    modules = Table(title="By module (own ops, per block)", title_justify="left", show_edge=False)
+    modules = titled_table("By module (own ops, per block)")
     for col in ("module", "×", "forward", "backward", "dtype"):
         # overflow None: the cell's text decides (rich's annotation leaves None out, its
         # ConsoleOptions and Text take it).
@@ -65,9 +61,8 @@ def render_flops(report: FlopReport) -> RenderableType:
         modules.add_row(r.name, str(r.repeats), human(r.forward), human(r.backward),
                         dtype_text([r.dtype], short=False))
 
-    conv = Table(title="Conventions", title_justify="left", show_edge=False)
-    for col in ("convention", "FLOPs", "vs counted", "what it assumes"):
-        conv.add_column(col, justify="right" if col in ("FLOPs", "vs counted") else "left")
+    conv = titled_table("Conventions", "convention", "FLOPs", "vs counted", "what it assumes",
+                        right=("FLOPs", "vs counted"))
     for c in report.conventions:
         conv.add_row(c.name, human(c.flops),
                      f"{100 * (c.flops / report.total - 1):+.1f}%" if report.total else "—",

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.format_table import FormatFacts, FormatsReport, Stored, ValueReport
-from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES
+from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES, titled_table
 
 # The formats text.py has no short name for (yet), in the same spelling.
 _MORE_SHORT = {"tf32": "tf32", "float8_e4m3fnuz": "fp8e4m3fnuz",
@@ -52,12 +52,9 @@ def _compact(x: float | None) -> str:
 
 
 def facts_table(formats: tuple[FormatFacts, ...]) -> Table:
-    table = Table(title="Formats", title_justify="left", show_edge=False, pad_edge=False)
-    table.add_column("format", no_wrap=True)
-    for col in ("s/e/m", "bias", "max", "min\nnormal", "min\nsubnormal", "eps", "digits"):
-        table.add_column(col, justify="right")
-    table.add_column("inf NaN")
-    table.add_column("> max")
+    numbers = ("s/e/m", "bias", "max", "min\nnormal", "min\nsubnormal", "eps", "digits")
+    table = titled_table("Formats", ("format", {"no_wrap": True}), *numbers, "inf NaN", "> max",
+                         right=numbers, pad_edge=False)
     for f in formats:
         specials = " ".join(s for s, has in (("inf", f.has_inf), ("NaN", f.has_nan)) if has)
         table.add_row(format_name(f.name), f"{f.sign_bits}/{f.exponent_bits}/{f.mantissa_bits}",
@@ -90,13 +87,9 @@ def _error(s: Stored) -> str:
 
 
 def value_table(report: ValueReport, formats: dict[str, FormatFacts]) -> Table:
-    table = Table(title=f"Value {report.text}", title_justify="left", show_edge=False,
-                  pad_edge=False)
-    table.add_column("format")
-    table.add_column("stored", justify="right")
-    table.add_column("rel. error", justify="right")
-    table.add_column("status")
-    table.add_column("bits: sign exponent mantissa", overflow="fold")
+    table = titled_table(f"Value {report.text}", "format", "stored", "rel. error", "status",
+                         ("bits: sign exponent mantissa", {"overflow": "fold"}),
+                         right=("stored", "rel. error"), pad_edge=False)
     for s in report.stored:
         table.add_row(format_name(s.format), _number(s.value, _shown_digits(formats[s.format])),
                       _error(s), _status(s), s.bits)

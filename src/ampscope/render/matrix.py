@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.compare import Cell, Matrix
-from ampscope.render.style import dtype_text
+from ampscope.render.style import dtype_text, titled_table
 
 DIFFERS = "reverse"  # a cell that differs from the first setting's
 MARK = " *"  # the same, readable without colour (a pipe, a log file)
@@ -55,13 +54,11 @@ def render_matrix(matrix: Matrix) -> RenderableType:
         header.append("highlighted", style=DIFFERS)
         header.append(f" and *: differs from {matrix.baseline}", style="dim")
 
-    modules = Table(title="Modules, forward pass: in → out", title_justify="left",
-                    show_edge=False)
-    # Module names get room first; on a narrow terminal a cell wraps inside its column.
-    modules.add_column("module", overflow="fold", min_width=14)
-    modules.add_column("type", overflow="ellipsis", max_width=10)
-    for name in matrix.columns:  # in the order asked; a setting that failed says so
-        modules.add_column(name)
+    # Module names get room first; on a narrow terminal a cell wraps inside its column. The
+    # settings in the order asked; a setting that failed says so.
+    modules = titled_table("Modules, forward pass: in → out",
+                           ("module", {"overflow": "fold", "min_width": 14}),
+                           ("type", {"overflow": "ellipsis", "max_width": 10}), *matrix.columns)
     ran = {name: i for i, name in enumerate(names)}
     labels = short_names([(row.name, row.depth) for row in matrix.rows])
     for i, (label, row) in enumerate(zip(labels, matrix.rows, strict=True)):
@@ -70,10 +67,7 @@ def render_matrix(matrix: Matrix) -> RenderableType:
                  for name in matrix.columns]
         modules.add_row(Text(label), row.kind, *cells)
 
-    summary = Table(title="Whole run", title_justify="left", show_edge=False)
-    summary.add_column("")
-    for name in matrix.columns:
-        summary.add_column(name)
+    summary = titled_table("Whole run", "", *matrix.columns)
     for total in matrix.summary:
         summary.add_row(total.what, *(
             (Text(total.values[ran[name]] + MARK, style=DIFFERS) if total.differs[ran[name]]

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ampscope.analysis.memory import MemoryReport, MemoryRow
 from ampscope.records import module_label
-from ampscope.render.style import ColumnOptions, dtype_text, format_bytes, short_op
+from ampscope.render.style import dtype_text, format_bytes, short_op, titled_table
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 _PHASE_STYLES = {"forward": "green", "backward": "magenta", "optimizer": "yellow"}
@@ -38,13 +38,9 @@ def peak_line(report: MemoryReport) -> Text:
 
 def breakdown_table(report: MemoryReport) -> Table:
     """Category × dtype: what is live at the peak beside everything the step allocated."""
-    table = Table(title="Memory by category and dtype", title_justify="left", show_edge=False)
-    columns: list[tuple[str, ColumnOptions]] = [
-        ("category", {}), ("dtype", {}), ("at peak", {"justify": "right"}),
-        ("storages", {"justify": "right"}), ("allocated", {"justify": "right"}),
-        ("storages ", {"justify": "right"})]
-    for col, kw in columns:
-        table.add_column(col, **kw)
+    numbers = ("at peak", "storages", "allocated", "storages ")
+    table = titled_table("Memory by category and dtype", "category", "dtype", *numbers,
+                         right=numbers)
     peak: dict[tuple[str, str], MemoryRow] = {(r.category, r.dtype): r for r in report.at_peak}
     for r in report.allocated:
         p = peak.get((r.category, r.dtype))
@@ -67,15 +63,11 @@ def shared_text(report: MemoryReport) -> Text:
 
 
 def estimates_table(report: MemoryReport) -> Table:
-    table = Table(title="Formulas beside the counted bytes", title_justify="left",
-                  show_edge=False)
-    columns: list[tuple[str, ColumnOptions]] = [
-        ("formula", {"overflow": "fold", "ratio": 3}),
-        ("estimate", {"justify": "right"}),
-        ("counted", {"justify": "right", "ratio": 1}),
-        ("note", {"style": "dim", "overflow": "fold", "ratio": 3})]
-    for col, kw in columns:
-        table.add_column(col, **kw)
+    table = titled_table("Formulas beside the counted bytes",
+                         ("formula", {"overflow": "fold", "ratio": 3}), "estimate",
+                         ("counted", {"ratio": 1}),
+                         ("note", {"style": "dim", "overflow": "fold", "ratio": 3}),
+                         right=("estimate", "counted"))
     for e in report.estimates:
         label = Text(e.label, style="bold")
         label.append("\n" + e.formula, style="")
@@ -112,13 +104,8 @@ def timeline_text(report: MemoryReport) -> Text:
 
 
 def largest_table(report: MemoryReport) -> Table:
-    table = Table(title="Largest storages live at the peak", title_justify="left",
-                  show_edge=False)
-    columns: list[tuple[str, ColumnOptions]] = [
-        ("bytes", {"justify": "right"}), ("category", {}), ("dtype", {}), ("shape", {}),
-        ("what", {"overflow": "fold"})]
-    for col, kw in columns:
-        table.add_column(col, **kw)
+    table = titled_table("Largest storages live at the peak", "bytes", "category", "dtype",
+                         "shape", ("what", {"overflow": "fold"}), right=("bytes",))
     for s in report.largest_at_peak:
         what = ", ".join(s.names) if s.names else (
             short_op(s.op or "?") + (f" in {module_label(s.module)}" if s.module is not None else "")

@@ -8,7 +8,6 @@ import math
 import statistics
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.numerics import (
@@ -18,6 +17,7 @@ from ampscope.analysis.numerics import (
     compare_fp8_casts,
 )
 from ampscope.records.fp8 import short_fp8
+from ampscope.render.style import ColumnOptions, titled_table
 
 
 def _err(d: Divergence | None) -> str:
@@ -37,10 +37,8 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
     if report.emulated:
         head.append(f"\n  emulated: {', '.join(report.emulated)} (the device's autocast "
                     "dtypes, the CPU's kernels and rounding)", style="dim")
-    depth = Table(title="Divergence by depth", title_justify="left", show_edge=False)
-    depth.add_column("where")
-    for s in report.settings:
-        depth.add_column(s.setting, justify="right")
+    settings = [s.setting for s in report.settings]
+    depth = titled_table("Divergence by depth", "where", *settings, right=settings)
     first = report.settings[0]
     for i, block in enumerate(first.blocks):
         depth.add_row(f"{block.container}.{block.index}",
@@ -53,20 +51,16 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
     parts: list[RenderableType] = [head, Text(), depth]
 
     if all_modules:
-        table = Table(title="Every module", title_justify="left", show_edge=False)
-        table.add_column("module", overflow="fold")
-        table.add_column("type")
-        for s in report.settings:
-            table.add_column(s.setting, justify="right")
+        table = titled_table("Every module", ("module", {"overflow": "fold"}), "type", *settings,
+                             right=settings)
         by_setting = [{m.name: m.divergence for m in s.modules} for s in report.settings]
         for m in first.modules:
             table.add_row(m.name or "(model)", m.type, *(_err(d.get(m.name)) for d in by_setting))
         parts += [Text(), table]
 
     if any(s.grads for s in report.settings):
-        grads = Table(title="Gradients", title_justify="left", show_edge=False)
-        for col in ("setting", "median rel. L2", "worst", "worst parameter"):
-            grads.add_column(col, justify="left" if col in ("setting", "worst parameter") else "right")
+        grads = titled_table("Gradients", "setting", "median rel. L2", "worst", "worst parameter",
+                             right=("median rel. L2", "worst"))
         for s in report.settings:
             errors = sorted(s.grads, key=lambda g: g[1].rel_l2)
             if errors:
@@ -106,14 +100,11 @@ def _fp8_casts(fp8: Fp8Comparison) -> RenderableType:
     if not fp8.lossy:
         text.append("  No cast saturated or underflowed a value.\n")
         return text
-    table = Table(show_edge=False, title_justify="left",
-                  title=f"Casts that lost values ({len(fp8.lossy)} of {fp8.operands} by layer "
-                        "and operand; format saturated/underflow)")
-    table.add_column("layer", overflow="fold")
-    table.add_column("phase")
-    table.add_column("operand")
-    for name in distinct_names([t.setting for t in fp8.totals]):
-        table.add_column(name, justify="right", overflow="fold")
+    names = distinct_names([t.setting for t in fp8.totals])
+    table = titled_table(f"Casts that lost values ({len(fp8.lossy)} of {fp8.operands} by layer "
+                         "and operand; format saturated/underflow)",
+                         ("layer", {"overflow": "fold"}), "phase", "operand",
+                         *((name, ColumnOptions(overflow="fold")) for name in names), right=names)
     for row in fp8.lossy:
         cells = ["—" if c is None else
                  f"{short_fp8(c.dtype)} {100 * c.saturated_share:.2f}%/"
@@ -138,10 +129,8 @@ def _ranges(report: NumericsReport) -> RenderableType:
     if total:
         text.append(f"  fp16 without loss scaling would flush {flushed:,} of {total:,} gradient "
                     f"values to zero ({100 * flushed / total:.2f}%).\n")
-    table = Table(show_edge=False, title="Largest magnitudes", title_justify="left")
-    for col in ("tensor", "kind", "amax", "fp16 ovf", "fp16 ftz", "fp16 subn", "e4m3 ovf",
-                "e5m2 ovf", "e5m2 ftz"):
-        table.add_column(col, justify="left" if col in ("tensor", "kind") else "right")
+    numbers = ("amax", "fp16 ovf", "fp16 ftz", "fp16 subn", "e4m3 ovf", "e5m2 ovf", "e5m2 ftz")
+    table = titled_table("Largest magnitudes", "tensor", "kind", *numbers, right=numbers)
     for r in sorted(report.ranges, key=lambda r: -r.amax)[:8]:
         f = r.formats
         table.add_row(r.name or "(model)", r.kind, f"{r.amax:.3g}",

@@ -5,11 +5,10 @@ Namesakes, the same concern at another layer: `analysis/plans.py`."""
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.plans import PlansReport
-from ampscope.render.style import format_bytes
+from ampscope.render.style import format_bytes, titled_table
 
 
 def render_plans(report: PlansReport) -> RenderableType:
@@ -28,10 +27,8 @@ def render_plans(report: PlansReport) -> RenderableType:
     context = Text(f"{report.model} ({report.depth} blocks) on {report.gpus} GPUs of {budget} "
                    f"({where}) · {report.setting} · FSDP2 mixed precision: {policy} · seq "
                    f"{report.seq:,} · {report.optimizer}", style="dim")
-    table = Table(show_edge=False)
-    for column, justify in (("plan", "left"), ("batch", "right"), ("tokens/step", "right"),
-                            ("peak/rank", "right"), ("room", "right")):
-        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    numbers = ("batch", "tokens/step", "peak/rank", "room")
+    table = titled_table(None, "plan", *numbers, right=numbers, no_wrap=True)
     for p in report.plans:
         room = report.memory_bytes - p.peak_bytes
         table.add_row(

@@ -8,12 +8,11 @@ Namesakes, the same concern at another layer: `script/ranks.py`."""
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from ampscope.distributed.report import DistributedReport, RankPeak, summarize
 from ampscope.records import Trace
-from ampscope.render.style import format_bytes
+from ampscope.render.style import format_bytes, titled_table
 
 _SHAPES = 6  # parameter shapes listed per rank before "…"
 
@@ -55,12 +54,10 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
                 f"{', '.join(report.reduce_dtypes) or '—'}")
     if report.unshard_dtypes:
         head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
-    held = Table(title="Held by each rank after its last step", title_justify="left",
-                 show_edge=False)
-    for column in ("rank", "parameters", "gradients", "optimizer state", "peak"):
-        held.add_column(column, justify="right" if column in ("rank", "peak") else "left")
-    if traces is not None:
-        held.add_column("parameter shapes")
+    held = titled_table("Held by each rank after its last step", "rank", "parameters",
+                        "gradients", "optimizer state", "peak",
+                        *(["parameter shapes"] if traces is not None else []),
+                        right=("rank", "peak"))
     for r in report.ranks:
         cells = [str(r.rank), _held(r.held.get("parameter", {})),
                  _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {})),
@@ -68,10 +65,8 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None
         if traces is not None:
             cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
         held.add_row(*cells)
-    comms = Table(title="Collectives of each rank", title_justify="left", show_edge=False)
-    for column in ("rank", "collective", "phase", "dtype", "calls", "payload"):
-        comms.add_column(column, justify="right" if column in ("rank", "calls", "payload")
-                         else "left")
+    comms = titled_table("Collectives of each rank", "rank", "collective", "phase", "dtype",
+                         "calls", "payload", right=("rank", "calls", "payload"))
     for r in report.ranks:
         for row in summarize(r.collectives):
             comms.add_row(str(r.rank), row.kind.replace("_", "-"), row.phase, row.dtype,

@@ -1,9 +1,11 @@
-"""What every view shares: dtype names and colours, op names, byte counts."""
+"""What every view shares: dtype names and colours, op names, byte counts, the tables' form."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, TypedDict
 
+from rich.table import Table
 from rich.text import Text
 
 # Worded below the views (and torch-free), where reports' notes word sizes too.
@@ -31,6 +33,23 @@ class ColumnOptions(TypedDict, total=False):
     overflow: OverflowMethod
     ratio: int
     style: str
+    min_width: int
+    max_width: int
+    no_wrap: bool
+
+
+def titled_table(title: str | None, *columns: str | tuple[str, ColumnOptions],
+          right: Collection[str] = (), no_wrap: bool = False, **options: Any) -> Table:
+    """A view's table: the title on the left, no outer edge (`options`: rich's other `Table`
+    arguments), and its columns, each a name or a name and its options; those named in
+    `right` justified right, every one kept on one line with `no_wrap`."""
+    made = Table(title=title, title_justify="left", show_edge=False, **options)
+    for column in columns:
+        name, given = (column, ColumnOptions()) if isinstance(column, str) else column
+        kw = ColumnOptions(justify="right" if name in right else "left", no_wrap=no_wrap)
+        kw.update(given)
+        made.add_column(name, **kw)
+    return made
 
 
 def dtype_text(dtypes: tuple[str, ...] | list[str], *, short: bool = True) -> Text:

@@ -11,7 +11,7 @@ from ampscope.analysis.summary import DtypeCount, TraceSummary
 from ampscope.records import Finding, SettingRecord
 from ampscope.render.diagnostics import diagnostics_text
 from ampscope.render.diagram import render_diagram
-from ampscope.render.style import ColumnOptions, dtype_text, short_op
+from ampscope.render.style import dtype_text, short_op, titled_table
 
 
 def header(summary: TraceSummary) -> Text:
@@ -46,12 +46,8 @@ def as_run_text(s: SettingRecord) -> str:
 
 
 def inventory_table(rows: list[DtypeCount]) -> Table:
-    table = Table(title="Tensors by dtype", title_justify="left", show_edge=False)
-    columns: list[tuple[str, ColumnOptions]] = [
-        ("category", {}), ("dtype", {}), ("tensors", {"justify": "right"}),
-        ("elements", {"justify": "right"}), ("MB", {"justify": "right"}), ("which", {})]
-    for col, kw in columns:
-        table.add_column(col, **kw)
+    table = titled_table("Tensors by dtype", "category", "dtype", "tensors", "elements", "MB",
+                         "which", right=("tensors", "elements", "MB"))
     for row in rows:
         table.add_row(row.category, dtype_text([row.dtype], short=False), str(row.tensors),
                       f"{row.elements:,}", f"{row.bytes / 1e6:.2f}", row.detail)
@@ -60,12 +56,8 @@ def inventory_table(rows: list[DtypeCount]) -> Table:
 
 def flow_table(rows: list[FlowRow], title: str, kind_column: str = "type") -> Table:
     """Module or op rows: name, kind, in → out dtypes; rows that change dtype in bold."""
-    table = Table(title=title, title_justify="left", show_edge=False)
-    table.add_column("module", overflow="fold")
-    table.add_column(kind_column)
-    table.add_column("in")
-    table.add_column("out")
-    table.add_column("note", style="dim")
+    table = titled_table(title, ("module", {"overflow": "fold"}), kind_column, "in", "out",
+                         ("note", {"style": "dim"}))
     for r in rows:
         name = Text("  " * r.depth + r.name, style="bold" if r.changes_dtype else "")
         kind = short_op(r.kind) if kind_column == "op" else r.kind

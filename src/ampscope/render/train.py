@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.files import write_atomic
-from ampscope.render.style import format_bytes
+from ampscope.render.style import format_bytes, titled_table
 from ampscope.train.bench import BenchReport
 from ampscope.train.config import EvalLog, StepLog, TrainResult
 
@@ -105,11 +105,9 @@ def _median_mfu(steps: list[StepLog]) -> float | None:
 
 
 def bench_table(report: BenchReport) -> Table:
-    table = Table(show_edge=False)
-    table.add_column("rung", no_wrap=True)
-    for name in ("ms/step", "tokens/s", f"vs {report.baseline or 'first'}", "MFU", "peak mem",
-                 "loss"):
-        table.add_column(name, justify="right", no_wrap=True)
+    numbers = ("ms/step", "tokens/s", f"vs {report.baseline or 'first'}", "MFU", "peak mem",
+               "loss")
+    table = titled_table(None, "rung", *numbers, right=numbers, no_wrap=True)
     for r in report.rungs:
         if r.status != "ok":
             table.add_row(r.name, r.status, "", "", "", "", "", style="dim")
