@@ -120,6 +120,16 @@ class DeviceMode(TorchFunctionMode):
         """A device argument as the backing device sees it."""
         return self.backing if self.is_target(device) else device
 
+    def default_device(self) -> torch.device:
+        """The default device the script set (`torch.set_default_device("cuda")`, whose mode
+        torch keeps below this one), "cuda" as the current device: found without the empty
+        tensor `torch.get_default_device()` makes, which would reach that mode and the real,
+        missing device."""
+        given = devices.default_device_given()
+        if given.type == self.target and given.index is None:
+            return torch.device(self.target, self.index)
+        return given
+
     def _virtual(self, t: torch.Tensor) -> torch.device:
         return torch.device("cpu") if t in self.on_cpu else torch.device(self.target,
                                                                          self.index)
@@ -139,7 +149,7 @@ class DeviceMode(TorchFunctionMode):
         if device is None and func in _CONSTRUCTORS:
             # `with torch.device("cuda"):` puts its mode at the bottom of the stack, below this
             # one: the target default device is made explicit (and real) here.
-            default = torch.get_default_device()
+            default = self.default_device()
             if default.type == self.target:
                 device = default
         if device is not None:
@@ -220,7 +230,7 @@ class DeviceMode(TorchFunctionMode):
             if inputs:
                 on_cpu = all(t in self.on_cpu for t in inputs)
             else:
-                on_cpu = torch.get_default_device().type == "cpu"
+                on_cpu = self.default_device().type == "cpu"
         if on_cpu:
             for t in results:
                 if t.device == self.backing or t.device.type == "cpu":
@@ -272,7 +282,7 @@ class DeviceMode(TorchFunctionMode):
 
         def __new__(cls, data=None, requires_grad=True):
             param = original(cls, data, requires_grad)
-            if data is not None and data in mode.on_cpu or data is None and torch.get_default_device().type == "cpu":
+            if data is not None and data in mode.on_cpu or data is None and mode.default_device().type == "cpu":
                 mode.on_cpu.add(param)
             return param
 

@@ -81,11 +81,15 @@ def _settings() -> dict[str, tuple[Callable[[], object], Callable[[object], None
 
 
 def _default_device() -> str | None:
-    """The default device `torch.set_default_device` set, None when none is (torch itself
-    answers "cpu" for both)."""
-    if default_device_context() is None:
+    """The default device `torch.set_default_device` set, as it was given ("cuda", "cuda:1"),
+    None when none is (torch itself answers "cpu" for both). Read off its mode, not from
+    `torch.get_default_device()`, which makes a tensor there: after a run on the virtual
+    device, a script's "cuda" is a device this build lacks, and must still be put back."""
+    context = default_device_context()
+    if context is None:
         return None
-    return str(torch.get_default_device())
+    device = getattr(context, "device", None)
+    return str(device) if device is not None else str(torch.get_default_device())
 
 
 @dataclass

@@ -178,6 +178,25 @@ def default_device_context() -> object | None:
     return getattr(holder, "device_context", None) if holder is not None else None
 
 
+def default_device_given() -> torch.device:
+    """The default device as `with torch.device(...)` or `torch.set_default_device` gave it
+    (its index None where none was given), "cpu" where none is set: what
+    `torch.get_default_device()` answers, without the empty tensor that function makes to find
+    the index, which a device this build lacks (the virtual device's "cuda") cannot make. The
+    innermost of torch's `DeviceContext` modes on the function-mode stack, else the global
+    one; where this build has neither name, `torch.get_default_device()` itself."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:
+        return torch.get_default_device()
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    device = getattr(default_device_context(), "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
+
+
 # Functional collectives' module, which wraps a collective's result in an AsyncCollectiveTensor
 # made on the result's device (runtime/device_mode.py shows it where the result really is).
 FUNCTIONAL_COLLECTIVES_MODULE = "torch.distributed._functional_collectives"
