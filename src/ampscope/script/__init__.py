@@ -34,6 +34,8 @@ The package:
 - `ranks.py`: `run --nproc N`, the script as N ranks, each a child process.
 - `predicted_ranks.py`: `run --nproc N --predict`, ranks 0 and N-1 of N predicted on the fake
   process group, each a child process.
+- `rank_groups.py`: each rank in a process group of its own, ended with what it started;
+  SIGTERM and SIGHUP end the job as torchrun ends it.
 """
 
 from __future__ import annotations

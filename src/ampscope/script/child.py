@@ -53,11 +53,12 @@ def run_in_child(target: str, argv: list[str], **options) -> Trace:
         return answer(result, code, target)
 
 
-def spawn(request: dict, result: str, env: dict[str, str] | None = None
-          ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+def spawn(request: dict, result: str, env: dict[str, str] | None = None, *,
+          session: bool = False) -> tuple[subprocess.Popen, list[threading.Thread]]:
     """Start a child that runs `request` and writes its answer to `result`, with `env` added
     to this process's environment; its output goes where the caller's goes (the threads that
-    copy it, already started, when it is piped)."""
+    copy it, already started, when it is piped). `session`: in a session of its own, whose
+    process group the caller ends with all it started (a rank: script/rank_groups.py)."""
     full = {**os.environ, **(env or {})}
     full["PYTHONPATH"] = os.pathsep.join(
         [_PACKAGE_ROOT, *([full["PYTHONPATH"]] if full.get("PYTHONPATH") else [])])
@@ -66,7 +67,7 @@ def spawn(request: dict, result: str, env: dict[str, str] | None = None
     process = subprocess.Popen(
         [sys.executable, "-m", "ampscope.script.child", json.dumps(request), result],
         env=full, stdout=None if pipes["stdout"] else subprocess.PIPE,
-        stderr=None if pipes["stderr"] else subprocess.PIPE)
+        stderr=None if pipes["stderr"] else subprocess.PIPE, start_new_session=session)
     copiers = [threading.Thread(target=_copy, args=(pipe, name), daemon=True)
                for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))
                if pipe is not None]

@@ -23,6 +23,7 @@ not to have run. `all_ranks=True` runs every rank (to check the claim).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -36,6 +37,7 @@ from ampscope.distributed.report import DistributedReport, RankReport, collectiv
 from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
+from ampscope.script.rank_groups import Signals, end_groups
 from ampscope.script.ranks import _held, _step_start
 from ampscope.torchcompat.distributed import no_fake_collectives
 
@@ -79,14 +81,19 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
     running: dict[int, tuple[subprocess.Popen, list, str]] = {}
     traces: dict[int, Trace] = {}
     deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="ampscope-predicted-") as folder:
+    signals = Signals()
+    passed_on: int | None = None  # the signal passed on to the ranks
+    with signals.active("the predicted ranks"), \
+            tempfile.TemporaryDirectory(prefix="ampscope-predicted-") as folder:
         try:
             while waiting or running:
                 while waiting and len(running) < width:
                     k = waiting.pop(0)
                     result = os.path.join(folder, f"rank{k}.json")
-                    running[k] = (*spawn(request, result,
-                                         predicted_environment(k, nproc, run_id)), result)
+                    with signals.held():  # a rank started is listed before a signal ends it
+                        running[k] = (*spawn(request, result,
+                                             predicted_environment(k, nproc, run_id),
+                                             session=True), result)
                 for k, (process, copiers, result) in list(running.items()):
                     if (code := process.poll()) is None:
                         continue
@@ -98,8 +105,12 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
                     raise AmpscopeError(f"the predicted ranks of {target} did not finish in "
                                         f"{timeout:.0f} s: give --timeout more")
                 time.sleep(0.02)
+        except KeyboardInterrupt:
+            passed_on = signal.SIGINT  # the ranks, in sessions of their own, did not get it
+            raise
         finally:
-            _stop(running)
+            signals.hold()
+            _stop(running, signals.received or passed_on)
     return traces
 
 
@@ -110,12 +121,11 @@ def _answer(result: str, code: int, target: str, rank: int, nproc: int) -> Trace
         raise AmpscopeError(f"rank {rank} of {nproc} failed: {e}") from None
 
 
-def _stop(running: dict[int, tuple[subprocess.Popen, list, str]]) -> None:
-    """The ranks still running after a failure: only those started here, by pid."""
-    for process, copiers, _ in running.values():
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+def _stop(running: dict[int, tuple[subprocess.Popen, list, str]], signum: int | None) -> None:
+    """The ranks still running after a failure or a signal (`signum`, passed on to them):
+    only those started here, each with the processes it started (script/rank_groups.py)."""
+    end_groups([process for process, _, _ in running.values()], signum)
+    for _, copiers, _ in running.values():
         for copier in copiers:
             copier.join(timeout=10)
 

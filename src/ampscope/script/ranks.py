@@ -9,8 +9,10 @@ set). Its process groups run on gloo whatever backend the script names
 `torch.cuda.set_device(LOCAL_RANK)` works, and every "cuda:k" is the CPU.
 
 The parent holds a deadline on the whole job, as `distributed.launch` does: when it passes, or
-as soon as one rank fails, every rank still running is killed by its pid (a rank left waiting
-in a collective for a dead peer would otherwise wait out gloo's timeout). The failure is one
+as soon as one rank fails, every rank's process group is killed, with whatever the ranks
+started (a rank left waiting in a collective for a dead peer would otherwise wait out gloo's
+timeout; a helper process or DataLoader worker would outlive it). SIGTERM or SIGHUP sent to
+ampscope ends them too, and ampscope with 128 + the signal (script/rank_groups.py). The failure is one
 line naming the rank and the script's error line; at the deadline, one line naming, per rank
 still running, the collective it waits in (kind, dtype and bytes, the script's line) or the
 last it left: each rank writes that state to a file of the job's folder as it enters and
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -49,6 +52,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.runtime.collective_watch import describe, read_state
 from ampscope.script.child import answer, spawn, traceback_of
+from ampscope.script.rank_groups import Signals, end_groups
 
 DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up included
 MAX_NPROC = 8
@@ -81,20 +85,30 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
                "steps": steps, "predict": False, "virtual": None,
                "max_forwards": max_forwards, "rank": True}
     port, run_id = free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
-    with tempfile.TemporaryDirectory(prefix="ampscope-ranks-") as folder:
+    signals = Signals()
+    with signals.active(f"the {plural(nproc, 'rank')}"), \
+            tempfile.TemporaryDirectory(prefix="ampscope-ranks-") as folder:
         results = [os.path.join(folder, f"rank{k}.json") for k in range(nproc)]
         states = [os.path.join(folder, f"rank{k}.state") for k in range(nproc)]
-        started = [spawn({**request, "watch": states[k]}, results[k],
-                         rank_environment(k, nproc, port, run_id)) for k in range(nproc)]
-        processes = [p for p, _ in started]
+        started: list[tuple[subprocess.Popen, list]] = []
+        ended = False  # every rank ended well
+        passed_on: int | None = None  # the signal passed on to the ranks
         try:
-            codes = _wait(processes, results, target, time.monotonic() + timeout, timeout,
-                          states)
+            with signals.held():  # no rank started but not yet listed, to be left behind
+                for k in range(nproc):
+                    started.append(spawn({**request, "watch": states[k]}, results[k],
+                                         rank_environment(k, nproc, port, run_id),
+                                         session=True))
+            codes = _wait([p for p, _ in started], results, target,
+                          time.monotonic() + timeout, timeout, states)
+            ended = True
+        except KeyboardInterrupt:
+            passed_on = signal.SIGINT  # the ranks, in sessions of their own, did not get it
+            raise
         finally:
-            for process in processes:  # only the ranks started here, by pid
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+            signals.hold()
+            if not ended:  # a rank failed, the deadline passed, or ampscope was signalled
+                end_groups([p for p, _ in started], signals.received or passed_on)
             for _, copiers in started:
                 for copier in copiers:
                     copier.join(timeout=10)
