@@ -67,7 +67,7 @@ from ampscope.runtime.compiled import EagerCompile
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import data_dependent
 from ampscope.runtime.workers import leaving_workers
-from ampscope.script.ending import Ending, ScriptExited, exit_code
+from ampscope.script.ending import Ending, ScriptExited, exit_code, with_status
 from ampscope.script.predicted import (
     fake_model,
     fake_values,
@@ -168,6 +168,7 @@ class _ScriptRun:
         # "steps", "bound" (max_forwards), or how the script failed after its last step
         self.stopped: str | None = None
         self.exited: int | None = None  # the status of an os._exit the script called
+        self.status = 0  # the status the script ended with, as `python SCRIPT` would exit
         self.device = device
         self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # and every optimizer
@@ -240,15 +241,16 @@ class _ScriptRun:
         except ScriptExited as e:
             self.exited = e.code
             if e.code != 0:
-                self._failed(f"ended its process with os._exit({e.code})", None)
+                self._failed(f"ended its process with os._exit({e.code})", None, e.code)
         except SystemExit as e:
             if e.code not in (None, 0):
-                self._failed(f"exited with status {e.code}", e)
+                self._failed(f"exited with status {e.code}", e, exit_code(e))
         except Exception as e:
             # The steps are traced; the rest of the last one failed (its logging, a
             # checkpoint): the trace stands, and its notes say what failed where.
             if self.taken < self.steps:
                 raise
+            self.status = 1  # as `python` ends on an exception nothing caught
             message = str(e).strip().splitlines()[0] if str(e).strip() else ""
             where = user_line(e)
             self.stopped = (f"raised {type(e).__name__}{f' at {where}' if where else ''}"
@@ -259,13 +261,15 @@ class _ScriptRun:
                 _close_log_handlers(handlers)
             self.files.close_what_is_open()
 
-    def _failed(self, how: str, cause: BaseException | None) -> None:
-        """The script ended its process with a failure status: an error before its last
-        step, a note after it."""
+    def _failed(self, how: str, cause: BaseException | None, status: int) -> None:
+        """The script ended its process with a failure `status`: an error before its last
+        step, a note after it; either carries the status (`ampscope run` exits with it)."""
         if self.taken < self.steps:
-            raise AmpscopeError(f"{self.label} {how} before its {nth(self.steps)} optimizer "
-                                "step") from cause
+            raise with_status(AmpscopeError(
+                f"{self.label} {how} before its {nth(self.steps)} optimizer step"),
+                status) from cause
         self.stopped = how
+        self.status = status
 
     def _guarded(self, run: Callable[[], None]) -> None:
         leaving: BaseException | None = None
@@ -295,7 +299,7 @@ class _ScriptRun:
         notes += self.compiled.notes()
         result.notes = notes + result.notes
         judged(result)
-        return result
+        return with_status(result, self.status) if self.status else result
 
     def _stepped_gradients(self, result: Trace) -> None:
         """A parameter whose gradient the script dropped after its last step (`zero_grad()`
@@ -372,7 +376,9 @@ def _close_log_handlers(before: set[logging.Handler]) -> None:
 def _script_error(e: Exception, label: str, capture: Capture, device: str | None,
                   predict: bool) -> AmpscopeError:
     """One line for a script that raised: what ampscope knows of the cause, or the script's
-    own error with its file:line."""
+    own error with its file:line. The script's own error (a dtype mismatch included) carries
+    status 1, as `python` ends on it; one that says ampscope cannot run the script (fake
+    tensors' values, the emulated device's limits) carries none: ampscope's own, 2."""
     where = user_line(e)
     if predict and data_dependent(e):
         return AmpscopeError(
@@ -386,10 +392,10 @@ def _script_error(e: Exception, label: str, capture: Capture, device: str | None
             return device_error
     diagnosis = diagnose(capture.failure)
     if diagnosis is not None:
-        return DtypeMismatchError(diagnosis)
+        return with_status(DtypeMismatchError(diagnosis), 1)
     message = str(e).strip().splitlines()[0] if str(e).strip() else ""
     at = f" at {where}" if where else ""
     if FP16_GRADIENTS in message:
         origin = fp16_gradients_origin(capture.ops_so_far())
         message += f" ({origin})" if origin else ""
-    return AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}")
+    return with_status(AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}"), 1)

@@ -25,6 +25,7 @@ from typing import IO
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.files import write_atomic
 from ampscope.records import Trace
+from ampscope.script.ending import script_status, with_status
 
 # The folder that holds the ampscope package: put first on the child's path, so the child runs
 # this ampscope whatever its caller's path holds.
@@ -108,19 +109,24 @@ def answer(path: str, code: int, target: str) -> Trace:
         how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and
                -code in signal.valid_signals() else f"ended with status {code}")
         raise AmpscopeError(f"the process running {target} {how} before it reported a trace")
+    status = payload.get("status")  # the script's own exit status (script/ending.py)
     if "trace" in payload:
-        return Trace.from_dict(payload["trace"])
+        trace = Trace.from_dict(payload["trace"])
+        return with_status(trace, status) if status is not None else trace
     if payload.get("interrupted"):
         raise KeyboardInterrupt
     error = payload["error"]
+    failure: Exception
     if "diagnosis" in error:
         from ampscope.analysis.diagnosis import Diagnosis
 
-        raise DtypeMismatchError(Diagnosis(error["diagnosis"]["summary"],
-                                           tuple(error["diagnosis"]["lines"])))
-    if error["type"] == "AmpscopeError":
-        raise AmpscopeError(error["message"])
-    raise RuntimeError(f"{error['type']} while running {target}: {error['message']}")
+        failure = DtypeMismatchError(Diagnosis(error["diagnosis"]["summary"],
+                                               tuple(error["diagnosis"]["lines"])))
+    elif error["type"] == "AmpscopeError":
+        failure = AmpscopeError(error["message"])
+    else:
+        failure = RuntimeError(f"{error['type']} while running {target}: {error['message']}")
+    raise with_status(failure, status) if status is not None else failure
 
 
 def main(argv: list[str]) -> int:
@@ -143,19 +149,22 @@ def main(argv: list[str]) -> int:
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
         del sys.path[0]
     payload: dict
+    carrier: object = None  # the trace or error that may carry the script's exit status
     try:
         with exact_path() if exact else contextlib.nullcontext(), \
                 groups.active() if groups is not None else contextlib.nullcontext(), \
                 _watched(watch) if watch else contextlib.nullcontext():
-            trace = run_script(request.pop("target"), request.pop("argv"), **request,
-                               in_process=True)
+            carrier = trace = run_script(request.pop("target"), request.pop("argv"), **request,
+                                         in_process=True)
         if groups is not None:
             trace.notes = groups.notes() + trace.notes
         payload = {"trace": trace.to_dict()}
     except DtypeMismatchError as e:
+        carrier = e
         payload = {"error": {"type": "DtypeMismatchError", "message": str(e), "diagnosis": {
             "summary": e.diagnosis.summary, "lines": list(e.diagnosis.lines)}}}
     except AmpscopeError as e:
+        carrier = e
         payload = {"error": {"type": "AmpscopeError", "message": str(e),
                              "traceback": _traceback(e)}}
     except KeyboardInterrupt:
@@ -163,6 +172,8 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
         payload = {"error": {"type": type(e).__name__, "message": str(e),
                              "traceback": _traceback(e)}}
+    if (status := script_status(carrier)) is not None:
+        payload["status"] = status  # read back by `answer`
     write_atomic(result, json.dumps(payload))
     return 0
 

@@ -9,6 +9,10 @@ stopped after `--steps`.
   the run unwinds with `ScriptExited` (which the script's `except Exception:` cannot catch)
   and is reported with its status. A child process (a DataLoader worker, a forked rank) exits
   at once, as it always does.
+- **status.** The status the script ended with (`sys.exit(n)`, `os._exit(n)`, 1 for an
+  exception it did not catch) is carried on its run's trace or error (`with_status`), and
+  `run_status` says what `ampscope run` exits with: the script's own, as under `python`, or
+  ampscope's (0, or 2 for ampscope's own error).
 - **fork.** A process the script forked, which returns from the script instead of exiting
   (`sys.exit(0)` in the child), must not go on into the caller's code: `leave_if_forked`
   ends it with the status it was leaving with.
@@ -22,8 +26,9 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from ampscope.patches import patched
 
@@ -99,3 +104,39 @@ def exit_code(e: BaseException | None) -> int:
     if isinstance(e, ScriptExited):
         return e.code
     return 1
+
+
+# id(trace or error) -> the script's own exit status, for as long as that object lives
+# (`weakref.finalize` drops the entry with it): the trace and errors are not the script's to
+# carry fields for, and a status is kept only while someone may ask for it.
+_statuses: dict[int, int] = {}
+
+_Carrier = TypeVar("_Carrier")
+
+
+def with_status(carrier: _Carrier, status: int) -> _Carrier:
+    """`carrier` (a run's trace, or the error it raised) marked with the status the script
+    ended its process with, as the operating system reports it (0-255: `sys.exit(256)` is 0
+    under `python`, `sys.exit(-1)` 255)."""
+    key = id(carrier)
+    if key not in _statuses:
+        weakref.finalize(carrier, _statuses.pop, key, None)
+    _statuses[key] = status & 0xFF
+    return carrier
+
+
+def run_status(result: object) -> int:
+    """The exit status of `ampscope run` for `result`, the run's trace or the error it raised:
+    the script's own where it set one, as `python SCRIPT` would end (`sys.exit(n)`,
+    `os._exit(n)`, 1 for an exception it did not catch); otherwise 0 for a trace and 2 for
+    ampscope's own error (an emulation or prediction that cannot run the script, bad input)."""
+    status = script_status(result)
+    if status is not None:
+        return status
+    return 2 if isinstance(result, BaseException) else 0
+
+
+def script_status(result: object) -> int | None:
+    """The status the script ended with, carried by its run's trace or error; None where it
+    set none (it ran to its end or was stopped; ampscope's own error)."""
+    return _statuses.get(id(result)) if result is not None else None
