@@ -112,6 +112,26 @@ def test_a_signal_ends_every_rank_and_what_they_started(tmp_path, sig):
         _end(pids)
 
 
+def test_ctrl_c_reaches_the_ranks_in_their_own_groups(tmp_path):
+    # The ranks' sessions are their own: a terminal's Ctrl-C reaches ampscope alone, which
+    # passes it on, and exits as it always did on Ctrl-C.
+    process, err = _start(tmp_path, "sleep")
+    pids: list[int] = []
+    try:
+        pids = _pids(tmp_path)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=30)
+        assert code == 130, err.read_text()
+        assert err.read_text().strip().splitlines()[-1] == "ampscope: interrupted"
+        assert _alive(pids) == []
+        assert list((tmp_path / "tmp").iterdir()) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _end(pids)
+
+
 def test_a_failed_rank_ends_what_every_rank_started(tmp_path):
     process, err = _start(tmp_path, "raise")
     pids: list[int] = []
