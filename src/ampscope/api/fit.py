@@ -65,7 +65,7 @@ def fit(
     predicted at the batch found, and its own largest batch searched the same way.
     `on_probe` is called after each predicted run. Raises AmpscopeError when even batch 1
     does not fit."""
-    budget, accelerator, source = _budget(gpu, memory_size)
+    budget, accelerator, source = memory_budget(gpu, memory_size)
     if isinstance(setting, str) and ":" not in setting and gpu is not None:
         setting = on_device(setting, "cuda")
     base = resolved(setting)
@@ -160,8 +160,10 @@ class _Probing:
         return found
 
 
-def _budget(gpu: str | None, memory_size: int | str | None) -> tuple[int, str | None, str]:
-    """(bytes, the accelerator's short name, where the figure comes from)."""
+def memory_budget(gpu: str | None, memory_size: int | str | None
+                  ) -> tuple[int, str | None, str]:
+    """The memory to fit in: (bytes, the accelerator's short name, where the figure comes
+    from); `fit` and `plans` (`fit --gpus N`)."""
     accelerator = hardware.by_name(gpu) if gpu is not None else None
     if memory_size is not None:
         return parse_bytes(memory_size), accelerator.name if accelerator else None, "--memory"

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampscope import hardware, workloads
-from ampscope.analysis.fit import parse_bytes
+from ampscope import workloads
 from ampscope.analysis.plans import (
     PROBE_BATCHES,
     PROBE_DEPTHS,
@@ -38,6 +37,7 @@ from ampscope.analysis.plans import (
     places,
     ranked,
 )
+from ampscope.api.fit import memory_budget
 from ampscope.api.preparation import resolved
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
@@ -75,13 +75,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     why = no_fake_collectives("fit --gpus")
     if why is not None:
         raise AmpscopeError(why)
-    accelerator = hardware.by_name(gpu) if gpu is not None else None
-    if memory_size is not None:
-        budget = parse_bytes(memory_size)
-    elif accelerator is not None and accelerator.memory_bytes is not None:
-        budget = accelerator.memory_bytes
-    else:
-        raise AmpscopeError("give the GPU (--gpu h100) or its memory (--memory 80GiB)")
+    budget, accelerator, _ = memory_budget(gpu, memory_size)
     if isinstance(setting, str) and ":" not in setting:
         setting = on_device(setting, "cuda")
     base = resolved(setting)
@@ -112,7 +106,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
                      "bf16 optimizer state would buy room.")
     return PlansReport(
         model=probe_lm.name, depth=depth, gpus=gpus,
-        accelerator=accelerator.name if accelerator else None, memory_bytes=budget,
+        accelerator=accelerator, memory_bytes=budget,
         setting=base.name, mp_policy=Parallel("fsdp", gpus, **policy).policy_dict(), seq=seq,
         optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
         notes=notes)
