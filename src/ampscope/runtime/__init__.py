@@ -17,8 +17,10 @@ runs on (precision/ says what a setting is and applies it).
 - `user_frames.py`: the user's line an error names;
 - `compiled.py`: `torch.compile` during a run: what it compiles runs eagerly; `cuda_graphs.py`:
   CUDA graphs on the virtual device, captured blocks run once, eagerly;
-- `predict.py`: predict mode, the run on fake tensors.
-- `process_group.py`: a script's process groups on gloo (`run --nproc`).
+- `predict.py`: predict mode, the run on fake tensors; `fake_buffers.py`: the buffers
+  torch.distributed makes of fake weights (FSDP2's unsharded parameters) fake too.
+- `process_group.py`: a script's process groups on gloo (`run --nproc`), NCCL's PREMUL_SUM
+  run as a SUM there.
 - `collective_watch.py`: the collective each rank of `run --nproc` is in, for the line that
   names where a job stopped by its deadline hung.
 - `workers.py`: DataLoader workers forked during a run leave it; batches pinned on the

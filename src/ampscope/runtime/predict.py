@@ -54,12 +54,24 @@ class PredictMode(FakeTensorMode):
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except RuntimeError as e:
+            if (converted := self._complex_views_converted(args)) is not None:
+                return super().__torch_dispatch__(func, types, converted, kwargs)
             if not DTYPE_MISMATCH.search(str(e)):
                 raise
             real = real_kernel_error(func, args, kwargs or {})
             if real is None:  # the kernel runs these dtypes, or the question has no answer
                 raise
             raise real from e
+
+
+    def _complex_views_converted(self, args: tuple) -> tuple | None:
+        """`args` with each real complex view of a real base (a rotary cache the model keeps
+        outside its buffers) made fake by `fake.fake_complex_view`, which the converter fails
+        on; None where there is none (the error was another)."""
+        converted = tuple(fake.fake_complex_view(self, a) for a in args)
+        if all(c is None for c in converted):
+            return None
+        return tuple(a if c is None else c for a, c in zip(args, converted, strict=True))
 
 
 @contextlib.contextmanager

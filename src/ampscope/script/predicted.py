@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from ampscope.patches import patched
 from ampscope.runs.session import Capture
 from ampscope.runs.source import library_line, user_source
+from ampscope.runtime.fake_buffers import DistributedBuffers
 from ampscope.runtime.predict import (
     foreach_defaults_as_real,
     gc_paused,
@@ -45,7 +46,8 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
     tensor at once (each real one lives only until it is converted), while the script's data
     stays real; an op on a fake tensor and a real one runs on the fake mode. On a virtual
     device each fake one is where its real one was (on the CPU, until `model.to(device)`
-    copies it, as on the device)."""
+    copies it, as on the device). The buffers torch.distributed makes of them (FSDP2's
+    unsharded parameters) are fake too (runtime/fake_buffers.py)."""
     import torch
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -89,6 +91,7 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
         stack.enter_context(gc_paused())
         stack.enter_context(foreach_defaults_as_real())
         stack.enter_context(norm_stats_as_real())
+        stack.enter_context(DistributedBuffers(fake))  # below the recorders: they see its ops
         yield
 
 
@@ -104,8 +107,8 @@ def _fake_inside(t) -> bool:
 
 @contextlib.contextmanager
 def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
-    """`.item()` of a fake tensor (a loss printed for the log) returns NaN, and the line is
-    noted in `read`. A truth test of a fake tensor inside torch or an installed library
+    """`.item()` of a fake tensor (or a DTensor of fake shards; a loss printed for the log)
+    returns NaN, and the line is noted in `read`. A truth test of a fake tensor inside torch or an installed library
     (`if not mask.any()` in `nn.init.trunc_normal_`, a trainer's `isnan(loss)` filter) is
     answered as the usual case — no element of `.any()`, every element of `.all()`, otherwise
     false: no value out of range, no NaN — which changes no dtype or shape; the library line
@@ -122,22 +125,28 @@ def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
 
     class FakeValues(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is item and isinstance(args[0], FakeTensor):
+            if func is item and _valueless(args[0]):
                 read.append(user_source(skip=2) or "an unknown line")
                 return float("nan")
-            if func is boolean and isinstance(args[0], FakeTensor):
+            if func is boolean and _valueless(args[0]):
                 line = library_line(sys._getframe(1))
                 if line is not None:
                     answered.append(line)
                     ref = made_by_all.get(id(args[0]))
                     return ref is not None and ref() is args[0]
             out = func(*args, **(kwargs or {}))
-            if func in every and isinstance(out, FakeTensor):
+            if func in every and _valueless(out):
                 made_by_all[id(out)] = weakref.ref(out)
             return out
 
     with FakeValues():
         yield
+
+
+def _valueless(t: object) -> bool:
+    """A fake tensor, or a subclass that wraps only fake ones (a DTensor of a predicted rank,
+    whose `.item()` and truth reach its fake local shard below this mode)."""
+    return isinstance(t, FakeTensor) or _fake_inside(t)
 
 
 @contextlib.contextmanager

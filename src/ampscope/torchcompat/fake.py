@@ -13,6 +13,9 @@ reason in `features()`) where it does not:
 - the converter's memos (`remember_constant`): entering a fake constant in the books the
   converter keeps of its own conversions (runs/shortcuts.py).
 
+Not a trick but a repair: `fake_complex_view` converts a real complex view of a real base,
+which the converter of torch 2.13 and earlier fails on (runtime/predict.py retries with it).
+
 Two more tricks need details found here too: `foreach` the storage length a tensor needs
 (`required_storage_length`, from torch's `_prims_common`; runs/foreach.py), `prim-device`
 FakeTensorMode's kernel-invocation flag (`kernel_invocation_flag`). Each is looked up on the
@@ -44,7 +47,8 @@ if TYPE_CHECKING:  # this build's key and entry classes: opaque objects to the c
 
 __all__ = [
     "FakeTensor", "FakeTensorConfig", "FakeTensorMode", "cache_api", "clone_wrap",
-    "data_dependent_errors", "fake_mode_suspended", "in_kernel_invocation_manager", "remember_constant",
+    "data_dependent_errors", "fake_complex_view", "fake_mode_suspended",
+    "in_kernel_invocation_manager", "remember_constant",
     "required_storage_length",
 ]
 
@@ -287,6 +291,31 @@ def _cloner_found() -> tuple[_Cloner | None, str]:
 def clone_wrap() -> _Cloner | None:
     """The attribute cloner where this build's FakeTensor is made as it assumes, else None."""
     return _cloner_found()[0]
+
+
+# -- real complex views the converter cannot replay
+
+
+def fake_complex_view(mode: FakeTensorMode, t: object) -> torch.Tensor | None:
+    """The fake of `t` where `t` is a real complex tensor viewing a real base through another
+    view (`view_as_complex(x.view(..., 2))`, as rotary caches are made): this build's converter
+    replays such a view as `view_as_complex(base)`, which fails unless the base's own last
+    dimension is 2. It is made here from the fake of the base (the mode's own conversion, so
+    it shares that storage) with `t`'s sizes, strides and offset. None for any other tensor."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or not t.is_complex():
+        return None
+    base = getattr(t, "_base", None)
+    if not isinstance(base, torch.Tensor) or isinstance(base, FakeTensor) \
+            or base.dtype != t.dtype.to_real():
+        return None
+    fake_base = mode.from_tensor(base)
+    # The base's storage in real elements: two per complex element of `t`.
+    pairs = fake_base.as_strided((*t.shape, 2), (*(2 * s for s in t.stride()), 1),
+                                 2 * t.storage_offset())
+    fake = torch.view_as_complex(pairs)
+    if converter_memos():  # the next op on `t` finds it converted, as the converter's own are
+        mode.fake_tensor_converter.set_tensor_memo(t, fake)
+    return fake
 
 
 # -- the converter's memos
