@@ -41,16 +41,13 @@ __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "default_setting", "main", "one_l
            "_parser", "_values_after_dashes"]
 
 
-@contextlib.contextmanager
-def _exact_path(exact: bool) -> Iterator[None]:
+def _exact_path(exact: bool) -> contextlib.AbstractContextManager[None]:
     """The command's runs on the exact path (--exact): imported only when asked, as torch."""
     if not exact:
-        yield
-        return
+        return contextlib.nullcontext()
     from ampscope.tricks import exact_path
 
-    with exact_path():
-        yield
+    return exact_path()
 
 
 @contextlib.contextmanager
@@ -178,7 +175,6 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         print(f"ampscope: error{where}: {type(e).__name__}{at}: {one_line(str(e))} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return 2
-
 
 
 if __name__ == "__main__":

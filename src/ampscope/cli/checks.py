@@ -15,10 +15,10 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
     """Flags argparse accepts together but that contradict each other or mean nothing."""
     if "--predict" in argv and ("--no-predict" in argv or "--real" in argv):
         raise AmpscopeError("give --predict or --real, not both")
-    if args.command == "fit":
-        pass  # (fit's --mp-policy goes with --gpus: cli/fit.py checks it)
-    elif not hasattr(args, "distributed"):
-        pass  # (run's --nproc N is its own: script/ranks.py checks it)
+    # (fit's --mp-policy goes with --gpus: cli/fit.py checks it; run's --nproc N is its own:
+    # script/ranks.py checks it)
+    if args.command == "fit" or not hasattr(args, "distributed"):
+        pass
     elif args.distributed is None:
         for flag in ("nproc", "mp_policy", "timeout"):
             if getattr(args, flag, None) is not None:
