@@ -313,7 +313,8 @@ def fake_complex_view(mode: FakeTensorMode, t: object) -> torch.Tensor | None:
     pairs = fake_base.as_strided((*t.shape, 2), (*(2 * s for s in t.stride()), 1),
                                  2 * t.storage_offset())
     fake = torch.view_as_complex(pairs)
-    if converter_memos():  # the next op on `t` finds it converted, as the converter's own are
+    if converter_memos() and isinstance(fake, FakeTensor):  # the next op on `t` finds it
+        # converted, as the converter's own conversions are
         mode.fake_tensor_converter.set_tensor_memo(t, fake)
     return fake
 
