@@ -155,12 +155,12 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         print(f"ampscope: error while tracing {args.model}: {one_line(str(e))}", file=sys.stderr)
         for line in e.diagnosis.lines:
             print(f"  {line}", file=sys.stderr)
-        return 2
+        return _status(e)
     except AmpscopeError as e:
         if args.debug:
             raise
         print(f"ampscope: error: {one_line(str(e))}", file=sys.stderr)
-        return 2
+        return _status(e)
     except KeyboardInterrupt:
         print("ampscope: interrupted", file=sys.stderr)
         return 130
@@ -175,6 +175,15 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         print(f"ampscope: error{where}: {type(e).__name__}{at}: {one_line(str(e))} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return 2
+
+
+def _status(error: BaseException) -> int:
+    """The exit status for `error`: the status of the script whose run it ended (`ampscope
+    run`: the script's own `sys.exit(n)`, `os._exit(n)` or 1 for its uncaught exception, as
+    under `python`), else 2, ampscope's own failure."""
+    from ampscope.script.ending import run_status
+
+    return run_status(error)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import io
 
     from ampscope.script import run_script
+    from ampscope.script.ending import run_status
 
     script_args = args.script_args
     if script_args[:1] == ["--"]:
@@ -139,7 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra.append(render_ranks(report, traces))
         return _show_trace(args, result, page=page, extra=extra,
                            document=lambda: (to_dict or report_dict)(report))
-    return _show_trace(args, result, page=page, extra=extra)
+    # The trace shown, the command ends as the script did (its own sys.exit(n) or os._exit(n)).
+    return _show_trace(args, result, page=page, extra=extra) or run_status(result)
 
 
 def _run_ranks(args: argparse.Namespace, script_args: list[str]):
