@@ -1,0 +1,85 @@
+"""torchtitan, unmodified: its llama3 debug model trained by `python -m torchtitan.train` under
+`ampscope run --nproc` (real ranks on the virtual CUDA device, and predicted ranks). The
+tokenizer and the `c4_test` dataset torchtitan reads from ./tests/assets are made here (a
+byte-level BPE trained on generated words; no download).
+
+On torch 2.13 torchtitan 0.3.0's default SPMD backend needs an FSDP2 newer than the build
+(`fully_shard` refuses plain tensors with `dp_mesh_dims`), so the runs choose its
+`partial_dtensor` backend, as a user of this torch must.
+
+The debug model (dim 256, 6 layers, 16 heads with as many key/value heads, vocab 2048, FFN 768):
+per layer wqkv 768·256 + wo 256·256 + w1, w3 768·256 + w2 256·768 + two norms 256 = 852,480;
+6 layers, the embedding and the head (2048·256 each) and the final norm: 6,163,712 float32
+parameters, 24,654,848 B, sharded evenly (every dimension 0 divides by 2 and 8)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.test_run_nproc import _ampscope, _validated
+
+pytest.importorskip("torchtitan", reason="torchtitan is installed by `make setup`")
+pytest.importorskip("tokenizers")
+
+PARAMETER_BYTES = 6_163_712 * 4
+ARGS = ("-m", "torchtitan.train", "--", "--module", "llama3", "--config", "llama3_debugmodel",
+        "--training.steps", "1", "--training.seq_len", "256",
+        "--training.local_batch_size", "2", "--checkpoint.no-enable", "--validator.no-enable",
+        "--parallelism.spmd_backend", "partial_dtensor")
+
+
+@pytest.fixture
+def assets(tmp_path, monkeypatch):
+    """torchtitan's test assets, made in a folder that becomes the working directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+             for _ in range(400)]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 400)))
+             for _ in range(60)]
+    tokenizer_dir = tmp_path / "tests" / "assets" / "tokenizer"
+    data_dir = tmp_path / "tests" / "assets" / "c4_test"
+    tokenizer_dir.mkdir(parents=True)
+    data_dir.mkdir(parents=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<unk>"],
+        show_progress=False))
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+         "add_bos_token": True}))
+    (data_dir / "data.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _collectives(rank: dict) -> set[tuple[str, str, str]]:
+    return {(c["kind"], c["phase"], c["dtype"]) for c in rank["collectives"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "predict"), [(2, False), (8, True)])
+def test_torchtitan_llama3_debug_model(assets, capsys, nproc, predict):
+    out = assets / "ranks.json"
+    code, text, err = _ampscope(capsys, "--nproc", str(nproc), *(["--predict"] if predict else []),
+                                "--device", "cuda", "--quiet", "--json", str(out), *ARGS)
+    assert code == 0, err
+    traced = [rank for rank in _validated(out)["ranks"] if "held" in rank]
+    assert len(traced) == 2  # real: both ranks; predicted: rank 0 and rank 7 (one role)
+    for rank in traced:
+        # FSDP2 shards every parameter over the ranks; the gradients match.
+        assert rank["held"]["parameter"] == {"float32": PARAMETER_BYTES // nproc}
+        assert rank["held"]["gradient"] == {"float32": PARAMETER_BYTES // nproc}
+        # torchtitan's mixed precision: bfloat16 compute, float32 gradient reduction.
+        assert {("all_gather", "forward", "bfloat16"),
+                ("reduce_scatter", "backward", "float32")} <= _collectives(rank)
+    said = " ".join(text.split())
+    if not predict:  # FSDP2 divides gradients by torchtitan's factor of 1 with PREMUL_SUM
+        assert "asked for ReduceOp.PREMUL_SUM, which gloo lacks" in said
