@@ -203,7 +203,7 @@ def test_cli_run_bad_input_is_one_line(capsys, argv, message):
 def test_a_script_that_raises_before_any_step(tmp_path, capsys):
     script = tmp_path / "broken.py"
     script.write_text("import torch\nx = torch.ones(2)\nraise ValueError('bad config')\n")
-    assert main(["run", str(script)]) == 2
+    assert main(["run", str(script)]) == 1  # the script's uncaught exception, as under python
     err = capsys.readouterr().err
     assert "broken.py raised ValueError at broken.py:3: bad config" in err
 

@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -398,4 +400,22 @@ def _script_error(e: Exception, label: str, capture: Capture, device: str | None
     if FP16_GRADIENTS in message:
         origin = fp16_gradients_origin(capture.ops_so_far())
         message += f" ({origin})" if origin else ""
-    return with_status(AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}"), 1)
+    return with_status(AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}"
+                                     f"{_torchrun_hint(e)}"), 1)
+
+
+# What torchrun sets for each rank it starts; a script made for it reads them.
+TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def _torchrun_hint(e: Exception) -> str:
+    """Where the error names a variable of torchrun's environment that is not set (a
+    `KeyError: 'LOCAL_RANK'`, torchtitan's "LOCAL_RANK must be set", init_process_group's
+    "environment variable RANK expected"): how to run the script as torchrun would."""
+    text = f"{e!r} {e}"
+    for name in TORCHRUN_VARIABLES:
+        if name not in os.environ and re.search(rf"\b{name}\b", text):
+            return (f" (the script expects torchrun's environment, and {name} is not set: "
+                    "run it as ranks with `ampscope run --nproc N`, --nproc 1 for one)")
+    return ""

@@ -9,7 +9,6 @@ import os
 import runpy
 import sys
 import sysconfig
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -106,16 +105,11 @@ def _first_on_path(first_path: str) -> Iterator[None]:
 
 
 def user_line(e: BaseException) -> str | None:
-    """`file.py:line` of the innermost frame of the traceback outside PyTorch and ampscope; for
-    a syntax error, where the error is."""
-    import torch
+    """`file.py:line` of the innermost frame of the traceback in the script's code (or a
+    library's: not PyTorch's, ampscope's or the standard library's, so `os.environ[...]`
+    names the script's line); for a syntax error, where the error is."""
+    from ampscope.runtime.user_frames import user_line as innermost_users
 
     if isinstance(e, SyntaxError) and e.filename:
         return f"{os.path.basename(e.filename)}:{e.lineno}"
-    package = os.path.dirname(os.path.dirname(__file__))  # ampscope's own files
-    skip = (os.path.dirname(torch.__file__) + os.sep, package + os.sep,
-            os.path.dirname(runpy.__file__) + os.sep + "runpy.py", "<frozen runpy>")
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        if not frame.filename.startswith(skip) and "importlib" not in frame.filename:
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return None
+    return innermost_users(e)
