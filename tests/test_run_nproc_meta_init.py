@@ -47,6 +47,7 @@ def test_meta_init_of_sharded_parameters_on_the_virtual_cuda_device(tmp_path, ca
     for rank in document["ranks"]:
         assert rank["held"]["parameter"] == {"float32": 2144}
         assert rank["held"]["gradient"] == {"float32": 2144}
+    assert "FSDP2 compute" not in text  # fully_shard's default policy casts nothing
     if not predict:  # the real ranks ran DTensor's random op on their CPU generator
         assert "DTensor's random ops (nn.init on sharded parameters) drew from each rank's " \
                "CPU generator" in " ".join(text.split())

@@ -53,3 +53,8 @@ def test_fsdp2_unsharded_parameters_are_fake_on_predicted_ranks(tmp_path, capsys
         assert rank["held"]["parameter"] == {"float32": 2144}
         assert rank["held"]["gradient"] == {"float32": 2144}
     assert "data True" in text + err
+    # The header names the MixedPrecisionPolicy the script gave fully_shard.
+    assert "(float32 weights, FSDP2 compute bfloat16, reduce float32, no autocast)" in \
+        " ".join(text.split())
+    setting = document["setting"]
+    assert (setting["fsdp_param_dtype"], setting["fsdp_reduce_dtype"]) == ("bfloat16", "float32")

@@ -60,26 +60,43 @@ def assets(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _collectives(rank: dict) -> set[tuple[str, str, str]]:
-    return {(c["kind"], c["phase"], c["dtype"]) for c in rank["collectives"]}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "predict"), [(2, False), (8, True)])
-def test_torchtitan_llama3_debug_model(assets, capsys, nproc, predict):
-    out = assets / "ranks.json"
+def _run(assets, capsys, nproc: int, predict: bool) -> tuple[dict, str]:
+    """The ranks' JSON document and the report's text of one run."""
+    out = assets / f"ranks-{nproc}-{predict}.json"
     code, text, err = _ampscope(capsys, "--nproc", str(nproc), *(["--predict"] if predict else []),
                                 "--device", "cuda", "--quiet", "--json", str(out), *ARGS)
     assert code == 0, err
-    traced = [rank for rank in _validated(out)["ranks"] if "held" in rank]
-    assert len(traced) == 2  # real: both ranks; predicted: rank 0 and rank 7 (one role)
+    document = _validated(out)
+    traced = [rank for rank in document["ranks"] if "held" in rank]
+    assert len(traced) == 2  # real: both ranks; predicted: rank 0 and rank N-1 (one role)
     for rank in traced:
         # FSDP2 shards every parameter over the ranks; the gradients match.
         assert rank["held"]["parameter"] == {"float32": PARAMETER_BYTES // nproc}
         assert rank["held"]["gradient"] == {"float32": PARAMETER_BYTES // nproc}
         # torchtitan's mixed precision: bfloat16 compute, float32 gradient reduction.
+        kinds = {(c["kind"], c["phase"], c["dtype"]) for c in rank["collectives"]}
         assert {("all_gather", "forward", "bfloat16"),
-                ("reduce_scatter", "backward", "float32")} <= _collectives(rank)
+                ("reduce_scatter", "backward", "float32")} <= kinds
     said = " ".join(text.split())
-    if not predict:  # FSDP2 divides gradients by torchtitan's factor of 1 with PREMUL_SUM
-        assert "asked for ReduceOp.PREMUL_SUM, which gloo lacks" in said
+    # Its MixedPrecisionPolicy, as fully_shard was given it.
+    assert "(float32 weights, FSDP2 compute bfloat16, reduce float32, no autocast)" in said
+    return document, said
+
+
+def _collectives(document: dict) -> list:
+    """Each rank's collectives: kind, phase, dtype, calls and payload."""
+    return [rank["summary"] for rank in document["ranks"] if "held" in rank]
+
+
+@pytest.mark.slow
+def test_two_real_ranks_and_two_predicted_agree(assets, capsys):
+    real, said = _run(assets, capsys, 2, predict=False)
+    # FSDP2 divides the gradients by torchtitan's factor of 1 with PREMUL_SUM, which gloo lacks.
+    assert "asked for ReduceOp.PREMUL_SUM, which gloo lacks" in said
+    predicted, _ = _run(assets, capsys, 2, predict=True)
+    assert _collectives(predicted) == _collectives(real)
+
+
+@pytest.mark.slow
+def test_eight_predicted_ranks(assets, capsys):
+    _run(assets, capsys, 8, predict=True)

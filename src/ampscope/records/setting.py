@@ -23,9 +23,18 @@ class SettingRecord:
     # changes between releases (precision/policy_history.json). None in traces written before.
     torch: str | None = None
     fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
+    # An as-run model sharded by FSDP2 with a MixedPrecisionPolicy: the dtypes its unsharded
+    # parameters compute in and its gradients are reduced in (None: no such policy). Written
+    # to JSON only where set.
+    fsdp_param_dtype: str | None = None
+    fsdp_reduce_dtype: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        for key in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
+            if data[key] is None:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> SettingRecord:
@@ -38,6 +47,8 @@ class SettingRecord:
             matmul_precision=data.get("matmul_precision", "highest"),
             torch=data.get("torch"),
             fp8=data.get("fp8"),
+            fsdp_param_dtype=data.get("fsdp_param_dtype"),
+            fsdp_reduce_dtype=data.get("fsdp_reduce_dtype"),
         )
 
 

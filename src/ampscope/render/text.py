@@ -39,6 +39,9 @@ def as_run_text(s: SettingRecord) -> str:
     """A run's observed setting in words: "float32 weights, autocast float16, TF32 matmuls"."""
     parts = [f"{s.param_dtype} weights" if s.param_dtype else "no floating weights",
              f"autocast {s.autocast_dtype}" if s.autocast_dtype else "no autocast"]
+    if s.fsdp_param_dtype:  # FSDP2's MixedPrecisionPolicy: what the weights compute in
+        reduce = f", reduce {s.fsdp_reduce_dtype}" if s.fsdp_reduce_dtype else ""
+        parts.insert(1, f"FSDP2 compute {s.fsdp_param_dtype}{reduce}")
     if s.matmul_precision != "highest":
         parts.append("TF32 matmuls" if s.matmul_precision == "high" else
                      f"float32 matmul precision {s.matmul_precision!r}")

@@ -8,6 +8,7 @@ from torch import nn
 
 from ampscope.precision.matmul import ran_with
 from ampscope.records import Phase, SettingRecord, Trace, dtype_name
+from ampscope.torchcompat.distributed import fsdp_mixed_precision
 
 
 def observed_setting(model: nn.Module, device: str | None, trace: Trace,
@@ -15,7 +16,9 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
     """The setting of `trace` (its calls and ops recorded) as the run showed it: the dtype
     most parameter elements of `model` have, the autocast dtype of the step's first call under
     autocast (an evaluation pass's only where the step had none), the float32 matmul precision
-    its matmuls ran with (`matmul_left`, as the run left it, where none ran in float32).
+    its matmuls ran with (`matmul_left`, as the run left it, where none ran in float32), and
+    the dtypes FSDP2's MixedPrecisionPolicy computes and reduces in where the model (or its
+    first module that has one) is sharded with one.
     `device`: the device the run stood for (a virtual one), else that of the parameters."""
     counts: dict[torch.dtype, int] = {}
     found = "cpu"
@@ -25,6 +28,7 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
                 found = p.device.type
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     main = max(counts, key=counts.__getitem__) if counts else None
+    compute, reduce = _fsdp_policy(model)
     under_autocast = [c for c in trace.calls if c.autocast]
     step = [c for c in under_autocast if c.phase != Phase.EVALUATION] or under_autocast
     return SettingRecord(name="as-run", device=device or found,
@@ -32,4 +36,16 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
                          param_dtype=dtype_name(main) if main else None,
                          autocast_dtype=step[0].autocast if step else None,
                          matmul_precision=ran_with(trace.ops, matmul_left),
-                         torch=torch.__version__)
+                         torch=torch.__version__,
+                         fsdp_param_dtype=dtype_name(compute) if compute else None,
+                         fsdp_reduce_dtype=dtype_name(reduce) if compute and reduce else None)
+
+
+def _fsdp_policy(model: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The compute and reduce dtypes of the first FSDP2 MixedPrecisionPolicy in `model` that
+    sets a compute dtype (the root's, where `fully_shard` wrapped it); (None, None) without."""
+    for module in model.modules():
+        policy = fsdp_mixed_precision(module)
+        if policy is not None and policy[0] is not None:
+            return policy
+    return None, None

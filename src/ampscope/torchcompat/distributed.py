@@ -1,5 +1,5 @@
 """Distributed details: the collectives' op names, c10d's implementation module, the fake process
-group's store, PREMUL_SUM's factor, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
+group's store, PREMUL_SUM's factor, FSDP2's mixed-precision policy, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
 
 Namesakes, the same concern at another layer: `render/distributed.py`."""
 
@@ -223,6 +223,23 @@ def no_fake_collectives(what: str) -> str | None:
     return (f"{what} needs PyTorch's collectives to run on fake tensors, which torch "
             f"{torch.__version__} lacks (they came in 2.11): run the ranks for real (`ampscope "
             "run --nproc N` without --predict, up to 8), or use torch 2.11 or later")
+
+
+def fsdp_mixed_precision(module: torch.nn.Module
+                         ) -> tuple[torch.dtype | None, torch.dtype | None] | None:
+    """The `param_dtype` and `reduce_dtype` of the MixedPrecisionPolicy `fully_shard` gave
+    `module`; None where it is not an FSDP2 module, or this build keeps the policy elsewhere
+    (FSDP2's state, reached by `_get_fsdp_state()`, holds it as `_mp_policy`)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if not callable(get_state):
+        return None
+    try:
+        policy = getattr(get_state(), "_mp_policy", None)
+    except (AssertionError, AttributeError, RuntimeError):  # a state not made yet
+        return None
+    if policy is None:
+        return None
+    return getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
 
 
 class PremulFactorUnknown(RuntimeError):
