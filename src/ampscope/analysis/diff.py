@@ -55,7 +55,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes
+from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes, repeat_unit
 from ampscope.records import PHASES, ModuleCall, OpCall, Trace, module_label
 
 SCHEMA = "ampscope.diff/1"
@@ -84,7 +84,7 @@ class ModuleChange:
     b: Side | None
     depth: int = 0
     repeats: int = 1  # calls this row stands for
-    note: str = ""  # "× 4 steps"
+    note: str = ""  # "× 4 steps" ("× 4 passes" where a trace never stepped: flow.repeat_unit)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class TraceDiff:
 
 def diff_traces(a: Trace, b: Trace) -> TraceDiff:
     """Every dtype difference between trace `a` and trace `b`."""
-    modules = _module_changes(a.modules, b.modules)
+    modules = _module_changes(a.modules, b.modules, repeat_unit(a.workload, b.workload))
     ops = _op_changes(a.ops, b.ops)
     casts = _cast_changes(a.ops, b.ops)
     tensors = _tensor_changes(a, b)
@@ -256,7 +256,8 @@ def _side(c: ModuleCall | OpCall | None) -> Side | None:
     return None if c is None else Side(dtypes(c.inputs), dtypes(c.outputs))
 
 
-def _module_changes(a: Sequence[ModuleCall], b: Sequence[ModuleCall]) -> tuple[ModuleChange, ...]:
+def _module_changes(a: Sequence[ModuleCall], b: Sequence[ModuleCall],
+                    unit: str = "steps") -> tuple[ModuleChange, ...]:
     out: list[ModuleChange] = []
     for phase in PHASES:
         ka, kb = _keyed(a, phase), _keyed(b, phase)
@@ -273,7 +274,7 @@ def _module_changes(a: Sequence[ModuleCall], b: Sequence[ModuleCall]) -> tuple[M
                 steps[-1].append(FlowRow(module_label(call.name), call.type, _pack(sa), _pack(sb),
                                          call.depth))
         for count, rows in collapse_steps(steps, key=lambda r: (r.name, r.inputs, r.outputs)):
-            note = f"× {count} steps" if count > 1 else ""
+            note = f"× {count} {unit}" if count > 1 else ""
             out.extend(ModuleChange(phase, r.name, r.kind, _unpack(r.inputs), _unpack(r.outputs),
                                     r.depth, r.repeats * count, note)
                        for r in collapse_blocks(rows))

@@ -4,7 +4,8 @@ A transformer's blocks (`transformer.h.0` … `transformer.h.11`) usually run in
 a table that lists each of them says nothing twelve times. Consecutive blocks of one container
 whose rows are identical (relative names, types and dtypes) become one row per member named
 `transformer.h.0–11.attn`. Consecutive identical steps (sampling calls the model once per token)
-collapse the same way.
+collapse the same way: "× 4 steps" where the workload steps (training, decoding), "× 4 passes"
+where it never did (a script's evaluation loop, a sampler stopped before any optimizer step).
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ def _steps(calls: Sequence[ModuleCall]) -> list[list[ModuleCall]]:
             steps.append([])
         steps[-1].append(c)
     return steps
+
+
+# Workloads whose repeated forward passes are steps: a training run's (micro-)steps, generate's
+# decode steps. Any other (a script that never reached an optimizer step: "forward", a custom
+# callable) only ran passes of its model; "× 10000 steps" would claim steps that never ran.
+STEPPING = ("train", "generate")
+
+
+def repeat_unit(*workloads: str) -> str:
+    """What a row standing for several identical forward passes counts: "steps" where every
+    trace's workload steps, else "passes"."""
+    return "steps" if workloads and all(w in STEPPING for w in workloads) else "passes"
 
 
 def flow_key(row: FlowRow) -> tuple:
@@ -172,9 +185,10 @@ def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tupl
 
 
 def module_flow(calls: Sequence[ModuleCall], phase: str = "forward",
-                notes: Mapping[str, str] | None = None) -> list[FlowRow]:
+                notes: Mapping[str, str] | None = None, unit: str = "steps") -> list[FlowRow]:
     """Rows of module input → output dtypes for one phase, blocks and steps collapsed; `notes`
-    (module name → note) for modules whose dtypes outside do not say it all (an fp8 matmul)."""
+    (module name → note) for modules whose dtypes outside do not say it all (an fp8 matmul);
+    `unit` names what collapsed forward passes are ("× 4 steps"; `repeat_unit`)."""
     notes = notes or {}
     selected = [c for c in calls if c.phase == phase]
     if phase == "forward":
@@ -183,7 +197,7 @@ def module_flow(calls: Sequence[ModuleCall], phase: str = "forward",
         steps = [selected] if selected else []
     rows: list[FlowRow] = []
     for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
-        note = f"× {count} steps" if count > 1 else ""
+        note = f"× {count} {unit}" if count > 1 else ""
         step_rows = [FlowRow(module_label(c.name), c.type, dtypes(c.inputs), dtypes(c.outputs),
                              c.depth, 1, note if c.depth == 0 else notes.get(c.name, ""))
                      for c in step]

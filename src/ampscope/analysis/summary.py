@@ -9,7 +9,7 @@ from functools import cache
 import torch
 
 from ampscope.analysis.diagram import Diagram, build_diagram
-from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow
+from ampscope.analysis.flow import FlowRow, dtype_changes, module_flow, op_flow, repeat_unit
 from ampscope.analysis.fp8 import fp8_module_notes
 from ampscope.records import Diagnostic, Finding, ModelInfo, PassKind, Phase, SettingRecord, Trace
 
@@ -151,7 +151,8 @@ class TraceSummary:
 def trace_summary(trace: Trace, *, ops: bool = False, diagram: bool = False) -> TraceSummary:
     """The summary of `trace`; `ops` adds the op listing per phase, `diagram` the dtype flow
     of one forward pass."""
-    flow = module_flow(trace.modules, notes=fp8_module_notes(trace))
+    flow = module_flow(trace.modules, notes=fp8_module_notes(trace),
+                       unit=repeat_unit(trace.workload))
     by_phase = {}
     if ops:
         by_phase = {phase: rows for phase in ("forward", "backward", "optimizer")
