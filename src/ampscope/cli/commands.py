@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -20,6 +21,7 @@ from ampscope.cli.common import (
     _show,
     check_regular,
     load_trace,
+    one_line,
     show_report,
 )
 from ampscope.cli.exports import EXPORTS, write_exports
@@ -245,7 +247,22 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from ampscope.render.matrix import render_matrix
 
     result, _, _ = _matrix(args)
-    return _show(args, lambda: render_matrix(result), json=result.to_dict, csv=result.table)
+    _show(args, lambda: render_matrix(result), json=result.to_dict, csv=result.table)
+    if not result.failures:
+        return 0
+    # The table (or --json/--csv) says it too, but a script or CI job reads the status and
+    # stderr: a setting that failed is a failed command, named in one line, as any error is.
+    print(f"ampscope: error: {one_line(_failed_settings(result.failures, len(result.columns)))}",
+          file=sys.stderr)
+    return 2
+
+
+def _failed_settings(failures: tuple[tuple[str, str], ...], asked: int) -> str:
+    """The settings of a matrix that failed, and why, in one line: their names first, so that
+    a long reason cut at the line's end never hides which."""
+    names = ", ".join(name for name, _ in failures)
+    return (f"{len(failures)} of {asked} settings failed ({names}): "
+            + "; ".join(f"{name}: {why}" for name, why in failures))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
