@@ -321,10 +321,11 @@ with torch.no_grad():
 
 @pytest.mark.parametrize("script_steps, steps, passes, note", [
     (0, 1, 3, "train.py was stopped after 3 forward passes of its model without an optimizer "
-              "step: nothing completed a step (--max-forwards); the trace holds the passes it "
-              "ran."),
+              "step (--max-forwards 3): the trace holds those 3 passes and no optimizer step; "
+              "raise --max-forwards, or give 0 for no bound, to let it run on."),
     (1, 2, 4, "train.py was stopped after 3 forward passes of its model since its first "
-              "optimizer step (--max-forwards); the trace holds the passes it ran."),
+              "optimizer step (--max-forwards 3): the trace holds its 1 optimizer step and the "
+              "3 passes after; raise --max-forwards, or give 0 for no bound, to let it run on."),
 ])
 def test_max_forwards_still_bounds_a_run_that_stops_stepping(tmp_path, script_steps, steps,
                                                              passes, note):

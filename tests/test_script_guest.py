@@ -203,7 +203,8 @@ def test_a_script_that_never_steps_is_stopped_after_max_forwards(tmp_path, capsy
     assert main(["run", "--max-forwards", "30", str(path)]) == 0
     out = capsys.readouterr().out
     assert ("train.py was stopped after 30 forward passes of its model without an optimizer "
-            "step: nothing completed a step (--max-forwards)") in " ".join(out.split())
+            "step (--max-forwards 30): the trace holds those 30 passes and no optimizer step"
+            ) in " ".join(out.split())
 
 
 def test_relative_outputs_land_where_the_command_started(tmp_path, monkeypatch, capsys):

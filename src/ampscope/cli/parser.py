@@ -18,6 +18,7 @@ from ampscope.defaults import (
     DEFAULT_NUMERICS_SETTINGS,
     DEFAULT_SETTING,
     MAX_FORWARDS,
+    MAX_FORWARDS_NO_OPTIMIZER,
 )
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.render.report_kinds import REPORTS
@@ -96,10 +97,11 @@ def _add_script_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: this machine's)")
     parser.add_argument("--steps", type=int, default=1,
                      help="stop after this many optimizer steps (default: %(default)s)")
-    parser.add_argument("--max-forwards", type=int, default=MAX_FORWARDS, metavar="N",
+    parser.add_argument("--max-forwards", type=int, metavar="N",
                      help="stop a script that runs N forward passes of its model without an "
                           "optimizer step (a sampler, a loop that never steps); 0: no bound "
-                          "(default: %(default)s)")
+                          f"(default: {MAX_FORWARDS_NO_OPTIMIZER} while it has made no "
+                          f"optimizer, {MAX_FORWARDS} once it has)")
     parser.add_argument("--predict", action="store_true",
                      help="every weight becomes a fake tensor as the model registers it: any "
                           "size, no memory (the data stays real)")

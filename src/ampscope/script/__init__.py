@@ -7,7 +7,7 @@ of that step (`scaler.update()`, the LR scheduler, `zero_grad`, logging run and 
 is stopped as its model's next forward pass begins, by an exception the script's own
 `except Exception:` cannot catch, so its later code (more steps, evaluation, checkpointing)
 never runs; a script that never steps is stopped after `max_forwards` forward passes of its
-model. On a device this machine lacks, the script runs on
+model (by default 100 while it has made no optimizer, 1,000 once it has). On a device this machine lacks, the script runs on
 the virtual device (runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
 `torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
 tensors: its model is never materialised, whatever its size.
@@ -57,7 +57,7 @@ from ampscope.analysis.checks import judge
 from ampscope.analysis.diagnosis import FP16_GRADIENTS, diagnose, fp16_gradients_origin
 from ampscope.analysis.findings import plural
 from ampscope.analysis.summary import pass_notes
-from ampscope.defaults import MAX_FORWARDS
+from ampscope.defaults import MAX_FORWARDS, MAX_FORWARDS_NO_OPTIMIZER
 from ampscope.errors import AmpscopeError, DtypeMismatchError
 from ampscope.precision import DEVICES
 from ampscope.records import Trace, dtype_name
@@ -96,13 +96,15 @@ class _StopScript(BaseException):
 
 def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                device: str | None = None, steps: int = 1, predict: bool = False,
-               virtual: bool | None = None, max_forwards: int = MAX_FORWARDS,
+               virtual: bool | None = None, max_forwards: int | None = None,
                in_process: bool = False, values: bool = False) -> Trace:
     """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
     `argv` as its arguments, stop it after `steps` optimizer steps (as its model's next
     forward pass begins, so the rest of the last step runs), and return what its model did. A
     script that never steps runs to its end, or until its model has run `max_forwards` forward
-    passes without a step (0: no bound).
+    passes without a step (0: no bound; None: 100 while the script has made no optimizer, as
+    an evaluation or a sampler, 1,000 once it has, to let an evaluation before its first step
+    run).
 
     `device` is the device the script should believe it has ("cuda", "mps", "xpu"); on a
     machine without it, the script runs on the virtual device and the trace says "emulated".
@@ -119,7 +121,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     if steps < 1:
         raise AmpscopeError("--steps must be at least 1: the run stops after that many "
                             "optimizer steps")
-    if max_forwards < 0:
+    if max_forwards is not None and max_forwards < 0:
         raise AmpscopeError("--max-forwards must be 0 (no bound) or more")
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
@@ -139,7 +141,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
 
 
 def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
-              predict: bool, virtual: bool | None, max_forwards: int,
+              predict: bool, virtual: bool | None, max_forwards: int | None,
               values: bool = False) -> Trace:
     script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
                         env=RunEnvironment(device=device, predict=predict, virtual=virtual),
@@ -159,7 +161,7 @@ class _ScriptRun:
     """One script's run in this process: what counts its steps and forward passes, what it runs
     under, how it ended, and the trace it leaves."""
 
-    def __init__(self, label: str, *, steps: int, max_forwards: int,
+    def __init__(self, label: str, *, steps: int, max_forwards: int | None,
                  env: RunEnvironment, values: bool = False) -> None:
         self.env = env  # the device it believes it has (virtual where missing), fake or real
         device, predict = env.device, env.predict
@@ -169,6 +171,8 @@ class _ScriptRun:
         self.grads: dict[int, str] = {}  # id(parameter): the dtype of its gradient at a step
         # "steps", "bound" (max_forwards), or how the script failed after its last step
         self.stopped: str | None = None
+        # ("bound") the passes without a step it was stopped after; whether it had an optimizer
+        self.bound, self.had_optimizer = 0, False
         self.exited: int | None = None  # the status of an os._exit the script called
         self.status = 0  # the status the script ended with, as `python SCRIPT` would exit
         self.device = device
@@ -209,9 +213,18 @@ class _ScriptRun:
             self.stopped = "steps"
             raise _StopScript
         self.forwards += 1
-        if self.max_forwards and self.forwards > self.max_forwards:
-            self.stopped = "bound"
+        bound = self._bound()
+        if bound and self.forwards > bound:
+            self.stopped, self.bound = "bound", bound
+            self.had_optimizer = bool(self.optimizers)  # (gone once the script's globals are)
             raise _StopScript
+
+    def _bound(self) -> int:
+        """The passes without a step allowed now: `max_forwards` as given, or by default fewer
+        while the script has made no optimizer (it cannot be about to step)."""
+        if self.max_forwards is not None:
+            return self.max_forwards
+        return MAX_FORWARDS if self.optimizers else MAX_FORWARDS_NO_OPTIMIZER
 
     def enter(self, stack: contextlib.ExitStack) -> None:
         """Everything the script runs under, innermost last."""
@@ -318,7 +331,8 @@ class _ScriptRun:
 
     def _notes(self, result: Trace) -> list[str]:
         taken = self.taken
-        notes = [_ending(self.label, self.stopped, self.exited, taken, self.max_forwards)]
+        notes = [_ending(self.label, self.stopped, self.exited, taken, self.bound,
+                         defaulted=self.max_forwards is None, optimizer=self.had_optimizer)]
         notes += pass_notes(result, taken)
         if self.predict:
             notes.append("Predicted: every parameter and buffer became a fake tensor as the "
@@ -333,17 +347,26 @@ class _ScriptRun:
         return notes + self.files.notes()
 
 
-def _ending(label: str, stopped: str | None, exited: int | None, taken: int,
-            max_forwards: int) -> str:
-    """The note that says how the script's run ended."""
+def _ending(label: str, stopped: str | None, exited: int | None, taken: int, bound: int, *,
+            defaulted: bool = False, optimizer: bool = True) -> str:
+    """The note that says how the script's run ended (`bound`: the passes without a step it
+    was stopped after; `defaulted`: that bound was the default, `optimizer`: for a script that
+    had made an optimizer)."""
     if stopped == "steps":
         return (f"{label} was stopped after its {nth(taken)} optimizer step, as its model's "
                 "next forward pass began.")
-    if stopped == "bound":
-        since = "without an optimizer step: nothing completed a step" if not taken else \
-            f"since its {nth(taken)} optimizer step"
-        return (f"{label} was stopped after {max_forwards:,} forward passes of its model "
-                f"{since} (--max-forwards); the trace holds the passes it ran.")
+    if stopped == "bound":  # what was traced, why it stopped, and how to let it run on
+        since, held = ("without an optimizer step", f"those {bound:,} passes and no "
+                       "optimizer step") if not taken else (
+            f"since its {nth(taken)} optimizer step",
+            f"its {plural(taken, 'optimizer step')} and the {bound:,} passes after")
+        why = f"--max-forwards {bound}"
+        if defaulted:
+            why += (f", the default for a script that has made {'an' if optimizer else 'no'} "
+                    "optimizer")
+        return (f"{label} was stopped after {bound:,} forward passes of its model {since} "
+                f"({why}): the trace holds {held}; raise --max-forwards, or give 0 for no "
+                "bound, to let it run on.")
     if stopped is not None:  # failed after its last step
         return (f"After its {nth(taken)} optimizer step, {label} {stopped}; the trace holds "
                 "the run up to there.")
