@@ -14,11 +14,13 @@ DEFAULT_MATRIX_SETTINGS = ("fp32", "bf16", "fp32+amp-bf16", "bf16+amp-bf16")
 DEFAULT_NUMERICS_SETTINGS = ("fp32", "fp32+amp-bf16", "bf16")
 # `ampscope run --max-forwards` and `run_script(max_forwards=)` when not given: forward passes of
 # a script's model without an optimizer step after which the run is stopped. A script that has
-# made no optimizer cannot be about to step (an evaluation, a sampler): it is stopped after
+# made no optimizer has nothing to step with (an evaluation, a sampler): it is stopped after
 # MAX_FORWARDS_NO_OPTIMIZER passes. One that has made one may be evaluating before its first
 # step (nanoGPT: 2 splits × 200 batches, 400 passes) or between steps: MAX_FORWARDS. Each traced
-# pass costs 3-12 ms of CPU on a model of a few modules and about 100 ms on examples/gpt's
-# two-layer GPT (docs/cli.md, "How a run ends", has the figures): 100 passes take seconds, 1,000
-# a few minutes at most; the old single bound of 10,000 took over two minutes on the smallest.
+# pass costs about 12 ms of CPU on a model of 3 modules and 100-170 ms on examples/gpt's
+# two-layer GPT (docs/cli.md, "How a run ends", has the figures): 100 passes take seconds; the
+# old single bound of 10,000 took 107 s on the 3-module model, and would take some 25 minutes
+# on the GPT (estimated, not run). A count, not a time: a slow evaluation before a first step
+# still reaches that step, and the trace is the same on every machine.
 MAX_FORWARDS_NO_OPTIMIZER = 100
 MAX_FORWARDS = 1_000
