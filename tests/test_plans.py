@@ -61,7 +61,9 @@ def test_the_search_answers_with_its_plans(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gpus", "0"], "--gpus must be at least 1, not 0"),
+    (["--gpus", "0"], "--gpus must be a whole number from 1 to 65,536 (the GPUs of one job), "
+                      "not 0"),
+    (["--gpus", "2", "--seq", "0"], "--seq must be at least 1 token, not 0"),
     (["--gpus", "2", "--seq", "auto"], "--seq auto does not apply with --gpus"),
     (["--mp-policy", "param=bf16"], "--mp-policy only applies with --gpus N"),
     (["--gpus", "2", "--seq", "100000"], "exceeds gpt2-tiny's context length"),
@@ -70,6 +72,76 @@ def test_bad_plan_searches_are_one_line(argv, message, capsys):
     code = main(["fit", "gpt2-tiny", "--memory", "1GiB", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("gpus", ["-4", "0", "65537", "99999999999999999999"])
+def test_gpus_out_of_range_is_one_line_before_any_progress(gpus, capsys):
+    """A count of GPUs no search takes is refused first: no "Searching the plans … on -4
+    GPUs", no TypeError from the device mesh."""
+    code = main(["fit", "gpt2-tiny", "--memory", "1GiB", "--gpus", gpus, "--json", "-"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Searching" not in err
+    assert err.strip() == (f"ampscope: error: --gpus must be a whole number from 1 to 65,536 "
+                           f"(the GPUs of one job), not {gpus}")
+
+
+def test_no_plan_that_fits_is_one_line_and_exit_2(capsys):
+    """gpt2-tiny in 64 KiB a GPU: every family traced at micro-batch 1 too, none fits; the
+    nearest is named with its peak, as `fit` names its smallest probe."""
+    code = main(["fit", "gpt2-tiny", "--gpus", "2", "--memory", "64KiB", "-s", "bf16", "--seq",
+                 "16", "--json", "-"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("ampscope: error: gpt2-tiny does not fit on 2 GPUs of 64 KiB "
+                           "(--memory) under cuda:bf16 at seq 16 in any plan, even at "
+                           "micro-batch 1: the smallest peak per rank is ")
+    peaks = {checkpoint: max(derived_peaks("gpt2-tiny", 2, checkpoint=checkpoint, depth=2,
+                                           batch=1, setting="bf16", seq=16).values())
+             for checkpoint in (False, True)}
+    assert min(peaks.values()) > 64 * 2**10
+    nearest = "FSDP 2 + checkpointing" if peaks[True] < peaks[False] else "FSDP 2"
+    assert line.endswith(f" ({nearest}); more GPUs, a shorter --seq or a larger GPU would buy "
+                         "room")
+    assert "  FSDP 2: does not fit at micro-batch 1" in err
+
+
+def test_a_search_that_reaches_its_limit_says_so(capsys):
+    """gpt2-tiny at seq 16 in 1 TiB a GPU: every plan fits micro-batch 4,096, the search's
+    limit; the JSON marks each plan and the text says every batch up to it fits (≥)."""
+    from rich.console import Console
+
+    from ampscope.api.parallel_plans import BATCH_LIMIT, plans
+    from ampscope.render.plans import render_plans
+
+    report = plans("gpt2-tiny", 2, memory_size="1TiB", setting="bf16", seq=16)
+    document = report.to_dict()
+    assert document["batch_limit"] == BATCH_LIMIT == 4096
+    assert document["probe_depths"] == [2]
+    for p in document["plans"]:
+        assert p["at_batch_limit"] and p["batch"] == 4096 and p["tokens"] == 2 * 4096 * 16
+        # the limit fits by the rules: its derived peak is the plan's, within the budget
+        peak = derived_peaks("gpt2-tiny", 2, checkpoint=p["checkpoint"], depth=2, batch=4096,
+                             setting="bf16", seq=16)
+        assert max(peak.values()) == p["peak_bytes"] <= 2**40
+    console = Console(width=200, record=True)
+    console.print(render_plans(report))
+    text = console.export_text()
+    assert "Best plan: FSDP 2 + checkpointing, every micro-batch up to 4,096 fits" in text
+    assert text.count("≥ 4,096") == 2 and text.count("≥ 131,072") == 2
+    assert ("FSDP 2 + checkpointing, FSDP 2: every micro-batch up to 4,096 fits in 1,024 GiB "
+            "per rank") in text
+
+
+def test_a_plan_below_the_limit_is_not_marked(capsys):
+    """gpt2-tiny in 1 MiB: the largest batches are small, and no plan is at the limit."""
+    code = main(["fit", "gpt2-tiny", "--gpus", "2", "--memory", "1MiB", "-s", "bf16", "--seq",
+                 "16", "--json", "-"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert all(0 < p["batch"] < 4096 and not p["at_batch_limit"] for p in report["plans"])
+    assert "every micro-batch up to" not in err
 
 
 def test_a_model_whose_blocks_differ_is_refused(tmp_path, monkeypatch, capsys):

@@ -23,7 +23,10 @@ The rules:
   root's own ops). A middle block's ops hold what the same op of the first or the last block
   holds, plus or minus one block's share per block between: never more than both, so the
   phase's peak is the largest of the places' peaks, each affine in L and fixed by the probes
-  at 2 and 3 blocks.
+  at 2 and 3 blocks. Alike parameters do not make alike blocks (one may keep wider
+  activations): the search runs the whole forward once and compares each block's ops and
+  shapes with block 0's (distributed/block_forward.py); where they differ, the plan is traced
+  at the model's full depth and only the micro-batch rule applies.
 
 tests/test_plans.py traces plans at their full depth and other micro-batches and compares, to
 the byte.
@@ -112,9 +115,13 @@ class Rule:
             storages.append(dataclasses.replace(a, nbytes=a.nbytes + grow))
         _, live = live_bytes(storages, len(low.phases),
                              cuda_block_size if self.rounded else None)
+        # A middle block's ops are never above the first's and the last's (see above) where
+        # the blocks run alike and the rule extends the depth; traced at one depth (the
+        # model's own, as when its blocks are unlike) every op counts.
+        middle = len(self.depths) == 1
         peaks: dict[tuple[str, str], int] = {}
         for key, value in zip(zip(low.phases, low.places, strict=True), live, strict=True):
-            if key[1] != "middle":  # never above the first's and the last's (see above)
+            if middle or key[1] != "middle":
                 peaks[key] = max(peaks.get(key, 0), value)
         return peaks
 
@@ -186,6 +193,8 @@ class Plan:
     peak_bytes: int  # at `batch`; when nothing fits, at `searched_from`
     phase: str
     searched_from: int = 1  # the smallest micro-batch searched (2: batch 1 could not win)
+    # `batch` is the search's limit: every micro-batch up to it fits, a larger one may too.
+    at_batch_limit: bool = False
 
     @property
     def fits(self) -> bool:
@@ -211,6 +220,12 @@ class PlansReport:
     plans: list[Plan]  # best first
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # The largest micro-batch the search answers (api/parallel_plans.py: BATCH_LIMIT): a plan
+    # at it fits every batch up to it, and no larger one was derived.
+    batch_limit: int | None = None
+    # The depths each plan was traced at: 2 and 3 blocks, or the model's own (its blocks unlike,
+    # or no more than 3).
+    probe_depths: list[int] = field(default_factory=list)
 
     @property
     def best(self) -> Plan | None:
@@ -222,6 +237,7 @@ class PlansReport:
                 "accelerator": self.accelerator, "memory_bytes": self.memory_bytes,
                 "setting": self.setting, "mp_policy": self.mp_policy, "seq": self.seq,
                 "optimizer": self.optimizer, "seconds": round(self.seconds, 2),
+                "batch_limit": self.batch_limit, "probe_depths": list(self.probe_depths),
                 "plans": [asdict(p) | {"name": p.name, "fits": p.fits} for p in self.plans],
                 "notes": list(self.notes)}
 

@@ -7,19 +7,23 @@ device, FSDP2 on every repeated block and the root, the same train step. Its pro
 model's first 3 and 2 blocks at micro-batch 2, and 3 where 2 fits; analysis/plans.py derives
 every depth and batch from them. The families of one tensor-parallel degree are one job for a
 worker process forked from this one (here where this platform cannot fork), each probe with a
-fake process group of its own (the command refuses to run where one is initialised).
+fake process group of its own (the command refuses to run where one is initialised). While the
+workers trace, this process runs the whole model's forward once on fake tensors and refuses a
+model whose blocks run other ops or shapes than its first (distributed/block_forward.py): the
+rules take the first blocks for all.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,7 @@ from ampscope.analysis.plans import (
 )
 from ampscope.api.fit import memory_budget
 from ampscope.api.preparation import resolved
+from ampscope.distributed.block_forward import Unlike, unlike_blocks
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
@@ -47,6 +52,7 @@ from ampscope.models import registry
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
 from ampscope.render.style import format_bytes
+from ampscope.runs.environment import exact_retry
 from ampscope.torchcompat.distributed import no_fake_collectives
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,9 @@ MAX_TP = 8
 # The largest micro-batch the search answers (the rule is exact past it, but no probe ran
 # near it: say so rather than offer a batch of millions).
 BATCH_LIMIT = 4096
+# The most GPUs a search takes: its fake process group and device mesh hold one entry per
+# rank, and no job trains on more (the largest are tens of thousands).
+MAX_GPUS = 65536
 # Worker processes for the plan families (each holds a model's probes: a few hundred MiB).
 MAX_WORKERS = 4
 
@@ -68,10 +77,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     2, 4 or 8 where the model's blocks split so), with and without activation checkpointing,
     each at its largest micro-batch whose derived per-rank peak fits; best first."""
     started = time.monotonic()
-    if gpus < 1:
-        raise AmpscopeError(f"--gpus must be at least 1, not {gpus}")
-    if seq < 1:
-        raise AmpscopeError(f"--seq must be at least 1 token, not {seq}")
+    check_arguments(gpus, seq)
     why = no_fake_collectives("fit --gpus")
     if why is not None:
         raise AmpscopeError(why)
@@ -96,20 +102,62 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         notes.append(f"Tensor parallelism of {', '.join(str(t) for t in tps if t not in splittable)}"
                      f" is not offered: {why}")
     # The probes' model: the first blocks of the one built here, copied for each probe (a
-    # probe shards and changes its copy in place).
+    # probe shards and changes its copy in place). Its blocks are kept for the check.
+    blocks = workloads.repeated_blocks(probe_lm.module)
     _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))
     families = [(tp, checkpoint) for tp in splittable for checkpoint in (False, True)]
-    with _Search(probe_lm, base, policy, gpus, depth, seq, optimizer, budget) as search:
-        found = search.run(families, on_probe)
+    unlike: list[Unlike] = []
+
+    def alike() -> bool:  # run while the workers trace: the first blocks stand for all?
+        with _full_depth(probe_lm.module, blocks):
+            found = exact_retry(lambda: unlike_blocks(probe_lm, base, seq),
+                                what="the blocks' forward is compared")
+        unlike.extend([found] if found is not None else [])
+        return found is None
+
+    search_args = (probe_lm, base, policy, gpus, depth, seq, optimizer, budget)
+    with _Search(*search_args) as search:
+        found = search.run(families, on_probe, check=alike if depth > 1 else None)
+        traced = list(search.depths)
+    if found is None:
+        # Blocks unlike block 0: no rule takes the first blocks for them; every plan is traced
+        # at the model's full depth (the micro-batch rule alone: exact at any depth).
+        said = unlike[0].said()
+        (on_probe or (lambda _: None))(f"  {said}: each plan is traced at all {depth} blocks")
+        notes.append(f"{said[0].upper()}{said[1:]}: each plan was traced at all {depth} "
+                     "blocks, not derived from its first blocks.")
+        with _full_depth(probe_lm.module, blocks), _Search(*search_args, whole=True) as search:
+            found = search.run(families, on_probe)
+            traced = list(search.depths)
+        assert found is not None  # (no check: always plans)
     if not any(p.fits for p in found):
-        notes.append("No plan fits even at micro-batch 1: more GPUs, a shorter --seq, or "
-                     "bf16 optimizer state would buy room.")
+        raise AmpscopeError(_no_fit(probe_lm.name, gpus, budget, accelerator, base, seq, found))
     return PlansReport(
         model=probe_lm.name, depth=depth, gpus=gpus,
         accelerator=accelerator, memory_bytes=budget,
         setting=base.name, mp_policy=Parallel("fsdp", gpus, **policy).policy_dict(), seq=seq,
         optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
-        notes=notes)
+        notes=notes, batch_limit=BATCH_LIMIT, probe_depths=sorted(traced))
+
+
+def check_arguments(gpus: int, seq: int) -> None:
+    """The numbers a search takes, refused in one line before anything runs."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        raise AmpscopeError(f"--gpus must be a whole number from 1 to {MAX_GPUS:,} (the GPUs "
+                            f"of one job), not {gpus}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise AmpscopeError(f"--seq must be at least 1 token, not {seq}")
+
+
+def _no_fit(name: str, gpus: int, budget: int, accelerator: str | None, setting: Setting,
+            seq: int, found: list[Plan]) -> str:
+    """One line: no plan fits even micro-batch 1, the nearest one, and what would buy room."""
+    nearest = min(found, key=lambda p: p.peak_bytes)
+    return (f"{name} does not fit on {gpus:,} GPUs of {format_bytes(budget)} "
+            f"({accelerator or '--memory'}) under {setting.name} at seq {seq:,} in any plan, "
+            f"even at micro-batch {nearest.searched_from}: the smallest peak per rank is "
+            f"{format_bytes(nearest.peak_bytes)} ({nearest.name}); more GPUs, a shorter --seq "
+            "or a larger GPU would buy room")
 
 
 Family = tuple[int, bool]  # (tp, checkpointing)
@@ -122,13 +170,13 @@ class _Search:
     platform cannot fork."""
 
     def __init__(self, lm: LoadedModel, setting: Setting, policy: dict, gpus: int, depth: int,
-                 seq: int, optimizer: str, budget: int) -> None:
+                 seq: int, optimizer: str, budget: int, *, whole: bool = False) -> None:
         self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
         self.seq, self.optimizer, self.budget = seq, optimizer, budget
         self.parallel = Parallel("fsdp", gpus, **policy)
         # Deepest first: its ops include every op of the shallower probe, whose shapes the
-        # caches then know.
-        self.depths = PROBE_DEPTHS[::-1] if depth > PROBE_DEPTHS[-1] else (depth,)
+        # caches then know. `whole`: the model's own depth only (its blocks are unlike).
+        self.depths = PROBE_DEPTHS[::-1] if depth > PROBE_DEPTHS[-1] and not whole else (depth,)
         self.workers = 1
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
@@ -146,27 +194,34 @@ class _Search:
             self._pool.shutdown(cancel_futures=True)
         _SEARCH.clear()
 
-    def run(self, families: list[Family], on_probe: Callable[[str], None] | None
-            ) -> list[Plan]:
+    def run(self, families: list[Family], on_probe: Callable[[str], None] | None,
+            check: Callable[[], bool] | None = None) -> list[Plan] | None:
         """Each family at micro-batch 2; at 3 where 2 fits (every batch derived from the
         two); at 1 (traced on its own: its storages do not pair with larger batches') only
         where it could change the answer: a plan that fits no batch of 2 or more gives at most
-        dp × seq tokens at batch 1, no more than a plan that already fits."""
+        dp × seq tokens at batch 1, no more than a plan that already fits. `check` runs here
+        while the workers trace the first probes (before them, without workers): when it
+        answers False the probes are of no use, and the answer is None."""
         say = on_probe or (lambda _: None)
-        found = [row for rows in self._map(_families_job, self._groups(families))
-                 for row in rows]
+        rows = self._map(_families_job, self._groups(families), meanwhile=check)
+        if rows is None:
+            return None
+        found = [row for group in rows for row in group]
         plans = {family: plan for family, plan, _ in found}
         say(f"  {sum(n for _, _, n in found)} ranks traced at micro-batches 2 and 3")
         most = max((p.tokens for p in plans.values() if p.fits), default=0)
         again = [f for f in families if not plans[f].fits and self.gpus // f[0] * self.seq > most]
         third = self._map(_probe_job, [(f, d, 1) for f in again for d in self.depths])
+        assert third is not None  # (no `meanwhile` to stop it)
         n = len(self.depths)
         for k, f in enumerate(again):
             plans[f] = self.plan(f, third[k * n:(k + 1) * n], 1)
         for f in families:
             p = plans[f]
+            fitting = (f"every micro-batch up to {p.batch:,} fits" if p.at_batch_limit
+                       else f"micro-batch {p.batch:,} fits")
             say(f"  {p.name}: " + (
-                f"micro-batch {p.batch:,} fits, peak {format_bytes(p.peak_bytes)}" if p.fits
+                f"{fitting}, peak {format_bytes(p.peak_bytes)}" if p.fits
                 else f"does not fit at micro-batch {p.searched_from}"))
         return [plans[f] for f in families]
 
@@ -184,11 +239,23 @@ class _Search:
         groups = list(by_tp.values())
         return groups if len(groups) >= self.workers else [[f] for f in families]
 
-    def _map(self, job: Callable, args: list) -> list:
-        """`job` of each of `args`, in the workers (or here)."""
+    def _map(self, job: Callable, args: list, meanwhile: Callable[[], bool] | None = None
+             ) -> list | None:
+        """`job` of each of `args`, in the workers (or here, after `meanwhile`); `meanwhile`
+        here, once, while the workers run them: None when it answers False (the jobs are of
+        no use; those begun end with the pool)."""
+        pending = None
         if self._pool is not None:
             try:
-                return list(self._pool.map(job, args))
+                pending = self._pool.map(job, args)  # submitted: the workers start
+            except Exception:  # noqa: BLE001 - a pool that cannot start: the jobs run here
+                self._pool.shutdown(cancel_futures=True)
+                self._pool = None
+        if meanwhile is not None and not meanwhile():
+            return None
+        if self._pool is not None and pending is not None:
+            try:
+                return list(pending)
             except Exception:  # noqa: BLE001 - any pool failure: the jobs run here instead
                 # A forked worker that cannot run a probe (autograd refuses to run backward
                 # in a process forked after its threads started, as in a long-lived caller):
@@ -225,7 +292,8 @@ class _Search:
         fits = batch >= start
         peak, phase = rule.peak(self.depth, batch if fits else start)
         return Plan(dp, tp, checkpoint, batch if fits else 0,
-                    dp * batch * self.seq if fits else 0, peak, phase, start)
+                    dp * batch * self.seq if fits else 0, peak, phase, start,
+                    at_batch_limit=fits and batch == BATCH_LIMIT)
 
 
 # The search while it runs: forked workers find it here (the model is not sent to them).
@@ -246,7 +314,6 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     from torch.distributed.device_mesh import init_device_mesh
 
     from ampscope.distributed.step import rank_step
-    from ampscope.runs.environment import exact_retry
 
     # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -283,12 +350,27 @@ def _parallelized(plan: dict, mesh) -> Callable[[nn.Module], None]:
     return prepare
 
 
+@contextlib.contextmanager
+def _full_depth(module: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
+    """The model's largest ModuleList holding `blocks` again (the probes' model keeps only
+    the first ones), and as it was afterwards."""
+    largest = max((m for m in module.modules() if isinstance(m, nn.ModuleList)), key=len)
+    kept = len(largest)
+    largest.extend(blocks[kept:])
+    try:
+        yield
+    finally:
+        del largest[kept:]
+
+
 def _check_alike(lm: LoadedModel) -> None:
     """The depth rule takes the first blocks for every block: refuse a model whose blocks
-    differ in their modules, parameters or buffers (shapes and dtypes)."""
+    differ in their modules, parameters or buffers (shapes, dtypes, and whether a parameter
+    trains)."""
     def signature(block: nn.Module) -> tuple:
         return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
-                tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_parameters()),
+                tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                      for n, t in block.named_parameters()),
                 tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
 
     blocks = workloads.repeated_blocks(lm.module)
@@ -352,7 +434,9 @@ def derived_peaks(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = Fals
     """The same figures as `traced_peaks`, derived by `fit --gpus`'s rules from its probes."""
     lm, base, parallel = _checked(model, setting, mp_policy, gpus)
     full = len(workloads.repeated_blocks(lm.module))
-    depths = PROBE_DEPTHS if full > PROBE_DEPTHS[-1] else (full,)
+    # As the search: the first blocks for all where every block runs alike, else all of them.
+    alike = full > PROBE_DEPTHS[-1] and unlike_blocks(lm, base, seq) is None
+    depths = PROBE_DEPTHS if alike else (full,)
     batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] else (batch,)
     with _fake_group(gpus):
         probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint)

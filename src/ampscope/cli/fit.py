@@ -46,12 +46,13 @@ def add_fit_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
-    from ampscope.api.parallel_plans import plans
+    from ampscope.api.parallel_plans import check_arguments, plans
     from ampscope.render.plans import render_plans
 
     if seq == "auto":
         raise AmpscopeError("--seq auto does not apply with --gpus; give the tokens per sequence")
     assert isinstance(seq, int)
+    check_arguments(args.gpus, seq)  # before the first line of progress
     console.print(f"Searching the plans of {args.model} on {args.gpus} GPUs (traced ranks on "
                   "fake tensors and a fake process group):")
     report = plans(args.model, args.gpus, gpu=args.gpu, memory_size=args.memory,

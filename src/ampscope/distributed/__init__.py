@@ -9,7 +9,9 @@
 - `step.py`: one rank's train step under DDP or FSDP2; `parallel.py`: the strategy and its
   mixed-precision policy; `report.py`: what crossed the network and what each rank held;
   `tensor_parallel.py`: how a Llama-family block splits across a tensor-parallel group;
-  `verdicts.py`: whether each rank's peak fits a GPU's memory (the report's notes).
+  `verdicts.py`: whether each rank's peak fits a GPU's memory (the report's notes);
+  `block_forward.py`: whether a model's repeated blocks run alike (`fit --gpus` takes its
+  first blocks for all only where they do).
 
 See docs/distributed.md.
 """

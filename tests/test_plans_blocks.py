@@ -1,0 +1,126 @@
+"""`fit --gpus N` on a model whose blocks have the same parameters but not the same activations:
+its last two blocks keep 16 copies of their hidden state where the first six keep one. The
+depth rule, which takes the first blocks for all, would answer the uniform model's plans; the
+search sees the blocks differ in the forward and traces each plan at the model's full depth.
+
+The truth is the plan traced whole (`traced_peaks`: rank 0 of N at all 8 blocks), at the
+batch the search answers and at the next."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampscope.api.parallel_plans import derived_peaks, plans, traced_peaks
+from ampscope.api.preparation import resolved
+from ampscope.distributed.block_forward import unlike_blocks
+from ampscope.models import registry
+from ampscope.precision import on_device
+
+# Each block: LayerNorm and two width × width Linears, whatever its `copies` (a plain
+# attribute, not a parameter); `copies` of the up-projection's output go through ReLU, which
+# keeps its output for backward: `copies` times the width of activations.
+MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Config:
+    vocab_size = 256
+    block_size = 64
+
+
+class Block(nn.Module):
+    def __init__(self, width, copies):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, width)
+        self.copies = copies
+
+    def forward(self, x):
+        h = torch.relu(self.up(self.norm(x)).repeat(1, 1, self.copies))
+        return x + self.down(h.unflatten(-1, (self.copies, -1)).mean(-2))
+
+
+class Model(nn.Module):
+    def __init__(self, copies):
+        super().__init__()
+        self.config = Config()
+        self.wte = nn.Embedding(256, 64)
+        self.blocks = nn.ModuleList(Block(64, c) for c in copies)
+        self.head = nn.Linear(64, 256, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def uneven():
+    return Model([1] * 6 + [16] * 2)
+
+
+def even():
+    return Model([1] * 8)
+'''
+
+UNEVEN, EVEN = "plans_blocks_model:uneven", "plans_blocks_model:even"
+BUDGET = 64 * 2**20
+SEARCH = dict(memory_size="64MiB", setting="bf16", seq=64)
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    (tmp_path / "plans_blocks_model.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_the_blocks_that_run_unlike_are_named(models):
+    """Parameters alike (the search's first check passes), forward not: blocks 6 and 7, at the
+    repeat that makes their 16 copies."""
+    setting = resolved(on_device("bf16", "cuda"))
+    lm = registry.resolve(UNEVEN, device="meta", target_device="cuda")
+    blocks = list(lm.module.blocks)
+    assert all([(n, p.shape) for n, p in b.named_parameters()]
+               == [(n, p.shape) for n, p in blocks[0].named_parameters()] for b in blocks)
+    unlike = unlike_blocks(lm, setting, 16)
+    assert unlike is not None and unlike.blocks == [6, 7]
+    assert "aten.repeat: [1, 16, 1024] bfloat16, block 0's [1, 16, 64] bfloat16" in unlike.first
+    assert unlike.said().startswith("blocks 6, 7 run unlike block 0")
+    even = registry.resolve(EVEN, device="meta", target_device="cuda")
+    assert unlike_blocks(even, setting, 16) is None
+    # the model is left as it was: its own meta weights
+    now = [p for b in lm.module.blocks for p in b.parameters()]
+    before = [p for b in blocks for p in b.parameters()]
+    assert len(now) == len(before) and all(a is b for a, b in zip(now, before, strict=True))
+    assert all(p.is_meta for p in lm.module.parameters())
+
+
+def test_plans_of_unlike_blocks_equal_the_plans_traced_whole(models):
+    uneven = plans(UNEVEN, 2, **SEARCH)
+    even = plans(EVEN, 2, **SEARCH)
+    assert even.probe_depths == [2, 3] and uneven.probe_depths == [8]
+    assert any(n.startswith("Blocks 6, 7 run unlike block 0") and "traced at all 8 blocks" in n
+               for n in uneven.notes)
+    # The first blocks' rule answers the even model's peaks, not the uneven model's.
+    b = 8
+    first_blocks = derived_peaks(EVEN, 2, depth=8, batch=b, setting="bf16", seq=64)
+    whole = traced_peaks(UNEVEN, 2, depth=8, batch=b, setting="bf16", seq=64)
+    assert max(whole.values()) > max(first_blocks.values())
+    # The search's own derivation of the uneven model traces it whole: equal to the byte.
+    assert derived_peaks(UNEVEN, 2, depth=8, batch=b, setting="bf16", seq=64) == whole
+    by_family = {(p.dp, p.tp, p.checkpoint): p for p in even.plans}
+    for p in uneven.plans:
+        assert p.fits and not p.at_batch_limit
+        assert p.batch < by_family[p.dp, p.tp, p.checkpoint].batch  # wider blocks: less room
+        traced = traced_peaks(UNEVEN, 2, checkpoint=p.checkpoint, depth=8, batch=p.batch,
+                              setting="bf16", seq=64)
+        assert max(traced.values()) == p.peak_bytes <= BUDGET
+        over = traced_peaks(UNEVEN, 2, checkpoint=p.checkpoint, depth=8, batch=p.batch + 1,
+                            setting="bf16", seq=64)
+        assert max(over.values()) > BUDGET
