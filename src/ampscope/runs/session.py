@@ -7,7 +7,7 @@ import inspect
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -119,8 +119,8 @@ class CaptureOptions:
     replay_blocks: bool = False
     thin: bool | None = None
     on_model_forward: Callable[[], None] | None = None
-    candidates: weakref.WeakSet[nn.Module] | None = None
-    optimizers: weakref.WeakSet[torch.optim.Optimizer] | None = None
+    candidates: Collection[nn.Module] | None = None
+    optimizers: Collection[torch.optim.Optimizer] | None = None
     device: str | None = None
     rank_roles: bool = False
     values: bool = False

@@ -45,7 +45,6 @@ import dataclasses
 import logging
 import os
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -71,6 +70,7 @@ from ampscope.runtime.predict import data_dependent
 from ampscope.runtime.workers import leaving_workers
 from ampscope.script.ending import Ending, ScriptExited, exit_code, with_status
 from ampscope.script.predicted import (
+    Instances,
     fake_model,
     fake_values,
     made,
@@ -176,8 +176,8 @@ class _ScriptRun:
         self.exited: int | None = None  # the status of an os._exit the script called
         self.status = 0  # the status the script ended with, as `python SCRIPT` would exit
         self.device = device
-        self.made: weakref.WeakSet = weakref.WeakSet()  # every module the script makes
-        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # and every optimizer
+        self.made = Instances()  # every module the script makes
+        self.optimizers = Instances()  # and every optimizer
         # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
         self.compiled = EagerCompile(on_wrapper=self.made.discard)
         self.capture = env.capture(

@@ -26,8 +26,41 @@ from ampscope.torchcompat.dispatch import inner_tensors, no_torch_function
 from ampscope.torchcompat.fake import FakeTensor, FakeTensorMode
 
 
+class Instances:
+    """A set of objects by identity, each held weakly: the modules and optimizers a script
+    makes. A `weakref.WeakSet` hashes its members, and a module may hash by state its
+    `__init__` has not set yet when nn.Module's returns (torchmetrics' metrics), or not at all
+    (a dataclass module with `eq=True`)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, obj: object) -> None:
+        key = id(obj)
+
+        def forget(_: weakref.ref) -> None:
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(obj, forget)
+
+    def discard(self, obj: object) -> None:
+        ref = self._refs.get(id(obj))
+        if ref is not None and ref() is obj:
+            del self._refs[id(obj)]
+
+    def __contains__(self, obj: object) -> bool:
+        ref = self._refs.get(id(obj))
+        return ref is not None and ref() is obj
+
+    def __iter__(self) -> Iterator:
+        return iter([obj for ref in list(self._refs.values()) if (obj := ref()) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 @contextlib.contextmanager
-def made(cls: type, into: weakref.WeakSet) -> Iterator[None]:
+def made(cls: type, into: Instances) -> Iterator[None]:
     """Every instance of `cls` the script makes while it runs, added to `into` (its
     `__init__` sees them all): its modules (nn.Module), its optimizers (Optimizer)."""
     original = vars(cls)["__init__"]  # its own: both classes define one
