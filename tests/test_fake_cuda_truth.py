@@ -89,21 +89,23 @@ def _hf(config, device: str) -> LoadedModel:
 
 def _zoo(name: str) -> Callable[[str, str], LoadedModel]:
     def build(device: str, target: str) -> LoadedModel:
-        from ampscope.models.hf import ZOO, dtype_kwargs, transformers_module
+        from ampscope.models.catalog import entry
+        from ampscope.models.hf import dtype_kwargs, transformers_module
 
-        entry = ZOO[name]
-        cls = getattr(transformers_module(), entry.config_class)
-        kwargs = {**entry.kwargs, **_SHRINK}
+        fields = dict(entry(name).config)  # the zoo entry's config.json fields
+        model_type = fields.pop("model_type")
+        kwargs = {**fields, **_SHRINK}
         heads = kwargs.get("num_attention_heads", 12)
         sizes = dict(hidden_size=heads * 8, num_attention_heads=heads)
-        if entry.config_class == "GPT2Config":
+        if model_type == "gpt2":
             sizes = dict(n_embd=heads * 8, n_head=heads, n_layer=2)
         for key, value in (("head_dim", 8), ("intermediate_size", 32), ("ffn_dim", 32),
                            ("word_embed_proj_dim", heads * 8)):
             if key in kwargs:
                 sizes[key] = value
-        config = cls(**{**kwargs, **sizes}, attn_implementation="sdpa",
-                     **dtype_kwargs(torch.float32))
+        config = transformers_module().AutoConfig.for_model(
+            model_type, **{**kwargs, **sizes}, attn_implementation="sdpa",
+            **dtype_kwargs(torch.float32))
         return _hf(config, device)
 
     return build

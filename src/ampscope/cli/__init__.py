@@ -180,10 +180,10 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
 def _status(error: BaseException) -> int:
     """The exit status for `error`: the status of the script whose run it ended (`ampscope
     run`: the script's own `sys.exit(n)`, `os._exit(n)` or 1 for its uncaught exception, as
-    under `python`), else 2, ampscope's own failure."""
-    from ampscope.script.ending import run_status
-
-    return run_status(error)
+    under `python`), else 2, ampscope's own failure. A command that ran no script has not
+    loaded the module that keeps those statuses (nor torch, which it would import)."""
+    ending = sys.modules.get("ampscope.script.ending")  # loaded by every script run
+    return ending.run_status(error) if ending is not None else 2
 
 
 if __name__ == "__main__":

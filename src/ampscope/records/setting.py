@@ -24,17 +24,12 @@ class SettingRecord:
     torch: str | None = None
     fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
     # An as-run model sharded by FSDP2 with a MixedPrecisionPolicy: the dtypes its unsharded
-    # parameters compute in and its gradients are reduced in (None: no such policy). Written
-    # to JSON only where set.
+    # parameters compute in and its gradients are reduced in (None: no such policy).
     fsdp_param_dtype: str | None = None
     fsdp_reduce_dtype: str | None = None
 
     def to_dict(self) -> dict:
-        data = asdict(self)
-        for key in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
-            if data[key] is None:
-                del data[key]
-        return data
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> SettingRecord:
