@@ -7,10 +7,10 @@ device, FSDP2 on every repeated block and the root, the same train step. Its pro
 model's first 3 and 2 blocks at micro-batch 2, and 3 where 2 fits; analysis/plans.py derives
 every depth and batch from them. The families of one tensor-parallel degree are one job for a
 worker process forked from this one (here where this platform cannot fork), each probe with a
-fake process group of its own (the command refuses to run where one is initialised). While the
-workers trace, this process runs the whole model's forward once on fake tensors and refuses a
-model whose blocks run other ops or shapes than its first (distributed/block_forward.py): the
-rules take the first blocks for all.
+fake process group of its own (the command refuses to run where one is initialised). The rules
+take the first blocks for all: while the workers trace, this process runs the whole model's
+forward once on fake tensors (distributed/block_forward.py), and where a block runs other ops or
+shapes than block 0 the probes are dropped and every plan is traced at the model's full depth.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
 
     search_args = (probe_lm, base, policy, gpus, depth, seq, optimizer, budget)
     with _Search(*search_args) as search:
-        found = search.run(families, on_probe, check=alike if depth > 1 else None)
+        # (A model of at most PROBE_DEPTHS[-1] blocks is traced whole anyway.)
+        found = search.run(families, on_probe,
+                           check=alike if depth > PROBE_DEPTHS[-1] else None)
         traced = list(search.depths)
     if found is None:
         # Blocks unlike block 0: no rule takes the first blocks for them; every plan is traced

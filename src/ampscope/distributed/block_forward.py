@@ -11,18 +11,23 @@ its backward follows from these ops, and the probes trace it for the blocks they
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
+from torch.func import functional_call
 
 from ampscope import workloads
 from ampscope.models.base import LoadedModel
+from ampscope.patches import patched
 from ampscope.precision import Setting
 from ampscope.records import dtype_name
 from ampscope.runs.environment import RunEnvironment
 from ampscope.runtime.predict import fake_batch
-from ampscope.torchcompat.dispatch import TorchDispatchMode
+from ampscope.torchcompat.dispatch import TorchDispatchMode, modes_off
+from ampscope.torchcompat.fake import fake_mode_suspended
 
 Signature = tuple[tuple[str, tuple], ...]  # (op, its tensors' (shape, dtype)) in order
 
@@ -44,25 +49,38 @@ class Unlike:
 
 
 class _Ops(TorchDispatchMode):
-    """Each op run inside a block, with the shapes and dtypes of the tensors it returns."""
+    """Each op run inside a block, with the shapes and dtypes of the tensors it returns. With
+    a `memo` (meta tensors only), an op already run on inputs of the same shapes, strides and
+    dtypes and the same other arguments is not run again: a meta kernel's answer depends on
+    nothing else, and alike blocks run the same ops on the same shapes, so the 80 blocks of
+    a 70B model cost about one."""
 
-    def __init__(self) -> None:
+    def __init__(self, memo: dict | None = None) -> None:
         super().__init__()
         self.block: int | None = None
         self.ops: dict[int, list[tuple[str, tuple]]] = {}
+        self.memo = memo
 
-    def entering(self, k: int) -> Callable[..., None]:
-        """Block k's forward pre-hook."""
-        def hook(_module, _args) -> None:
-            self.block = k
-        return hook
-
-    def leaving(self, _module, _args, _output) -> None:
-        """Every block's forward hook."""
-        self.block = None
+    @contextlib.contextmanager
+    def at(self, k: int) -> Iterator[None]:
+        """Block k's ops listed while entered (this mode on the stack)."""
+        self.block = k
+        try:
+            with self:
+                yield
+        finally:
+            self.block = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        key = _key(func, args, kwargs) if self.memo is not None else None
+        made = self.memo.get(key) if self.memo is not None and key is not None else None
+        if made is not None:
+            out = _remade(made)
+        else:
+            out = func(*args, **kwargs)
+            if self.memo is not None and key is not None and (made := _made(out)) is not None:
+                self.memo[key] = made
         if self.block is not None:
             flat = out if isinstance(out, tuple | list) else (out,)
             self.ops.setdefault(self.block, []).append(
@@ -71,32 +89,156 @@ class _Ops(TorchDispatchMode):
         return out
 
 
+class _NoKey(Exception):
+    """An argument the memo does not key on (a fake tensor, an object): the op runs."""
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key(func, args: tuple, kwargs: dict) -> tuple | None:
+    try:
+        return func, _described(args), _described(tuple(sorted(kwargs.items())))
+    except _NoKey:
+        return None
+
+
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta" or type(value) is not torch.Tensor:
+            raise _NoKey
+        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, tuple | list):
+        return type(value), tuple(_described(v) for v in value)
+    if value is None or isinstance(value, _PLAIN):
+        return value
+    raise _NoKey
+
+
+def _made(out) -> tuple | None:
+    """What an op returned, to make again: its tensors' shapes, strides, offsets and dtypes
+    (None: something else, not kept)."""
+    if isinstance(out, torch.Tensor) and type(out) is torch.Tensor:
+        return ("tensor", tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+    if isinstance(out, tuple | list) and all(type(t) is torch.Tensor for t in out):
+        return (type(out), tuple(_made(t) for t in out))
+    return None
+
+
+def _remade(made: tuple):
+    """A fresh meta tensor (or several) as `_made` described, made past every mode (the
+    modes under this one would see it as an op of the block's)."""
+    if made[0] == "tensor":
+        _, shape, stride, offset, dtype = made
+        with modes_off():
+            if offset == 0:
+                return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            span = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) \
+                if all(shape) else 0
+            base = torch.empty((offset + span,), dtype=dtype, device="meta")
+            return base.as_strided(shape, stride, offset)
+    kind, parts = made
+    return kind(_remade(p) for p in parts)
+
+
 def unlike_blocks(lm: LoadedModel, setting: Setting, seq: int) -> Unlike | None:
     """The blocks of `lm` whose forward runs other ops or shapes than block 0's (None: every
     block runs alike). The model is left as it was: its weights are the run's fake working
-    copies only while it runs, and the hooks are removed."""
+    copies only while it runs, and its blocks' forwards are its own again after."""
     blocks = workloads.repeated_blocks(lm.module)
     ops = _Ops()
-    hooks = []
-    for k, block in enumerate(blocks):
-        hooks.append(block.register_forward_pre_hook(ops.entering(k)))
-        hooks.append(block.register_forward_hook(ops.leaving))
+    memo: dict = {}  # the blocks' meta ops, shared
     env = RunEnvironment(setting, predict=True)
-    assert env.fake is not None
-    try:
+    fake = env.fake
+    assert fake is not None
+    with contextlib.ExitStack() as stack:
+        for k, block in enumerate(blocks):
+            stack.enter_context(patched(block, "forward", _on_meta(block, k, ops, memo)))
         with env.applied(lm.module), env.predicting(collecting=False):
             data = fake_batch(lm.make_batch(1, seq, "train", torch.Generator().manual_seed(0)),
-                              env.fake)
-            with torch.no_grad(), setting.autocast(), ops:
+                              fake)
+            with torch.no_grad(), setting.autocast():
                 lm.loss(data)
-    finally:
-        for hook in hooks:
-            hook.remove()
     signatures: list[Signature] = [tuple(ops.ops.get(k, ())) for k in range(len(blocks))]
     differ = [k for k in range(1, len(blocks)) if signatures[k] != signatures[0]]
     if not differ:
         return None
     return Unlike(differ, _first_difference(signatures[0], signatures[differ[0]], differ[0]))
+
+
+def _on_meta(block: nn.Module, k: int, ops: _Ops, memo: dict) -> Callable:
+    """Block k's forward, run on meta tensors of the fake ones' shapes and dtypes, its ops
+    listed: a meta kernel costs a tenth of a fake tensor's cached dispatch, and the 80 blocks
+    of a 70B model are most of its forward. Its outputs go back to the model as fake tensors
+    of the same shapes. A block the meta device cannot run (an op that needs a value) runs on
+    its fake tensors instead, its ops listed the same way."""
+    forward = block.forward
+
+    calling = _Calling(block, forward)
+
+    def run(*args, **kwargs):
+        with fake_mode_suspended():  # (what is made here is made on meta, not faked)
+            weights = {f"block.{name}": _meta(t) for name, t in
+                       [*block.named_parameters(), *block.named_buffers()]}
+            meta_args, meta_kwargs = _meta(args), _meta(kwargs)
+            listed = _Ops(memo)
+            try:
+                with listed.at(k):
+                    out = functional_call(calling, weights, meta_args, meta_kwargs)
+            except (RuntimeError, NotImplementedError):
+                out = None  # value needed (`.item()`): the block runs on its fake tensors
+        if out is not None:
+            ops.ops[k] = listed.ops[k]
+            return _faked(out, _device(args, kwargs))
+        with ops.at(k):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+class _Calling(nn.Module):
+    """The block's own forward (not the one `_on_meta` puts in its place), its weights the
+    block's: what `functional_call` runs with meta weights swapped in."""
+
+    def __init__(self, block: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.block = block
+        self.own_forward = forward
+
+    def forward(self, *args, **kwargs):
+        return self.own_forward(*args, **kwargs)
+
+
+def _meta(value):
+    """`value` with every tensor as an empty meta tensor of its shape, strides and dtype."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device="meta")
+    if isinstance(value, tuple | list):
+        return type(value)(_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {key: _meta(v) for key, v in value.items()}
+    return value
+
+
+def _faked(value, device: torch.device):
+    """`value`'s meta tensors as fake ones of the same shapes on `device`, for the model (the
+    fake mode is on: what is made here is fake)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device=device)
+    if isinstance(value, tuple | list):
+        return type(value)(_faked(v, device) for v in value)
+    if isinstance(value, dict):
+        return {key: _faked(v, device) for key, v in value.items()}
+    return value
+
+
+def _device(args: tuple, kwargs: dict) -> torch.device:
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def _first_difference(first: Signature, other: Signature, k: int) -> str:
