@@ -70,7 +70,7 @@ def predicted_environment(rank: int, nproc: int, run_id: str) -> dict[str, str]:
 
 def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[int], *,
                   module: bool = False, device: str | None = None, steps: int = 1,
-                  max_forwards: int = 0, timeout: float = DEFAULT_TIMEOUT) -> dict[int, Trace]:
+                  max_forwards: int | None = 0, timeout: float = DEFAULT_TIMEOUT) -> dict[int, Trace]:
     """The trace of each of `ranks` of an `nproc`-rank job, predicted, as many at once as
     this machine has cores (the fake group needs no peer running)."""
     request = {"target": target, "argv": list(argv), "module": module, "device": device,

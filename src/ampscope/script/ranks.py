@@ -77,7 +77,7 @@ def check_nproc(nproc: int) -> None:
 
 
 def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = False,
-              device: str | None = None, steps: int = 1, max_forwards: int = 0,
+              device: str | None = None, steps: int = 1, max_forwards: int | None = 0,
               timeout: float = DEFAULT_TIMEOUT) -> list[Trace]:
     """Every rank's trace of `target` run as `nproc` ranks, rank 0 first."""
     check_nproc(nproc)
