@@ -124,3 +124,32 @@ def test_plans_of_unlike_blocks_equal_the_plans_traced_whole(models):
         over = traced_peaks(UNEVEN, 2, checkpoint=p.checkpoint, depth=8, batch=p.batch + 1,
                             setting="bf16", seq=64)
         assert max(over.values()) > BUDGET
+
+
+def test_blocks_the_meta_device_cannot_run_are_compared_on_fake_tensors(models, tmp_path,
+                                                                        monkeypatch):
+    """Each block multiplies by a tensor it makes on the CPU, which no meta tensor takes: every
+    block runs on its fake tensors instead, and the comparison is the same."""
+    (tmp_path / "plans_blocks_cpu.py").write_text(MODEL.replace(
+        ".repeat(1, 1, self.copies))",
+        ".repeat(1, 1, self.copies)) * torch.ones(x.shape[-1] * self.copies, dtype=x.dtype)"))
+    from ampscope.distributed import block_forward
+
+    failed: list[str] = []
+    meta_call = block_forward.functional_call
+
+    def watched(*args, **kwargs):
+        try:
+            return meta_call(*args, **kwargs)
+        except RuntimeError as e:
+            failed.append(str(e))
+            raise
+
+    monkeypatch.setattr(block_forward, "functional_call", watched)
+    setting = resolved(on_device("bf16", "cuda"))
+    for name, expected in (("uneven", [6, 7]), ("even", None)):
+        failed.clear()
+        lm = registry.resolve(f"plans_blocks_cpu:{name}", device="meta", target_device="cuda")
+        unlike = block_forward.unlike_blocks(lm, setting, 16)
+        assert len(failed) == 8  # every block: its meta run refused, its fake run listed
+        assert (unlike.blocks if unlike is not None else None) == expected

@@ -85,9 +85,9 @@ class _Ops(TorchDispatchMode):
                 self.memo[key] = made
         if self.block is not None:
             flat = out if isinstance(out, tuple | list) else (out,)
-            self.ops.setdefault(self.block, []).append(
-                (str(func), tuple((tuple(t.shape), t.dtype) for t in flat
-                                  if isinstance(t, torch.Tensor))))
+            tensors = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+            if tensors:  # (a query of a tensor's device or size makes none: not the block's work)
+                self.ops.setdefault(self.block, []).append((str(func), tensors))
         return out
 
 
@@ -118,11 +118,11 @@ def _described(value):
 
 
 def _made(out) -> tuple | None:
-    """What an op returned, to make again: its tensors' shapes, strides, offsets and dtypes
-    (None: something else, not kept)."""
-    if isinstance(out, torch.Tensor) and type(out) is torch.Tensor:
+    """What an op returned, to make again: its meta tensors' shapes, strides, offsets and
+    dtypes (None: something else, a tensor on another device included: not kept)."""
+    if isinstance(out, torch.Tensor) and type(out) is torch.Tensor and out.is_meta:
         return ("tensor", tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
-    if isinstance(out, tuple | list) and all(type(t) is torch.Tensor for t in out):
+    if isinstance(out, tuple | list) and all(type(t) is torch.Tensor and t.is_meta for t in out):
         return (type(out), tuple(_made(t) for t in out))
     return None
 
