@@ -87,3 +87,16 @@ def test_every_failed_setting_is_named_before_the_reasons():
     line = _failed_settings(failures, 4)
     assert line.startswith("2 of 4 settings failed (fp16, native): fp16: xxx")
     assert line.endswith("; native: dtype mismatch in head")
+
+
+def test_a_report_with_a_failed_setting_exits_2_and_still_writes_its_page(mixed, capsys,
+                                                                          tmp_path):
+    page = tmp_path / "r.html"
+    code = main(["report", mixed, "--settings", "native+amp-bf16,native", "--seq", "4",
+                 "-o", str(page)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert page.read_text().startswith("<!DOCTYPE html>")
+    [error] = [line for line in err.splitlines() if line.startswith("ampscope: error")]
+    assert error.startswith("ampscope: error: 1 of 2 settings failed (native): native: dtype "
+                            "mismatch in head: "), error

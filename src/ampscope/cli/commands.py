@@ -248,10 +248,15 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
     result, _, _ = _matrix(args)
     _show(args, lambda: render_matrix(result), json=result.to_dict, csv=result.table)
+    return _matrix_status(result)
+
+
+def _matrix_status(result) -> int:
+    """0, or 2 where a setting of `result` (a matrix: `matrix`'s, `report`'s) failed. The table
+    (or the page, --json, --csv) says it too, but a script or CI job reads the status and
+    stderr: a setting that failed is a failed command, named in one line, as any error is."""
     if not result.failures:
         return 0
-    # The table (or --json/--csv) says it too, but a script or CI job reads the status and
-    # stderr: a setting that failed is a failed command, named in one line, as any error is.
     print(f"ampscope: error: {one_line(_failed_settings(result.failures, len(result.columns)))}",
           file=sys.stderr)
     return 2
@@ -274,7 +279,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     reports = [r for t in traces for r in _step_reports(t)]
     reports += [values] if values is not None else []
     EXPORTS["report"].write(lambda: _page(traces, reports, matrix=result), args.output)
-    return 0
+    return _matrix_status(result)
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
