@@ -51,7 +51,8 @@ def test_capture_names_the_users_lines_and_the_setting_it_saw():
     assert t.setting.to_dict() == {"name": "as-run", "device": "cpu", "emulated": False,
                          "param_dtype": "float32", "autocast_dtype": "bfloat16",
                          "matmul_precision": "highest",
-                         "torch": torch.__version__, "fp8": None}
+                         "torch": torch.__version__, "fp8": None,
+                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None}
 
 
 @pytest.fixture

@@ -51,7 +51,8 @@ def test_json_follows_the_contract(tmp_path, capsys):
     assert data["setting"] == {"name": "fp32+amp-bf16", "device": "cpu", "emulated": False,
                                "param_dtype": "float32", "autocast_dtype": "bfloat16",
                                "matmul_precision": "highest",
-                         "torch": torch.__version__, "fp8": None}
+                         "torch": torch.__version__, "fp8": None,
+                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None}
     assert data["workload"] == "train"
     m = data["modules"][1]
     assert {"name", "type", "phase", "in", "out"} <= m.keys()

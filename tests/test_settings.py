@@ -52,6 +52,7 @@ def test_to_dict_matches_the_json_contract():
         "param_dtype": "float32", "autocast_dtype": "bfloat16", "matmul_precision": "highest",
         "torch": torch.__version__,  # the build whose autocast policy a run follows
         "fp8": None,
+        "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,  # an FSDP2 policy's, as run
     }
 
 
