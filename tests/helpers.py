@@ -283,3 +283,33 @@ def modules_after(imports: str, *prefixes: str) -> list[str]:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     return ast.literal_eval(result.stdout.strip())
+
+
+def generated_texts(count: int, *, words: int = 400, longest: int = 400) -> list[str]:
+    """`count` texts of words made of random letters (seeded): local training data for a
+    framework's own entry point, nothing downloaded."""
+    import random
+
+    rng = random.Random(0)
+    vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                          for _ in range(rng.randint(2, 8))) for _ in range(words)]
+    return [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(50, longest)))
+            for _ in range(count)]
+
+
+def save_bpe_tokenizer(folder: Path, texts: list[str], *, vocab_size: int,
+                       special_tokens: list[str], config: dict) -> None:
+    """A byte-level BPE trained on `texts`, saved as a Hugging Face tokenizer folder
+    (tokenizer.json, and `config` as tokenizer_config.json)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))

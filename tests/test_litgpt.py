@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 
 from ampscope.cli import main
+from tests.helpers import generated_texts, save_bpe_tokenizer
 
 pytest.importorskip("litgpt", reason="litgpt is installed by `make setup`")
 pytest.importorskip("litdata")
@@ -28,26 +28,14 @@ PARAMETERS = 14_067_712
 @pytest.fixture
 def workspace(tmp_path, monkeypatch):
     """Four text files and a tokenizer folder (tokenizer.json, tokenizer_config.json)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-             for _ in range(300)]
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300)))
-             for _ in range(80)]
+    texts = generated_texts(80, words=300, longest=300)
     (tmp_path / "data").mkdir()
     for part in range(4):
         (tmp_path / "data" / f"part{part}.txt").write_text("\n".join(texts[part::4]))
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=800, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False))
-    (tmp_path / "tok").mkdir()
-    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_bpe_tokenizer(tmp_path / "tok", texts, vocab_size=800,
+                       special_tokens=["<|endoftext|>", "<unk>"],
+                       config={"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                               "tokenizer_class": "PreTrainedTokenizerFast"})
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -92,76 +92,65 @@ def _end(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
-def test_a_signal_ends_every_rank_and_what_they_started(tmp_path, sig):
-    process, err = _start(tmp_path, "sleep")
+@contextlib.contextmanager
+def _running(tmp_path: Path, how: str, *extra: str):
+    """ampscope started on the script, once both ranks and their helpers have written their
+    pids: (the process, its stderr file, those pids). Whatever is still running after the
+    test is killed, so that a failed test leaves nothing either."""
+    process, err = _start(tmp_path, how, *extra)
     pids: list[int] = []
     try:
         pids = _pids(tmp_path)
+        yield process, err, pids
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _end(pids)
+
+
+def _nothing_left(tmp_path: Path, pids: list[int]) -> None:
+    assert _alive(pids) == []
+    assert list((tmp_path / "tmp").iterdir()) == []  # no ampscope-ranks-* folder left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_ends_every_rank_and_what_they_started(tmp_path, sig):
+    with _running(tmp_path, "sleep") as (process, err, pids):
         time.sleep(0.5)  # in the sleep, past the group's start-up
         process.send_signal(sig)
         code = process.wait(timeout=30)
         assert code == 128 + sig, err.read_text()
         assert err.read_text().strip().splitlines() == [
             f"ampscope: received {sig.name}: ended the 2 ranks and the processes they started"]
-        assert _alive(pids) == []
-        assert list((tmp_path / "tmp").iterdir()) == []  # no ampscope-ranks-* folder left
-    finally:
-        if process.poll() is None:
-            process.kill()
-        _end(pids)
+        _nothing_left(tmp_path, pids)
 
 
 def test_ctrl_c_reaches_the_ranks_in_their_own_groups(tmp_path):
     # The ranks' sessions are their own: a terminal's Ctrl-C reaches ampscope alone, which
     # passes it on, and exits as it always did on Ctrl-C.
-    process, err = _start(tmp_path, "sleep")
-    pids: list[int] = []
-    try:
-        pids = _pids(tmp_path)
+    with _running(tmp_path, "sleep") as (process, err, pids):
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=30)
         assert code == 130, err.read_text()
         assert err.read_text().strip().splitlines()[-1] == "ampscope: interrupted"
-        assert _alive(pids) == []
-        assert list((tmp_path / "tmp").iterdir()) == []
-    finally:
-        if process.poll() is None:
-            process.kill()
-        _end(pids)
+        _nothing_left(tmp_path, pids)
 
 
 def test_a_failed_rank_ends_what_every_rank_started(tmp_path):
-    process, err = _start(tmp_path, "raise")
-    pids: list[int] = []
-    try:
-        pids = _pids(tmp_path)
+    with _running(tmp_path, "raise") as (process, err, pids):
         code = process.wait(timeout=60)
         lines = err.read_text().strip().splitlines()
         assert code == 2
         assert lines[-1].startswith("ampscope: error: rank 1 of 2 failed: ") and \
             "rank 1 gave up" in lines[-1], lines
-        assert _alive(pids) == []
-        assert list((tmp_path / "tmp").iterdir()) == []
-    finally:
-        if process.poll() is None:
-            process.kill()
-        _end(pids)
+        _nothing_left(tmp_path, pids)
 
 
 def test_the_deadline_ends_what_every_rank_started(tmp_path):
     # Long enough for both ranks to start on a busy 2-core machine, and write their pids.
-    process, err = _start(tmp_path, "sleep", "--timeout", "15")
-    pids: list[int] = []
-    try:
-        pids = _pids(tmp_path)
+    with _running(tmp_path, "sleep", "--timeout", "15") as (process, err, pids):
         code = process.wait(timeout=60)
         assert code == 2
         assert "did not finish in 15 s" in err.read_text()
-        assert _alive(pids) == []
-        assert list((tmp_path / "tmp").iterdir()) == []
-    finally:
-        if process.poll() is None:
-            process.kill()
-        _end(pids)
+        _nothing_left(tmp_path, pids)

@@ -15,10 +15,10 @@ parameters, 24,654,848 B, sharded evenly (every dimension 0 divides by 2 and 8).
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
+from tests.helpers import generated_texts, save_bpe_tokenizer
 from tests.test_run_nproc import _ampscope, _validated
 
 pytest.importorskip("torchtitan", reason="torchtitan is installed by `make setup`")
@@ -34,27 +34,13 @@ ARGS = ("-m", "torchtitan.train", "--", "--module", "llama3", "--config", "llama
 @pytest.fixture
 def assets(tmp_path, monkeypatch):
     """torchtitan's test assets, made in a folder that becomes the working directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-             for _ in range(400)]
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 400)))
-             for _ in range(60)]
-    tokenizer_dir = tmp_path / "tests" / "assets" / "tokenizer"
+    texts = generated_texts(60)
+    save_bpe_tokenizer(tmp_path / "tests" / "assets" / "tokenizer", texts, vocab_size=1000,
+                       special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<unk>"],
+                       config={"bos_token": "<|begin_of_text|>",
+                               "eos_token": "<|end_of_text|>", "add_bos_token": True})
     data_dir = tmp_path / "tests" / "assets" / "c4_test"
-    tokenizer_dir.mkdir(parents=True)
     data_dir.mkdir(parents=True)
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=1000, special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<unk>"],
-        show_progress=False))
-    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
-    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-         "add_bos_token": True}))
     (data_dir / "data.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     monkeypatch.chdir(tmp_path)
     return tmp_path
