@@ -86,3 +86,41 @@ def test_two_real_ranks_and_two_predicted_agree(assets, capsys):
 @pytest.mark.slow
 def test_eight_predicted_ranks(assets, capsys):
     _run(assets, capsys, 8, predict=True)
+
+
+# The MoE debug model (deepseek_v3 "debugmodel"): dim 256, 6 layers (1 dense, 5 MoE), 16 heads,
+# vocab 2048, multi-head latent attention with kv_lora_rank 512 and no q_lora:
+#   wq 256·16(128+64) = 786,432; wkv_a 256·(512+64) = 147,456; kv_norm 512;
+#   wkv_b 512·16(128+128) = 2,097,152; wo 16·128·256 = 524,288: attention 3,555,840;
+#   two norms 512; dense FFN 3·256·1024 = 786,432;
+#   MoE: router 256·8 = 2,048, 8 experts 3·256·256 each = 1,572,864, 2 shared experts (hidden
+#   512) 3·256·512 = 393,216: 1,968,128.
+DENSE_BLOCK = 3_555_840 + 512 + 786_432
+MOE_BLOCK = 3_555_840 + 512 + 1_968_128
+EMBEDDING = 2048 * 256
+MOE_PARAMETERS = DENSE_BLOCK + 5 * MOE_BLOCK + 2 * EMBEDDING + 256  # + the final norm
+MOE_ARGS = tuple(a if a not in ("llama3", "llama3_debugmodel") else
+                 {"llama3": "deepseek_v3", "llama3_debugmodel": "deepseek_v3_debugmodel"}[a]
+                 for a in ARGS)
+
+
+@pytest.mark.slow
+def test_moe_debug_model_predicted(assets, capsys):
+    out = assets / "moe.json"
+    code, _, err = _ampscope(capsys, "--nproc", "2", "--predict", "--device", "cuda", "--quiet",
+                             "--json", str(out), *MOE_ARGS)
+    assert code == 0, err
+    document = _validated(out)
+    ranks = [rank for rank in document["ranks"] if "held" in rank]
+    assert len(ranks) == 2
+    for rank in ranks:
+        shard = MOE_PARAMETERS * 4 // 2
+        assert rank["held"]["parameter"] == {"float32": shard}
+        assert rank["held"]["gradient"] == {"float32": shard}
+        # AdamW's two moments, and its float32 `step` of each of the 83 parameters.
+        assert rank["held"]["optimizer_state"] == {"float32": 2 * shard + 83 * 4}
+        # FSDP2 all-gathers each module's parameters in bfloat16, in forward order: the
+        # embedding, the dense block, then the MoE blocks.
+        gathered = [c["payload_bytes"] for c in rank["collectives"]
+                    if (c["kind"], c["phase"]) == ("all_gather", "forward")]
+        assert gathered[:3] == [EMBEDDING * 2, DENSE_BLOCK * 2, MOE_BLOCK * 2]
