@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -25,7 +24,7 @@ from ampscope.runtime.attention_choice import (
 )
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.ops import SDPA_OP_NAMES
-from ampscope.torchcompat.policy import destroy_library, no_autocast
+from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
 
 aten = torch.ops.aten
 
@@ -242,6 +241,12 @@ def _composite():
     return scaled_dot_product_attention
 
 
+def _register(lib: torch.library.Library) -> None:
+    lib.impl("scaled_dot_product_attention", _composite(), "CompositeImplicitAutograd")
+    for name, kernel in _CPU_KERNELS.items():
+        lib.impl(name, kernel, "CPU")
+
+
 @contextlib.contextmanager
 def cuda_attention(target: CudaTarget = H100) -> Iterator[list[AttentionChoice]]:
     """While active, SDPA on CPU (or fake CPU) tensors runs the ops `target` would run.
@@ -254,16 +259,8 @@ def cuda_attention(target: CudaTarget = H100) -> Iterator[list[AttentionChoice]]
     """
     choices: list[AttentionChoice] = []
     outermost = not _contexts
-    lib = torch.library.Library("aten", "IMPL") if outermost else None
+    lib = overriding_library(_register) if outermost else None
     try:
-        if lib is not None:
-            with warnings.catch_warnings():  # overriding the C++ composite is the point
-                warnings.filterwarnings("ignore",
-                                        message="(?s).*Overriding a previously registered")
-                lib.impl("scaled_dot_product_attention", _composite(),
-                         "CompositeImplicitAutograd")
-                for name, kernel in _CPU_KERNELS.items():
-                    lib.impl(name, kernel, "CPU")
         _contexts.append((target, choices))
         try:
             yield choices

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 from ampscope.runtime.autocast_key import key_state
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import policy as dispatcher
@@ -177,13 +177,13 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
             raise _Stop
         return kernel
 
-    library = torch.library.Library("aten", "IMPL")
+    def register(library: torch.library.Library) -> None:
+        for overload_name in packet.overloads():
+            overload = getattr(packet, overload_name)
+            library.impl(overload, catch(overload), dispatcher.autograd_key(device))
+
+    library = dispatcher.overriding_library(register)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            for overload_name in packet.overloads():
-                overload = getattr(packet, overload_name)
-                library.impl(overload, catch(overload), dispatcher.autograd_key(device))
         casts, error = _call(op, device, dtype, input_dtypes, named=False)
         if error is not None and _NOT_A_DIMNAME in error:
             # The schema types a named dimension (`softmax.Dimname`) as `str`; only the
@@ -229,7 +229,7 @@ def _call(op: OpOverload, device: str, dtype: torch.dtype, input_dtypes: list[to
         except _Stop:
             pass
         except Exception as e:  # noqa: BLE001 - any refusal is an answer (banned)
-            error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            error = first_line(e)
         finally:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, previous)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +40,7 @@ from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.ops import FUSED_RMS_NORM_NAMES
-from ampscope.torchcompat.policy import destroy_library, no_autocast
+from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -172,23 +171,16 @@ class TargetAutocast:
             "banned": banned,
         }.get(rule.category, torch.library.fallthrough_kernel)
 
+    def _register(self, library: torch.library.Library) -> None:
+        for name in sorted(set(registered_ops("cpu")) | set(self.policy)):
+            op = op_overload(name)
+            rule = self.policy.get(name)
+            kernel = self._kernel(rule, op) if rule is not None else torch.library.fallthrough_kernel
+            library.impl(op, kernel, "AutocastCPU")
+
     def __enter__(self) -> TargetAutocast:
         global _active
-        library = torch.library.Library("aten", "IMPL")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-                for name in sorted(set(registered_ops("cpu")) | set(self.policy)):
-                    op = op_overload(name)
-                    rule = self.policy.get(name)
-                    kernel = (
-                        self._kernel(rule, op) if rule is not None else torch.library.fallthrough_kernel
-                    )
-                    library.impl(op, kernel, "AutocastCPU")
-        except BaseException:
-            destroy_library(library)
-            raise
-        self._library = library
+        self._library = overriding_library(self._register)
         _active = self
         return self
 
@@ -253,19 +245,13 @@ class TargetKernels:
         self._library: torch.library.Library | None = None
 
     def __enter__(self) -> TargetKernels:
-        if not self.ops:
-            return self
-        library = torch.library.Library("aten", "IMPL")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-                for name in self.ops:
-                    library.impl(op_overload(name), FUSED_KERNELS[name], "CPU")
-        except BaseException:
-            destroy_library(library)
-            raise
-        self._library = library
+        if self.ops:
+            self._library = overriding_library(self._register)
         return self
+
+    def _register(self, library: torch.library.Library) -> None:
+        for name in self.ops:
+            library.impl(op_overload(name), FUSED_KERNELS[name], "CPU")
 
     def __exit__(self, *exc) -> None:
         if self._library is not None:
@@ -328,6 +314,7 @@ class Emulation:
 
     def __enter__(self) -> Emulation:
         from ampscope.runtime.attention_kernels import cuda_attention
+        from ampscope.runtime.half_matmul import half_matmuls
         from ampscope.runtime.norm_stats import TargetNormStats
 
         with self._stack as stack:
@@ -338,6 +325,8 @@ class Emulation:
             entry = device_type(self.device)
             if entry.attention == "cuda":
                 self.attention = stack.enter_context(cuda_attention())
+                # The GPU's float16 GEMM: float32 accumulation, one rounding (half_matmul.py).
+                stack.enter_context(half_matmuls())
             if entry.rnn == "cudnn":
                 from ampscope.runtime.rnn_kernels import cuda_rnn
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -35,7 +34,7 @@ from ampscope.runtime.autocast_key import cpu_key_enabled
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor
-from ampscope.torchcompat.policy import destroy_library, no_autocast
+from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
 
 aten = torch.ops.aten
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -356,11 +355,7 @@ def cuda_rnn(target: CudaTarget = H100) -> Iterator[list[RnnChoice]]:
     assert switch is not None  # (emulable() was asked)
     with contextlib.ExitStack() as stack:
         if outermost:
-            lib = torch.library.Library("aten", "IMPL")
-            stack.callback(destroy_library, lib)
-            with warnings.catch_warnings():  # overriding the C++ composites is the point
-                warnings.simplefilter("ignore")
-                _register(lib)
+            stack.callback(destroy_library, overriding_library(_register))
             stack.enter_context(patched(torch.backends.cudnn, "is_acceptable", _is_acceptable))
             stack.enter_context(patched(*switch, lambda: torch.backends.cudnn.enabled))
             # flatten_parameters() flattens under `torch.cuda.device_of(weight)`: the one

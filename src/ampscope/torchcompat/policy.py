@@ -3,8 +3,9 @@
 - which ops have a kernel registered for a dispatch key (`registrations`, `has_kernel`): the
   autocast op lists of a device are the registrations for its Autocast key;
 - what kind of value a schema argument takes (`argument_kind`), to build a dummy call;
-- dropping a `torch.library.Library`'s registrations (`destroy_library`) and skipping a
-  device's autocast key while a kernel runs (`no_autocast`);
+- a `torch.library.Library` of kernels that override PyTorch's own (`overriding_library`),
+  dropping its registrations (`destroy_library`), and skipping a device's autocast key while a
+  kernel runs (`no_autocast`);
 
 Each is found once; where a build lacks one, the feature that needs it is off, with the reason
 in `features()`.
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,7 +24,7 @@ from ampscope.torchcompat.dispatch import OpOverload
 from ampscope.torchcompat.features import Feature
 
 __all__ = ["argument_kind", "destroy_library", "has_kernel",
-           "is_view", "no_autocast", "registrations"]
+           "is_view", "no_autocast", "overriding_library", "registrations"]
 
 _C = torch._C
 
@@ -99,6 +101,23 @@ def _list_kind(element) -> str:
 
 
 # --- registrations for the duration of a run ------------------------------------------------
+
+def overriding_library(register: Callable[[torch.library.Library], object]
+                       ) -> torch.library.Library:
+    """A `torch.library.Library("aten", "IMPL")` that `register(library)` fills with kernels
+    overriding PyTorch's own, without the warning that says so (overriding is the point); if
+    `register` raises, the library is destroyed again and nothing stays registered. Hand it to
+    `destroy_library` to bring PyTorch's kernels back."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            register(library)
+    except BaseException:
+        destroy_library(library)
+        raise
+    return library
+
 
 def destroy_library(library: torch.library.Library) -> None:
     """Drop every registration `library` made (PyTorch's own kernels are back)."""
