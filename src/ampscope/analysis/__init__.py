@@ -10,7 +10,11 @@
 - `diagnosis.py`: a dtype error explained (a mismatch, a constant out of range), with its fixes;
 - `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces;
 - `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
+- `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
 - `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;
+- `step_time.py`: `StepTime`, a step's predicted time on an accelerator and where it goes, from
+  `op_time.py` (one op's time: matmuls with tile and wave quantization, memory, launch,
+  collectives);
 - `numerics.py`: `NumericsReport`, divergence from a reference and ranges;
 - `autocast.py`: `PolicyReport`, autocast policies side by side;
 - `policy_versions.py`: the finding that says when dtypes depend on the PyTorch release;

@@ -4,6 +4,8 @@
   `describe`;
 - `user.py`: the user's own figures (a TOML table merged over `KNOWN`: `table()`;
   `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name` in the merged table;
+- `kernels.py`: the step-time model's figures (achievable fractions of peak, GEMM tiles, launch
+  and host overhead, attention kernels, interconnect), each with its source, `params(acc)`;
 - `device_types.py`: the device types a run can target (cpu, cuda, mps, xpu) and what each
   does differently, one `DeviceType` entry a device.
 

@@ -57,11 +57,14 @@ class Accelerator:
     sources: Mapping[str, str] = field(hash=False)
     tf32_matmuls: bool = False
     multiprocessors: int | None = None  # streaming multiprocessors (SMs); None: not recorded
+    # The user's overrides of the step-time model's figures (hardware/kernels.py), by name.
+    kernels: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         # Read-only views: the table is shared by every caller.
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        object.__setattr__(self, "kernels", MappingProxyType(dict(self.kernels)))
 
 
 def _cite(*pairs: tuple[str, str]) -> dict[str, str]:
@@ -81,6 +84,9 @@ _BLACKWELL_DATASHEET = ("NVIDIA Blackwell datasheet, HGX B200 column, "
                         "https://resources.nvidia.com/en-us-blackwell-architecture/datasheet")
 _A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/"
                    "en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+_A100_WHITEPAPER = ("NVIDIA A100 Tensor Core GPU Architecture whitepaper, Table 1 (A100: 108 SMs), "
+                    "https://images.nvidia.com/aem-dam/en-zz/Solutions/data-center/"
+                    "nvidia-ampere-architecture-whitepaper.pdf")
 _A10_DATASHEET = ("NVIDIA A10 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/"
                   "en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf")
 _L4_PAGE = "NVIDIA L4 product page, https://www.nvidia.com/en-us/data-center/l4/"
@@ -175,8 +181,10 @@ A100 = Accelerator(
                 "float16": 312e12},
     memory_bytes=80 * GiB,
     bandwidth_bytes_per_s=2.039e12,
-    sources=_cite(("float64 float32 tf32 bfloat16 float16 memory bandwidth", _A100_DATASHEET)),
+    sources=_cite(("float64 float32 tf32 bfloat16 float16 memory bandwidth", _A100_DATASHEET),
+                  ("multiprocessors", _A100_WHITEPAPER)),
     tf32_matmuls=True,
+    multiprocessors=108,  # every A100 board: the GA100 with 108 of its 128 SMs enabled
 )
 A100_40GB = replace(  # SXM4 and PCIe boards: same memory, same 1,555 GB/s
     A100, name="a100-40gb", title="NVIDIA A100 40GB (SXM4 or PCIe)",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.kernels import check_overrides
 from ampscope.hardware.known import DTYPES, KNOWN, Accelerator
 
 if sys.version_info >= (3, 11):
@@ -35,7 +36,7 @@ _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*([0-9][0-9_.]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _USER_KEYS = {"title", "patterns", "peak_flops", "memory", "bandwidth", "tf32_matmuls",
-              "multiprocessors"}
+              "multiprocessors", "kernels"}
 
 
 def user_table_path() -> Path:
@@ -118,6 +119,7 @@ class _Figures(TypedDict):
     title: str
     tf32_matmuls: bool
     multiprocessors: int | None
+    kernels: Mapping[str, float]
 
 
 def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) -> Accelerator:
@@ -139,11 +141,16 @@ def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) 
             raise AmpscopeError("patterns must be a list of regular expressions")
         for pattern in patterns:
             re.compile(pattern)
+        kernels = entry.get("kernels", {})
+        if not isinstance(kernels, dict):
+            raise AmpscopeError("kernels must be a table, e.g. { gemm_bfloat16 = 0.9 }")
+        kernels = check_overrides(kernels)
     except (AmpscopeError, re.error) as e:
         raise AmpscopeError(f"{where}: {e}") from None
     if base is None and (memory is None or not peaks):
         raise AmpscopeError(f"{where}: a new accelerator needs memory and peak_flops")
-    given = [*(f for f in ("memory", "bandwidth") if f in entry), *peaks]
+    given = [*(f for f in ("memory", "bandwidth") if f in entry), *peaks,
+             *(f"kernels.{k}" for k in kernels)]
     # (A new accelerator, base None, has a memory: refused above otherwise.)
     figures: _Figures = {
         "peak_flops": {**(base.peak_flops if base else {}), **peaks},
@@ -155,6 +162,7 @@ def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) 
         "title": str(entry.get("title", base.title if base else name)),
         "tf32_matmuls": bool(entry.get("tf32_matmuls", base.tf32_matmuls if base else False)),
         "multiprocessors": entry.get("multiprocessors", base.multiprocessors if base else None),
+        "kernels": {**(base.kernels if base else {}), **kernels},
     }
     return replace(base, **figures) if base else Accelerator(name=name, **figures)
 

@@ -10,6 +10,8 @@ Namesakes, the same concern at another layer: `runs/ops.py`."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _aten = torch.ops.aten
@@ -60,3 +62,34 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 PYTREE_LOGGER = "torch.utils._pytree"
 # How `torch.overrides.resolve_name` names a method of the C++ tensor type.
 TENSOR_BASE_PREFIX = "torch._C.TensorBase."
+
+# Ops that only make a new view of their input's storage (no bytes moved, no kernel), by name,
+# where an op's schema cannot be read: the aliasing views of ATen's native_functions.yaml and
+# `_unsafe_view` (a view autograd does not track as one), `lift_fresh` and `alias`.
+_VIEW_NAMES = frozenset((
+    "view", "_unsafe_view", "t", "transpose", "permute", "expand", "expand_as", "slice",
+    "select", "unsqueeze", "squeeze", "as_strided", "alias", "detach", "split",
+    "split_with_sizes", "unbind", "chunk", "narrow", "view_as", "view_as_real",
+    "view_as_complex", "diagonal", "unfold", "lift_fresh", "movedim", "numpy_T", "T", "mT",
+    "reshape", "flatten", "unflatten", "tensor_split", "hsplit", "vsplit", "swapaxes",
+    "swapdims", "real", "imag", "indices", "values", "_reshape_alias", "unsafe_split",
+    "unsafe_chunk"))
+
+
+@functools.cache
+def is_view_op(name: str) -> bool:
+    """Does the op named `name` ("aten.view.default", as records keep it) only make a view, moving
+    no bytes and launching no kernel? Read from the op's schema (a return that aliases an input
+    and is not written: `OpOverload.is_view`), with `_unsafe_view` added (its schema shows no
+    alias, but it is a reshape of a fresh tensor); the name list above where the op cannot be
+    found or its schema read."""
+    namespace, _, rest = name.partition(".")
+    packet_name, _, overload = rest.rpartition(".")
+    if packet_name == "_unsafe_view":
+        return True
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), packet_name), overload)
+        return bool(op.is_view) and not any(
+            r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns)
+    except (AttributeError, RuntimeError):  # an op this build lacks, or no schema to read
+        return (packet_name or rest) in _VIEW_NAMES

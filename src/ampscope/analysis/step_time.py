@@ -1,0 +1,178 @@
+"""How long one traced step takes on a target accelerator, and where the time goes.
+
+`step_time(trace, accelerator)` costs every op of the step (analysis/op_time.py: compute,
+memory, launch and host overhead, collectives by bytes, group and link) with the parameters of
+hardware/kernels.py, and adds them up as an eager PyTorch step runs: one op after another on
+one stream, so the step is the sum of its ops, except for the collectives FSDP2 and DDP overlap.
+
+**Which ops are the step.** Exactly those `flops.flop_report` counts for it: every op of the
+forward, backward and optimizer phases; an evaluation or sampling pass of a run that trained
+is not part of the step (its FLOPs are not either).
+
+**The overlap rule (FSDP2, DDP).** FSDP2 prefetches the next block's all-gather while the
+current block computes, and reduce-scatters a block's gradients while the previous block's
+backward runs; DDP all-reduces gradient buckets during backward. So in the forward and backward
+phases, all-gathers, reduce-scatters (and, in backward, all-reduces) overlap that phase's
+compute: the phase's first such collective is exposed (nothing runs before it), so is
+backward's last one (nothing runs after it), and the rest cost only what the phase's other ops
+cannot hide: max(0, their sum − the phase's other time). Every other collective (a tensor-
+parallel all-reduce in forward, anything in the optimizer) is on the critical path in full.
+Within a phase no kernel overlaps another (no streams beyond the collectives' are modelled).
+
+`StepTime` is the result: seconds, by bound, phase and module, per op, tokens/s, MFU
+(hardware.mfu, each dtype's FLOPs against its own peak), the notes that say what was assumed,
+and the parameters with their sources; `to_dict()` is its JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ampscope import hardware
+from ampscope.analysis.flops import PHASES, matmul_dtype
+from ampscope.analysis.op_time import BOUNDS, OpTime, op_time
+from ampscope.analysis.summary import tokens_of
+from ampscope.hardware.kernels import KernelParams, params
+from ampscope.hardware.known import Accelerator
+from ampscope.records import Trace, module_label
+
+SCHEMA = "ampscope.step_time/1"
+_OVERLAPPED = {"forward": ("all_gather", "reduce_scatter"),
+               "backward": ("all_gather", "reduce_scatter", "all_reduce")}
+TOP_MODULES = 10
+
+
+@dataclass
+class StepTime:
+    """A predicted step on one accelerator.
+
+    `seconds`: the step; `by_bound`: seconds by what bounds each op ("compute", "memory",
+    "launch", "communication": only the exposed part of overlapped collectives); `by_phase`:
+    seconds by phase (forward, backward, optimizer); `by_module`: the `TOP_MODULES` modules
+    whose own ops take longest, seconds each; `ops`: every op of the step with its time;
+    `tokens` and `tokens_per_second`; `mfu` (None where a peak is unknown); `hidden_seconds`:
+    collective time the overlap rule hid; `notes`: what was assumed; `params`: the figures used
+    and their sources."""
+
+    model: str
+    setting: str
+    accelerator: str
+    seconds: float
+    by_bound: dict[str, float]
+    by_phase: dict[str, float]
+    by_module: dict[str, float]
+    ops: list[OpTime]
+    tokens: int
+    tokens_per_second: float
+    mfu: float | None
+    hidden_seconds: float
+    params: KernelParams
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "setting": self.setting,
+            "accelerator": self.accelerator,
+            "seconds": self.seconds,
+            "by_bound": self.by_bound,
+            "by_phase": self.by_phase,
+            "by_module": self.by_module,
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "hidden_seconds": self.hidden_seconds,
+            "notes": self.notes,
+            "params": self.params.to_dict(),
+            "ops": [o.to_dict() for o in self.ops],
+        }
+
+
+def step_ops(trace: Trace) -> list:
+    """The ops of the step, as `flop_report` counts them: the forward, backward and optimizer
+    phases."""
+    return [o for o in trace.ops if o.phase in PHASES]
+
+
+def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = None,
+              world_size: int = 1, kernel_params: KernelParams | None = None) -> StepTime:
+    """The predicted time of the traced step on `accelerator` (module docstring). `tokens`:
+    the step's tokens (default: `summary.tokens_of`); `world_size`: the group size of a
+    collective whose record lacks one; `kernel_params`: the model's figures (default:
+    `hardware.kernels.params(accelerator)`, with the user's hardware.toml over them)."""
+    figures = kernel_params or params(accelerator)
+    step = step_ops(trace)
+    timed = [op_time(o, accelerator, figures, world_size=world_size) for o in step]
+    by_bound = dict.fromkeys(BOUNDS, 0.0)
+    by_phase = dict.fromkeys(PHASES, 0.0)
+    by_module: dict[str, float] = {}
+    hidden = 0.0
+    for phase in PHASES:
+        ops = [t for t in timed if t.phase == phase]
+        overlappable = [t for t in ops if t.collective in _OVERLAPPED.get(phase, ())]
+        overlapped = {t.index for t in overlappable}
+        other = sum(t.seconds for t in ops if t.index not in overlapped)
+        exposed = exposed_seconds(overlappable, other, last_exposed=phase == "backward")
+        hidden += sum(t.seconds for t in overlappable) - exposed
+        by_phase[phase] = other + exposed
+        by_bound["communication"] += exposed
+        for t in ops:
+            if t.index in overlapped or t.bound == "none":
+                continue
+            by_bound[t.bound] += t.seconds
+    for t in timed:
+        if t.seconds:
+            label = module_label(t.module)
+            by_module[label] = by_module.get(label, 0.0) + t.seconds
+    top = dict(sorted(by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES])
+    seconds = sum(by_phase.values())
+    count = tokens if tokens is not None else tokens_of(trace)
+    return StepTime(
+        model=trace.model.name, setting=trace.setting.name, accelerator=accelerator.name,
+        seconds=seconds, by_bound=by_bound, by_phase=by_phase, by_module=top, ops=timed,
+        tokens=count, tokens_per_second=count / seconds if seconds else 0.0,
+        mfu=_mfu(trace, seconds, accelerator), hidden_seconds=hidden, params=figures,
+        notes=_notes(trace, timed, accelerator, hidden))
+
+
+def exposed_seconds(collectives: list[OpTime], other: float, *, last_exposed: bool) -> float:
+    """The overlap rule: the first collective (and backward's last) in full, the rest beyond
+    what the phase's other ops hide."""
+    if not collectives:
+        return 0.0
+    ends = [collectives[0]] + ([collectives[-1]] if last_exposed and len(collectives) > 1 else [])
+    fixed = sum(t.seconds for t in ends)
+    rest = sum(t.seconds for t in collectives) - fixed
+    return fixed + max(0.0, rest - other)
+
+
+def _mfu(trace: Trace, seconds: float, accelerator: Accelerator) -> float | None:
+    if seconds <= 0:
+        return None
+    by_dtype: dict[str, float] = {}
+    for o in step_ops(trace):
+        if o.flops:
+            by_dtype[matmul_dtype(o)] = by_dtype.get(matmul_dtype(o), 0.0) + o.flops
+    return hardware.mfu(by_dtype, seconds, accelerator, trace.setting.matmul_precision)
+
+
+def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float) -> list[str]:
+    notes = ["Eager PyTorch: one op after another on one stream; each op max(compute, memory, "
+             "host dispatch) + a kernel launch gap (docs/performance.md)."]
+    if acc.multiprocessors is None:
+        notes.append(f"{acc.name} has no SM count in the hardware table: matmuls are timed "
+                     "without tile or wave quantization.")
+    if any(t.collective for t in timed):
+        notes.append(f"Collectives: ring algorithm; FSDP2/DDP overlap rule hid {hidden:.6f} s "
+                     "of all-gathers, reduce-scatters and backward all-reduces.")
+    if not acc.bandwidth_bytes_per_s:
+        notes.append(f"{acc.name} has no memory bandwidth in the hardware table: memory "
+                     "traffic costs nothing here.")
+    if trace.mode != "predict" and trace.setting.emulated:
+        notes.append("Traced emulated on another device: the ops are the target's, their "
+                      "kernels' choice as the emulation made it.")
+    return notes
+
+
+__all__ = ["SCHEMA", "TOP_MODULES", "StepTime", "exposed_seconds", "step_ops", "step_time"]
