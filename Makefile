@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast docs-check lint bench clean setup
+.PHONY: run test test-fast docs-check lint bench clean setup gpu-check
 
 setup: $(STAMP)
 
@@ -57,6 +57,25 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_trace.py
 	$(BIN)/python benchmarks/bench_predict.py
+
+# On a machine with an NVIDIA GPU: measure what ampscope's GPU model predicts (matmuls, bandwidth,
+# attention, GPT-2's training step in the built-in settings) and write gpu_check.json and
+# gpu_check.md to $OUT, else benchmarks/gpu/ (benchmarks/gpu/README.md; at most 8 minutes on an
+# H100/H200). The Python is GPU_PY if given, else .venv's if its torch sees a GPU, else the
+# system's python3 if its torch does (a GPU machine's own CUDA build: make setup would install
+# the CPU wheel, and such machines may have no network), else .venv, made by `make setup`
+# (without a GPU the check then says so and exits 2). ampscope is read from src/ either way.
+# GPU_CHECK_ARGS passes options on: `make gpu-check GPU_CHECK_ARGS="--device cpu --tiny"`.
+GPU_CHECK_ARGS ?=
+HAS_CUDA := -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'
+
+gpu-check:
+	@if [ -n "$(GPU_PY)" ]; then py="$(GPU_PY)"; \
+	elif [ -x $(BIN)/python ] && $(BIN)/python $(HAS_CUDA) 2>/dev/null; then py=$(BIN)/python; \
+	elif $(PY) $(HAS_CUDA) 2>/dev/null; then py=$(PY); \
+	else $(MAKE) --no-print-directory setup && py=$(BIN)/python; fi; \
+	echo "gpu-check: $$py" >&2; \
+	PYTHONPATH=tools:src$${PYTHONPATH:+:$$PYTHONPATH} $$py -m gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,233 @@
+"""tools/gpu_check (`make gpu-check`): its plumbing on the CPU. `--device cpu --tiny` runs every
+part at tiny shapes; the tests check that the JSON has every part with the right FLOP and byte
+counts, that ratios are measured / predicted, that the markdown and the docs section render, that
+torch's global settings are as before, and the one-line refusal without a GPU. The measurements
+themselves are only meaningful on a GPU (benchmarks/gpu/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampscope
+from ampscope import hardware
+from ampscope.precision import GlobalState, matmul
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
+
+from gpu_check import measure, predict, report, steps  # noqa: E402
+from gpu_check.__main__ import main  # noqa: E402
+from gpu_check.timing import matmul_precision  # noqa: E402
+
+TINY_GPT2_PARAMETERS = 136_960  # gpt2-tiny: 2 layers × 64, vocabulary 512 (catalog.py)
+
+
+def _state() -> tuple:
+    """torch's global settings as the run could change them (the matmul precision per backend:
+    torch 2.9+ also has the per-backend API, and reading the legacy one raises once both were
+    used)."""
+    return (matmul.snapshot(), torch.backends.cuda.matmul.allow_tf32,
+            torch.get_default_dtype(), torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny CPU run, started from a user's unusual global state (float32 matmul precision
+    "medium", float64 default dtype), the state after it, and its files."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    saved = GlobalState.save()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        torch.set_default_dtype(torch.float64)
+        before = _state() + (torch.get_float32_matmul_precision(),)
+        status = main(["--device", "cpu", "--tiny", "--gpu", "h100", "--out", str(out)])
+        after = _state() + (torch.get_float32_matmul_precision(),)
+    finally:
+        saved.restore()
+    results = json.loads((out / "gpu_check.json").read_text())
+    return {"status": status, "results": results, "markdown": (out / "gpu_check.md").read_text(),
+            "before": before, "after": after}
+
+
+@pytest.mark.slow
+def test_global_settings_are_restored(tiny_run):
+    assert tiny_run["status"] == 0
+    before = tiny_run["before"]
+    assert before[-1] == "medium"  # the state the run started from
+    assert before[1] is True  # "medium" allows TF32 for CUDA matmuls
+    assert before[2] == torch.float64
+    assert tiny_run["after"] == before
+
+
+def test_settings_set_with_the_new_api_are_restored():
+    """A user who set the per-backend precision (the new API) gets it back: the legacy read
+    would raise here, so only the per-backend values tell."""
+    saved = GlobalState.save()
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.fp32_precision = "ieee"
+        before = _state()
+        with matmul_precision("highest"):
+            assert matmul.snapshot()["cuda.matmul"] == "ieee"
+        with matmul_precision("high"):
+            assert matmul.snapshot()["cuda.matmul"] == "tf32"
+        assert _state() == before
+    finally:
+        saved.restore()
+
+
+@pytest.mark.slow
+def test_json_has_every_part(tiny_run):
+    r = tiny_run["results"]
+    assert r["schema"] == "ampscope.gpu_check/1"
+    assert set(report.PARTS) <= set(r)
+    assert r["device"]["device_type"] == "cpu" and r["device"]["torch"] == torch.__version__
+    assert r["accelerator"]["name"] == "h100" and r["accelerator"]["chosen"] == "--gpu h100"
+    # Every shape in every mode, each with its FLOPs: 2·M·K·N.
+    assert [(m["mode"], m["name"]) for m in r["matmuls"]] == [
+        (mode, name) for mode, *_ in measure.MATMUL_MODES for name, *_ in measure.MATMULS]
+    for row in r["matmuls"]:
+        assert row["flops"] == 2 * row["m"] * row["k"] * row["n"]
+        assert row["seconds"] > 0 and row["tflops"] == pytest.approx(
+            row["flops"] / row["seconds"] / 1e12)
+    lm_head = next(m for m in r["matmuls"] if m["name"] == "gpt2 lm_head")
+    assert (lm_head["m"], lm_head["k"], lm_head["n"]) == (16384 // 256, 768 // 64, 50257 // 64)
+    # A copy reads and writes N bytes; an add reads 2N and writes N (N: 4 MiB of float32).
+    n = 4 * 2**20
+    assert [(b["name"], b["bytes"]) for b in r["bandwidth"]] == [("copy", 2 * n), ("add", 3 * n)]
+    # Each kernel in bf16 and fp32, forward and with backward; the CPU runs flash, math and the
+    # hand-written form, and says why it skipped the others.
+    attention = {(a["name"], a["dtype"], a["direction"]): a for a in r["attention"]}
+    assert len(attention) == 5 * 2 * 2
+    b, h, t, d = measure.TINY_ATTENTION
+    for (name, _, direction), row in attention.items():
+        assert row["flops"] == 4 * b * h * t * t * d * (3 if direction == "forward+backward" else 1)
+        if name in ("math", "handwritten"):
+            assert row["seconds"] > 0
+        if name == "cudnn":
+            assert row["seconds"] is None and row["skipped"]
+    assert [s["setting"] for s in r["steps"]] == list(steps.SETTINGS)
+    for row in r["steps"]:
+        assert (row["model"], row["batch"], row["seq"]) == ("gpt2-tiny", 2, 16)
+        assert row["tokens"] == 32 and row["seconds"] > 0
+        assert row["min_seconds"] <= row["seconds"] <= row["max_seconds"]
+        # The CPU has no allocator counters: n/a, never a made-up zero.
+        assert row["first_step_peak"] == {"allocated": None, "reserved": None}
+
+
+@pytest.mark.slow
+def test_predicted_peaks_and_ratios(tiny_run):
+    r = tiny_run["results"]
+    by = {s["setting"]: s for s in r["steps"]}
+    # At AdamW's step an fp32 model holds its weights, gradients and two moments, 4 bytes each.
+    fp32 = by["fp32"]["predicted"]["allocated"]
+    assert fp32 >= 4 * 4 * TINY_GPT2_PARAMETERS
+    # bf16 parameters (and so gradients and moments) halve those four; activations shrink too.
+    bf16 = by["bf16"]["predicted"]["allocated"]
+    assert 4 * 2 * TINY_GPT2_PARAMETERS <= bf16 < fp32
+    for row in r["steps"]:
+        assert row["ratio"]["allocated"] is None  # nothing measured on the CPU
+        predicted_seconds = row["predicted"]["seconds"]
+        expected = row["seconds"] / predicted_seconds if predicted_seconds else None
+        assert row["ratio"]["seconds"] == expected
+    h100 = hardware.by_name("h100")
+    for row in r["matmuls"]:
+        figure = {"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16"}
+        assert row["peak_tflops"] == h100.peak_flops[figure[row["mode"]]] / 1e12
+        assert row["of_peak"] == pytest.approx(row["tflops"] / row["peak_tflops"])
+    for row in r["bandwidth"]:
+        assert row["of_peak"] == pytest.approx(row["bytes_per_s"] / h100.bandwidth_bytes_per_s)
+    if not predict.available("ampscope.analysis.step_time"):
+        assert any("step-time model" in line for line in r["not_predicted"])
+
+
+def test_ratio_is_measured_over_predicted():
+    assert predict.ratio(3.0, 2.0) == 1.5
+    assert predict.ratio(None, 2.0) is None
+    assert predict.ratio(3.0, None) is None
+    assert predict.ratio(3.0, 0.0) is None
+
+
+def test_table_leaves_out_an_empty_prediction_column():
+    columns = [("item", lambda r: r["name"], False),
+               ("measured", lambda r: report._num(r.get("m")), False),
+               ("predicted", lambda r: report._num(r.get("p")), True)]
+    text = report.table(columns, [{"name": "a", "m": 1.0}, {"name": "b"}])
+    assert text.splitlines() == ["| item | measured |", "|---|---:|", "| a | 1.00 |",
+                                 "| b | n/a |"]
+    text = report.table(columns, [{"name": "a", "m": 1.0, "p": 0.5}, {"name": "b"}])
+    assert text.splitlines()[0] == "| item | measured | predicted |"
+    assert text.splitlines()[3] == "| b | n/a | n/a |"
+
+
+@pytest.mark.slow
+def test_markdown_renders(tiny_run):
+    md, r = tiny_run["markdown"], tiny_run["results"]
+    assert md == report.markdown(r)
+    assert "Device: **" in md and "tiny shapes" in md
+    for header in ("**Matmuls**", "**Memory bandwidth**", "**Attention**", "**Training step**"):
+        assert header in md
+    rows = [line for line in md.splitlines() if line.startswith("| gpt2 lm_head")]
+    assert len(rows) == 4  # one a mode
+    tf32 = next(line for line in rows if "| tf32 |" in line)
+    assert r["matmuls"][16]["name"] == "gpt2 lm_head" and r["matmuls"][16]["mode"] == "tf32"
+    assert tf32.endswith(f"| {r['matmuls'][16]['of_peak']:.0%} |")
+    step_rows = [line for line in md.splitlines() if line.startswith("| gpt2-tiny 2×16")]
+    assert len(step_rows) == 4
+    header = next(line for line in md.splitlines() if line.startswith("| model |"))
+    assert "ratio (allocated)" not in header  # no measured allocation on the CPU: left out
+    assert "predicted allocated" in header
+
+
+def test_update_docs_rewrites_only_its_section(tmp_path):
+    results = {"device": {"name": "NVIDIA H200", "device_type": "cuda", "multiprocessors": 132,
+                          "memory_bytes": 150_754_820_096, "torch": "2.11.0", "cuda": "13.0"},
+               "accelerator": {"name": "h200", "title": "NVIDIA H200", "chosen": "matched"},
+               "matmuls": [], "bandwidth": [], "attention": [], "steps": []}
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\n## Method\n\nthe model.\n\n## Measured on a GPU\n\nold\n\n"
+                   "## Later\n\nkept\n")
+    report.update_docs(results, doc)
+    text = doc.read_text()
+    assert text.startswith("# Performance\n\n## Method\n\nthe model.\n\n## Measured on a GPU\n")
+    assert "old" not in text and "NVIDIA H200** (132 SMs, 140.40 GiB)" in text
+    assert text.endswith("\n## Later\n\nkept\n")
+    report.update_docs(results, doc)
+    assert doc.read_text() == text  # rewriting is idempotent
+    # A page without the section gets it appended; a missing page is made with it alone.
+    other = tmp_path / "other.md"
+    other.write_text("# Performance\n\n## Method\n\nthe model.\n")
+    report.update_docs(results, other)
+    assert other.read_text() == "# Performance\n\n## Method\n\nthe model.\n\n" + report.section(results)
+    missing = tmp_path / "missing.md"
+    report.update_docs(results, missing)
+    assert missing.read_text() == report.section(results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_exits_2_with_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tools"), OUT=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "gpu_check"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a machine with an "
+        "NVIDIA GPU, or pass --device cpu --tiny to check the plumbing"]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_settings_are_the_built_in_ones():
+    for name in steps.SETTINGS:
+        setting = ampscope.parse_setting(name)
+        assert setting.name == name
+    assert ampscope.parse_setting("fp32+tf32").matmul_precision == "high"
