@@ -17,6 +17,8 @@ import torch
 
 import ampscope
 from ampscope import hardware
+from ampscope.analysis import op_time
+from ampscope.hardware import kernels
 from ampscope.precision import GlobalState, matmul
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +27,7 @@ if str(ROOT / "tools") not in sys.path:
 
 from gpu_check import measure, predict, report, steps  # noqa: E402
 from gpu_check.__main__ import main  # noqa: E402
-from gpu_check.timing import matmul_precision  # noqa: E402
+from gpu_check.timing import Box, matmul_precision  # noqa: E402
 
 TINY_GPT2_PARAMETERS = 136_960  # gpt2-tiny: 2 layers × 64, vocabulary 512 (catalog.py)
 
@@ -136,18 +138,57 @@ def test_predicted_peaks_and_ratios(tiny_run):
     assert 4 * 2 * TINY_GPT2_PARAMETERS <= bf16 < fp32
     for row in r["steps"]:
         assert row["ratio"]["allocated"] is None  # nothing measured on the CPU
-        predicted_seconds = row["predicted"]["seconds"]
-        expected = row["seconds"] / predicted_seconds if predicted_seconds else None
-        assert row["ratio"]["seconds"] == expected
+        assert row["predicted"]["seconds"] > 0
+        assert row["ratio"]["seconds"] == row["seconds"] / row["predicted"]["seconds"]
+        assert sum(row["predicted"]["by_phase"].values()) == pytest.approx(
+            row["predicted"]["seconds"])
     h100 = hardware.by_name("h100")
+    figures = kernels.params(h100)
+    itemsize = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+    mode = {"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16"}
     for row in r["matmuls"]:
-        figure = {"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16"}
-        assert row["peak_tflops"] == h100.peak_flops[figure[row["mode"]]] / 1e12
+        assert row["peak_tflops"] == h100.peak_flops[mode[row["mode"]]] / 1e12
         assert row["of_peak"] == pytest.approx(row["tflops"] / row["peak_tflops"])
+        # The GEMM kernel as the step-time model costs it: compute (tiles, waves) or the bytes
+        # of both operands and the result, whichever is longer.
+        m, k, n = row["m"], row["k"], row["n"]
+        nbytes = (m * k + k * n + m * n) * itemsize[row["mode"]]
+        assert row["predicted"]["memory_seconds"] == nbytes / (
+            h100.bandwidth_bytes_per_s * figures["bandwidth"])
+        assert row["predicted"]["compute_seconds"] == op_time.matmul_seconds(
+            m, n, k, mode[row["mode"]], h100, figures)
+        assert row["predicted"]["seconds"] == max(row["predicted"]["compute_seconds"],
+                                                  row["predicted"]["memory_seconds"])
+        assert row["ratio"]["seconds"] == row["seconds"] / row["predicted"]["seconds"]
     for row in r["bandwidth"]:
         assert row["of_peak"] == pytest.approx(row["bytes_per_s"] / h100.bandwidth_bytes_per_s)
-    if not predict.available("ampscope.analysis.step_time"):
-        assert any("step-time model" in line for line in r["not_predicted"])
+        assert row["predicted"]["seconds"] == row["bytes"] / (
+            h100.bandwidth_bytes_per_s * figures["bandwidth"])
+    for row in r["attention"]:
+        if row["seconds"] is None:
+            assert "predicted" not in row  # nothing measured, nothing to compare
+            continue
+        assert row["ratio"]["seconds"] == row["seconds"] / row["predicted"]["seconds"]
+        if row["name"] == "flash":  # the traced module ran the kernel the measured one did
+            assert row["predicted"]["ops"] and all("flash" in op for op in row["predicted"]["ops"])
+    assert r["not_predicted"] == ([] if predict.available(predict.ALLOCATOR) else [
+        f"reserved peak: this ampscope has no allocator replay ({predict.ALLOCATOR}); the "
+        "predicted reserved column is left out"])
+
+
+def test_no_accelerator_no_time_predictions():
+    """On a device the table lacks, without --gpu: no peaks and no predicted times, said once."""
+    results = {"device": {"name": "x86_64", "device_type": "cpu"},
+               "matmuls": [{"name": "gpt2 c_attn", "mode": "fp32", "m": 8, "k": 8, "n": 8,
+                            "seconds": 1.0, "tflops": 1e-12}],
+               "bandwidth": [], "attention": [], "steps": []}
+    predict.predictions(results, None, Box("predictions", 60))
+    assert results["accelerator"] == {"name": None, "title": None,
+                                      "chosen": "no entry of ampscope's table matches 'x86_64'"}
+    assert results["not_predicted"][0] == (
+        "time: no entry of ampscope's table matches 'x86_64' (give one with --gpu NAME); the "
+        "predicted time columns and the table's peaks are left out")
+    assert set(results["matmuls"][0]) == {"name", "mode", "m", "k", "n", "seconds", "tflops"}
 
 
 def test_ratio_is_measured_over_predicted():
@@ -185,7 +226,7 @@ def test_markdown_renders(tiny_run):
     assert len(step_rows) == 4
     header = next(line for line in md.splitlines() if line.startswith("| model |"))
     assert "ratio (allocated)" not in header  # no measured allocation on the CPU: left out
-    assert "predicted allocated" in header
+    assert "| predicted ms | ratio (time) |" in header and "predicted allocated" in header
 
 
 def test_update_docs_rewrites_only_its_section(tmp_path):

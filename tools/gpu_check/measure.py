@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpu_check.timing import Box, Clock, free_memory, is_oom, log, matmul_precision
@@ -154,43 +155,70 @@ def _sdpa(backend: SDPBackend) -> Callable[..., torch.Tensor]:
     return run
 
 
+def kernel(name: str) -> Callable[..., torch.Tensor]:
+    """The attention of that name: an SDPA backend's ("flash", "math", …) or "handwritten"."""
+    if name == "handwritten":
+        return handwritten_attention
+    return _sdpa(dict(SDPA_BACKENDS)[name])
+
+
+class AttentionStep(nn.Module):
+    """One attention call over its own q, k, v (parameters, so that backward computes all three
+    gradients, and so that ampscope can trace the same module for its prediction). `forward(x)`
+    (x: an unused 0-dim tensor, the batch a trace needs) returns the output, or with
+    `loss=True` its sum, whose backward is the kernel's backward."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, *, loss: bool) -> None:
+        super().__init__()
+        self.fn, self.loss = kernel(name), loss
+        self.q, self.k, self.v = (nn.Parameter(torch.randn(shape, device=device, dtype=dtype))
+                                  for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fn(self.q, self.k, self.v)
+        return out.sum() if self.loss else out
+
+
 def attention(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
-    """Causal attention at GPT-2's shape, forward and forward+backward, for each SDPA backend
-    this build and device can run and for the hand-written form, in bf16 and fp32. FLOPs:
-    4·B·H·T²·D forward (the two products over the full square), ×3 with backward."""
+    """Causal attention at GPT-2's shape, forward and forward+backward (of the output's sum), for
+    each SDPA backend this build and device can run and for the hand-written form, in bf16 and
+    fp32. FLOPs: 4·B·H·T²·D forward (the two products over the full square), ×3 with
+    backward."""
     clock, rows = Clock(device), []
-    b, h, t, d = TINY_ATTENTION if tiny else ATTENTION
-    kernels = [(name, _sdpa(backend)) for name, backend in SDPA_BACKENDS]
-    kernels.append(("handwritten", handwritten_attention))
+    shape = TINY_ATTENTION if tiny else ATTENTION
+    b, h, t, d = shape
+    x = torch.zeros((), device=device)
+    names = [name for name, _ in SDPA_BACKENDS] + ["handwritten"]
     for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        grad = torch.randn(b, h, t, d, device=device, dtype=dtype)
-        for name, fn in kernels:
+        for name in names:
             for direction in ("forward", "forward+backward"):
                 flops = 4 * b * h * t * t * d * (3 if direction != "forward" else 1)
                 row = {"name": name, "dtype": dtype_name, "direction": direction,
-                       "shape": [b, h, t, d], "flops": flops}
+                       "shape": list(shape), "flops": flops}
                 if box.over():
                     rows.append(row | {"seconds": None, "skipped": "time box spent"})
                     continue
+                step = AttentionStep(name, shape, dtype, device, loss=direction != "forward")
 
-                def call(fn=fn, direction=direction, q=q, k=k, v=v, grad=grad):
-                    if direction == "forward":
+                def call(step=step):
+                    if not step.loss:
                         with torch.no_grad():
-                            return fn(q, k, v)
-                    fn(q, k, v).backward(grad)
+                            return step(x)
+                    for p in step.parameters():  # no accumulation into the last call's grads
+                        p.grad = None
+                    step(x).backward()
                     return None
                 try:
-                    seconds = clock.median_seconds(call, warmup=2, repeats=10)
+                    with matmul_precision("highest"):  # fp32 as the fp32 setting runs it
+                        seconds = clock.median_seconds(call, warmup=2, repeats=10)
                     row |= {"seconds": seconds, "tflops": flops / seconds / 1e12}
                 except RuntimeError as e:
                     # A backend this build, device or dtype lacks says so ("No available kernel").
                     row |= {"seconds": None, "skipped": str(e).splitlines()[0][:200]}
-                finally:
-                    q.grad = k.grad = v.grad = None
                 rows.append(row)
-    free_memory(device)
+                del step, call
+        free_memory(device)
     ran = sorted({f"{r['name']} ({r['dtype']})" for r in rows if r["seconds"] is not None})
     log(f"attention: {', '.join(ran)}")
     return rows

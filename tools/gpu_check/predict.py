@@ -1,10 +1,18 @@
 """What ampscope predicts for each item gpu_check measures, through ampscope's public API only.
 
-- every item: the accelerator table's peak (`ampscope.hardware.peak_flops`, the bandwidth), and
-  the measurement as a fraction of it;
-- training steps: the predicted step's allocated peak (`ampscope.memory` of a predicted
-  trace: live storage, and with CUDA's block rounding), and where this ampscope has them, the
-  allocator replay's reserved peak and the step-time model's time.
+- matmuls: the step-time model's GEMM kernel, max(`op_time.matmul_seconds` (tile and wave
+  quantization at the achievable rate), `op_time.memory_seconds` of its operands and result),
+  as `op_time` costs a matmul's kernel, without the launch gap and host time (`op_time` adds
+  those to an op inside a step; one call timed alone after warm-up has no host time hidden or
+  added, and its launch latency is microseconds against milliseconds);
+- bandwidth: `op_time.memory_seconds` of the bytes moved;
+- attention: `step_time` of the same module traced (predicted, fake tensors) in the same
+  setting: its forward phase, and forward + backward (the optimizer left out), with the
+  attention ops the trace recorded, so that a kernel chosen differently shows;
+- training steps: `step_time` of the predicted trace of the same step (model, setting on the
+  same device type, batch, sequence), its allocated peak (`ampscope.memory`: live storage, and
+  with CUDA's block rounding) and the allocator replay's reserved peak;
+- every item: the accelerator table's peak and the measurement as a fraction of it.
 
 A prediction this ampscope cannot make is left out (None), with one line saying so: never a
 figure made up here. `ratio` is always measured / predicted.
@@ -14,13 +22,19 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 import ampscope
 from ampscope import hardware
 from ampscope.hardware import Accelerator
+from gpu_check.measure import AttentionStep
 from gpu_check.timing import Box, log
 
-MATMUL_FIGURE = {"fp32": ("float32", "highest"), "tf32": ("float32", "high"),
-                 "bf16": ("bfloat16", "highest"), "fp16": ("float16", "highest")}
+# mode -> (the dtype the step-time model and the table name it by, matmul precision, itemsize)
+MATMUL_FIGURE = {"fp32": ("float32", "highest", 4), "tf32": ("tf32", "high", 4),
+                 "bf16": ("bfloat16", "highest", 2), "fp16": ("float16", "highest", 2)}
+STEP_TIME = "ampscope.analysis.step_time"
+ALLOCATOR = "ampscope.analysis.allocator"
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -46,39 +60,78 @@ def accelerator(device_info: dict, gpu: str | None) -> tuple[Accelerator | None,
     return found, how
 
 
-def against_peaks(results: dict, acc: Accelerator | None) -> None:
+def against_peaks(results: dict, acc: Accelerator) -> None:
     """Add the table's peak and the fraction of it to each matmul, attention and bandwidth row."""
     for row in results["matmuls"]:
-        dtype, precision = MATMUL_FIGURE[row["mode"]]
-        peak = hardware.peak_flops(acc, dtype, precision) if acc else None
+        dtype, precision, _ = MATMUL_FIGURE[row["mode"]]
+        peak = hardware.peak_flops(acc, "float32" if dtype == "tf32" else dtype, precision)
         row["peak_tflops"] = peak / 1e12 if peak else None
         row["of_peak"] = ratio(row.get("tflops"), row["peak_tflops"])
     for row in results["attention"]:
-        peak = hardware.peak_flops(acc, "bfloat16" if row["dtype"] == "bf16" else "float32") \
-            if acc else None
+        peak = hardware.peak_flops(acc, "bfloat16" if row["dtype"] == "bf16" else "float32")
         row["peak_tflops"] = peak / 1e12 if peak else None
         row["of_peak"] = ratio(row.get("tflops"), row["peak_tflops"])
-    bandwidth = acc.bandwidth_bytes_per_s if acc else None
     for row in results["bandwidth"]:
-        row["peak_bytes_per_s"] = bandwidth
-        row["of_peak"] = ratio(row.get("bytes_per_s"), bandwidth)
+        row["peak_bytes_per_s"] = acc.bandwidth_bytes_per_s
+        row["of_peak"] = ratio(row.get("bytes_per_s"), acc.bandwidth_bytes_per_s)
 
 
-def _allocator_replay(trace: ampscope.Trace) -> int | None:
+def kernel_times(results: dict, acc: Accelerator) -> None:
+    """The matmuls' and the copies' predicted seconds (module docstring)."""
+    from ampscope.analysis.op_time import matmul_seconds, memory_seconds
+    from ampscope.hardware.kernels import params
+
+    figures = params(acc)
+    for row in results["matmuls"]:
+        mode, _, itemsize = MATMUL_FIGURE[row["mode"]]
+        m, k, n = row["m"], row["k"], row["n"]
+        compute = matmul_seconds(m, n, k, mode, acc, figures)
+        memory = memory_seconds((m * k + k * n + m * n) * itemsize, acc, figures)
+        row["predicted"] = {"seconds": max(compute, memory), "compute_seconds": compute,
+                            "memory_seconds": memory}
+        row["ratio"] = {"seconds": ratio(row.get("seconds"), row["predicted"]["seconds"])}
+    for row in results["bandwidth"]:
+        row["predicted"] = {"seconds": memory_seconds(row["bytes"], acc, figures)}
+        row["ratio"] = {"seconds": ratio(row.get("seconds"), row["predicted"]["seconds"])}
+
+
+def attention_times(rows: list[dict], device_type: str, acc: Accelerator, box: Box) -> None:
+    """Each measured attention row's predicted seconds, from its module traced (module
+    docstring)."""
+    from ampscope.analysis.step_time import step_time
+
+    x = torch.zeros(())
+    for row in rows:
+        if row.get("seconds") is None:
+            continue
+        if box.over():
+            row["predicted"] = {"seconds": None, "skipped": "time box spent"}
+            continue
+        train = row["direction"] != "forward"
+        dtype = torch.bfloat16 if row["dtype"] == "bf16" else torch.float32
+        # Made on the device measured (a user's module is), traced on fake copies of it.
+        step = AttentionStep(row["name"], tuple(row["shape"]), dtype, torch.device(device_type),
+                             loss=train)
+        trace = ampscope.trace(step, {"x": x.to(device_type)}, setting=f"{device_type}:{row['dtype']}",
+                               workload="train" if train else "forward", predict=True)
+        timed = step_time(trace, acc)
+        seconds = timed.by_phase["forward"] + (timed.by_phase["backward"] if train else 0.0)
+        row["predicted"] = {"seconds": seconds,
+                            "ops": sorted({o.op for o in trace.ops if "attention" in o.op})}
+        row["ratio"] = {"seconds": ratio(row["seconds"], seconds)}
+
+
+def _reserved_peak(trace: ampscope.Trace) -> int:
     from ampscope.analysis.allocator import replay_storages
 
     return replay_storages(trace.storages, len(trace.ops)).reserved_peak
 
 
-def training_steps(rows: list[dict], device_type: str, box: Box) -> list[str]:
-    """Each measured step's predictions, from one predicted trace of the same step (same model,
-    setting on the same device type, batch and sequence). Returns the lines saying what could not
-    be predicted."""
-    missing = []
-    replay = available("ampscope.analysis.allocator")
-    if not replay:
-        missing.append("reserved peak: this ampscope has no allocator replay "
-                       "(ampscope.analysis.allocator); the predicted reserved column is left out")
+def training_steps(rows: list[dict], device_type: str, acc: Accelerator | None, box: Box,
+                   *, times: bool, reserved: bool) -> None:
+    """Each measured step's predictions, from one predicted trace of the same step."""
+    if times:
+        from ampscope.analysis.step_time import step_time
     for row in rows:
         row["predicted"] = {"allocated": None, "allocated_rounded": None, "reserved": None,
                             "seconds": None}
@@ -93,8 +146,12 @@ def training_steps(rows: list[dict], device_type: str, box: Box) -> list[str]:
         predicted = row["predicted"]
         predicted["allocated"] = peak.bytes
         predicted["allocated_rounded"] = peak.rounded_bytes
-        if replay:
-            predicted["reserved"] = _allocator_replay(trace)
+        if reserved:
+            predicted["reserved"] = _reserved_peak(trace)
+        if times and acc is not None:
+            timed = step_time(trace, acc)
+            predicted |= {"seconds": timed.seconds, "by_bound": timed.by_bound,
+                          "by_phase": timed.by_phase, "mfu": timed.mfu}
         first = row["first_step_peak"]
         row["ratio"] = {
             "allocated": ratio(first["allocated"], predicted["allocated_rounded"]
@@ -102,8 +159,8 @@ def training_steps(rows: list[dict], device_type: str, box: Box) -> list[str]:
             "reserved": ratio(first["reserved"], predicted["reserved"]),
             "seconds": ratio(row["seconds"], predicted["seconds"]),
         }
-        log(f"predicted {row['setting']}: allocated peak {peak.bytes / 2**20:,.1f} MiB")
-    return missing
+        log(f"predicted {row['setting']}: allocated peak {peak.bytes / 2**20:,.1f} MiB"
+            + (f", {predicted['seconds'] * 1e3:.1f} ms" if predicted["seconds"] else ""))
 
 
 def predictions(results: dict, gpu: str | None, box: Box) -> None:
@@ -112,11 +169,25 @@ def predictions(results: dict, gpu: str | None, box: Box) -> None:
     results["accelerator"] = {"name": acc.name if acc else None, "title": acc.title if acc else None,
                               "chosen": how}
     log(f"accelerator for the predictions: {acc.title if acc else 'none'} ({how})")
-    against_peaks(results, acc)
-    missing = training_steps(results["steps"], results["device"]["device_type"], box)
-    if not available("ampscope.analysis.step_time"):
-        missing.append("time: this ampscope has no step-time model (ampscope.analysis.step_time);"
-                       " the predicted time columns are left out")
+    missing = []
+    times = available(STEP_TIME)
+    if acc is None:
+        missing.append(f"time: {how} (give one with --gpu NAME); the predicted time columns "
+                       "and the table's peaks are left out")
+    elif not times:
+        missing.append(f"time: this ampscope has no step-time model ({STEP_TIME}); the "
+                       "predicted time columns are left out")
+    reserved = available(ALLOCATOR)
+    if not reserved:
+        missing.append(f"reserved peak: this ampscope has no allocator replay ({ALLOCATOR}); "
+                       "the predicted reserved column is left out")
+    if acc is not None:
+        against_peaks(results, acc)
+        if times:
+            kernel_times(results, acc)
+            attention_times(results["attention"], results["device"]["device_type"], acc, box)
+    training_steps(results["steps"], results["device"]["device_type"], acc, box,
+                   times=times, reserved=reserved)
     for line in missing:
         log(f"not predicted: {line}")
     results["not_predicted"] = missing
