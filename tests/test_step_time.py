@@ -173,3 +173,12 @@ def test_tf32_speeds_the_matmuls_and_leaves_memory_bound_ops(tiny_traces):
     assert sum(fp32.by_phase.values()) == pytest.approx(fp32.seconds)
     assert sum(fp32.by_bound.values()) == pytest.approx(fp32.seconds)
     assert fp32.to_dict()["params"]["figures"]["bandwidth"]["value"] == 0.88
+
+
+def test_an_accelerator_with_only_a_bf16_peak_still_times_a_float32_matmul():
+    custom = hardware.with_figures(None, peak_flops={"bfloat16": 100e12}, memory_bytes=2**30)
+    figures = kernels.params(custom)
+    # no SM count: no quantization; float32 falls back to the one peak it has
+    assert matmul_seconds(1024, 1024, 1024, "float32", custom, figures) == pytest.approx(
+        2 * 1024**3 / (100e12 * 0.85))
+    assert memory_seconds(10**9, custom, figures) == 0.0  # no bandwidth known

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ampscope.analysis.flops import matmul_dtype
 from ampscope.analysis.summary import itemsize, numel
+from ampscope.errors import AmpscopeError
 from ampscope.hardware.kernels import (
     SIMT_MODES,
     SIMT_TILE,
@@ -48,11 +49,16 @@ _ALLOCATIONS = frozenset(("empty", "empty_like", "empty_strided", "new_empty",
 
 
 def rate(acc: Accelerator, mode: str) -> float:
-    """Peak FLOP/s of `mode` on `acc`; the float32 (CUDA-core) rate where the mode has none."""
+    """Peak FLOP/s of `mode` on `acc`; the float32 (CUDA-core) rate where the mode has none
+    (a V100 asked for bf16), and the lowest peak it has where it lacks float32 too (an
+    accelerator given by `--peak-flops bf16=…` alone)."""
     peak = acc.peak_flops.get(mode) or acc.peak_flops.get("float32")
-    if not peak:
-        raise ValueError(f"{acc.name} has no peak FLOP/s for {mode} or float32")
-    return peak
+    if peak:
+        return peak
+    if not acc.peak_flops:
+        raise AmpscopeError(f"{acc.name} has no peak FLOP/s: a step time needs one "
+                            "(--peak-flops, or the hardware table)")
+    return min(acc.peak_flops.values())
 
 
 def matmul_seconds(m: int, n: int, k: int, mode: str, acc: Accelerator, params: KernelParams,

@@ -4,6 +4,8 @@ A leading underscore marks an ATen op as internal to PyTorch: its schema may cha
 releases. Every such op ampscope refers to is named here, once, as the op and, where ampscope
 matches or registers by name, as its name (`TO_COPY_NAME`: the records keep ops as strings).
 So are the names of torch's private modules ampscope quiets the loggers of.
+`is_view_op` says whether a recorded op only makes a view (the step-time model costs it 0),
+from the op's schema.
 tests/test_torch_private.py fails on such a name written anywhere else.
 
 Namesakes, the same concern at another layer: `runs/ops.py`."""
