@@ -38,7 +38,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
 from ampscope.script.rank_groups import Signals, end_groups
-from ampscope.script.ranks import _held, _step_start
+from ampscope.script.ranks import _held, _step_start, rank_environment
 from ampscope.torchcompat.distributed import no_fake_collectives
 
 MAX_PREDICTED = 4096
@@ -54,18 +54,6 @@ def check_predicted_nproc(nproc: int) -> None:
     why = no_fake_collectives("run --nproc --predict")
     if why is not None:
         raise AmpscopeError(why)
-
-
-def predicted_environment(rank: int, nproc: int, run_id: str) -> dict[str, str]:
-    """What torchrun sets for `rank` of an `nproc`-rank job on machines of eight GPUs."""
-    local = min(nproc, PER_MACHINE)
-    machines = -(-nproc // local)
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local),
-            "GROUP_WORLD_SIZE": str(machines), "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": run_id,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[int], *,
@@ -92,7 +80,8 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
                     result = os.path.join(folder, f"rank{k}.json")
                     with signals.held():  # a rank started is listed before a signal ends it
                         running[k] = (*spawn(request, result,
-                                             predicted_environment(k, nproc, run_id),
+                                             rank_environment(k, nproc, 29500, run_id,
+                                                              per_machine=PER_MACHINE),
                                              session=True), result)
                 for k, (process, copiers, result) in list(running.items()):
                     if (code := process.poll()) is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -48,7 +49,7 @@ from ampscope.distributed.report import (
     rank_peak,
     summarize,
 )
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 from ampscope.records import Trace
 from ampscope.runtime.collective_watch import describe, read_state
 from ampscope.script.child import answer, spawn, traceback_of
@@ -58,13 +59,16 @@ DEFAULT_TIMEOUT = 300.0  # seconds for the whole job, every rank's start-up incl
 MAX_NPROC = 8
 
 
-def rank_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
-    """What torchrun sets for `rank` of a one-machine job of `nproc` ranks."""
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-           "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default", "GROUP_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "TORCHELASTIC_RUN_ID": run_id}
+def rank_environment(rank: int, nproc: int, port: int, run_id: str, *,
+                     per_machine: int | None = None) -> dict[str, str]:
+    """What torchrun sets for `rank` of an `nproc`-rank job on machines of `per_machine` ranks
+    each (by default one machine of all `nproc`)."""
+    local = min(nproc, per_machine or nproc)
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local),
+           "GROUP_WORLD_SIZE": str(-(-nproc // local)), "ROLE_RANK": str(rank),
+           "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks must not each take every core
     return env
@@ -192,7 +196,7 @@ def _failure(result: str, code: int, target: str) -> str | None:
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - any rank's failure ends the job
-        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return first_line(e)
     return None
 
 
@@ -220,7 +224,7 @@ def _held(trace: Trace) -> Held:
 
     def add(category: str, dtype: str, shape: tuple[int, ...]) -> None:
         by_dtype = held.setdefault(category, {})
-        by_dtype[dtype] = by_dtype.get(dtype, 0) + _numel(shape) * itemsize(dtype)
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + math.prod(shape) * itemsize(dtype)
 
     for p in trace.parameters:
         if p.tied_to and any(name < p.name for name in p.tied_to):
@@ -232,13 +236,6 @@ def _held(trace: Trace) -> Held:
     for s in trace.optimizer_state:
         add("optimizer_state", s.dtype, s.shape if s.local_shape is None else s.local_shape)
     return held
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def _step_start(trace: Trace) -> int:
