@@ -272,3 +272,36 @@ def test_settings_are_the_built_in_ones():
         setting = ampscope.parse_setting(name)
         assert setting.name == name
     assert ampscope.parse_setting("fp32+tf32").matmul_precision == "high"
+
+
+def test_docs_section_is_what_the_check_writes():
+    """docs/performance.md ends with the section `--update-docs` writes: from the results kept in
+    benchmarks/gpu/ where a GPU run left them, else the paragraph that says there are none."""
+    kept = ROOT / "benchmarks" / "gpu" / "gpu_check.json"
+    results = json.loads(kept.read_text()) if kept.exists() else None
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert text.endswith("\n\n" + report.section(results))
+
+
+def test_update_docs_from_the_command_line(tmp_path, capsys):
+    results = {"device": {"name": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "torch": "2.9.0",
+                          "multiprocessors": 132, "memory_bytes": 85_520_809_984, "cuda": "12.8"},
+               "matmuls": [], "bandwidth": [], "attention": [],
+               "steps": [{"setting": "bf16", "model": "gpt2", "batch": 16, "seq": 1024,
+                          "seconds": 0.25, "first_step_peak": {"allocated": 3 * 2**30,
+                                                               "reserved": 4 * 2**30},
+                          "steady_peak": {"allocated": None, "reserved": None},
+                          "predicted": {"seconds": 0.2, "allocated": 2 * 2**30,
+                                        "allocated_rounded": None, "reserved": None},
+                          "ratio": {"seconds": 1.25, "allocated": 1.5, "reserved": None}}]}
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    doc = tmp_path / "p.md"
+    assert main(["--update-docs", str(tmp_path / "r.json"), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text == report.section(results)
+    row = next(line for line in text.splitlines() if line.startswith("| gpt2 16×1024"))
+    # measured, predicted, ratio; the reserved prediction column is absent (None everywhere).
+    assert row == ("| gpt2 16×1024 | bf16 | 250.000 | 200.0 | 1.25 | 3.00 GiB | 2.00 GiB | 1.50 | "
+                   "4.00 GiB | n/a |")
+    assert "predicted reserved" not in text
+    assert capsys.readouterr().out.startswith("gpu_check: rewrote '## Measured on a GPU'")

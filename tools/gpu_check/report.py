@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -137,16 +138,39 @@ def write(results: dict, out_dir: Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
-def section(results: dict) -> str:
-    """The "Measured on a GPU" section of docs/performance.md."""
-    return (f"{SECTION}\n\n"
-            "`make gpu-check` measures on a real GPU what ampscope's GPU model predicts and "
-            "writes these tables (benchmarks/gpu/README.md says how to run it); "
-            "`python -m gpu_check --update-docs RESULTS.json` rewrites this section from its "
-            "results.\n\n" + markdown(results))
+INTRO = (
+    "`make gpu-check` measures on a real NVIDIA GPU what the model above predicts, item by item: "
+    "`torch.mm` at the GEMM shapes of GPT-2 124M (batch 16 × 1024 tokens) and of a "
+    "Llama-3-8B layer (8,192 tokens) in fp32, TF32, bf16 and fp16; a copy and an add of 2 GiB "
+    "(memory bandwidth); causal attention at GPT-2's shape with each SDPA backend the build "
+    "runs and the hand-written form; and GPT-2 124M's training step in fp32, fp32+tf32, "
+    "fp32+amp-bf16 and bf16 with `torch.cuda.max_memory_allocated()` and "
+    "`max_memory_reserved()`. Beside each it puts ampscope's prediction for the matching "
+    "accelerator of the hardware table (the GEMM kernel of `op_time`, `memory_seconds`, "
+    "`step_time` of the same module or step traced on fake tensors, the predicted allocated "
+    "peak, the allocator replay's reserved peak) and the ratio measured / predicted. "
+    "[benchmarks/gpu/README.md](../benchmarks/gpu/README.md) says how to run it and where its "
+    "results go; "
+    "`make gpu-check GPU_CHECK_ARGS=\"--update-docs benchmarks/gpu/gpu_check.json\"` rewrites "
+    "this section from them.")
+NOT_RUN = ("Not run on a GPU yet (2026-11-29): no machine with one has been available to the "
+           "project since the check was written, so there are no measured figures here; the "
+           "tables above are predictions only. The first run's results replace this paragraph.")
 
 
-def update_docs(results: dict, doc: Path) -> None:
+def section(results: dict | None) -> str:
+    """The "Measured on a GPU" section of docs/performance.md: the tables of `results`, or
+    without results the paragraph that says none were measured yet."""
+    body = markdown(results) if results is not None else _wrapped(NOT_RUN) + "\n"
+    return f"{SECTION}\n\n{_wrapped(INTRO)}\n\n{body}"
+
+
+def _wrapped(text: str) -> str:
+    """A paragraph at the page's width; never broken at a hyphen ("fp32+amp-bf16")."""
+    return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
+
+
+def update_docs(results: dict | None, doc: Path) -> None:
     """Rewrite the section from `SECTION` up to the next `## ` heading (or the end) of `doc`;
     append it where the page has none (and create the page where there is none). The page's
     other sections are left as they are."""
