@@ -305,3 +305,34 @@ def test_update_docs_from_the_command_line(tmp_path, capsys):
                    "4.00 GiB | n/a |")
     assert "predicted reserved" not in text
     assert capsys.readouterr().out.startswith("gpu_check: rewrote '## Measured on a GPU'")
+
+
+def test_a_failed_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):
+    """One part raising costs that part only: the files are written after each part (a run
+    killed at its time limit keeps what it measured), the error is in them, and the status is 1."""
+    seen = []
+
+    def matmuls(device, box, *, tiny):
+        return [{"name": "gpt2 c_attn", "mode": "bf16", "m": 8, "k": 8, "n": 8, "flops": 1024,
+                 "seconds": 1e-3, "tflops": 1.024e-9}]
+
+    def bandwidth(device, box, *, tiny):
+        raise RuntimeError("boom\nsecond line")
+
+    def attention(device, box, *, tiny):
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text()))
+        return []
+
+    monkeypatch.setattr(measure, "matmuls", matmuls)
+    monkeypatch.setattr(measure, "bandwidth", bandwidth)
+    monkeypatch.setattr(measure, "attention", attention)
+    monkeypatch.setattr(steps, "training_steps", lambda device, box, *, tiny: [])
+    assert main(["--device", "cpu", "--tiny", "--gpu", "h100", "--out", str(tmp_path)]) == 1
+    # What attention found written when it started: the matmuls, and bandwidth's failure.
+    assert seen[0]["matmuls"][0]["seconds"] == 1e-3
+    assert seen[0]["bandwidth"] == [] and seen[0]["errors"] == ["bandwidth: RuntimeError: boom"]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["errors"] == ["bandwidth: RuntimeError: boom"]
+    assert results["matmuls"][0]["predicted"]["seconds"] > 0  # the predictions still ran
+    assert "\nFailed: bandwidth: RuntimeError: boom\n" in (tmp_path / "gpu_check.md").read_text()
+    assert "bandwidth failed: RuntimeError: boom" in capsys.readouterr().err

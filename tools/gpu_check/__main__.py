@@ -5,7 +5,8 @@ machine's GPU what ampscope's GPU model predicts, and write the comparison.
     PYTHONPATH=tools python -m gpu_check --device cpu --tiny --out /tmp/g   # the plumbing, on a CPU
     PYTHONPATH=tools python -m gpu_check --update-docs benchmarks/gpu/gpu_check.json
 
-Exit status: 0 written; 2 no GPU here (and no --device cpu), or a bad argument.
+Exit status: 0 written; 1 written, but a part failed (its error is in the files); 2 no GPU here
+(and no --device cpu), or a bad argument.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gpu_check import measure, predict, report, steps
-from gpu_check.timing import Box, log, restored_settings
+from gpu_check.timing import Box, first_line, log, restored_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each part's time box in seconds (GPU run; the whole stays under 8 minutes on an H100/H200:
@@ -47,11 +48,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace, command: str) -> dict:
-    """Every part in order, each in its time box; torch's global settings as before after."""
+def run(args: argparse.Namespace, command: str, out: Path) -> dict:
+    """Every part in order, each in its time box, the files written again after each (a run
+    killed at its limit still leaves what it measured); torch's global settings as before
+    after. A part that fails is recorded in `errors` and the next one runs: one broken
+    backend must not cost the rest of a GPU lease."""
     device = torch.device(args.device)
     results: dict = {"schema": report.SCHEMA, "command": command, "tiny": args.tiny,
-                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "errors": []}
     with restored_settings():
         results["device"] = measure.device_info(device)
         d = results["device"]
@@ -60,9 +65,19 @@ def run(args: argparse.Namespace, command: str) -> dict:
         for part, fn in (("matmuls", measure.matmuls), ("bandwidth", measure.bandwidth),
                          ("attention", measure.attention), ("steps", steps.training_steps)):
             log(f"{part}: starting ({BOXES[part]} s box)")
-            results[part] = fn(device, Box(part, BOXES[part]), tiny=args.tiny)
+            try:
+                results[part] = fn(device, Box(part, BOXES[part]), tiny=args.tiny)
+            except Exception as e:  # noqa: BLE001 - any failure is recorded; the next part runs
+                results[part] = []
+                results["errors"].append(f"{part}: {first_line(e)}")
+                log(f"{part} failed: {first_line(e)}")
+            report.write(results, out)
         log("predictions: starting")
-        predict.predictions(results, args.gpu, Box("predictions", BOXES["predictions"]))
+        try:
+            predict.predictions(results, args.gpu, Box("predictions", BOXES["predictions"]))
+        except Exception as e:  # noqa: BLE001 - the measured figures are written all the same
+            results["errors"].append(f"predictions: {first_line(e)}")
+            log(f"predictions failed: {first_line(e)}")
     return results
 
 
@@ -80,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "gpu")
     command = "python -m gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = run(args, command.strip())
+    results = run(args, command.strip(), out)
     json_path, md_path = report.write(results, out)
     log(f"wrote {json_path} and {md_path}")
     print(report.markdown(results))
-    return 0
+    return 1 if results["errors"] else 0
 
 
 if __name__ == "__main__":

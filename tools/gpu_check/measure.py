@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -181,6 +182,14 @@ class AttentionStep(nn.Module):
 
 
 def attention(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
+    """`attention_rows`, with the warnings that SDPA prints for each backend it cannot use
+    held back (one a backend and dtype would fill the output a GPU run returns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return attention_rows(device, box, tiny=tiny)
+
+
+def attention_rows(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
     """Causal attention at GPT-2's shape, forward and forward+backward (of the output's sum), for
     each SDPA backend this build and device can run and for the hand-written form, in bf16 and
     fp32. FLOPs: 4·B·H·T²·D forward (the two products over the full square), ×3 with

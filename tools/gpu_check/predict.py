@@ -21,6 +21,7 @@ figure made up here. `ratio` is always measured / predicted.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -28,7 +29,7 @@ import ampscope
 from ampscope import hardware
 from ampscope.hardware import Accelerator
 from gpu_check.measure import AttentionStep
-from gpu_check.timing import Box, log
+from gpu_check.timing import Box, first_line, log
 
 # mode -> (the dtype the step-time model and the table name it by, matmul precision, itemsize)
 MATMUL_FIGURE = {"fp32": ("float32", "highest", 4), "tf32": ("tf32", "high", 4),
@@ -112,8 +113,15 @@ def attention_times(rows: list[dict], device_type: str, acc: Accelerator, box: B
         # Made on the device measured (a user's module is), traced on fake copies of it.
         step = AttentionStep(row["name"], tuple(row["shape"]), dtype, torch.device(device_type),
                              loss=train)
-        trace = ampscope.trace(step, {"x": x.to(device_type)}, setting=f"{device_type}:{row['dtype']}",
-                               workload="train" if train else "forward", predict=True)
+        try:
+            trace = ampscope.trace(step, {"x": x.to(device_type)},
+                                   setting=f"{device_type}:{row['dtype']}",
+                                   workload="train" if train else "forward", predict=True)
+        except Exception as e:  # noqa: BLE001 - one row's failed trace is that row's n/a
+            row["predicted"] = {"seconds": None, "error": first_line(e)}
+            log(f"attention {row['name']} {row['dtype']} {row['direction']}: not predicted: "
+                f"{first_line(e)}")
+            continue
         timed = step_time(trace, acc)
         seconds = timed.by_phase["forward"] + (timed.by_phase["backward"] if train else 0.0)
         row["predicted"] = {"seconds": seconds,
@@ -140,10 +148,16 @@ def training_steps(rows: list[dict], device_type: str, acc: Accelerator | None, 
         if box.over():
             row["predicted"]["skipped"] = "time box spent"
             continue
-        trace = ampscope.trace(row["model"], setting=f"{device_type}:{row['setting']}",
-                               workload="train", batch=row["batch"], seq=row["seq"], predict=True)
-        peak = ampscope.memory(trace).peak
         predicted = row["predicted"]
+        try:
+            trace = ampscope.trace(row["model"], setting=f"{device_type}:{row['setting']}",
+                                   workload="train", batch=row["batch"], seq=row["seq"],
+                                   predict=True)
+        except Exception as e:  # noqa: BLE001 - one step's failed trace is that row's n/a
+            predicted["error"] = first_line(e)
+            log(f"step {row['setting']}: not predicted: {first_line(e)}")
+            continue
+        peak = ampscope.memory(trace).peak
         predicted["allocated"] = peak.bytes
         predicted["allocated_rounded"] = peak.rounded_bytes
         if reserved:
@@ -185,7 +199,9 @@ def predictions(results: dict, gpu: str | None, box: Box) -> None:
         against_peaks(results, acc)
         if times:
             kernel_times(results, acc)
-            attention_times(results["attention"], results["device"]["device_type"], acc, box)
+            with warnings.catch_warnings():  # SDPA's per-backend warnings, as when measured
+                warnings.simplefilter("ignore", UserWarning)
+                attention_times(results["attention"], results["device"]["device_type"], acc, box)
     training_steps(results["steps"], results["device"]["device_type"], acc, box,
                    times=times, reserved=reserved)
     for line in missing:

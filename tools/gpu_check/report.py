@@ -78,7 +78,9 @@ def markdown(results: dict) -> str:
            + (" (tiny shapes: a plumbing check, not a measurement)" if results.get("tiny") else "")
            + "."]
     for line in results.get("not_predicted", []):
-        out.append(f"Not predicted: {line}.")
+        out += ["", f"Not predicted: {line}."]
+    for line in results.get("errors", []):
+        out += ["", f"Failed: {line}"]
     out += ["", "**Matmuls** (`torch.mm`, median of N after warm-up; ratio = measured / predicted "
             "time)", "", table([
                 ("shape", lambda r: f"{r['name']} {r['m']}×{r['k']} @ {r['k']}×{r['n']}", False),
@@ -88,16 +90,16 @@ def markdown(results: dict) -> str:
                 ("ratio", lambda r: _ratio(_rat(r, "seconds")), True),
                 ("TFLOP/s", lambda r: _num(r.get("tflops"), 1, 1), False),
                 ("of table peak", lambda r: _percent(r.get("of_peak")), True),
-            ], results["matmuls"])]
+            ], results.get("matmuls", []))]
     out += ["", "**Memory bandwidth** (float32; bytes read + written / median time)", "", table([
         ("op", lambda r: r["name"], False),
         ("bytes moved", lambda r: _gib(r["bytes"]), False),
         ("measured TB/s", lambda r: _num(r.get("bytes_per_s"), 1e-12, 2), False),
         ("table TB/s", lambda r: _num(r.get("peak_bytes_per_s"), 1e-12, 2), True),
         ("of table peak", lambda r: _percent(r.get("of_peak")), True),
-    ], results["bandwidth"])]
+    ], results.get("bandwidth", []))]
     out += ["", "**Attention** (causal, GPT-2 124M's shape (batch, heads, tokens, head size) "
-            f"{tuple(results['attention'][0]['shape']) if results['attention'] else 'n/a'}; "
+            f"{tuple(results['attention'][0]['shape']) if results.get('attention') else 'n/a'}; "
             "TFLOP/s on 4·B·H·T²·D forward, ×3 with backward)", "", table([
                 ("kernel", lambda r: r["name"], False),
                 ("dtype", lambda r: r["dtype"], False),
@@ -106,8 +108,8 @@ def markdown(results: dict) -> str:
                 ("predicted ms", lambda r: _num(_pred(r, "seconds"), 1e3, 3), True),
                 ("ratio", lambda r: _ratio(_rat(r, "seconds")), True),
                 ("TFLOP/s", lambda r: _num(r.get("tflops"), 1, 1), False),
-            ], results["attention"])]
-    steps = results["steps"]
+            ], results.get("attention", []))]
+    steps = results.get("steps", [])
     out += ["", "**Training step** (ampscope's built-in model, random weights, AdamW; median of "
             "the timed steps; first-step peaks: a fresh model and optimizer, as a predicted step; "
             "ratio = measured / predicted)", "", table([

@@ -129,6 +129,12 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def first_line(error: BaseException) -> str:
+    """An error as one line: its type and its message's first line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
 def is_oom(error: BaseException) -> bool:
     """Whether `error` is the device running out of memory (torch raises OutOfMemoryError on CUDA;
     a RuntimeError naming it elsewhere)."""
