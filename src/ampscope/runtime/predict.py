@@ -303,12 +303,11 @@ def new_fake(mode: FakeTensorMode, shape: tuple[int, ...], stride: tuple[int, ..
         return _wrapped(mode, meta, device, constant)
 
 
-def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,
-              constant: torch.Tensor | None = None) -> FakeTensor:
-    """`FakeTensor(mode, meta, device, constant=constant)`: `meta` (a meta tensor no other fake
-    tensor wraps) as a fake tensor of `mode` on `device`, wrapped as `new_fake` wraps its own."""
+def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str) -> FakeTensor:
+    """`FakeTensor(mode, meta, device)`: `meta` (a meta tensor no other fake tensor wraps) as a
+    fake tensor of `mode` on `device`, wrapped as `new_fake` wraps its own."""
     with modes_off():
-        return _wrapped(mode, meta, device, constant)
+        return _wrapped(mode, meta, device, None)
 
 
 def _wrapped(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device | str,

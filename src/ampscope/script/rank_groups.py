@@ -106,15 +106,14 @@ class Signals:
             raise Terminated(self.received)
 
 
-def end_groups(processes: Sequence[subprocess.Popen], signum: int | None,
-               grace: float = GRACE) -> None:
+def end_groups(processes: Sequence[subprocess.Popen], signum: int | None) -> None:
     """End the process group of each rank in `processes` (started by `spawn(session=True)`):
     with `signum` (the signal ampscope received), that signal first and SIGKILL to what is
-    left after `grace` seconds; without, SIGKILL at once (a failed rank's peers, a job past its
+    left after GRACE seconds; without, SIGKILL at once (a failed rank's peers, a job past its
     deadline, which may wait in a collective that never completes). Every rank is reaped."""
     if signum is not None:
         _signal_groups(processes, signum)
-        until = time.monotonic() + grace
+        until = time.monotonic() + GRACE
         while any(p.poll() is None for p in processes) and time.monotonic() < until:
             time.sleep(0.02)
     # Also the groups of ranks that exited: what they started may still run there.
