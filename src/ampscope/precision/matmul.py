@@ -20,7 +20,6 @@ _PATHS = ("", "cuda.matmul", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.r
           "cudnn.conv", "cudnn.rnn")
 # The backends whose matmuls a setting's "+tf32" part switches.
 _MATMULS = ("cuda.matmul", "mkldnn.matmul")
-_LEGACY = {"ieee": "highest", "tf32": "high"}
 
 
 def _backend(path: str):
@@ -64,7 +63,7 @@ def matmul_precision() -> str:
     for path in ("cuda.matmul", "cuda", ""):
         backend = _backend(path)
         if backend is not None and backend.fp32_precision != "none":
-            return _LEGACY.get(backend.fp32_precision, "highest")
+            return legacy_name(backend.fp32_precision)
     return "highest"
 
 
