@@ -22,9 +22,10 @@ answers `torch.cuda.memory_allocated()`.
 A speed trick that fails is one exception type, `tricks.TrickFailed`; `exact_retry` reruns the
 attempt on the exact path in one place.
 
-Known limitations: a script run (`script/`) enters the environment's contexts between its own
-(its workers, its files, its modules as they are made) through `enter_script`; a real
-multi-rank run's ranks are never emulated (a real process group needs the real device).
+Known limitations: a script run (`script/`) enters the environment's contexts one by one
+(`emulated`, the capture's `recording`, `device_active`) between its own (its workers, its
+files, its modules as they are made); a real multi-rank run's ranks are never emulated (a
+real process group needs the real device).
 """
 
 from __future__ import annotations
