@@ -252,6 +252,14 @@ def test_live_bytes_and_peak_of_hand_built_records():
         ("gradient", "float32", 1000, 1), ("activation", "bfloat16", 600, 1)]
     assert sum(r.bytes for r in report.allocated) == 2710
     assert memory_report(toy_trace("cpu")).peak.rounded_bytes is None
+    # The allocator replay: five small requests, one 2 MiB segment, reserved by the first
+    # (before the step); its allocated peak is the rounded one above.
+    r = report.reserved
+    assert r is not None
+    assert (r.reserved_peak, r.reserved_at, r.allocated_peak, r.allocated_at) == (
+        2 * 2**20, None, 3584, 2)
+    assert report.to_dict()["reserved"]["segment_count"] == 1
+    assert memory_report(toy_trace("cpu")).reserved is None
 
 
 def test_formulas_say_why_they_do_not_apply():

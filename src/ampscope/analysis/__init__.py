@@ -11,6 +11,7 @@
 - `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces;
 - `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
 - `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
+- `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
 - `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;
 - `step_time.py`: `StepTime`, a step's predicted time on an accelerator and where it goes, from
   `op_time.py` (one op's time: matmuls with tile and wave quantization, memory, launch,

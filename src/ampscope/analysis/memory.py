@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+from ampscope.analysis.allocator import AllocatorConfig, AllocatorReplay, replay_storages
 from ampscope.analysis.summary import itemsize, numel
 from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
 from ampscope.records.table import Table, table
@@ -124,6 +125,8 @@ class MemoryReport:
     notes: list[str] = field(default_factory=list)
     measured: MeasuredPeak | None = None  # on a real CUDA device or the CPU, with --measure
     emulated: bool = False  # the device was absent: the run was emulated on the CPU
+    # the CUDA caching allocator replayed over the storages (cuda settings only)
+    reserved: AllocatorReplay | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -143,6 +146,7 @@ class MemoryReport:
             "notes": list(self.notes),
             "measured": asdict(self.measured) if self.measured else None,
             "emulated": self.emulated,
+            "reserved": self.reserved.to_dict() if self.reserved else None,
         }
 
 
@@ -349,7 +353,10 @@ def activation_estimates(trace: Trace) -> list[Estimate]:
 
 # -- the report -------------------------------------------------------------------------------
 
-def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> MemoryReport:
+def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5,
+                  allocator: AllocatorConfig | None = None) -> MemoryReport:
+    """The memory report of `trace`; on a cuda setting with the caching allocator replayed
+    over its storages under `allocator` (PYTORCH_CUDA_ALLOC_CONF's options; default: none)."""
     storages, ops = trace.storages, trace.ops
     before, live = live_bytes(storages, len(ops))
     k = argmax(live)
@@ -357,7 +364,11 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
     peak_bytes = live[k] if k is not None else before
     device = trace.setting.device
     rounded = rounded_op = None
+    reserved: AllocatorReplay | None = None
+    notes: list[str] = []
     if device == "cuda":
+        reserved = replay_storages(storages, len(ops), allocator)
+        notes += (allocator.notes if allocator else ())
         rounded_before, rounded_live = live_bytes(storages, len(ops), cuda_block_size)
         rounded_op = argmax(rounded_live)
         rounded = rounded_live[rounded_op] if rounded_op is not None else rounded_before
@@ -365,7 +376,6 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
                 op.phase if op else None, rounded, rounded_op)
     at_peak = live_at(storages, k)
     estimates = parameter_estimates(trace)
-    notes = []
     if not storages:
         notes.append("The trace has no storage records (made before ampscope recorded memory).")
     if trace.workload not in ("forward", "generate"):
@@ -392,5 +402,5 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5) -> Memor
         largest_at_peak=sorted(at_peak, key=lambda s: -s.nbytes)[:largest],
         shared=shared_storages(storages), estimates=estimates, live_bytes=live,
         timeline=bucketed(live, [o.phase for o in ops], buckets),
-        rounding="cuda" if device == "cuda" else None, notes=notes,
+        rounding="cuda" if device == "cuda" else None, notes=notes, reserved=reserved,
     )

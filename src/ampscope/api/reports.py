@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from ampscope import hardware, workloads
 from ampscope.analysis import autocast
+from ampscope.analysis.allocator import AllocatorConfig
 from ampscope.analysis.autocast import PolicyReport
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report, utilization
@@ -52,10 +54,12 @@ def memory(
     anything is traced elsewhere) also runs the step untraced and adds the allocator's peak.
 
     Given a `Trace` (from `trace`, `capture`, `run_script` or `Trace.from_dict`), the report is
-    computed from it, with nothing run again."""
+    computed from it, with nothing run again. On a cuda setting the caching allocator is
+    replayed with the options of this process's PYTORCH_CUDA_ALLOC_CONF."""
     if measure and not isinstance(model, Trace):
         peak_to_measure(options.get("setting", "fp32"))  # refused before anything is traced
-    report = memory_report(_traced(model, inputs, options, measure=measure))
+    allocator = AllocatorConfig.from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    report = memory_report(_traced(model, inputs, options, measure=measure), allocator=allocator)
     if measure:
         assert not isinstance(model, Trace)  # (refused by _traced: a Trace cannot be measured)
         real = {k: v for k, v in options.items() if k != "predict"}

@@ -31,8 +31,31 @@ def peak_line(report: MemoryReport) -> Text:
         text.append(f"; in the CUDA allocator's 512-byte blocks {format_bytes(p.rounded_bytes)}")
         if p.rounded_op != p.op:
             text.append(f" (at op {p.rounded_op})")
+    if report.reserved is not None:
+        text.append("\n")
+        text.append(reserved_text(report))
     text.append(f"\nBefore the step {format_bytes(report.before_bytes)}, "
                 f"after it {format_bytes(report.end_bytes)}", style="dim")
+    return text
+
+
+def reserved_text(report: MemoryReport) -> Text:
+    """The caching allocator replay's reserved peak beside the allocated one, and what the
+    reserved bytes held beyond the requests where they peaked."""
+    r = report.reserved
+    if r is None:
+        return Text()
+    allocated = r.allocated_peak
+    gap = f", {100 * (r.reserved_peak - allocated) / allocated:+.1f}%" if allocated else ""
+    text = Text("Reserved (allocator replay", style="bold")
+    text.append(", expandable segments" if r.config.expandable_segments else "", style="bold")
+    text.append(f") {format_bytes(r.reserved_peak)}", style="bold")
+    at = "before the step" if r.reserved_at is None else f"at op {r.reserved_at}"
+    text.append(f" beside allocated {format_bytes(allocated)}{gap}; {at}: rounding "
+                f"{format_bytes(r.rounding)}, segment tails {format_bytes(r.segments)}, "
+                f"fragmentation {format_bytes(r.fragmentation)}")
+    if r.other_streams:
+        text.append(f" ({format_bytes(r.other_streams)} on other streams)")
     return text
 
 
