@@ -215,6 +215,9 @@ def test_markdown_renders(tiny_run):
     md, r = tiny_run["markdown"], tiny_run["results"]
     assert md == report.markdown(r)
     assert "Device: **" in md and "tiny shapes" in md
+    h100 = hardware.by_name("h100")
+    assert (f"\nThe table's h100: {h100.multiprocessors} SMs (this device: n/a), "
+            f"{h100.bandwidth_bytes_per_s / 1e12:.2f} TB/s.\n") in md
     for header in ("**Matmuls**", "**Memory bandwidth**", "**Attention**", "**Training step**"):
         assert header in md
     rows = [line for line in md.splitlines() if line.startswith("| gpt2 lm_head")]

@@ -12,6 +12,7 @@ import math
 import platform
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,19 @@ def _repeats(clock: Clock, fn: Callable[[], object], budget: float) -> int:
     return max(3, min(20, int(budget / max(one, 1e-6))))
 
 
+def _timed_mm(clock: Clock, device: torch.device, shape: tuple[int, int, int],
+              dtype: torch.dtype, precision: str, budget: float) -> tuple[float, int]:
+    """Median seconds of (m×k) @ (k×n) in `dtype` and `precision`, and the calls timed."""
+    m, k, n = shape
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    with matmul_precision(precision):
+        def product() -> torch.Tensor:
+            return torch.mm(a, b)
+        repeats = _repeats(clock, product, budget)
+        return clock.median_seconds(product, warmup=1, repeats=repeats), repeats
+
+
 def matmuls(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
     """Each shape in each mode: median seconds of `torch.mm` and the TFLOP/s (2·M·K·N FLOPs)."""
     clock, rows = Clock(device), []
@@ -86,27 +100,20 @@ def matmuls(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
     per_item = box.seconds / (len(shapes) * len(MATMUL_MODES)) / 2
     for mode, dtype, precision in MATMUL_MODES:
         for name, m, k, n in shapes:
-            row = {"name": name, "mode": mode, "m": m, "k": k, "n": n, "flops": 2 * m * k * n}
+            row: dict[str, Any] = {"name": name, "mode": mode, "m": m, "k": k, "n": n,
+                                   "flops": 2 * m * k * n}
             if box.over():
                 rows.append(row | {"seconds": None, "skipped": "time box spent"})
                 continue
             try:
-                a = torch.randn(m, k, device=device, dtype=dtype)
-                b = torch.randn(k, n, device=device, dtype=dtype)
-                with matmul_precision(precision):
-                    def product(a=a, b=b):
-                        return torch.mm(a, b)
-                    repeats = _repeats(clock, product, per_item)
-                    seconds = clock.median_seconds(product, warmup=1, repeats=repeats)
+                seconds, repeats = _timed_mm(clock, device, (m, k, n), dtype, precision, per_item)
                 row |= {"seconds": seconds, "tflops": row["flops"] / seconds / 1e12,
                         "repeats": repeats}
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 if not is_oom(e) and "not implemented" not in str(e).lower():
                     raise
                 row |= {"seconds": None, "skipped": str(e).splitlines()[0][:200]}
-            finally:
-                a = b = None
-                free_memory(device)
+            free_memory(device)  # (the operands went with _timed_mm's frame)
             rows.append(row)
         log(f"matmuls in {mode}: {sum(r['mode'] == mode and r['seconds'] is not None for r in rows)}"
             f" of {len(shapes)} shapes timed")
@@ -203,8 +210,9 @@ def attention_rows(device: torch.device, box: Box, *, tiny: bool) -> list[dict]:
         for name in names:
             for direction in ("forward", "forward+backward"):
                 flops = 4 * b * h * t * t * d * (3 if direction != "forward" else 1)
-                row = {"name": name, "dtype": dtype_name, "direction": direction,
-                       "shape": list(shape), "flops": flops}
+                row: dict[str, Any] = {"name": name, "dtype": dtype_name,
+                                       "direction": direction, "shape": list(shape),
+                                       "flops": flops}
                 if box.over():
                     rows.append(row | {"seconds": None, "skipped": "time box spent"})
                     continue

@@ -182,6 +182,9 @@ def predictions(results: dict, gpu: str | None, box: Box) -> None:
     acc, how = accelerator(results["device"], gpu)
     results["accelerator"] = {"name": acc.name if acc else None, "title": acc.title if acc else None,
                               "chosen": how}
+    if acc is not None:  # the table's facts the model uses, to hold against the device's own
+        results["accelerator"] |= {"multiprocessors": acc.multiprocessors,
+                                   "bandwidth_bytes_per_s": acc.bandwidth_bytes_per_s}
     log(f"accelerator for the predictions: {acc.title if acc else 'none'} ({how})")
     missing = []
     times = available(STEP_TIME)

@@ -22,7 +22,7 @@ def _num(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value * scale:,.{digits}f}"
 
 
-def _gib(value: int | None) -> str:
+def _gib(value: float | None) -> str:
     """Bytes in binary units, GiB down to KiB (the tiny run's peaks are KiB)."""
     if value is None:
         return "n/a"
@@ -77,6 +77,13 @@ def markdown(results: dict) -> str:
            f"{results.get('date', 'n/a')}, `{results.get('command', 'n/a')}`"
            + (" (tiny shapes: a plumbing check, not a measurement)" if results.get("tiny") else "")
            + "."]
+    if acc.get("name") is not None and "multiprocessors" in acc:
+        sms = acc["multiprocessors"]
+        line = (f"The table's {acc['name']}: {sms or 'no'} SMs (this device: "
+                f"{d.get('multiprocessors') or 'n/a'}), "
+                f"{_num(acc.get('bandwidth_bytes_per_s'), 1e-12)} TB/s")
+        out += ["", line + ("." if sms else "; without an SM count the model times matmuls "
+                            "without tile or wave quantization.")]
     for line in results.get("not_predicted", []):
         out += ["", f"Not predicted: {line}."]
     for line in results.get("errors", []):
