@@ -171,9 +171,7 @@ def test_predicted_peaks_and_ratios(tiny_run):
         assert row["ratio"]["seconds"] == row["seconds"] / row["predicted"]["seconds"]
         if row["name"] == "flash":  # the traced module ran the kernel the measured one did
             assert row["predicted"]["ops"] and all("flash" in op for op in row["predicted"]["ops"])
-    assert r["not_predicted"] == ([] if predict.available(predict.ALLOCATOR) else [
-        f"reserved peak: this ampscope has no allocator replay ({predict.ALLOCATOR}); the "
-        "predicted reserved column is left out"])
+    assert r["not_predicted"] == []
 
 
 def test_no_accelerator_no_time_predictions():
@@ -339,3 +337,22 @@ def test_a_failed_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch
     assert results["matmuls"][0]["predicted"]["seconds"] > 0  # the predictions still ran
     assert "\nFailed: bandwidth: RuntimeError: boom\n" in (tmp_path / "gpu_check.md").read_text()
     assert "bandwidth failed: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_a_cuda_step_gets_its_reserved_peak_and_ratios():
+    """A cuda setting's step (predicted here on fake tensors, the CUDA device emulated): the
+    allocated peak with CUDA's 512-byte block rounding and the replayed reserved peak, whole
+    segments (2 MiB small ones, 20 MiB or 2 MiB-rounded large ones), beside given measured
+    figures, ratios measured / predicted."""
+    measured = {"allocated": 5 * 2**20, "reserved": 8 * 2**20}
+    rows = [{"setting": "fp32", "model": "gpt2-tiny", "batch": 2, "seq": 16, "seconds": 0.01,
+             "first_step_peak": measured}]
+    predict.training_steps(rows, "cuda", hardware.by_name("h100"), Box("predictions", 60))
+    p, ratio = rows[0]["predicted"], rows[0]["ratio"]
+    assert p["allocated_rounded"] % 512 == 0 and p["allocated_rounded"] >= p["allocated"]
+    assert p["reserved"] % (2 * 2**20) == 0 and p["reserved"] >= p["allocated_rounded"]
+    assert p["allocated"] >= 4 * 4 * TINY_GPT2_PARAMETERS  # weights, grads, AdamW's 2 moments
+    assert ratio["allocated"] == measured["allocated"] / p["allocated_rounded"]
+    assert ratio["reserved"] == measured["reserved"] / p["reserved"]
+    assert ratio["seconds"] == 0.01 / p["seconds"]
+    assert set(p["by_bound"]) == {"compute", "memory", "launch", "communication"}

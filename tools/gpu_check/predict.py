@@ -11,31 +11,32 @@
   attention ops the trace recorded, so that a kernel chosen differently shows;
 - training steps: `step_time` of the predicted trace of the same step (model, setting on the
   same device type, batch, sequence), its allocated peak (`ampscope.memory`: live storage, and
-  with CUDA's block rounding) and the allocator replay's reserved peak;
+  with CUDA's block rounding) and, on a cuda setting, the allocator replay's reserved peak (the
+  same report, under this process's PYTORCH_CUDA_ALLOC_CONF);
 - every item: the accelerator table's peak and the measurement as a fraction of it.
 
-A prediction this ampscope cannot make is left out (None), with one line saying so: never a
-figure made up here. `ratio` is always measured / predicted.
+A prediction that cannot be made (no accelerator to predict for, a trace that fails) is left
+out (None), with a line saying so: never a figure made up here. `ratio` is always measured / predicted.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import torch
 
 import ampscope
 from ampscope import hardware
+from ampscope.analysis.op_time import matmul_seconds, memory_seconds
+from ampscope.analysis.step_time import step_time
 from ampscope.hardware import Accelerator
+from ampscope.hardware.kernels import params
 from gpu_check.measure import AttentionStep
 from gpu_check.timing import Box, first_line, log
 
 # mode -> (the dtype the step-time model and the table name it by, matmul precision, itemsize)
 MATMUL_FIGURE = {"fp32": ("float32", "highest", 4), "tf32": ("tf32", "high", 4),
                  "bf16": ("bfloat16", "highest", 2), "fp16": ("float16", "highest", 2)}
-STEP_TIME = "ampscope.analysis.step_time"
-ALLOCATOR = "ampscope.analysis.allocator"
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -43,11 +44,6 @@ def ratio(measured: float | None, predicted: float | None) -> float | None:
     if measured is None or not predicted:
         return None
     return measured / predicted
-
-
-def available(module: str) -> bool:
-    """Whether this ampscope has `module` (a model another part of ampscope adds)."""
-    return importlib.util.find_spec(module) is not None
 
 
 def accelerator(device_info: dict, gpu: str | None) -> tuple[Accelerator | None, str]:
@@ -79,9 +75,6 @@ def against_peaks(results: dict, acc: Accelerator) -> None:
 
 def kernel_times(results: dict, acc: Accelerator) -> None:
     """The matmuls' and the copies' predicted seconds (module docstring)."""
-    from ampscope.analysis.op_time import matmul_seconds, memory_seconds
-    from ampscope.hardware.kernels import params
-
     figures = params(acc)
     for row in results["matmuls"]:
         mode, _, itemsize = MATMUL_FIGURE[row["mode"]]
@@ -99,8 +92,6 @@ def kernel_times(results: dict, acc: Accelerator) -> None:
 def attention_times(rows: list[dict], device_type: str, acc: Accelerator, box: Box) -> None:
     """Each measured attention row's predicted seconds, from its module traced (module
     docstring)."""
-    from ampscope.analysis.step_time import step_time
-
     x = torch.zeros(())
     for row in rows:
         if row.get("seconds") is None:
@@ -129,17 +120,11 @@ def attention_times(rows: list[dict], device_type: str, acc: Accelerator, box: B
         row["ratio"] = {"seconds": ratio(row["seconds"], seconds)}
 
 
-def _reserved_peak(trace: ampscope.Trace) -> int:
-    from ampscope.analysis.allocator import replay_storages
-
-    return replay_storages(trace.storages, len(trace.ops)).reserved_peak
-
-
-def training_steps(rows: list[dict], device_type: str, acc: Accelerator | None, box: Box,
-                   *, times: bool, reserved: bool) -> None:
-    """Each measured step's predictions, from one predicted trace of the same step."""
-    if times:
-        from ampscope.analysis.step_time import step_time
+def training_steps(rows: list[dict], device_type: str, acc: Accelerator | None,
+                   box: Box) -> None:
+    """Each measured step's predictions, from one predicted trace of the same step (its time
+    only with an accelerator; its reserved peak only on a cuda setting: the CPU has no caching
+    allocator)."""
     for row in rows:
         row["predicted"] = {"allocated": None, "allocated_rounded": None, "reserved": None,
                             "seconds": None}
@@ -157,12 +142,15 @@ def training_steps(rows: list[dict], device_type: str, acc: Accelerator | None, 
             predicted["error"] = first_line(e)
             log(f"step {row['setting']}: not predicted: {first_line(e)}")
             continue
-        peak = ampscope.memory(trace).peak
+        # On a cuda setting the report replays the caching allocator with this process's
+        # PYTORCH_CUDA_ALLOC_CONF, the options the measured steps ran under.
+        report = ampscope.memory(trace)
+        peak = report.peak
         predicted["allocated"] = peak.bytes
         predicted["allocated_rounded"] = peak.rounded_bytes
-        if reserved:
-            predicted["reserved"] = _reserved_peak(trace)
-        if times and acc is not None:
+        if report.reserved is not None:
+            predicted["reserved"] = report.reserved.reserved_peak
+        if acc is not None:
             timed = step_time(trace, acc)
             predicted |= {"seconds": timed.seconds, "by_bound": timed.by_bound,
                           "by_phase": timed.by_phase, "mfu": timed.mfu}
@@ -187,26 +175,16 @@ def predictions(results: dict, gpu: str | None, box: Box) -> None:
                                    "bandwidth_bytes_per_s": acc.bandwidth_bytes_per_s}
     log(f"accelerator for the predictions: {acc.title if acc else 'none'} ({how})")
     missing = []
-    times = available(STEP_TIME)
     if acc is None:
         missing.append(f"time: {how} (give one with --gpu NAME); the predicted time columns "
                        "and the table's peaks are left out")
-    elif not times:
-        missing.append(f"time: this ampscope has no step-time model ({STEP_TIME}); the "
-                       "predicted time columns are left out")
-    reserved = available(ALLOCATOR)
-    if not reserved:
-        missing.append(f"reserved peak: this ampscope has no allocator replay ({ALLOCATOR}); "
-                       "the predicted reserved column is left out")
-    if acc is not None:
+    else:
         against_peaks(results, acc)
-        if times:
-            kernel_times(results, acc)
-            with warnings.catch_warnings():  # SDPA's per-backend warnings, as when measured
-                warnings.simplefilter("ignore", UserWarning)
-                attention_times(results["attention"], results["device"]["device_type"], acc, box)
-    training_steps(results["steps"], results["device"]["device_type"], acc, box,
-                   times=times, reserved=reserved)
+        kernel_times(results, acc)
+        with warnings.catch_warnings():  # SDPA's per-backend warnings, as when measured
+            warnings.simplefilter("ignore", UserWarning)
+            attention_times(results["attention"], results["device"]["device_type"], acc, box)
+    training_steps(results["steps"], results["device"]["device_type"], acc, box)
     for line in missing:
         log(f"not predicted: {line}")
     results["not_predicted"] = missing
