@@ -74,3 +74,56 @@ def test_without_its_entry_it_is_unknown():
         resolve("gpt2-test")
     with pytest.raises(KeyError, match="unknown gpt2 preset 'gpt2-test'; known: gpt2, "):
         gpt2.load("gpt2-test")
+
+
+# -- a named model with some of its preset's fields changed: NAME[field=value,...]
+
+def test_changed_fields_build_that_model(capsys):
+    # gpt2-tiny is V 512, T 64, C 64, 2 layers; one more layer, counted by the same formula.
+    lm = resolve("gpt2-tiny[n_layer=3]", device="meta")
+    assert lm.num_parameters == gpt2_parameters(512, 64, 64, 3) == 186_944
+    assert lm.name == "gpt2-tiny[n_layer=3]"
+    assert main(["trace", "gpt2-tiny[n_layer=3, bias=False]", "--seq", "8", "--json", "-"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    # No biases: per layer the two LayerNorms' (C each), c_attn's 3C, attention's c_proj C,
+    # c_fc's 4C and the MLP's c_proj C, 11C in all; and the final LayerNorm's C.
+    assert document["model"]["parameters"] == 186_944 - 3 * 11 * 64 - 64
+
+
+def test_changed_fields_reach_a_zoo_config():
+    pytest.importorskip("transformers")
+    small = "n_layer=1,n_embd=64,n_head=2,vocab_size=128"
+
+    def attention_ops(spec: str) -> set[str]:
+        t = ampscope.trace(spec, seq=8, setting="cuda:fp32+amp-bf16", workload="forward")
+        return {o.op for o in t.ops if "softmax" in o.op or "attention" in o.op}
+
+    # transformers' default here is SDPA; "eager" is its hand-written attention.
+    assert any("attention" in op for op in attention_ops(f"gpt2-hf[{small}]"))
+    assert attention_ops(f"gpt2-hf[attn_implementation=eager,{small}]") == \
+        {"aten._softmax.default"}
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("gpt2-tiny[n_layerz=3]", "unexpected keyword argument 'n_layerz'"),
+    ("gpt2-tiny[n_layer]", "'n_layer' is not field=value"),
+    ("gpt2-tiny[n_layer=3", "write changed fields as NAME[field=value,...]"),
+    ("gpt3[n_layer=3]", "unknown model 'gpt3'; did you mean 'gpt2'?"),
+])
+def test_a_bad_change_is_one_line(spec, said):
+    with pytest.raises(AmpscopeError, match=None) as raised:
+        resolve(spec, device="meta")
+    assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_split_spec_reads_literals_and_words():
+    assert catalog.split_spec("gpt2[n_layer=4, bias=False, dropout=0.1, attention=manual]") == \
+        ("gpt2", {"n_layer": 4, "bias": False, "dropout": 0.1, "attention": "manual"})
+    assert catalog.split_spec("gpt2") == ("gpt2", {})
+
+
+def test_a_changed_spec_is_printed_as_written(capsys):
+    """Brackets in a model name are text, not console markup."""
+    assert main(["fit", "gpt2-tiny[n_layer=3]", "--memory", "1GiB", "--seq", "8",
+                 "--no-variants"]) == 0
+    assert "Probing gpt2-tiny[n_layer=3] (predicted" in capsys.readouterr().out

@@ -54,7 +54,7 @@ def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
     assert isinstance(seq, int)
     check_arguments(args.gpus, seq)  # before the first line of progress
     console.print(f"Searching the plans of {args.model} on {args.gpus} GPUs (traced ranks on "
-                  "fake tensors and a fake process group):")
+                  "fake tensors and a fake process group):", markup=False)
     report = plans(args.model, args.gpus, gpu=args.gpu, memory_size=args.memory,
                    setting=args.setting, mp_policy=args.mp_policy, seq=seq,
                    optimizer=args.optimizer, on_probe=console.print)
@@ -78,7 +78,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         return _plans(args, seq, console)
     if args.mp_policy is not None:
         raise AmpscopeError("--mp-policy only applies with --gpus N")
-    console.print(f"Probing {args.model} (predicted train steps on fake tensors):")
+    console.print(f"Probing {args.model} (predicted train steps on fake tensors):", markup=False)
     report = fit(args.model, gpu=args.gpu, memory_size=args.memory, setting=args.setting,
                  seq=seq, optimizer=args.optimizer, variants=not args.no_variants,
                  on_probe=lambda p: console.print(probe_line(p)))

@@ -128,7 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         def on_start() -> None:  # the header and the bar once the options all held
             console.print(f"Training {config.model} under {config.setting}: {config.steps} "
-                          f"steps of {tokens:,} tokens{start}")
+                          f"steps of {tokens:,} tokens{start}", markup=False)
             stack.enter_context(progress)
 
         result = train(config, resume=args.resume, log=progress, on_start=on_start)

@@ -3,16 +3,25 @@ parameter count, description), what builds the model (a module under `ampscope.m
 `load(name, *, device=, target_device=)`) and the preset's configuration, as plain data, which
 that module reads (`Presets`). Nothing here imports torch, so listing builds nothing.
 
+A named model can be asked for with some of its preset's fields changed:
+`gpt2[n_layer=4]`, `gpt2-hf[attn_implementation=eager]` (`split_spec`). The fields are those of
+the family's config (GPT-2's `GPTConfig`, a zoo entry's config.json); values are Python literals
+(`4`, `0.1`, `True`) or plain words (`eager`).
+
 The counts are what building each model on the meta device gives (`registry.list_models`);
 tests/test_models_registry.py holds every entry equal to it.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
+
+from ampscope.errors import AmpscopeError
 
 T = TypeVar("T")
 
@@ -138,14 +147,41 @@ MODELS: tuple[Entry, ...] = (
 )  # fmt: skip
 
 
+_SPEC = re.compile(r"(?P<name>[^\[\]]+)\[(?P<fields>[^\[\]]*)\]")
+
+
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A named model and the preset fields it changes: `"gpt2[n_layer=4,bias=False]"` is
+    `("gpt2", {"n_layer": 4, "bias": False})`; a name without brackets changes none. A value
+    is a Python literal where it reads as one, else the word itself. One clear line for a
+    malformed spec."""
+    match = _SPEC.fullmatch(spec.strip())
+    if match is None:
+        if "[" in spec or "]" in spec:
+            raise AmpscopeError(f"{spec!r}: write changed fields as NAME[field=value,...], "
+                                "e.g. gpt2[n_layer=4]")
+        return spec, {}
+    fields: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in match["fields"].split(","))):
+        key, eq, text = (s.strip() for s in part.partition("="))
+        if not eq or not key.isidentifier() or not text:
+            raise AmpscopeError(f"{spec!r}: {part!r} is not field=value")
+        try:
+            fields[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            fields[key] = text  # a plain word: eager, manual
+    return match["name"].strip(), fields
+
+
 def entry(name: str) -> Entry:
-    """The entry of model `name` (KeyError when there is none)."""
-    return {e.name: e for e in MODELS}[name]
+    """The entry of model `name`, changed fields or not (KeyError when there is none)."""
+    return {e.name: e for e in MODELS}[split_spec(name)[0]]
 
 
 def requires(name: str) -> tuple[str, ...]:
     """The packages (import names) model `name` needs beyond torch; none for other specs."""
-    return next((e.requires for e in MODELS if e.name == name), ())
+    base = split_spec(name)[0] if "[" in name else name
+    return next((e.requires for e in MODELS if e.name == base), ())
 
 
 def installed(name: str) -> bool:
@@ -169,10 +205,15 @@ class Presets(Mapping[str, T], Generic[T]):
         return {e.name: e.config for e in MODELS if e.module == self.module}
 
     def __getitem__(self, name: str) -> T:
+        """The config of preset `name`, with the fields a `name[field=value]` spec changes."""
+        base, changed = split_spec(name)
         data = self._data()
-        if name not in data:
-            raise KeyError(f"unknown {self.module} preset {name!r}; known: {', '.join(data)}")
-        return self.make(**data[name])
+        if base not in data:
+            raise KeyError(f"unknown {self.module} preset {base!r}; known: {', '.join(data)}")
+        try:
+            return self.make(**{**data[base], **changed})
+        except TypeError as e:  # a field the family's config does not have
+            raise AmpscopeError(f"{name}: {e}") from e
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data())

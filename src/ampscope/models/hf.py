@@ -27,7 +27,7 @@ from torch import nn
 
 from ampscope.errors import AmpscopeError, first_line
 from ampscope.models.base import Batch, LoadedModel
-from ampscope.models.catalog import Presets
+from ampscope.models.catalog import Presets, split_spec
 from ampscope.models.weight_files import load_checkpoint, shards, torch_checkpoint
 from ampscope.quiet import loggers_quiet
 from ampscope.torchcompat.ops import PYTREE_LOGGER
@@ -69,9 +69,10 @@ def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
 
 def _zoo_config(model_type: str, **fields: Any) -> PretrainedConfig:
     """A zoo entry's config.json fields (catalog.py) as its config, set to build in float32
-    with SDPA attention."""
+    with SDPA attention (unless the spec names another: `gpt2-hf[attn_implementation=eager]`)."""
+    fields.setdefault("attn_implementation", ATTN_IMPLEMENTATION)
     return transformers_module().AutoConfig.for_model(
-        model_type, **fields, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
+        model_type, **fields, **dtype_kwargs(torch.float32)
     )
 
 
@@ -83,14 +84,15 @@ def zoo_config(name: str) -> PretrainedConfig:
     return ZOO[name]
 
 
-def build_from_config(config: PretrainedConfig, *, device: str | torch.device) -> nn.Module:
+def build_from_config(config: PretrainedConfig, *, device: str | torch.device,
+                      attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
     """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
     transformers = transformers_module()
     on_meta = torch.device(device).type == "meta"
     try:
         with quiet_transformers(), torch.device(device), _no_init(on_meta):
             module = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=ATTN_IMPLEMENTATION, **dtype_kwargs(torch.float32)
+                config, attn_implementation=attn_implementation, **dtype_kwargs(torch.float32)
             )
     except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
         raise AmpscopeError(
@@ -119,7 +121,9 @@ def load(name: str, *, device: str | torch.device = "cpu",
          target_device: str | None = None) -> LoadedModel:
     """Build zoo entry `name` with random weights (no device-dependent choice to make for
     `target_device`)."""
-    return hf_loaded_model(build_from_config(zoo_config(name), device=device), name=name)
+    attention = split_spec(name)[1].get("attn_implementation", ATTN_IMPLEMENTATION)
+    return hf_loaded_model(build_from_config(zoo_config(name), device=device,
+                                             attn_implementation=attention), name=name)
 
 
 def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedModel:

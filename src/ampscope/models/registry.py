@@ -32,7 +32,7 @@ from torch import nn
 from ampscope.errors import AmpscopeError
 from ampscope.models import catalog, hf
 from ampscope.models.base import LoadedModel
-from ampscope.models.catalog import ModelInfo, entry, installed
+from ampscope.models.catalog import ModelInfo, entry, installed, split_spec
 from ampscope.runtime.user_frames import user_line
 
 
@@ -213,10 +213,14 @@ def resolve(spec: str, *, device: str | torch.device = "cpu", seed: int = 0,
             return hf.load_local(spec.removeprefix("hf:"), device=device)
         if ":" in spec:
             return _load_factory(spec, torch.device(build_device) if build_device else device)
-        if spec not in model_names():
-            raise _unknown_name(spec)
+        base, changed = split_spec(spec)
+        if base not in model_names():
+            raise _unknown_name(base)
         if device.type != "meta":
-            check_fits_in_memory(spec, entry(spec).parameters, device=device)
+            # Changed fields change the size: the count of the model built on meta.
+            parameters = _load_named(spec, "meta").num_parameters if changed else \
+                entry(base).parameters
+            check_fits_in_memory(spec, parameters, device=device)
         return _load_named(spec, device, target_device)
 
 
