@@ -161,8 +161,8 @@ def allocation_size(size: int) -> int:
 
 
 class Event(NamedTuple):
-    """One allocation: `size` bytes requested at time `start`, freed at `end` (None: never), on
-    `stream`. Frees at a time come before allocations at that time."""
+    """One allocation: `size` bytes requested at time `start`, freed at `end` (after `start`;
+    None: never), on `stream`. Frees at a time come before allocations at that time."""
 
     size: int
     start: int
