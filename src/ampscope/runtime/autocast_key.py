@@ -34,6 +34,12 @@ def set_key_state(device: str, enabled: bool | None = None,
         _set_dtype(device, dtype)
 
 
+def eligible(value: object) -> bool:
+    """autocast's is_eligible: a floating tensor that is not float64 (what a cast may touch)."""
+    return (isinstance(value, torch.Tensor) and value.is_floating_point()
+            and value.dtype != torch.float64)
+
+
 def cpu_key_enabled() -> bool:
     """Whether autocast runs at the CPU's key: in an emulated run, the target's autocast."""
     return _is_enabled("cpu")

@@ -33,7 +33,13 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.device_types import device_type
-from ampscope.runtime.autocast_key import cpu_key_dtype, cpu_key_enabled, key_state, set_key_state
+from ampscope.runtime.autocast_key import (
+    cpu_key_dtype,
+    cpu_key_enabled,
+    eligible,
+    key_state,
+    set_key_state,
+)
 from ampscope.runtime.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
@@ -48,13 +54,6 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _active: TargetAutocast | None = None
-
-def _eligible(value: object) -> bool:
-    """autocast's is_eligible: a floating tensor that is not float64."""
-    return (
-        isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
-    )
-
 
 def _first_tensor(values) -> torch.Tensor | None:
     for v in values:
@@ -72,7 +71,7 @@ def _widest(values, start: torch.dtype) -> torch.dtype:
     widest = start
     for v in values:
         for t in v if isinstance(v, (list, tuple)) else [v]:
-            if _eligible(t) and t.dtype == torch.float32:
+            if eligible(t) and t.dtype == torch.float32:
                 widest = torch.float32
     return widest
 
@@ -92,7 +91,7 @@ class TargetAutocast:
     def _cast(self, value, dtype: torch.dtype):
         if isinstance(value, (list, tuple)):
             return type(value)(self._cast(v, dtype) for v in value)
-        if not _eligible(value) or value.dtype == dtype:
+        if not eligible(value) or value.dtype == dtype:
             return value
         cacheable = (
             dtype == cpu_key_dtype()
@@ -145,7 +144,7 @@ class TargetAutocast:
         def set_opt_dtype(*args, **kwargs):
             # Only when the first tensor is eligible, and never over a dtype the caller gave.
             with no_autocast("cpu"):
-                if _eligible(_first_tensor([*args, *kwargs.values()])):
+                if eligible(_first_tensor([*args, *kwargs.values()])):
                     if dtype_positional and dtype_index < len(args):
                         if args[dtype_index] is None:
                             args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1:])
@@ -155,7 +154,7 @@ class TargetAutocast:
 
         def append_dtype(*args, **kwargs):
             with no_autocast("cpu"):
-                if _eligible(_first_tensor([*args, *kwargs.values()])):
+                if eligible(_first_tensor([*args, *kwargs.values()])):
                     return redirect(*args, **kwargs, dtype=torch.float32)
                 return op(*args, **kwargs)
 

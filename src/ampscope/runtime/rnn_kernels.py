@@ -30,7 +30,7 @@ import torch
 
 from ampscope.patches import patched
 from ampscope.runtime.attention_choice import H100, CudaTarget
-from ampscope.runtime.autocast_key import cpu_key_enabled
+from ampscope.runtime.autocast_key import cpu_key_enabled, eligible
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor
@@ -59,12 +59,8 @@ def _original_rnns() -> Iterator[None]:
         _local.original = before
 
 
-def _eligible(t: torch.Tensor | None) -> bool:  # autocast's is_eligible
-    return t is not None and t.is_floating_point() and t.dtype != torch.float64
-
-
 def _half(t: torch.Tensor | None) -> torch.Tensor | None:  # cached_cast(at::kHalf, t)
-    return t.to(AUTOCAST_RNN_DTYPE) if t is not None and _eligible(t) and t.dtype != AUTOCAST_RNN_DTYPE else t
+    return t.to(AUTOCAST_RNN_DTYPE) if t is not None and eligible(t) and t.dtype != AUTOCAST_RNN_DTYPE else t
 
 
 # -- the CUDA branch of the composites (RNN.cpp, native/cudnn/RNN.cpp, AutocastRNN.cpp)
@@ -118,7 +114,7 @@ def _cudnn_impl(mode: str, input, hx, cx, params, has_biases: bool, num_layers: 
     if cpu_key_enabled():  # the target's autocast, in an emulated run
         with no_autocast("cpu"):  # the wrapper excludes autocast for what it calls
             ref = weight_buf if weight_buf is not None else params[0]
-            if _eligible(ref) and ref.dtype != AUTOCAST_RNN_DTYPE:
+            if eligible(ref) and ref.dtype != AUTOCAST_RNN_DTYPE:
                 weight_buf, params = _flat_half_views(params)
             input, hx, cx = _half(input), _half(hx), _half(cx)
             return _call(mode, input, hx, cx, params, stride0, weight_buf, hidden_size,
