@@ -73,7 +73,7 @@ gpu-check:
 	@if [ -n "$(GPU_PY)" ]; then py="$(GPU_PY)"; \
 	elif [ -x $(BIN)/python ] && $(BIN)/python $(HAS_CUDA) 2>/dev/null; then py=$(BIN)/python; \
 	elif $(PY) $(HAS_CUDA) 2>/dev/null; then py=$(PY); \
-	else $(MAKE) --no-print-directory setup && py=$(BIN)/python; fi; \
+	else $(MAKE) -s --no-print-directory setup && py=$(BIN)/python; fi; \
 	echo "gpu-check: $$py" >&2; \
 	PYTHONPATH=tools:src$${PYTHONPATH:+:$$PYTHONPATH} $$py -m gpu_check $(GPU_CHECK_ARGS)
 

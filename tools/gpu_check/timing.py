@@ -23,9 +23,10 @@ _START = time.monotonic()
 
 
 def log(message: str) -> None:
-    """One progress line on stderr, with the seconds since start, flushed at once: on the GPU
+    """One progress line on stderr, with the time and the seconds since start, flushed at once: on the GPU
     machine the output comes back only as a tail, and a line held in a buffer is lost on a kill."""
-    print(f"[gpu_check {time.monotonic() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
+    print(f"[gpu_check {time.strftime('%H:%M:%S')} +{time.monotonic() - _START:.1f} s] {message}",
+          file=sys.stderr, flush=True)
 
 
 @dataclass
