@@ -356,3 +356,20 @@ def test_a_cuda_step_gets_its_reserved_peak_and_ratios():
     assert ratio["reserved"] == measured["reserved"] / p["reserved"]
     assert ratio["seconds"] == 0.01 / p["seconds"]
     assert set(p["by_bound"]) == {"compute", "memory", "launch", "communication"}
+
+
+def test_first_step_allocated_peak_counts_as_the_prediction_does(monkeypatch):
+    """The step's own allocations on top of the weights and the batch: what other parts left
+    allocated before it (cuBLAS workspaces) is taken out, the raw counters kept."""
+    monkeypatch.setattr(steps, "_peaks", lambda device: {"allocated": 500, "reserved": 800})
+    peaks = steps._first_step_peaks(torch.device("cuda"), (100, 200), 30)
+    assert peaks == {"allocated": 500 - 100 + 30, "reserved": 800, "raw_allocated": 500,
+                     "allocated_before": 100, "reserved_before": 200, "weights_and_batch": 30}
+    monkeypatch.setattr(steps, "_peaks", lambda device: {"allocated": None, "reserved": None})
+    assert steps._first_step_peaks(torch.device("cpu"), (0, 0), 30) == {"allocated": None,
+                                                                        "reserved": None}
+
+
+def test_storage_bytes_count_a_shared_storage_once():
+    base = torch.zeros(4, 8)
+    assert steps._storage_bytes([base, base[1:], base.view(-1), torch.zeros(3)]) == 4 * 32 + 4 * 3

@@ -23,11 +23,32 @@ MODEL, BATCH, SEQ = "gpt2", 16, 1024
 TINY_MODEL, TINY_BATCH, TINY_SEQ = "gpt2-tiny", 2, 16
 
 
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under `tensors` (tied weights, ids and targets sharing
+    one storage: counted once, as the prediction counts them)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def _peaks(device: torch.device) -> dict:
+    """The allocator's peaks since the last reset (none on the CPU: it has no counters)."""
     if device.type != "cuda":
-        return {"allocated": None, "reserved": None}  # no allocator counters on the CPU
+        return {"allocated": None, "reserved": None}
     return {"allocated": torch.cuda.max_memory_allocated(device),
             "reserved": torch.cuda.max_memory_reserved(device)}
+
+
+def _first_step_peaks(device: torch.device, before: tuple[int, int], own: int) -> dict:
+    """The first step's peaks, the allocated one as the prediction counts it: the step's own
+    allocations on top of the weights and the batch (`own` bytes), without what others held
+    when it started (`before`: allocated, reserved; cuBLAS's workspaces, made by the earlier
+    parts, live through the whole run). The raw counters are kept beside it."""
+    peaks = _peaks(device)
+    if peaks["allocated"] is None:
+        return peaks
+    return {"allocated": peaks["allocated"] - before[0] + own, "reserved": peaks["reserved"],
+            "raw_allocated": peaks["allocated"], "allocated_before": before[0],
+            "reserved_before": before[1], "weights_and_batch": own}
 
 
 def _one_setting(name: str, device: torch.device, model: str, batch: int, seq: int,
@@ -69,8 +90,11 @@ def _measured(setting: ampscope.Setting, device: torch.device, model: str, batch
         # The cache of the model's construction is given back first: the first step then
         # starts, as a predicted one does, with only the weights and the batch held.
         free_memory(device)
+        own = _storage_bytes([*lm.module.parameters(), *lm.module.buffers(), *data.values()])
+        before = ((torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+                  if device.type == "cuda" else (0, 0))
         first_seconds = clock.once(step)
-        first = _peaks(device)
+        first = _first_step_peaks(device, before, own)
         step()  # one more warm-up: the first step also made AdamW's moments
         clock.sync()
         if device.type == "cuda":
