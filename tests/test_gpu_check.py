@@ -339,6 +339,7 @@ def test_a_failed_part_is_recorded_and_the_rest_still_runs(tmp_path, monkeypatch
     assert "bandwidth failed: RuntimeError: boom" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_cuda_step_gets_its_reserved_peak_and_ratios():
     """A cuda setting's step (predicted here on fake tensors, the CUDA device emulated): the
     allocated peak with CUDA's 512-byte block rounding and the replayed reserved peak, whole
