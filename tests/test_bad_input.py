@@ -274,8 +274,9 @@ CASES = [
     # refused before the script runs (the script is not even looked for)
     case("run --step-time -1 train.py", "step time must be a positive number"),
     case("run --step-time nan train.py", "step time must be a positive number"),
-    case("run --gpu h100 train.py", "--gpu only applies with --step-time"),
-    case("run --peak-flops bf16=1e15 train.py", "--peak-flops only applies with --step-time"),
+    case("run --gpu h1000 train.py", "unknown accelerator 'h1000'"),
+    case("trace gpt2-tiny --gpu h1000", "unknown accelerator 'h1000'"),
+    case("matrix gpt2-tiny --gpu h1000", "unknown accelerator 'h1000'"),
     case("formats abc", "abc"),
     case("formats 1e5x", "1e5x"),
     case("policy --op no_op_has_this_name", "no op containing 'no_op_has_this_name'"),

@@ -142,6 +142,13 @@ CASES = [
         (("modules", 0, "repeats"), 0),
         (("settings",), []),
     ]),
+    ("matrix-predicted", "matrix",
+     ["matrix", "gpt2-tiny", "-d", "cuda", "--settings", "fp32,fp32+tf32", "--seq", "8",
+      "--predict", "--gpu", "a100"], [
+        (("predicted", 0, "seconds"), 0),
+        (("predicted", 0, "by_bound", "io"), 1.0),
+        (("predicted", 1, "params"), DELETE),
+    ]),
     ("report", "matrix",
      ["report", "gpt2-tiny", "--settings", "fp32,fp32+amp-bf16", "--seq", "8", "--predict",
       "-o", "{tmp}/report.html"], [
@@ -154,6 +161,13 @@ CASES = [
         (("summary", "identical"), "no"),
         (("summary", "casts_b"), DELETE),
         (("casts", 0, "phase"), "sideways"),
+    ]),
+    ("diff-predicted", "diff",
+     ["diff", "cuda:fp32", "cuda:fp32+amp-bf16", "--model", "gpt2-tiny", "--seq", "8",
+      "--predict"], [
+        (("timing", "a"), 0),
+        (("timing", "by_bound", 0, "name"), ""),
+        (("timing", "modules", 0, "b"), DELETE),
     ]),
     ("memory", "memory", ["memory", "gpt2-tiny", "--seq", "8", "--predict"], [
         (("peak", "phase"), "sideways"),
@@ -188,6 +202,10 @@ CASES = [
      ["flops", "gpt2-tiny", "-s", "cuda:fp32+amp-bf16", "--step-time", "0.01", "--seq", "8",
       "--predict"], [
         (("utilization", "seconds"), 0),
+        (("predicted", "seconds"), 0),
+        (("predicted", "by_phase", "sampling"), 0.1),
+        (("predicted", "params", "figures", "bandwidth", "source"), ""),
+        (("predicted", "mfu"), DELETE),
     ]),
     ("numerics", "numerics", ["numerics", "gpt2-tiny", "--settings", "bf16", "--seq", "8"], [
         (("reference",), "fp16"),

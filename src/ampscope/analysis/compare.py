@@ -3,7 +3,9 @@
 The traces of one model and workload under several settings are aligned on the module calls of
 their first step (module names do not depend on the setting), so a cell holds what that module
 did in that setting; a cell that differs from the first setting's is marked. Below the modules,
-the whole-run facts: inputs, outputs, parameters, gradients, optimizer state, autocast casts.
+the whole-run facts: inputs, outputs, parameters, gradients, optimizer state, autocast casts,
+and, where a setting's step was predicted on a GPU (api/gpu_time.py decides which), its
+predicted step time, bound, tokens/s and MFU.
 
 The first setting asked for is the baseline even when it fails: its column says so, and no
 other setting's cell is compared with anything (`differs` is None), rather than with the
@@ -13,10 +15,13 @@ second setting's cells as if that were the first.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ampscope.analysis.flops import predicted_dict
 from ampscope.analysis.flow import collapse_blocks, dtypes
 from ampscope.analysis.fp8 import fp8_module_notes
+from ampscope.analysis.step_time import StepTime
 from ampscope.records import ModuleCall, SettingRecord, Trace, module_label
 from ampscope.records.table import Table, table
 
@@ -70,6 +75,8 @@ class Matrix:
     # Every setting's name in the order asked, the failed ones included; empty: the traced
     # settings, then the failed ones.
     order: tuple[str, ...] = ()
+    # Per setting that ran: its step predicted on a GPU, or None (a CPU setting, sampling).
+    predicted: tuple[StepTime | None, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -107,6 +114,7 @@ class Matrix:
                         for s in self.summary],
             "failures": [{"setting": name, "error": why} for name, why in self.failures],
             "baseline": {"setting": self.baseline, "failed": self.baseline_failed},
+            "predicted": [predicted_dict(p) for p in self.predicted],
         }
 
     def table(self) -> Table:
@@ -195,11 +203,38 @@ def _summary(traces: list[Trace]) -> list[SummaryRow]:
     return [r for r in rows if any(v != "—" for v in r.values)]
 
 
+def _predicted_rows(predicted: Sequence[StepTime | None]) -> list[SummaryRow]:
+    """The whole-run rows of the predicted steps: time, bound shares, tokens/s, MFU; "—" for a
+    setting without one. The GPU is named in the row when every prediction is on the same."""
+    known = [p for p in predicted if p is not None]
+    if not known:
+        return []
+    gpus = {p.accelerator for p in known}
+    on = f" on {next(iter(gpus)).upper()}" if len(gpus) == 1 else ""
+
+    def row(what: str, value) -> SummaryRow:
+        return SummaryRow(what, tuple("—" if p is None else value(p) for p in predicted))
+
+    def shares(p: StepTime) -> str:
+        parts = sorted(((b, t) for b, t in p.by_bound.items() if t > 0), key=lambda kv: -kv[1])
+        return ", ".join(f"{b} {100 * t / p.seconds:.0f}%" for b, t in parts)
+
+    return [
+        row(f"step{on} (predicted)", lambda p: f"{p.seconds * 1e3:,.1f} ms"
+            + ("" if on else f" on {p.accelerator.upper()}")),
+        row("bound (predicted)", shares),
+        row("tokens/s (predicted)", lambda p: f"{p.tokens_per_second:,.0f}"),
+        row("MFU (predicted)", lambda p: "n/a" if p.mfu is None else f"{100 * p.mfu:.2g}%"),
+    ]
+
+
 def build_matrix(traces: list[Trace], failures: tuple[tuple[str, str], ...] = (),
-                 order: tuple[str, ...] = ()) -> Matrix:
+                 order: tuple[str, ...] = (),
+                 predicted: Sequence[StepTime | None] = ()) -> Matrix:
     """The side-by-side view of traces of one model and workload under several settings.
     `order`: every setting's name in the order asked (its first is the baseline, also when it
-    is among the `failures`); empty: the traces' order."""
+    is among the `failures`); empty: the traces' order. `predicted`: each trace's predicted
+    step (or None), shown as whole-run rows; empty: none."""
     if not traces:
         raise ValueError("build_matrix needs at least one trace")
     first = traces[0]
@@ -210,7 +245,9 @@ def build_matrix(traces: list[Trace], failures: tuple[tuple[str, str], ...] = ()
         workload=first.workload,
         settings=tuple(t.setting for t in traces),
         rows=tuple(replace(r, compared=compared) for r in _module_rows(traces)),
-        summary=tuple(replace(r, compared=compared) for r in _summary(traces)),
+        summary=tuple(replace(r, compared=compared)
+                      for r in _summary(traces) + _predicted_rows(predicted)),
         failures=tuple(failures),
         order=tuple(order),
+        predicted=tuple(predicted) or (None,) * len(traces),
     )

@@ -46,6 +46,9 @@ Tensor categories: "parameter", "gradient", "buffer", "optimizer state" (name
 "PARAM:KEY", e.g. "transformer.wte.weight:exp_avg"), "input", "target", "output".
 Counts in the summary are of calls, ops, casts and tensors, not of collapsed rows.
 
+`timing` (None unless both steps were predicted on one GPU: `diff_traces(..., predicted=)`)
+says why one is faster (analysis/time_diff.py).
+
 Namesakes, the same concern at another layer: `render/diff.py`."""
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes, repeat_unit
+from ampscope.analysis.step_time import StepTime
+from ampscope.analysis.time_diff import TimeDiff, time_diff
 from ampscope.records import PHASES, ModuleCall, OpCall, Trace, module_label
 
 SCHEMA = "ampscope.diff/1"
@@ -152,6 +157,7 @@ class TraceDiff:
     casts: tuple[CastChange, ...] = ()
     tensors: tuple[TensorChange, ...] = ()
     summary: DiffSummary = field(default_factory=DiffSummary)
+    timing: TimeDiff | None = None  # both steps predicted on one GPU: why one is faster
 
     @property
     def identical(self) -> bool:
@@ -175,11 +181,14 @@ class TraceDiff:
                        "to": c.dst, "a": c.a, "b": c.b} for c in self.casts],
             "tensors": [{"category": t.category, "name": t.name, "a": t.a, "b": t.b}
                         for t in self.tensors],
+            "timing": self.timing.to_dict() if self.timing is not None else None,
         }
 
 
-def diff_traces(a: Trace, b: Trace) -> TraceDiff:
-    """Every dtype difference between trace `a` and trace `b`."""
+def diff_traces(a: Trace, b: Trace,
+                predicted: tuple[StepTime | None, StepTime | None] = (None, None)) -> TraceDiff:
+    """Every dtype difference between trace `a` and trace `b`; with both steps `predicted` on
+    one accelerator, why one is faster (`timing`)."""
     modules = _module_changes(a.modules, b.modules, repeat_unit(a.workload, b.workload))
     ops = _op_changes(a.ops, b.ops)
     casts = _cast_changes(a.ops, b.ops)
@@ -199,7 +208,10 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
         tensors_only_a=sum(1 for t in tensors if not t.b),
         tensors_only_b=sum(1 for t in tensors if not t.a),
     )
-    return TraceDiff(_about(a), _about(b), modules, ops, casts, tensors, summary)
+    step_a, step_b = predicted
+    timing = (time_diff(step_a, step_b) if step_a is not None and step_b is not None
+              and step_a.accelerator == step_b.accelerator else None)
+    return TraceDiff(_about(a), _about(b), modules, ops, casts, tensors, summary, timing)
 
 
 def _about(t: Trace) -> dict:

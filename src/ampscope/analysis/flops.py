@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ampscope import hardware
 from ampscope.analysis.flow import collapse_blocks
@@ -79,6 +80,10 @@ class FlopReport:
     # FLOPs of a training run's evaluation and sampling passes (runs/passes.py): counted
     # apart, outside `total`, the conventions and MFU, which are the step's.
     evaluation: int = 0
+    # The step predicted on a GPU, a `StepTime` (api/gpu_time.py says which GPU and when): None
+    # for a setting that is not cuda, or a workload that is not one step. Typed Any: step_time.py
+    # imports this module, which must not import it back.
+    predicted: Any = None
 
     @property
     def total(self) -> int:
@@ -101,6 +106,7 @@ class FlopReport:
             "modules": [asdict(r) for r in self.rows],
             "utilization": asdict(self.utilization) if self.utilization else None,
             "evaluation": self.evaluation,
+            "predicted": predicted_dict(self.predicted),
         }
 
     def table(self) -> Table:
@@ -114,6 +120,14 @@ class FlopReport:
     def to_dataframe(self):
         """`table()` as a pandas DataFrame (the optional extra `ampscope[pandas]`)."""
         return self.table().to_dataframe()
+
+
+def predicted_dict(predicted: Any) -> dict | None:
+    """A predicted step's JSON (a `StepTime`'s, or None) without its per-op list (thousands of
+    entries on a large model: `StepTime.to_dict()` has them)."""
+    if predicted is None:
+        return None
+    return {k: v for k, v in predicted.to_dict().items() if k != "ops"}
 
 
 def matmul_dtype(op: OpCall) -> str:

@@ -6,6 +6,7 @@
 - `reports.py`: `memory`, `flops`, `findings`, `numerics`, `policy` (each registered report's
   function is public here and at the package root by its registration, render/report_kinds.py);
 - `measure.py`: an untraced step's wall time and allocator peak (CUDA or CPU);
+- `gpu_time.py`: which GPU a report's step is predicted on, and the predicted step itself;
 - `fit.py`: `fit`, the largest batch whose predicted step fits a GPU;
 - `parallel_plans.py`: `plans`, the parallel plans of a model on N GPUs (`fit --gpus N`);
 - `watch.py`: `watch`, one optimizer step of the user's own training loop, traced as it runs.

@@ -19,6 +19,7 @@ from ampscope.analysis.flops import FlopReport, flop_report, utilization
 from ampscope.analysis.memory import MemoryReport, memory_report
 from ampscope.analysis.numerics import NumericsReport, compare_runs, ranges
 from ampscope.analysis.summary import tokens_of
+from ampscope.api.gpu_time import accelerator_for, predicted_step
 from ampscope.api.measure import measure_peak_memory, measure_step, peak_to_measure
 from ampscope.api.preparation import batch_for, resolved, run_shortfall
 from ampscope.api.tracing import trace
@@ -34,7 +35,7 @@ from ampscope.precision import (
     policy_history,
 )
 from ampscope.precision.quiz import quiz as run_quiz
-from ampscope.records import Finding, SettingRecord, Trace, dtype_name
+from ampscope.records import Finding, Trace, dtype_name
 from ampscope.runs.environment import RunEnvironment
 from ampscope.runs.values import Values, as_float64, read_grads, read_weights, recording_values
 from ampscope.runtime.autocast_policy import read_policy
@@ -77,7 +78,9 @@ def flops(
     **options,
 ) -> FlopReport:
     """Trace one step (options as for `trace`) and count its FLOPs by phase, dtype and module,
-    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T).
+    beside the conventions people quote (6·N·D, nanoGPT's 6N + 12·L·H·Q·T). A cuda setting's
+    train or forward step is also predicted on `gpu` (`predicted`: time, where it goes,
+    tokens/s, MFU; api/gpu_time.py).
 
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
@@ -90,11 +93,12 @@ def flops(
         raise AmpscopeError("the step time must be a positive number of seconds")
     result = _traced(model, inputs, options, measure=measure)
     report = flop_report(result, tokens=tokens_of(result))
+    report.predicted = predicted_step(result, gpu)
     if measure:
         assert not isinstance(model, Trace)  # (refused by _traced: a Trace cannot be measured)
         step_time = measure_step(model, **{k: v for k, v in options.items() if k != "predict"})
     if step_time is not None:
-        report.utilization = utilization(report, step_time, _accelerator(gpu, report.setting),
+        report.utilization = utilization(report, step_time, accelerator_for(gpu, report.setting),
                                          report.setting.matmul_precision)
     return report
 
@@ -121,18 +125,6 @@ def _traced(model: str | nn.Module | LoadedModel | Trace, inputs, options: dict,
             f"{', '.join(given)} cannot apply to a Trace that has already run; pass the model "
             f"({model.model.name}) instead to run it again with them")
     return model
-
-
-def _accelerator(given: hardware.Accelerator | None, setting: SettingRecord):
-    """The accelerator whose peaks MFU is held to: the one given, this machine's GPU, or the
-    H100 an emulated CUDA run stands for; None when unknown (MFU n/a)."""
-    if given is not None:
-        return given
-    if setting.device != "cuda":
-        return None
-    if setting.emulated:
-        return hardware.by_name("h100")
-    return hardware.lookup(torch.cuda.get_device_name())
 
 
 def numerics(

@@ -13,11 +13,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from ampscope import workloads
+from ampscope import hardware, workloads
 from ampscope.analysis.checks import judge
 from ampscope.analysis.compare import Matrix, build_matrix
 from ampscope.analysis.diagnosis import diagnose
 from ampscope.analysis.memory import memory_report
+from ampscope.api.gpu_time import predicted_step
 from ampscope.api.preparation import batch_for, inputs_in_param_dtype, plan, resolved
 from ampscope.defaults import DEFAULT_MATRIX_SETTINGS
 from ampscope.errors import AmpscopeError, DtypeMismatchError
@@ -244,12 +245,17 @@ def matrix(
     every_block: bool = False,
     on_setting: Callable[[int, str], None] | None = None,
     values: bool = False,
+    gpu: str | hardware.Accelerator | None = None,
 ) -> tuple[Matrix, list[Trace]]:
     """Trace one workload under each setting (same weights, same batch) and line them up.
 
     `on_setting(i, name)` is called before setting i runs (for a progress display). `values`:
-    as for `trace`.
+    as for `trace`. Each cuda setting's step is predicted on `gpu` (a name of
+    `hardware.table()` or an `Accelerator`; default: this machine's GPU, an H100 for emulated
+    CUDA): the matrix's whole-run rows show its time, bound, tokens/s and MFU.
     """
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu)  # an unknown name is refused before anything runs
     if values and predict is None:
         predict = False  # values need real tensors
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
@@ -281,7 +287,8 @@ def matrix(
     if not traces:
         assert first_error is not None
         raise first_error
-    return build_matrix(traces, tuple(failures), tuple(s.name for s in parsed)), traces
+    return build_matrix(traces, tuple(failures), tuple(s.name for s in parsed),
+                        predicted=[predicted_step(t, gpu) for t in traces]), traces
 
 
 def _why(e: Exception) -> str:

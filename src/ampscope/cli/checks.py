@@ -47,18 +47,10 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
 
 
 def _check_run_timing(args: argparse.Namespace) -> None:
-    """`run --step-time` before the script runs, not after; `--gpu` and `--peak-flops` say
-    what MFU is held against, so they mean nothing without a step time."""
+    """`run --step-time` before the script runs, not after. (`--gpu` and `--peak-flops` apply
+    without it: they name the GPU a cuda run's step is predicted on.)"""
     if args.step_time is not None and not 0 < args.step_time < math.inf:
         raise AmpscopeError("the step time must be a positive number of seconds")
-    if args.step_time is None:
-        # With --nproc, --gpu is also the memory each rank's peak is held against.
-        flags = ("peak_flops",) if getattr(args, "nproc", None) is not None \
-            else ("gpu", "peak_flops")
-        for flag in flags:
-            if getattr(args, flag, None) is not None:
-                raise AmpscopeError(f"--{flag.replace('_', '-')} only applies with "
-                                    "--step-time SECONDS (it is the accelerator MFU uses)")
 
 
 # Options of train and bench that only make sense above zero, or at zero and above.

@@ -32,6 +32,7 @@ from ampscope.render.report_kinds import REPORTS, kind_of
 
 
 def cmd_distributed(args: argparse.Namespace) -> int:
+    from ampscope.api.gpu_time import predicted_step
     from ampscope.distributed import Parallel, launch, parse_mp_policy, predict
     from ampscope.render.distributed import render_distributed
 
@@ -56,7 +57,10 @@ def cmd_distributed(args: argparse.Namespace) -> int:
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
     trace = report.trace
-    return _show(args, lambda: render_distributed(report), json=report.to_dict,
+    # `trace --distributed` shows rank 0's predicted step (`memory --distributed`: its bytes)
+    step = None if trace is None or args.command != "trace" else \
+        predicted_step(trace, args.accelerator)
+    return _show(args, lambda: render_distributed(report, step), json=report.to_dict,
                  report=None if trace is None else lambda: _page(
                      [trace], _step_reports(trace), distributed=report))
 
@@ -83,14 +87,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def _show_trace(args: argparse.Namespace, result, *, page, extra: list | None = None,
                 document=None) -> int:
     """`trace` and `run`: the HTML `page`, the timeline, JSON (the trace's, or `document`'s),
-    CSV and the rendering (with `extra` renderables after the trace's)."""
+    CSV and the rendering (with `extra` renderables after the trace's; the step predicted on
+    --gpu in its header, for a cuda setting)."""
     from rich.console import Group
 
     from ampscope.analysis.summary import trace_summary
+    from ampscope.api.gpu_time import predicted_step
     from ampscope.render.text import render_trace
 
     return _show(args, lambda: Group(render_trace(trace_summary(
-        result, ops=args.ops, diagram=args.diagram)), *(extra or [])), report=page,
+        result, ops=args.ops, diagram=args.diagram),
+        predicted=predicted_step(result, args.accelerator)), *(extra or [])), report=page,
         perfetto=result, json=document or result.to_dict,
         csv=lambda: result.table("ops" if args.ops else "modules"))
 
@@ -139,11 +146,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ampscope.render.ranks import render_ranks
         from ampscope.script.ranks import report_dict
 
-        extra.append(render_ranks(report, traces))
+        extra.append(render_ranks(report, traces,
+                                  predicted=_rank_steps(traces or [], args.accelerator)))
         return _show_trace(args, result, page=page, extra=extra,
                            document=lambda: (to_dict or report_dict)(report))
     # The trace shown, the command ends as the script did (its own sys.exit(n) or os._exit(n)).
     return _show_trace(args, result, page=page, extra=extra) or run_status(result)
+
+
+def _rank_steps(traces: list, gpu) -> list:
+    """Each rank's step predicted on `gpu` (None where it has none), computed once per trace:
+    the ranks a predicted job did not run show the trace of the rank they are taken to be."""
+    from ampscope.api.gpu_time import predicted_step
+
+    done: dict[int, object] = {}
+    for t in traces:
+        if id(t) not in done:
+            done[id(t)] = predicted_step(t, gpu)
+    return [done[id(t)] for t in traces]
 
 
 def _run_ranks(args: argparse.Namespace, script_args: list[str]):
@@ -236,6 +256,7 @@ def _matrix(args: argparse.Namespace, numerics: bool = False):
     settings = _settings(args, "fp32,fp32+amp-bf16")
     with _runs(args, len(settings) + (len(settings) + 1 if numerics else 0)) as on_run:
         result, traces = matrix(args.model, settings=settings, on_setting=on_run(),
+                                gpu=getattr(args, "accelerator", None),
                                 **options.as_kwargs())
         values = divergence(args.model, settings=settings, workload=args.workload,
                             batch=args.batch, seq=args.seq, optimizer=args.optimizer,
@@ -334,6 +355,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     import os
 
     from ampscope.analysis.diff import diff_traces
+    from ampscope.api.gpu_time import predicted_step
     from ampscope.render.diff import render_diff
 
     files = [os.path.exists(x) or x.endswith(".json") for x in (args.a, args.b)]
@@ -341,6 +363,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for path in (args.a, args.b):
             check_regular(path)
         a, b = load_trace(args.a), load_trace(args.b)
+        predicted = (predicted_step(a, args.accelerator), predicted_step(b, args.accelerator))
     elif any(files):
         raise AmpscopeError("give two trace files or two settings, not one of each")
     else:
@@ -349,8 +372,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
         options = _run_options(args)
         settings = _on_device([args.a, args.b], args.device)
         with _console(stderr=True).status(f"Tracing {args.model} under {args.a} and {args.b}…"):
-            _, (a, b) = matrix(args.model, settings=settings, **options.as_kwargs())
-    result = diff_traces(a, b)
+            both, (a, b) = matrix(args.model, settings=settings, gpu=args.accelerator,
+                                  **options.as_kwargs())
+        predicted = (both.predicted[0], both.predicted[1])
+    result = diff_traces(a, b, predicted)
     return _show(args, lambda: render_diff(result, args.a, args.b, ops=args.ops),
                  json=result.to_dict)
 

@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# --gpu of the commands that show a predicted step and nothing else of a GPU.
+_PREDICTED_GPU = ("the GPU a cuda setting's step is predicted on (time, tokens/s, MFU), e.g. "
+                  "a100, h100 (default: this machine's GPU; h100 for emulated cuda)")
+
+
 def _add_trace(sub) -> None:
     trace = sub.add_parser("trace", help="trace one workload of a model under one setting")
     _add_one_setting(trace, ", e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, fp32+tf32")
@@ -87,6 +92,7 @@ def _add_trace(sub) -> None:
                        help="draw the dtype flow of one forward pass, one block drawn once")
     add_exports(trace, "report", "csv", "perfetto")
     _add_distributed_arguments(trace)
+    add_hardware_arguments(trace, memory=False, gpu_help=_PREDICTED_GPU)
 
 
 def _add_script_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,10 +151,11 @@ def _add_run(sub) -> None:
                      help="measured wall time of the captured steps, for throughput and MFU "
                           "(implies --flops)")
     add_hardware_arguments(run, memory=False,
-                           gpu_help="with --step-time: the accelerator whose peak FLOP/s MFU "
-                                    "uses, e.g. h100 (default: this machine's GPU; h100 for "
-                                    "emulated cuda); with --nproc: the GPU whose memory each "
-                                    "rank's peak is held against")
+                           gpu_help="the GPU a cuda run's step is predicted on, and with "
+                                    "--step-time the one whose peak FLOP/s MFU uses, e.g. h100 "
+                                    "(default: this machine's GPU; h100 for emulated cuda); "
+                                    "with --nproc also the GPU whose memory each rank's peak "
+                                    "is held against")
     add_exports(run, "report", "csv", "perfetto")
     run.add_argument("target", metavar="TARGET", help="the script (or, with -m, the module)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
@@ -190,6 +197,7 @@ def _add_matrix(sub) -> None:
     _add_settings(matrix, DEFAULT_MATRIX_SETTINGS)
     _add_run_arguments(matrix)
     add_exports(matrix, "csv")
+    add_hardware_arguments(matrix, memory=False, gpu_help=_PREDICTED_GPU)
 
 
 def _add_report(sub) -> None:
@@ -212,6 +220,7 @@ def _add_diff(sub) -> None:
                       help="model to trace when A and B are settings (default: %(default)s)")
     _add_run_arguments(diff)
     diff.add_argument("--ops", action="store_true", help="add the ops that changed dtype")
+    add_hardware_arguments(diff, memory=False, gpu_help=_PREDICTED_GPU)
 
 
 def memory_arguments(memory: argparse.ArgumentParser) -> None:
@@ -231,8 +240,9 @@ def flops_arguments(flops: argparse.ArgumentParser) -> None:
     timing.add_argument("--measure", action="store_true",
                         help="time the untraced step on this machine (a real device only)")
     add_hardware_arguments(flops, memory=False,
-                           gpu_help="accelerator whose peak FLOP/s MFU uses, e.g. h100, a100 "
-                                    "(default: this machine's GPU; h100 for emulated cuda)")
+                           gpu_help="the GPU a cuda setting's step is predicted on, and whose "
+                                    "peak FLOP/s MFU uses, e.g. h100, a100 (default: this "
+                                    "machine's GPU; h100 for emulated cuda)")
 
 
 def numerics_arguments(numerics: argparse.ArgumentParser) -> None:

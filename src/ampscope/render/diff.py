@@ -9,7 +9,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.diff import DiffSummary, Side, TraceDiff, tensor_groups
+from ampscope.analysis.time_diff import Moved, TimeDiff
 from ampscope.records import PHASES
+from ampscope.render.predicted_step import duration
 from ampscope.render.style import ColumnOptions, dtype_text, short_op, titled_table
 
 WHICH_NAMES = 3  # names listed per group of tensor changes before "… N more"
@@ -115,9 +117,40 @@ def summary_text(s: DiffSummary) -> Text:
     return Text("Summary: " + "; ".join(parts) + ".", style="italic")
 
 
+def _moved_rows(table: Table, rows: tuple[Moved, ...]) -> None:
+    for m in rows:
+        if m.a or m.b:
+            table.add_row(m.name, f"{m.a * 1e3:,.2f}", f"{m.b * 1e3:,.2f}",
+                          f"{m.delta * 1e3:+,.2f}")
+
+
+def timing_section(t: TimeDiff, label_a: str, label_b: str) -> RenderableType:
+    """"Why one is faster": both predicted steps, then the milliseconds moved by bound, by
+    phase and in the modules that moved most."""
+    faster, slower = (label_b, label_a) if t.b < t.a else (label_a, label_b)
+    ratio = max(t.a, t.b) / min(t.a, t.b) if min(t.a, t.b) else 0.0
+    head = Text("Why one is faster", style="italic")
+    head.append(f" (predicted on {t.accelerator.upper()}): A {label_a} {duration(t.a)} "
+                f"({t.tokens_per_second_a:,.0f} tokens/s), B {label_b} {duration(t.b)} "
+                f"({t.tokens_per_second_b:,.0f} tokens/s)")
+    if t.a != t.b:
+        head.append(f"; {faster} is {ratio:.2f}× faster than {slower}", style="bold")
+    numbers = ("A ms", "B ms", "moved")
+    parts: list[RenderableType] = [head]
+    for title, rows, first in (("By bound", t.by_bound, "bound"),
+                               ("By phase", t.by_phase, "phase"),
+                               ("Modules that moved most (own ops)", t.modules, "module")):
+        table = titled_table(title, (first, {"overflow": "fold"}), *numbers, right=numbers)
+        _moved_rows(table, rows)
+        if table.rows:
+            parts += [Text(), table]
+    return Group(*parts)
+
+
 def render_diff(d: TraceDiff, label_a: str, label_b: str, *, ops: bool = False) -> RenderableType:
     """Header, changed modules per phase, cast changes, tensor changes (and with `ops`, the
-    ops per phase), then the counts; a single line when the traces agree in every dtype."""
+    ops per phase), then the counts and, where both steps were predicted on one GPU, why one
+    is faster; a single line when the traces agree in every dtype."""
     parts: list[RenderableType] = [diff_header(d, label_a, label_b), Text()]
     if d.identical:
         return Group(*parts, Text("no dtype differences", style="bold green"))
@@ -129,4 +162,6 @@ def render_diff(d: TraceDiff, label_a: str, label_b: str, *, ops: bool = False) 
         if table is not None:
             parts += [table, Text()]
     parts.append(summary_text(d.summary))
+    if d.timing is not None:
+        parts += [Text(), timing_section(d.timing, label_a, label_b)]
     return Group(*parts)

@@ -1,4 +1,5 @@
-"""Terminal rendering of a `DistributedReport`: per-rank bytes held, and rank 0's collectives.
+"""Terminal rendering of a `DistributedReport`: per-rank bytes held, rank 0's collectives, and
+rank 0's step predicted on a GPU (collectives included).
 
 Namesakes, the same concern at another layer: `torchcompat/distributed.py`."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from ampscope.analysis.step_time import StepTime
 from ampscope.distributed.report import DistributedReport, summarize
+from ampscope.render.predicted_step import predicted_line
 from ampscope.render.style import format_bytes, titled_table
 
 _CATEGORIES = ("parameter", "gradient", "optimizer_state")
@@ -17,7 +20,8 @@ def _dtypes(by_dtype: dict[str, int]) -> str:
     return ", ".join(sorted(by_dtype)) or "—"
 
 
-def render_distributed(report: DistributedReport) -> RenderableType:
+def render_distributed(report: DistributedReport,
+                       predicted: StepTime | None = None) -> RenderableType:
     p = report.parallel
     how = "predicted (fake tensors, fake process group)" if report.mode == "predict" \
         else f"{p.world_size} processes, {report.backend}"
@@ -30,6 +34,9 @@ def render_distributed(report: DistributedReport) -> RenderableType:
     head.append(f"Parameters unsharded (all-gathered) in: "
                 f"{', '.join(report.unshard_dtypes) or '— (not sharded)'}\n")
     head.append(f"Gradients reduced in: {', '.join(report.reduce_dtypes) or '—'}")
+    if predicted is not None:
+        head.append("\n")
+        head.append_text(predicted_line(predicted))
 
     columns = ["rank", *(c.replace("_", " ") for c in _CATEGORIES), "total"]
     held = titled_table("Held by each rank after the step", *columns, right=columns)

@@ -1,4 +1,5 @@
-"""`ampscope flops`: FLOPs by phase, dtype and module, the conventions, and MFU.
+"""`ampscope flops`: FLOPs by phase, dtype and module, the conventions, the step predicted on
+a GPU (render/predicted_step.py draws it), and MFU.
 
 Namesakes, the same concern at another layer: `analysis/flops.py`, `runs/flops.py`,
 `torchcompat/flops.py`."""
@@ -9,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from ampscope.analysis.flops import FlopReport
+from ampscope.render.predicted_step import predicted_section
 from ampscope.render.style import dtype_text, titled_table
 
 
@@ -70,6 +72,9 @@ def render_flops(report: FlopReport) -> RenderableType:
 
     parts: list[RenderableType] = [head, Text(), phases, Text(), dtypes, Text(), modules, Text(),
                                    conv]
+    if report.predicted is not None:
+        parts += [Text(), predicted_section(report.predicted,
+                                            used.seconds if used is not None else None)]
     if used is not None:
         line = Text("\nThroughput  ", style="italic")
         line.append(f"step {used.seconds * 1e3:.1f} ms, {used.tokens_per_second:,.0f} tokens/s, "

@@ -7,10 +7,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.flow import FlowRow
+from ampscope.analysis.step_time import StepTime
 from ampscope.analysis.summary import DtypeCount, TraceSummary
 from ampscope.records import Finding, SettingRecord
 from ampscope.render.diagnostics import diagnostics_text
 from ampscope.render.diagram import render_diagram
+from ampscope.render.predicted_step import predicted_line
 from ampscope.render.style import dtype_text, short_op, titled_table
 
 
@@ -78,9 +80,13 @@ def findings_list(findings: list[Finding]) -> Text:
     return text
 
 
-def render_trace(summary: TraceSummary) -> RenderableType:
-    """What `ampscope trace` prints (see analysis.summary.trace_summary for what is in it)."""
-    parts: list[RenderableType] = [header(summary), Text()]
+def render_trace(summary: TraceSummary, predicted: StepTime | None = None) -> RenderableType:
+    """What `ampscope trace` prints (see analysis.summary.trace_summary for what is in it);
+    with the step `predicted` on a GPU, its one line under the header."""
+    parts: list[RenderableType] = [header(summary)]
+    if predicted is not None:
+        parts.append(predicted_line(predicted))
+    parts.append(Text())
     if summary.diagnostics:  # what is wrong comes first; nothing is said when nothing is
         parts += [diagnostics_text(summary.diagnostics, summary.setting.device)]
     parts += [inventory_table(summary.inventory), Text(),
