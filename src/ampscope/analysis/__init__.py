@@ -8,7 +8,8 @@
 - `checks/`: the rules that judge a run (`ampscope check`): each mistake with an id, a severity,
   its evidence and its fix;
 - `diagnosis.py`: a dtype error explained (a mismatch, a constant out of range), with its fixes;
-- `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces;
+- `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces, with
+  `time_diff.py` (why one is faster: their predicted steps compared);
 - `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
 - `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
 - `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
