@@ -121,6 +121,52 @@ def test_sampling_passes_between_steps(tmp_path):
     assert t.passes[1].tokens == B and tokens_of(t) == B * T
 
 
+# llm.c's shape: one forward and backward to dump reference tensors, the gradients cleared,
+# then the training loop (here two steps of one pass each).
+REFERENCE_PASS_THEN_TRAIN = """
+loss = model(x, x)
+loss.backward()                 # the reference pass: its gradients are never stepped on
+print(loss.item(), model.head.weight.grad.norm().item())   # ops after backward
+with torch.no_grad():
+    model(x)                    # and an evaluation of it
+{clear}
+for step in range(2):
+    model(x, x).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+@pytest.mark.parametrize("clear", ["opt.zero_grad(set_to_none=True)",
+                                   "for p in model.parameters(): p.grad = None"])
+def test_a_pass_whose_gradients_are_cleared_before_a_step_is_discarded(tmp_path, clear):
+    body = REFERENCE_PASS_THEN_TRAIN.format(clear=clear)
+    t = run_script(script(tmp_path, body), device="cpu", in_process=True, steps=2)
+    assert [p.kind for p in t.passes] == ["discarded", "evaluation", "train", "train"]
+    # The step counts the two training passes only: no gradient accumulation, its tokens once.
+    assert forward_passes(t) == 2 and tokens_of(t) == 2 * B * T
+    report = flop_report(t, tokens=tokens_of(t))
+    assert report.by_phase["forward"] == 2 * FORWARD
+    assert report.by_phase["backward"] == 2 * BACKWARD
+    # The discarded pass's forward and backward both moved to the evaluation phase.
+    assert report.evaluation == FORWARD + BACKWARD + FORWARD
+    assert not any("gradient accumulation)" in n for n in t.notes)
+    assert any(n.startswith("1 training pass of the run (forward and backward) was discarded")
+               for n in t.notes)
+
+
+def test_accumulated_gradients_are_not_discarded(tmp_path):
+    """Gradients kept from one pass to the next (accumulation) are the step's."""
+    body = """
+    model(x, x).backward()
+    model(x, x).backward()
+    opt.step()
+    """
+    t = run_script(script(tmp_path, body), device="cpu", in_process=True)
+    assert [p.kind for p in t.passes] == ["train", "train"]
+    assert any("2 training passes for an optimizer step" in n for n in t.notes)
+
+
 def test_a_run_that_never_trains_keeps_its_passes_forward(tmp_path):
     body = """
     with torch.no_grad():

@@ -83,13 +83,13 @@ def tokens_of(trace: Trace) -> int:
 
 
 def evaluation_passes(trace: Trace) -> dict[str, int]:
-    """The passes of a run that trained which were not training passes, by kind
+    """The passes of a run that trained which were not backpropagated, by kind
     ("evaluation", "sampling"): none in a run that did not train."""
     if not any(p.kind == PassKind.TRAIN for p in trace.passes):
         return {}
     counts: dict[str, int] = {}
     for p in trace.passes:
-        if p.kind != PassKind.TRAIN:
+        if p.kind not in (PassKind.TRAIN, PassKind.DISCARDED):  # (discarded: a note of its own)
             counts[p.kind] = counts.get(p.kind, 0) + 1
     return counts
 
@@ -104,6 +104,14 @@ def pass_notes(trace: Trace, steps: int) -> list[str]:
         notes.append(f"The model ran {passes} training passes for {step_text} (gradient "
                      "accumulation): each pass is its own forward and backward phase in the "
                      "trace; counts and tokens cover them all.")
+    discarded = [p for p in trace.passes if p.kind == PassKind.DISCARDED]
+    if discarded:
+        n = len(discarded)
+        notes.append(f"{n} training pass{'es' if n > 1 else ''} of the run (forward and backward) "
+                     f"{'were' if n > 1 else 'was'} discarded: {'their' if n > 1 else 'its'} "
+                     "gradients were cleared before any optimizer step read them, so "
+                     f"{'they are' if n > 1 else 'it is'} in the evaluation phase, outside the "
+                     "step's tokens, FLOPs and MFU, and no gradient accumulation.")
     others = evaluation_passes(trace)
     if others:
         kinds = " and ".join(f"{n} {kind} pass{'es' if n > 1 else ''}"

@@ -44,6 +44,9 @@ class PassKind(_Named):
     TRAIN = "train"  # the backward pass reached its output before the optimizer stepped
     EVALUATION = "evaluation"  # no gradient, or never backpropagated
     SAMPLING = "sampling"  # the same, followed by a sampling op (multinomial, argmax, topk)
+    # Backpropagated, but its gradients were cleared (set to None) before any optimizer step
+    # read them: a reference or warm-up pass, not part of a step.
+    DISCARDED = "discarded"
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,11 @@ class PhaseClock:
     def __init__(self) -> None:
         self.after_backward = False
         self.in_optimizer_step = False
+        self.steps = 0  # optimizer.step() calls begun (runs/passes.py: was a pass stepped on)
+
+    def step_begun(self) -> None:
+        self.in_optimizer_step = True
+        self.steps += 1
 
     def now(self) -> Phase:
         if in_backward():

@@ -7,17 +7,24 @@ accumulation. A pass is a training pass when the backward pass reaches its outpu
 the output's autograd node fires): the gradients it produces are the ones the optimizer steps
 on. Every other pass ran without a gradient, or its output was never backpropagated: it is a
 sampling pass when a sampling op (`multinomial`, `argmax`, `topk`) ran on the way to the next
-pass, and an evaluation pass otherwise.
+pass, and an evaluation pass otherwise. A pass that was backpropagated but whose gradients were
+cleared before any optimizer step read them is discarded: no `optimizer.step()` began after
+it, and when a later pass began the model's parameters held no gradient (`zero_grad()`, which sets
+them to None, or `p.grad = None`). llm.c runs such a pass to dump reference tensors before it
+trains; counting it would double the first step's tokens and FLOPs.
 
-In a run that trained, the ops, user-level calls and module calls of the other passes get the
-phase "evaluation" when the run is finished, so that every report that counts the step (FLOPs,
+In a run that trained, the ops, user-level calls and module calls of the other passes (a
+discarded pass's backward too) get the phase "evaluation" when the run is finished, so that every report that counts the step (FLOPs,
 MFU, tokens, the 6·N·D check, the first forward pass's shapes) counts the training passes only.
 A run that never trained (inference, sampling) keeps its passes in the forward phase.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from ampscope.records import FUNCTION_ROW, OP_ROW, PassKind, PassRecord, Phase
 from ampscope.runs.modules import ModuleTracker
@@ -44,15 +51,19 @@ class _Backpropagated:
 
 
 class _OpenPass:
-    __slots__ = ("grad", "first_op", "first_call", "first_function", "tokens", "backward")
+    __slots__ = ("grad", "first_op", "first_call", "first_function", "tokens", "backward",
+                 "steps", "cleared")
 
     def __init__(self, grad: bool, first_op: int, first_call: int, first_function: int,
-                 tokens: int) -> None:
+                 tokens: int, steps: int) -> None:
         self.grad, self.first_op, self.first_call, self.first_function = (grad, first_op,
                                                                           first_call,
                                                                           first_function)
         self.tokens = tokens
         self.backward = _Backpropagated()
+        self.steps = steps  # optimizer steps begun before it (PhaseClock.steps)
+        # No step since it began, and no parameter held a gradient when a later pass began.
+        self.cleared = False
 
 
 class PassLog:
@@ -60,8 +71,9 @@ class PassLog:
     each begins and ends), classified when the run is finished."""
 
     def __init__(self, op_rows: list[tuple], function_rows: list[tuple],
-                 tracker: ModuleTracker) -> None:
+                 tracker: ModuleTracker, model: Callable[[], nn.Module | None]) -> None:
         self._ops, self._functions, self._tracker = op_rows, function_rows, tracker
+        self._model = model  # the model, once known (a script's is found while it runs)
         self._open: list[_OpenPass] = []
         self._hooks: list = []  # the removable handles of the pre-hooks on outputs' nodes
 
@@ -72,8 +84,13 @@ class PassLog:
             tokens = next((t.numel() for t in tensors_in((args, kwargs))
                            if not t.is_floating_point() and not t.is_complex()
                            and t.dtype is not torch.bool), 0)
+            # The last backpropagated pass (an evaluation pass may have run since), not
+            # stepped on since it began: are its gradients still there?
+            last = next((p for p in reversed(self._open) if p.backward.reached), None)
+            if last is not None and last.steps == self._steps():
+                last.cleared = not self._holds_gradients()
         self._open.append(_OpenPass(torch.is_grad_enabled(), len(self._ops), first_call,
-                                    len(self._functions), tokens))
+                                    len(self._functions), tokens, self._steps()))
 
     def end(self, output: object) -> None:
         """The pass returned `output`: watch whether the backward pass reaches it."""
@@ -85,6 +102,14 @@ class PassLog:
                      if t.grad_fn is not None}
         for node in nodes.values():
             self._hooks.append(node.register_prehook(hook))
+
+    def _steps(self) -> int:
+        clock = self._tracker.phase
+        return clock.steps if clock is not None else 0
+
+    def _holds_gradients(self) -> bool:
+        model = self._model()
+        return model is None or any(p.grad is not None for p in model.parameters())
 
     def close(self) -> None:
         """The recording is over: no hook stays on a graph the user's tensors may keep."""
@@ -102,13 +127,15 @@ class PassLog:
         kinds = []
         for open_pass, end in zip(self._open, ends, strict=True):
             if open_pass.backward.reached:
-                kinds.append(PassKind.TRAIN)
+                kinds.append(PassKind.DISCARDED if open_pass.cleared else PassKind.TRAIN)
             elif any(ops[i][_OP_NAME] in _SAMPLING_OPS for i in range(open_pass.first_op, end)):
                 kinds.append(PassKind.SAMPLING)
             else:
                 kinds.append(PassKind.EVALUATION)
         if PassKind.TRAIN in kinds:
             self._relabel(kinds, ends)
+        else:  # nothing stepped after it: what it trained for is unknown, not discarded
+            kinds = [PassKind.TRAIN if k is PassKind.DISCARDED else k for k in kinds]
         return [PassRecord(kind, p.grad, p.first_op, end, p.tokens)
                 for kind, p, end in zip(kinds, self._open, ends, strict=True)]
 
@@ -122,12 +149,15 @@ class PassLog:
                                                         function_ends, strict=True):
             if kind is PassKind.TRAIN:
                 continue
+            # A discarded pass's backward is not the step's either.
+            moved = (Phase.FORWARD, Phase.BACKWARD) if kind is PassKind.DISCARDED else \
+                (Phase.FORWARD,)
             for i in range(p.first_op, end):
-                if ops[i][_OP_PHASE] == Phase.FORWARD:
+                if ops[i][_OP_PHASE] in moved:
                     ops[i] = relabel_op(ops[i], Phase.EVALUATION)
             for i in range(p.first_function, function_end):
-                if functions[i][_FUNCTION_PHASE] == Phase.FORWARD:
+                if functions[i][_FUNCTION_PHASE] in moved:
                     functions[i] = relabel_function(functions[i], Phase.EVALUATION)
             for call in self._tracker.calls_between(p.first_call, call_end):
-                if call.phase == Phase.FORWARD:
+                if call.phase in moved:
                     call.phase = Phase.EVALUATION

@@ -169,7 +169,7 @@ class Capture:
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self.options.op_check
         self._ops.device = self.options.device
-        self._passes = PassLog(self._ops.rows, self._functions.rows, tracker)
+        self._passes = PassLog(self._ops.rows, self._functions.rows, tracker, lambda: self.model)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._regions = RegionRecorder(self._ops.rows, self._functions, self.options.device).__enter__()
@@ -345,7 +345,7 @@ class Capture:
     def _on_step_begin(self, optimizer, args, kwargs) -> None:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
-        self._clock.in_optimizer_step = True
+        self._clock.step_begun()
         # PyTorch's own optimizers step as one call (FunctionRecorder.step_begin). Not a step
         # given a closure (LBFGS; Lightning steps this way): the user's forward and backward
         # run inside it, and their calls are recorded as always.
