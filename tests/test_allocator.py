@@ -219,6 +219,17 @@ def test_memory_honours_pytorch_cuda_alloc_conf(tiny, monkeypatch):
         ampscope.memory(tiny)
 
 
+def test_an_unreadable_alloc_conf_stops_only_cuda_runs(monkeypatch):
+    """It configures CUDA's allocator alone: a CPU run goes on; a cuda one stops before it is
+    traced, by its setting or its device."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
+    report = ampscope.memory("gpt2-tiny", seq=8, setting="fp32")
+    assert report.reserved is None and report.peak.bytes > 0
+    for options in (dict(setting="cuda:fp32"), dict(setting="fp32", device="cuda")):
+        with pytest.raises(AmpscopeError, match="expandable_segments takes True or False"):
+            ampscope.memory("gpt2-tiny", seq=8, **options)
+
+
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
                                   "roundup_power2_divisions:4"])
 def test_random_sequences_keep_the_books(conf):

@@ -59,13 +59,31 @@ def memory(
     replayed with the options of this process's PYTORCH_CUDA_ALLOC_CONF."""
     if measure and not isinstance(model, Trace):
         peak_to_measure(options.get("setting", "fp32"))  # refused before anything is traced
-    allocator = AllocatorConfig.from_env(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    report = memory_report(_traced(model, inputs, options, measure=measure), allocator=allocator)
+    # Read before the run, so that a malformed value stops a cuda run before it is traced; it
+    # concerns only CUDA's allocator, so a run on another device goes on without it.
+    try:
+        allocator, unreadable = AllocatorConfig.from_env(
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF")), None
+    except AmpscopeError as e:
+        allocator, unreadable = None, e
+    if unreadable is not None and _names_cuda(options):
+        raise unreadable
+    traced = _traced(model, inputs, options, measure=measure)
+    if unreadable is not None and traced.setting.device == "cuda":
+        raise unreadable
+    report = memory_report(traced, allocator=allocator)
     if measure:
         assert not isinstance(model, Trace)  # (refused by _traced: a Trace cannot be measured)
         real = {k: v for k, v in options.items() if k != "predict"}
         report.measured = measure_peak_memory(model, **real)
     return report
+
+
+def _names_cuda(options: dict) -> bool:
+    """Whether a run's options already say it is a CUDA run (its setting or its device)."""
+    setting = options.get("setting")
+    return options.get("device") == "cuda" or (isinstance(setting, str)
+                                               and setting.startswith("cuda:"))
 
 
 def flops(
