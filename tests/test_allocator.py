@@ -1,15 +1,16 @@
-"""The CUDA caching allocator replay (analysis/allocator.py) on sequences whose reserved bytes
-follow from the documented rules, each worked out by hand in the comments, and on a real tiny
-trace. Events are (bytes, made at, freed at or None, stream)."""
+"""The CUDA caching allocator replay (hardware/cuda_allocator.py; analysis/allocator.py over a
+trace's storages) on sequences whose reserved bytes follow from the documented rules, each
+worked out by hand in the comments, and on a real tiny trace. Events are (bytes, made at, freed at or None, stream)."""
 
 from __future__ import annotations
 
 import pytest
 
 import ampscope
-from ampscope.analysis.allocator import AllocatorConfig, Event, replay, replay_storages
+from ampscope.analysis.allocator import replay_storages
 from ampscope.analysis.memory import memory_report
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import AllocatorConfig, Event, replay
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -11,8 +11,8 @@
 - `compare.py`: `Matrix`, settings side by side; `diff.py`: `TraceDiff` of two traces, with
   `time_diff.py` (why one is faster: their predicted steps compared);
 - `memory.py`: `MemoryReport`, every byte by category and dtype, the peak;
-- `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
-- `allocator.py`: the CUDA caching allocator replayed over a step's storages: reserved peak;
+- `allocator.py`: a step's storages replayed through the CUDA caching allocator
+  (hardware/cuda_allocator.py): the reserved peak, `replay_storages`;
 - `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;
 - `step_time.py`: `StepTime`, a step's predicted time on an accelerator and where it goes, from
   `op_time.py` (one op's time: matmuls with tile and wave quantization, memory, launch,

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from ampscope.analysis.allocator import AllocatorConfig, AllocatorReplay, replay_storages
+from ampscope.analysis.allocator import replay_storages
 from ampscope.analysis.summary import itemsize, numel
+from ampscope.hardware.cuda_allocator import AllocatorConfig, AllocatorReplay
 from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
 from ampscope.records.table import Table, table
 from ampscope.records.timeline import (  # noqa: F401 - re-exported: the memory report's own

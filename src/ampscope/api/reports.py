@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,7 +11,6 @@ from torch import nn
 
 from ampscope import hardware, workloads
 from ampscope.analysis import autocast
-from ampscope.analysis.allocator import AllocatorConfig
 from ampscope.analysis.autocast import PolicyReport
 from ampscope.analysis.findings import derive_findings
 from ampscope.analysis.flops import FlopReport, flop_report, utilization
@@ -25,6 +23,7 @@ from ampscope.api.preparation import batch_for, resolved, run_shortfall
 from ampscope.api.tracing import trace
 from ampscope.defaults import DEFAULT_NUMERICS_SETTINGS
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import environment_config
 from ampscope.models.base import Batch, LoadedModel
 from ampscope.models.loading import load
 from ampscope.precision import (
@@ -61,11 +60,7 @@ def memory(
         peak_to_measure(options.get("setting", "fp32"))  # refused before anything is traced
     # Read before the run, so that a malformed value stops a cuda run before it is traced; it
     # concerns only CUDA's allocator, so a run on another device goes on without it.
-    try:
-        allocator, unreadable = AllocatorConfig.from_env(
-            os.environ.get("PYTORCH_CUDA_ALLOC_CONF")), None
-    except AmpscopeError as e:
-        allocator, unreadable = None, e
+    allocator, unreadable = environment_config()
     if unreadable is not None and _names_cuda(options):
         raise unreadable
     traced = _traced(model, inputs, options, measure=measure)

@@ -7,7 +7,9 @@
 - `kernels.py`: the step-time model's figures (achievable fractions of peak, GEMM tiles, launch
   and host overhead, attention kernels, interconnect), each with its source, `params(acc)`;
 - `device_types.py`: the device types a run can target (cpu, cuda, mps, xpu) and what each
-  does differently, one `DeviceType` entry a device.
+  does differently, one `DeviceType` entry a device;
+- `cuda_allocator.py`: PyTorch's CUDA caching allocator, its rules replayed over allocation
+  events (`Event`, `AllocatorConfig` from PYTORCH_CUDA_ALLOC_CONF, `replay`, `AllocatorReplay`).
 
 Nothing here imports torch: the command line reads it before any command runs.
 """

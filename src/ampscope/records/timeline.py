@@ -1,10 +1,11 @@
 """When storages are live over a step: the timeline of a trace's storage records, in exact bytes
-or in the CUDA allocator's blocks. Plain functions of the records, for the memory report
-(analysis/memory.py) and for each rank's peak (distributed/report.py)."""
+or in the CUDA allocator's blocks, and as the allocation events the allocator replay takes
+(hardware/cuda_allocator.py). Plain functions of the records, for the memory report
+(analysis/memory.py, analysis/allocator.py) and for each rank's peak (distributed/report.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ampscope.records.tensors import StorageRecord
 
@@ -42,6 +43,16 @@ def live_bytes(storages: Iterable[StorageRecord], n_ops: int,
         now += delta[k]
         live.append(now)
     return before, live
+
+
+def allocation_events(storages: Iterable[StorageRecord], n_ops: int,
+                      streams: Sequence[int] | None = None) -> list[tuple[int, int, int | None, int]]:
+    """The storages as (bytes, made at, freed at, stream) events, the tuples the allocator
+    replay takes: made at their op (-1: before the step), freed after the op they were last
+    live through (None: never), on stream 0 unless `streams` gives each storage's."""
+    return [(s.nbytes, -1 if s.created is None else s.created,
+             None if s.freed is None else min(s.freed + 1, n_ops),
+             streams[k] if streams is not None else 0) for k, s in enumerate(storages)]
 
 
 def live_at(storages: Iterable[StorageRecord], op: int | None) -> list[StorageRecord]:
