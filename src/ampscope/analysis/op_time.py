@@ -202,7 +202,7 @@ def gemm_shape(op: OpCall) -> tuple[int, int, int, int]:
     return batch, max(m, 1), max(n, 1), k
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OpTime:
     """One op's predicted time and what bounds it."""
 
