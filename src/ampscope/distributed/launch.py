@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport, RankReport
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import config_for
 from ampscope.precision import Setting, parse_setting, resolve_device
 from ampscope.records import SettingRecord, Trace
 from ampscope.workloads import RunOptions
@@ -99,6 +100,7 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
 
     options = RunOptions("train", batch, seq, optimizer, seed=seed)
     s = _setting(setting)
+    config_for(s.device)  # an unreadable PYTORCH_CUDA_ALLOC_CONF stops a cuda run before it runs
     if s.emulated:
         raise AmpscopeError(f"a real distributed run needs a real device; {s.name} is emulated "
                             "here: predict it instead (--predict)")
@@ -160,6 +162,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     if why is not None:
         raise AmpscopeError(why)
     s = _setting(setting)
+    config_for(s.device)  # an unreadable PYTORCH_CUDA_ALLOC_CONF stops a cuda run before it runs
     lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
     if seq > lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {lm.name}'s context length {lm.max_seq_len}")

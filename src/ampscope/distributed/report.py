@@ -22,8 +22,15 @@ from fractions import Fraction
 import torch
 
 from ampscope.distributed.parallel import Parallel
+from ampscope.hardware.cuda_allocator import AllocatorConfig, config_for, replay
 from ampscope.records import OpCall, SettingRecord, Trace
-from ampscope.records.timeline import argmax, cuda_block_size, live_at, live_bytes
+from ampscope.records.timeline import (
+    allocation_events,
+    argmax,
+    cuda_block_size,
+    live_at,
+    live_bytes,
+)
 from ampscope.torchcompat import distributed as c10d_ops
 
 
@@ -172,28 +179,34 @@ class RankPeak:
     rounded_bytes: int | None  # in the CUDA allocator's 512-byte blocks, on a cuda setting
     phase: str | None  # forward, backward, optimizer, ...: where the peak is
     live: Held  # category -> dtype -> bytes live at the peak
+    # what the CUDA caching allocator would hold at most (its replay), on a cuda setting
+    reserved_bytes: int | None = None
 
 
-def rank_peak(trace: Trace) -> RankPeak | None:
+def rank_peak(trace: Trace, allocator: AllocatorConfig | None = None) -> RankPeak | None:
     """The most bytes a rank held at once over its traced steps (a DTensor's local shard,
     FSDP2's unsharded parameters while they are gathered), counted as `ampscope memory`
     counts one process, and by category and dtype what was live then; None for a trace
-    without storage records."""
+    without storage records. On a cuda setting also the caching allocator's reserved peak,
+    replayed over the storages with `allocator`'s options (default: this process's
+    PYTORCH_CUDA_ALLOC_CONF, which stops the rank when unreadable)."""
     storages, n = trace.storages, len(trace.ops)
     if not storages:
         return None
     before, live = live_bytes(storages, n)
     k = argmax(live)
-    rounded = None
+    rounded = reserved = None
     if trace.setting.device == "cuda":
         rounded_before, rounded_live = live_bytes(storages, n, cuda_block_size)
         rounded = max(rounded_live) if rounded_live else rounded_before
+        config = allocator or config_for("cuda")
+        reserved = replay(allocation_events(storages, n), config).reserved_peak
     at: Held = {}
     for s in live_at(storages, k):
         by_dtype = at.setdefault(str(s.category), {})
         by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
     return RankPeak(live[k] if k is not None else before, rounded,
-                    str(trace.ops[k].phase) if k is not None else None, at)
+                    str(trace.ops[k].phase) if k is not None else None, at, reserved)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Terminal rendering of a `DistributedReport`: per-rank bytes held, rank 0's collectives, and
-rank 0's step predicted on a GPU (collectives included).
+"""Terminal rendering of a `DistributedReport`: per-rank bytes held and peak (with the caching
+allocator's reserved peak on cuda), rank 0's collectives, and rank 0's step predicted on a GPU
+(collectives included).
 
 Namesakes, the same concern at another layer: `torchcompat/distributed.py`."""
 
@@ -11,6 +12,7 @@ from rich.text import Text
 from ampscope.analysis.step_time import StepTime
 from ampscope.distributed.report import DistributedReport, summarize
 from ampscope.render.predicted_step import predicted_line
+from ampscope.render.ranks import any_reserved, peak_cell, reserved_cell
 from ampscope.render.style import format_bytes, titled_table
 
 _CATEGORIES = ("parameter", "gradient", "optimizer_state")
@@ -38,12 +40,19 @@ def render_distributed(report: DistributedReport,
         head.append("\n")
         head.append_text(predicted_line(predicted))
 
-    columns = ["rank", *(c.replace("_", " ") for c in _CATEGORIES), "total"]
+    # The peak over the step (in the CUDA allocator's blocks on cuda), and beside it what the
+    # caching allocator would reserve (cuda settings only).
+    peaks = any(r.peak is not None for r in report.ranks)
+    reserved = any_reserved(report)
+    columns = ["rank", *(c.replace("_", " ") for c in _CATEGORIES), "total",
+               *(["peak"] if peaks else []), *(["reserved"] if reserved else [])]
     held = titled_table("Held by each rank after the step", *columns, right=columns)
     for r in report.ranks:
         cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
                  for c in _CATEGORIES]
-        held.add_row(str(r.rank), *cells, format_bytes(r.held_total))
+        held.add_row(str(r.rank), *cells, format_bytes(r.held_total),
+                     *([peak_cell(r.peak, where=False)] if peaks else []),
+                     *([reserved_cell(r.peak)] if reserved else []))
 
     numbers = ("calls", "payload", "sent (ring)")
     comms = titled_table(f"Collectives of rank {report.ranks[0].rank} in one step",

@@ -38,12 +38,28 @@ def _shapes(trace: Trace | None) -> str:
     return ", ".join(shapes[:_SHAPES]) + more
 
 
-def _peak(peak: RankPeak | None) -> str:
+def peak_cell(peak: RankPeak | None, *, where: bool = True) -> str:
     """The rank's peak as a CUDA allocator would count it (its 512-byte blocks), and where."""
     if peak is None:
         return "—"
     counted = peak.rounded_bytes if peak.rounded_bytes is not None else peak.bytes
-    return f"{format_bytes(counted)} ({peak.phase})" if peak.phase else format_bytes(counted)
+    return f"{format_bytes(counted)} ({peak.phase})" if peak.phase and where \
+        else format_bytes(counted)
+
+
+def reserved_cell(peak: RankPeak | None) -> str:
+    """What the caching allocator would reserve at most on the rank (its replay), and how
+    much above the allocated peak: "4 MiB (+51%)"."""
+    if peak is None or peak.reserved_bytes is None:
+        return "—"
+    counted = peak.rounded_bytes if peak.rounded_bytes is not None else peak.bytes
+    above = f" (+{100 * (peak.reserved_bytes / counted - 1):.0f}%)" if counted else ""
+    return format_bytes(peak.reserved_bytes) + above
+
+
+def any_reserved(report: DistributedReport) -> bool:
+    """Whether some rank has a reserved peak (a cuda setting's): its column is shown then."""
+    return any(r.peak is not None and r.peak.reserved_bytes is not None for r in report.ranks)
 
 
 def _step(predicted: StepTime | None) -> str:
@@ -55,7 +71,8 @@ def _step(predicted: StepTime | None) -> str:
 
 def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *,
                  predicted: list[StepTime | None] | None = None) -> RenderableType:
-    """One table of what each rank holds and its peak, one of each rank's collectives;
+    """One table of what each rank holds and its peak (and the caching allocator's reserved
+    peak, on cuda), one of each rank's collectives;
     `traces` (every rank's, rank 0 first) adds the parameter shapes, `predicted` (every
     rank's, by rank) its predicted step, collectives included."""
     timed = predicted is not None and any(p is not None for p in predicted)
@@ -69,15 +86,17 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
                 f"{', '.join(report.reduce_dtypes) or '—'}")
     if report.unshard_dtypes:
         head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
+    reserved = any_reserved(report)
     held = titled_table("Held by each rank after its last step", "rank", "parameters",
                         "gradients", "optimizer state", "peak",
+                        *(["reserved"] if reserved else []),
                         *([step_column] if timed else []),
                         *(["parameter shapes"] if traces is not None else []),
-                        right=("rank", "peak"))
+                        right=("rank", "peak", "reserved"))
     for r in report.ranks:
         cells = [str(r.rank), _held(r.held.get("parameter", {})),
                  _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {})),
-                 _peak(r.peak)]
+                 peak_cell(r.peak), *([reserved_cell(r.peak)] if reserved else [])]
         if timed:
             assert predicted is not None
             cells.append(_step(predicted[r.rank] if r.rank < len(predicted) else None))

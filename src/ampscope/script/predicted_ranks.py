@@ -35,6 +35,7 @@ from ampscope.analysis.findings import plural
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport, RankReport, collectives, rank_peak
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import config_for
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
 from ampscope.script.rank_groups import Signals, end_groups
@@ -131,7 +132,7 @@ def record(trace: Trace, nproc: int) -> tuple:
     peak = rank_peak(trace)
     return params, tuple(sorted((k, tuple(sorted(v.items())))
                                 for k, v in _held(trace).items())), calls, \
-        (peak.bytes, peak.rounded_bytes) if peak is not None else None
+        (peak.bytes, peak.rounded_bytes, peak.reserved_bytes) if peak is not None else None
 
 
 def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bool = False,
@@ -139,6 +140,7 @@ def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bo
     """The predicted report of an `nproc`-rank job, the traces of the ranks that ran, and for
     every other rank the run rank it is taken to be (None: not run, not known)."""
     check_predicted_nproc(nproc)
+    config_for(options.get("device") or "")  # unreadable PYTORCH_CUDA_ALLOC_CONF: no cuda job
     first = sorted({0, nproc - 1}) if not all_ranks else list(range(nproc))
     traces = run_predicted(target, argv, nproc, first, **options)
     roles = traces[0].rank_roles if len(traces[0].rank_roles) == nproc else None

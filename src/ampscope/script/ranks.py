@@ -50,6 +50,7 @@ from ampscope.distributed.report import (
     summarize,
 )
 from ampscope.errors import AmpscopeError, first_line
+from ampscope.hardware.cuda_allocator import config_for
 from ampscope.records import Trace
 from ampscope.runtime.collective_watch import describe, read_state
 from ampscope.script.child import answer, spawn, traceback_of
@@ -85,6 +86,9 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
               timeout: float = DEFAULT_TIMEOUT) -> list[Trace]:
     """Every rank's trace of `target` run as `nproc` ranks, rank 0 first."""
     check_nproc(nproc)
+    # An unreadable PYTORCH_CUDA_ALLOC_CONF stops a cuda job before it runs (each rank's
+    # reserved peak is replayed with it); a job on another device goes on without it.
+    config_for(device or "")
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
                "steps": steps, "predict": False, "virtual": None,
                "max_forwards": max_forwards, "rank": True}
