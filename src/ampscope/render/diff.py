@@ -150,10 +150,13 @@ def timing_section(t: TimeDiff, label_a: str, label_b: str) -> RenderableType:
 def render_diff(d: TraceDiff, label_a: str, label_b: str, *, ops: bool = False) -> RenderableType:
     """Header, changed modules per phase, cast changes, tensor changes (and with `ops`, the
     ops per phase), then the counts and, where both steps were predicted on one GPU, why one
-    is faster; a single line when the traces agree in every dtype."""
+    is faster; when the traces agree in every dtype, a single line (and why one is faster)."""
     parts: list[RenderableType] = [diff_header(d, label_a, label_b), Text()]
-    if d.identical:
-        return Group(*parts, Text("no dtype differences", style="bold green"))
+    if d.identical:  # TF32 against fp32: the same dtypes, but not the same time
+        parts.append(Text("no dtype differences", style="bold green"))
+        if d.timing is not None:
+            parts += [Text(), timing_section(d.timing, label_a, label_b)]
+        return Group(*parts)
     tables = [module_table(d, phase) for phase in PHASES]
     tables += [cast_table(d), tensor_table(d)]
     if ops:
