@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-from ampscope.api.parallel_plans import derived_peaks, traced_peaks
+from ampscope.api.parallel_plans import derived_peaks, derived_plan, traced_peaks
 from ampscope.cli import main
+from ampscope.render.style import format_bytes
 
 # (model, GPUs, tp, checkpointing, depth, micro-batch, setting, policy): each family the search
 # tries, on models of three families (a Llama with grouped-query attention and tensor
@@ -37,10 +38,11 @@ def test_derived_peaks_equal_the_traced_plan(case):
 
 
 def test_the_search_answers_with_its_plans(capsys):
-    """gpt2 on 4 GPUs of 2 GiB at seq 512: FSDP only (its blocks are not Llama's), with and
-    without checkpointing; each plan's batch is the largest whose derived peak fits."""
-    code = main(["fit", "gpt2", "--gpus", "4", "--memory", "2GiB", "-s", "bf16", "--seq", "512",
-                 "--json", "-"])
+    """gpt2 on 4 H100s held to 2 GiB at seq 512: FSDP only (its blocks are not Llama's), with
+    and without checkpointing; each plan's batch is the largest whose derived reserved peak
+    fits, its step time is the derived one at that batch, and the plans rank by tokens/s."""
+    code = main(["fit", "gpt2", "--gpus", "4", "--gpu", "h100", "--memory", "2GiB", "-s", "bf16",
+                 "--seq", "512", "--json", "-"])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
@@ -48,15 +50,23 @@ def test_the_search_answers_with_its_plans(capsys):
     plans = {(p["dp"], p["tp"], p["checkpoint"]): p for p in report["plans"]}
     assert set(plans) == {(4, 1, False), (4, 1, True)}
     assert "Tensor parallelism of 2, 4 is not offered" in report["notes"][0]
-    best = report["plans"][0]
-    assert best["checkpoint"] and best["batch"] > plans[4, 1, False]["batch"] > 0
+    assert report["accelerator"] == "h100" and report["memory_bytes"] == 2 * 2**30
+    assert plans[4, 1, True]["batch"] > plans[4, 1, False]["batch"] > 0
+    rates = [p["tokens_per_second"] for p in report["plans"]]
+    assert rates == sorted(rates, reverse=True)
     for p in report["plans"]:
         assert p["tokens"] == p["dp"] * p["batch"] * 512
-        assert p["peak_bytes"] <= 2 * 2**30
-        # the next batch does not fit: its derived peak is over the budget
-        over = derived_peaks("gpt2", 4, checkpoint=p["checkpoint"], depth=12,
-                             batch=p["batch"] + 1, setting="bf16", seq=512)
-        assert max(over.values()) > 2 * 2**30
+        options = dict(checkpoint=p["checkpoint"], depth=12, setting="bf16", seq=512, gpu="h100")
+        peaks, time, reserved = derived_plan("gpt2", 4, batch=p["batch"], **options)
+        assert p["peak_bytes"] == max(peaks.values()) <= reserved == p["reserved_bytes"] \
+            <= 2 * 2**30
+        assert time is not None and p["step_seconds"] == time.seconds > 0
+        assert p["tokens_per_second"] == p["tokens"] / time.seconds
+        assert p["bound"] == max(time.by_bound, key=time.by_bound.__getitem__)
+        assert 0 < p["mfu"] < 1
+        # the next batch does not fit: its derived reserved peak is over the budget
+        _, _, over = derived_plan("gpt2", 4, batch=p["batch"] + 1, **options)
+        assert over is not None and over > 2 * 2**30
     assert "Searching the plans of gpt2 on 4 GPUs" in err
 
 
@@ -96,13 +106,15 @@ def test_no_plan_that_fits_is_one_line_and_exit_2(capsys):
     assert line.startswith("ampscope: error: gpt2-tiny does not fit on 2 GPUs of 64 KiB "
                            "(--memory) under cuda:bf16 at seq 16 in any plan, even at "
                            "micro-batch 1: the smallest peak per rank is ")
-    peaks = {checkpoint: max(derived_peaks("gpt2-tiny", 2, checkpoint=checkpoint, depth=2,
-                                           batch=1, setting="bf16", seq=16).values())
-             for checkpoint in (False, True)}
+    derived = {checkpoint: derived_plan("gpt2-tiny", 2, checkpoint=checkpoint, depth=2, batch=1,
+                                        setting="bf16", seq=16) for checkpoint in (False, True)}
+    peaks = {checkpoint: max(d[0].values()) for checkpoint, d in derived.items()}
     assert min(peaks.values()) > 64 * 2**10
-    nearest = "FSDP 2 + checkpointing" if peaks[True] < peaks[False] else "FSDP 2"
-    assert line.endswith(f" ({nearest}); more GPUs, a shorter --seq or a larger GPU would buy "
-                         "room")
+    nearest = peaks[True] < peaks[False]
+    name = "FSDP 2 + checkpointing" if nearest else "FSDP 2"
+    reserved = format_bytes(derived[nearest][2])
+    assert line.endswith(f" ({name}, {reserved} reserved); more GPUs, a shorter --seq or a "
+                         "larger GPU would buy room")
     assert "  FSDP 2: does not fit at micro-batch 1" in err
 
 
@@ -134,8 +146,9 @@ def test_a_search_that_reaches_its_limit_says_so(capsys):
 
 
 def test_a_plan_below_the_limit_is_not_marked(capsys):
-    """gpt2-tiny in 1 MiB: the largest batches are small, and no plan is at the limit."""
-    code = main(["fit", "gpt2-tiny", "--gpus", "2", "--memory", "1MiB", "-s", "bf16", "--seq",
+    """gpt2-tiny in 8 MiB: the largest batches are small, and no plan is at the limit (in 1
+    MiB none fits: the allocator reserves a 2 MiB segment for the first small request)."""
+    code = main(["fit", "gpt2-tiny", "--gpus", "2", "--memory", "8MiB", "-s", "bf16", "--seq",
                  "16", "--json", "-"])
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -31,6 +31,18 @@ The rules:
 tests/test_plans.py traces plans at their full depth and other micro-batches and compares, to
 the byte.
 
+**Step time, the same way.** Each probe's ops are timed where it is traced (analysis/step_time:
+every op of the step, collectives with their group's size), and only what the rules need comes
+back (`ProbeTime`): per phase, the seconds by bound of the ops outside FSDP2's overlapped
+collectives, those collectives' exposed ends and the rest, and the matmul FLOPs by dtype. Each
+figure is taken affine in the micro-batch (from the two batches) and in the depth (a block's
+time = t(3 blocks) − t(2 blocks)), and the overlap rule is applied at the plan's own depth and
+batch (`derived_time`). Depth is exact (each block adds the same ops); the micro-batch is an
+approximation: a matmul's tile and wave quantization is a step function of its rows, and an op
+crossing from launch-bound to compute- or memory-bound bends its line, so the derived time is
+not exact between or past the probes (tests/test_plans_time.py holds it to a tolerance it
+justifies).
+
 Namesakes, the same concern at another layer: `render/plans.py`."""
 
 from __future__ import annotations
@@ -39,9 +51,16 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from ampscope import hardware
+from ampscope.analysis.allocator import AllocatorConfig, replay_storages
+from ampscope.analysis.flops import PHASES, matmul_dtype
 from ampscope.analysis.memory import cuda_block_size, live_bytes
+from ampscope.analysis.op_time import BOUNDS, collective_seconds, link_for
+from ampscope.analysis.step_time import _OVERLAPPED as _STEP_OVERLAPPED
+from ampscope.analysis.step_time import StepTime, step_ops
 from ampscope.errors import AmpscopeError
-from ampscope.records import StorageRecord
+from ampscope.hardware.known import Accelerator
+from ampscope.records import StorageRecord, Trace
 
 SCHEMA = "ampscope.plans/1"
 # The probes of a plan family: depths (repeated blocks kept) and micro-batches.
@@ -62,15 +81,139 @@ class Probe:
     storages: Sequence[StorageRecord]
     phases: Sequence[str]
     places: Sequence[str]  # of each op, as `places` names them
+    time: ProbeTime | None = None  # its step timed on the target GPU (None: no --gpu)
+
+
+# The collectives FSDP2 overlaps with a phase's compute: step_time's own table (one rule, not a
+# copy that could drift from it).
+OVERLAPPED = _STEP_OVERLAPPED
+# A probe's time as the rules need it: flat keys ("other", phase, bound), ("ends", phase),
+# ("rest", phase), ("flops", dtype) to seconds or FLOPs.
+Figures = dict[tuple[str, ...], float]
+
+
+@dataclass(frozen=True)
+class ProbeTime:
+    """One probe's predicted step, reduced to what the time rules need (module docstring):
+    `figures` by key — ("other", phase, bound): seconds of the phase's ops outside its overlapped
+    collectives; ("ends", phase): its first overlapped collective (and backward's last), exposed
+    in full; ("rest", phase): the others; ("flops", dtype): matmul FLOPs, for MFU."""
+
+    figures: Figures
+
+
+def probe_time(st: StepTime, flops_by_dtype: dict[str, float], dp: int, tp: int) -> ProbeTime:
+    """`st` (one probe's step_time) as the rules need it. FSDP's collectives over the `dp`
+    group are timed on the link the group crosses: with tensor parallelism a dp group of
+    `dp` ranks spans dp × tp GPUs (its ranks are tp apart), so it leaves the machine where
+    dp × tp does, though its size alone would say NVLink (step_time picks the link by the
+    group's size)."""
+    figures: Figures = {("flops", d): float(f) for d, f in flops_by_dtype.items() if f}
+    for phase in PHASES:
+        ops = [t for t in st.ops if t.phase == phase]
+        overlapped = [t for t in ops if t.collective in OVERLAPPED.get(phase, ())]
+        seconds = [_spanned(t, dp, tp, st) for t in overlapped]
+        for t in ops:
+            if t.collective in OVERLAPPED.get(phase, ()) or t.bound == "none":
+                continue
+            key = ("other", phase, t.bound)
+            figures[key] = figures.get(key, 0.0) + _spanned(t, dp, tp, st)
+        ends = seconds[:1] + (seconds[-1:] if phase == "backward" and len(seconds) > 1 else [])
+        figures["ends", phase] = sum(ends)
+        figures["rest", phase] = sum(seconds) - sum(ends)
+    return ProbeTime(figures)
+
+
+def matmul_flops(trace: Trace) -> dict[str, float]:
+    """The step's FLOPs by the dtype each ran in (`flops.matmul_dtype`), as MFU weighs them."""
+    flops: dict[str, float] = {}
+    for o in step_ops(trace):
+        if o.flops:
+            flops[matmul_dtype(o)] = flops.get(matmul_dtype(o), 0.0) + o.flops
+    return flops
+
+
+def _spanned(t, dp: int, tp: int, st: StepTime) -> float:
+    if tp > 1 and dp > 1 and t.ranks == dp and t.collective in ("all_gather", "reduce_scatter"):
+        return collective_seconds(t.collective, t.bytes, dp, link_for(dp * tp, st.params))
+    return t.seconds
+
+
+@dataclass(frozen=True)
+class PlanTime:
+    """A plan's derived step on the target GPU: seconds, by phase and by bound (as
+    `StepTime`'s), and the matmul FLOPs by dtype."""
+
+    seconds: float
+    by_phase: dict[str, float]
+    by_bound: dict[str, float]
+    flops: dict[str, float]
+
+    @property
+    def bound(self) -> str:
+        """What bounds most of the step's time."""
+        return max(self.by_bound, key=self.by_bound.__getitem__)
+
+    def mfu(self, acc: Accelerator, matmul_precision: str) -> float | None:
+        return hardware.mfu(self.flops, self.seconds, acc, matmul_precision) \
+            if self.seconds > 0 else None
+
+    def of(self, plan: Plan, acc: Accelerator, matmul_precision: str) -> Plan:
+        """`plan` with this step time: seconds, tokens/s, MFU and bound."""
+        return dataclasses.replace(
+            plan, step_seconds=self.seconds, mfu=self.mfu(acc, matmul_precision),
+            bound=self.bound, tokens_per_second=plan.tokens / self.seconds
+            if self.seconds > 0 else None)
+
+
+def derived_time(probes: Sequence[Probe], depth: int, batch: int) -> PlanTime:
+    """The step's time at `depth` blocks and micro-batch `batch` from the probes' times: every
+    figure affine in the batch (the two probed at each depth; one: that batch only) and in
+    the depth (the two depths; one: that depth only), then the overlap rule at the result."""
+    at_depth: dict[int, Figures] = {}
+    for d in sorted({p.depth for p in probes}):
+        here = {p.batch: p.time.figures for p in probes if p.depth == d and p.time is not None}
+        if not here:
+            raise ValueError(f"no probe at {d} blocks was timed")
+        at_depth[d] = _affine(here, batch)
+    figures = _affine(at_depth, depth)
+    by_phase: dict[str, float] = {}
+    by_bound = dict.fromkeys(BOUNDS, 0.0)
+    for phase in PHASES:
+        other = 0.0
+        for bound in BOUNDS:
+            value = max(0.0, figures.get(("other", phase, bound), 0.0))
+            by_bound[bound] += value
+            other += value
+        rest = max(0.0, figures.get(("rest", phase), 0.0))
+        exposed = max(0.0, figures.get(("ends", phase), 0.0)) + max(0.0, rest - other)
+        by_bound["communication"] += exposed
+        by_phase[phase] = other + exposed
+    flops = {key[1]: max(0.0, v) for key, v in figures.items() if key[0] == "flops"}
+    return PlanTime(sum(by_phase.values()), by_phase, by_bound, flops)
+
+
+def _affine(points: dict[int, Figures], x: int) -> Figures:
+    """Each figure at `x` on the line through the two points (one point: at it only)."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        if x != xs[0]:
+            raise ValueError(f"timed at {xs[0]} only, not {x}")
+        return dict(points[xs[0]])
+    lo, hi = xs[0], xs[-1]
+    a, b = points[lo], points[hi]
+    return {k: a.get(k, 0.0) + (x - lo) * (b.get(k, 0.0) - a.get(k, 0.0)) / (hi - lo)
+            for k in a.keys() | b.keys()}
 
 
 class Rule:
     """Each phase's peak of a plan at any depth and micro-batch, from its probes."""
 
-    def __init__(self, probes: list[Probe], rounded: bool) -> None:
+    def __init__(self, probes: list[Probe], rounded: bool,
+                 allocator: AllocatorConfig | None = None) -> None:
         """`probes`: at each depth, two micro-batches (any batch derived) or one (that batch
-        only)."""
-        self.rounded = rounded
+        only); `allocator`: the caching allocator's options for `reserved`."""
+        self.rounded, self.allocator = rounded, allocator
         depths = sorted({p.depth for p in probes})
         self._pairs: dict[int, tuple[Probe, Probe]] = {}
         for d in depths:
@@ -100,7 +243,29 @@ class Rule:
         phase = max(peaks, key=peaks.__getitem__)
         return peaks[phase], phase
 
-    def _at_batch(self, depth: int, batch: int) -> dict[tuple[str, str], int]:
+    def reserved(self, depth: int, batch: int) -> int:
+        """The caching allocator's reserved peak at `depth` blocks and micro-batch `batch`
+        (a CUDA setting's): the allocated peak plus the reserved gap (reserved − allocated) of
+        the allocator replayed over the probes' storages at `batch` — each probe depth's
+        exact (every storage's size is), the full depth's affine in the depth from them (an
+        approximation: the module docstring)."""
+        gaps = {}
+        for d in self.depths:
+            low = self._pairs[d][0]
+            replayed = replay_storages(self._storages(d, batch), len(low.phases), self.allocator)
+            gaps[d] = replayed.reserved_peak - replayed.allocated_peak
+        if len(self.depths) == 1:
+            gap = gaps[self.depths[0]]
+        else:
+            (l1, l2) = self.depths
+            # Not affine in the depth (fragmentation comes and goes with the blocks' order of
+            # frees): the largest of the probes' gaps and their line, an estimate.
+            gap = max(gaps[l1], gaps[l2],
+                      gaps[l1] + (depth - l1) * (gaps[l2] - gaps[l1]) // (l2 - l1))
+        return self.peak(depth, batch)[0] + gap
+
+    def _storages(self, depth: int, batch: int) -> list[StorageRecord]:
+        """The probe at `depth` blocks' storages at micro-batch `batch`."""
         low, high = self._pairs[depth]
         step = high.batch - low.batch
         if step == 0 and batch != low.batch:
@@ -113,6 +278,11 @@ class Rule:
                 raise AmpscopeError("a storage's size is not affine in the micro-batch; this "
                                     "plan cannot be derived")
             storages.append(dataclasses.replace(a, nbytes=a.nbytes + grow))
+        return storages
+
+    def _at_batch(self, depth: int, batch: int) -> dict[tuple[str, str], int]:
+        low = self._pairs[depth][0]
+        storages = self._storages(depth, batch)
         _, live = live_bytes(storages, len(low.phases),
                              cuda_block_size if self.rounded else None)
         # A middle block's ops are never above the first's and the last's (see above) where
@@ -181,6 +351,25 @@ def largest_batch(rule: Rule, depth: int, budget: int, limit: int, start: int) -
     return lo
 
 
+def largest_reserved(rule: Rule, depth: int, budget: int, start: int, high: int) -> int:
+    """The largest micro-batch from `start` up to `high` (the largest whose allocated peak
+    fits: the reserved peak is never below it) whose reserved peak fits `budget`; `start - 1`
+    when none does. By bisection: the reserved peak grows with the batch, though not in
+    steps of one size (a request past 1 MiB takes a 20 MiB segment)."""
+    if high < start or rule.reserved(depth, start) > budget:
+        return start - 1
+    if rule.reserved(depth, high) <= budget:
+        return high
+    lo, hi = start, high  # lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if rule.reserved(depth, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 @dataclass(frozen=True)
 class Plan:
     """One way to run the job on `dp * tp` GPUs, and its derived per-rank peak."""
@@ -195,6 +384,14 @@ class Plan:
     searched_from: int = 1  # the smallest micro-batch searched (2: batch 1 could not win)
     # `batch` is the search's limit: every micro-batch up to it fits, a larger one may too.
     at_batch_limit: bool = False
+    # Its step on the target GPU at `batch` (derived_time; None without --gpu or a fit).
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None  # dp × batch × seq / step_seconds
+    mfu: float | None = None
+    bound: str | None = None  # what bounds most of the step's time
+    # The caching allocator's reserved peak at `batch` (at `searched_from` when nothing fits;
+    # None off CUDA): what must fit the budget.
+    reserved_bytes: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -242,7 +439,21 @@ class PlansReport:
                 "notes": list(self.notes)}
 
 
+def could_win(tokens_at_1: int, rate_ceiling: float | None, plans: list[Plan]) -> bool:
+    """Could a plan that fits no micro-batch of 2 beat the best of `plans` at batch 1? With a
+    GPU, when its tokens/s at batch 2 (`rate_ceiling`) is above the fastest plan's: its rate at
+    1 is at most that (each op's time at batch 2 is at most twice its time at 1, its bytes and
+    FLOPs doubled and its waves at most), so the step's is too. Without one, when batch 1's
+    tokens a step (`tokens_at_1`: dp × seq) are more than any plan that fits gives."""
+    fitting = [p for p in plans if p.fits]
+    fastest = max((p.tokens_per_second or 0.0 for p in fitting), default=0.0)
+    if rate_ceiling is None or not fastest:
+        return tokens_at_1 > max((p.tokens for p in fitting), default=0)
+    return rate_ceiling > fastest
+
+
 def ranked(plans: list[Plan]) -> list[Plan]:
-    """Plans that fit first, by tokens per step (most first), then by the room they leave."""
-    return sorted(plans, key=lambda p: (not p.fits, -p.tokens, p.peak_bytes or 0, p.tp,
-                                        p.checkpoint))
+    """Plans that fit first, by predicted tokens per second (most first; where a GPU was
+    given), then by tokens per step, then by the room they leave."""
+    return sorted(plans, key=lambda p: (not p.fits, -(p.tokens_per_second or 0.0), -p.tokens,
+                                        p.peak_bytes or 0, p.tp, p.checkpoint))

@@ -11,6 +11,9 @@ fake process group of its own (the command refuses to run where one is initialis
 take the first blocks for all: while the workers trace, this process runs the whole model's
 forward once on fake tensors (distributed/block_forward.py), and where a block runs other ops or
 shapes than block 0 the probes are dropped and every plan is traced at the model's full depth.
+With a GPU (`gpu`), each probe's step is timed in the worker that traced it (analysis/step_time)
+and only the figures the time rules need come back (analysis/plans.py: ProbeTime), so each plan
+has a predicted step time and tokens/s at its micro-batch, and the plans rank by tokens/s.
 """
 
 from __future__ import annotations
@@ -29,18 +32,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampscope import workloads
+from ampscope import hardware, workloads
 from ampscope.analysis.plans import (
     PROBE_BATCHES,
     PROBE_DEPTHS,
     Plan,
     PlansReport,
+    PlanTime,
     Probe,
     Rule,
+    could_win,
+    derived_time,
     largest_batch,
+    largest_reserved,
+    matmul_flops,
     places,
+    probe_time,
     ranked,
 )
+from ampscope.analysis.step_time import step_time
 from ampscope.api.fit import memory_budget
 from ampscope.api.preparation import resolved
 from ampscope.distributed.block_forward import Unlike, unlike_blocks
@@ -48,9 +58,12 @@ from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import AllocatorConfig, config_for
+from ampscope.hardware.known import Accelerator
 from ampscope.models import registry
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
+from ampscope.render.plans import plan_line
 from ampscope.render.style import format_bytes
 from ampscope.runs.environment import exact_retry
 from ampscope.torchcompat.distributed import no_fake_collectives
@@ -75,7 +88,8 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
           ) -> PlansReport:
     """Every plan of `model` on `gpus` GPUs: FSDP2 over the GPUs (times tensor parallelism of
     2, 4 or 8 where the model's blocks split so), with and without activation checkpointing,
-    each at its largest micro-batch whose derived per-rank peak fits; best first."""
+    each at its largest micro-batch whose derived per-rank peak fits; best first: by predicted
+    tokens/s on `gpu` (by tokens per step with only `memory_size`)."""
     started = time.monotonic()
     check_arguments(gpus, seq)
     why = no_fake_collectives("fit --gpus")
@@ -115,7 +129,10 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         unlike.extend([found] if found is not None else [])
         return found is None
 
-    search_args = (probe_lm, base, policy, gpus, depth, seq, optimizer, budget)
+    acc = hardware.by_name(gpu) if gpu is not None else None
+    allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
+    notes += allocator.notes if allocator is not None else ()
+    search_args = (probe_lm, base, policy, gpus, depth, seq, optimizer, budget, acc, allocator)
     with _Search(*search_args) as search:
         # (A model of at most PROBE_DEPTHS[-1] blocks is traced whole anyway.)
         found = search.run(families, on_probe,
@@ -158,7 +175,9 @@ def _no_fit(name: str, gpus: int, budget: int, accelerator: str | None, setting:
     return (f"{name} does not fit on {gpus:,} GPUs of {format_bytes(budget)} "
             f"({accelerator or '--memory'}) under {setting.name} at seq {seq:,} in any plan, "
             f"even at micro-batch {nearest.searched_from}: the smallest peak per rank is "
-            f"{format_bytes(nearest.peak_bytes)} ({nearest.name}); more GPUs, a shorter --seq "
+            f"{format_bytes(nearest.peak_bytes)} ({nearest.name}"
+            + (f", {format_bytes(nearest.reserved_bytes)} reserved"
+               if nearest.reserved_bytes is not None else "") + "); more GPUs, a shorter --seq "
             "or a larger GPU would buy room")
 
 
@@ -172,9 +191,11 @@ class _Search:
     platform cannot fork."""
 
     def __init__(self, lm: LoadedModel, setting: Setting, policy: dict, gpus: int, depth: int,
-                 seq: int, optimizer: str, budget: int, *, whole: bool = False) -> None:
+                 seq: int, optimizer: str, budget: int, acc: Accelerator | None = None,
+                 allocator: AllocatorConfig | None = None, *, whole: bool = False) -> None:
         self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
-        self.seq, self.optimizer, self.budget = seq, optimizer, budget
+        self.seq, self.optimizer, self.budget, self.acc = seq, optimizer, budget, acc
+        self.allocator = allocator
         self.parallel = Parallel("fsdp", gpus, **policy)
         # Deepest first: its ops include every op of the shallower probe, whose shapes the
         # caches then know. `whole`: the model's own depth only (its blocks are unlike).
@@ -200,8 +221,7 @@ class _Search:
             check: Callable[[], bool] | None = None) -> list[Plan] | None:
         """Each family at micro-batch 2; at 3 where 2 fits (every batch derived from the
         two); at 1 (traced on its own: its storages do not pair with larger batches') only
-        where it could change the answer: a plan that fits no batch of 2 or more gives at most
-        dp × seq tokens at batch 1, no more than a plan that already fits. `check` runs here
+        where it could change the answer (analysis/plans.py: `could_win`). `check` runs here
         while the workers trace the first probes (before them, without workers): when it
         answers False the probes are of no use, and the answer is None."""
         say = on_probe or (lambda _: None)
@@ -209,22 +229,18 @@ class _Search:
         if rows is None:
             return None
         found = [row for group in rows for row in group]
-        plans = {family: plan for family, plan, _ in found}
-        say(f"  {sum(n for _, _, n in found)} ranks traced at micro-batches 2 and 3")
-        most = max((p.tokens for p in plans.values() if p.fits), default=0)
-        again = [f for f in families if not plans[f].fits and self.gpus // f[0] * self.seq > most]
+        plans = {family: plan for family, plan, _, _ in found}
+        ceiling = {family: rate for family, _, _, rate in found}
+        say(f"  {sum(n for _, _, n, _ in found)} ranks traced at micro-batches 2 and 3")
+        again = [f for f in families if not plans[f].fits and could_win(
+            self.gpus // f[0] * self.seq, ceiling[f], list(plans.values()))]
         third = self._map(_probe_job, [(f, d, 1) for f in again for d in self.depths])
         assert third is not None  # (no `meanwhile` to stop it)
         n = len(self.depths)
         for k, f in enumerate(again):
             plans[f] = self.plan(f, third[k * n:(k + 1) * n], 1)
         for f in families:
-            p = plans[f]
-            fitting = (f"every micro-batch up to {p.batch:,} fits" if p.at_batch_limit
-                       else f"micro-batch {p.batch:,} fits")
-            say(f"  {p.name}: " + (
-                f"{fitting}, peak {format_bytes(p.peak_bytes)}" if p.fits
-                else f"does not fit at micro-batch {p.searched_from}"))
+            say(plan_line(plans[f]))
         return [plans[f] for f in families]
 
     def _groups(self, families: list[Family]) -> list[list[Family]]:
@@ -266,43 +282,57 @@ class _Search:
                 self._pool = None
         return [job(a) for a in args]
 
-    def family_plan(self, family: Family) -> tuple[Family, Plan, int]:
+    def family_plan(self, family: Family) -> tuple[Family, Plan, int, float | None]:
         """The family's plan from its probes at micro-batch 2, and 3 where 2 fits; with the
-        number of ranks traced."""
+        number of ranks traced, and, where it does not fit and its probes were timed, its
+        tokens/s at micro-batch 2 (no smaller batch runs faster: `run`)."""
         low, high = PROBE_BATCHES
         probes = [self.probe(family, d, low) for d in self.depths]
         plan = self.plan(family, probes, low)
+        rate = None
         if plan.fits:
             probes += [self.probe(family, d, high) for d in self.depths]
             plan = self.plan(family, probes, low)
-        return family, plan, len(probes)
+        elif self.acc is not None:
+            seconds = derived_time(probes, self.depth, low).seconds
+            rate = self.gpus // family[0] * low * self.seq / seconds if seconds > 0 else None
+        return family, plan, len(probes), rate
 
     def probe(self, family: Family, depth: int, batch: int) -> Probe:
         """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
         tp, checkpoint = family
         with _fake_group(self.gpus):
             return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth,
-                          batch, self.seq, self.optimizer, checkpoint)
+                          batch, self.seq, self.optimizer, checkpoint, self.acc)
 
     def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
         """The family's largest micro-batch from `start` (every batch from its probes' two,
         or `start` alone when they have one)."""
         (tp, checkpoint), dp = family, self.gpus // family[0]
-        rule = Rule(probes, rounded=self.setting.device == "cuda")
+        cuda = self.setting.device == "cuda"
+        rule = Rule(probes, rounded=cuda, allocator=self.allocator)
         limit = BATCH_LIMIT if len({p.batch for p in probes}) > 1 else start
         batch = largest_batch(rule, self.depth, self.budget, limit, start=start)
+        if cuda:  # a batch fits when the allocator's reserved peak does
+            batch = largest_reserved(rule, self.depth, self.budget, start, batch)
         fits = batch >= start
         peak, phase = rule.peak(self.depth, batch if fits else start)
-        return Plan(dp, tp, checkpoint, batch if fits else 0,
+        plan = Plan(dp, tp, checkpoint, batch if fits else 0,
                     dp * batch * self.seq if fits else 0, peak, phase, start,
-                    at_batch_limit=fits and batch == BATCH_LIMIT)
+                    at_batch_limit=fits and batch == BATCH_LIMIT,
+                    reserved_bytes=rule.reserved(self.depth, batch if fits else start)
+                    if cuda else None)
+        if fits and self.acc is not None:
+            plan = derived_time(probes, self.depth, batch).of(plan, self.acc,
+                                                              self.setting.matmul_precision)
+        return plan
 
 
 # The search while it runs: forked workers find it here (the model is not sent to them).
 _SEARCH: list[_Search] = []
 
 
-def _families_job(families: list[Family]) -> list[tuple[Family, Plan, int]]:
+def _families_job(families: list[Family]) -> list[tuple[Family, Plan, int, float | None]]:
     return [_SEARCH[0].family_plan(f) for f in families]
 
 
@@ -311,8 +341,10 @@ def _probe_job(job: tuple[Family, int, int]) -> Probe:
 
 
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
-           batch: int, seq: int, optimizer: str, checkpoint: bool) -> Probe:
-    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`."""
+           batch: int, seq: int, optimizer: str, checkpoint: bool,
+           acc: Accelerator | None = None) -> Probe:
+    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`; on
+    `acc`, its step timed here (what the rules need of it, not its ops, goes back)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ampscope.distributed.step import rank_step
@@ -338,8 +370,11 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     assert report is not None and report.trace is not None
     trace = report.trace
     phases = [str(o.phase) for o in trace.ops]
+    time = None if acc is None else probe_time(
+        step_time(trace, acc, world_size=dp * tp), matmul_flops(trace), dp, tp)
     return Probe(depth, batch, trace.storages, phases,
-                 places([o.module for o in trace.ops], phases, _blocks_name(lm.module), depth))
+                 places([o.module for o in trace.ops], phases, _blocks_name(lm.module), depth),
+                 time)
 
 
 def _parallelized(plan: dict, mesh) -> Callable[[nn.Module], None]:
@@ -399,55 +434,63 @@ def _truncate(module: nn.Module, depth: int) -> None:
     del largest[depth:]
 
 
-class _fake_group:
+@contextlib.contextmanager
+def _fake_group(world: int) -> Iterator[None]:
     """PyTorch's fake process group of `world` ranks, this process rank 0, for the probes."""
+    from ampscope.torchcompat.distributed import fake_store
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-
-    def __enter__(self) -> None:
-        from ampscope.torchcompat.distributed import fake_store
-
-        if dist.is_initialized():
-            raise AmpscopeError("a process group is already initialised here; search plans "
-                                "from a process of its own")
-        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=self.world)
-
-    def __exit__(self, *exc) -> None:
+    if dist.is_initialized():
+        raise AmpscopeError("a process group is already initialised here; search plans from a "
+                            "process of its own")
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
         dist.destroy_process_group()
 
 
-def traced_peaks(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False, depth: int,
-                 batch: int, setting: str = "bf16", mp_policy: str | None = None,
-                 seq: int = 64, optimizer: str = "adamw") -> dict[str, int]:
-    """Rank 0's most bytes live in each phase of the plan traced at `depth` blocks and
-    micro-batch `batch` (the model's own depth: the whole model): what `derived_peaks` must
-    equal."""
-    lm, base, parallel = _checked(model, setting, mp_policy, gpus)
-    with _fake_group(gpus):
-        probe = _probe(lm, base, parallel, gpus // tp, tp, depth, batch, seq, optimizer,
-                       checkpoint)
-    return Rule([probe], rounded=base.device == "cuda").phase_peaks(depth, batch)
+def traced_peaks(model: str, gpus: int, **options) -> dict[str, int]:
+    """Each phase's peak of the plan traced whole (`traced_plan`)."""
+    return traced_plan(model, gpus, **options)[0]
 
 
-def derived_peaks(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False, depth: int,
-                  batch: int, setting: str = "bf16", mp_policy: str | None = None,
-                  seq: int = 64, optimizer: str = "adamw") -> dict[str, int]:
-    """The same figures as `traced_peaks`, derived by `fit --gpus`'s rules from its probes."""
-    lm, base, parallel = _checked(model, setting, mp_policy, gpus)
-    full = len(workloads.repeated_blocks(lm.module))
-    # As the search: the first blocks for all where every block runs alike, else all of them.
-    alike = full > PROBE_DEPTHS[-1] and unlike_blocks(lm, base, seq) is None
-    depths = PROBE_DEPTHS if alike else (full,)
-    batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] else (batch,)
-    with _fake_group(gpus):
-        probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint)
-                  for d in depths for b in batches]
-    return Rule(probes, rounded=base.device == "cuda").phase_peaks(depth, batch)
+def derived_peaks(model: str, gpus: int, **options) -> dict[str, int]:
+    """Each phase's peak derived by the search's rules (`derived_plan`)."""
+    return derived_plan(model, gpus, **options)[0]
 
 
-def _checked(model: str, setting: str, mp_policy: str | None, gpus: int
-             ) -> tuple[LoadedModel, Setting, Parallel]:
+def traced_plan(model: str, gpus: int, **options
+                ) -> tuple[dict[str, int], PlanTime | None, int | None]:
+    """The plan traced at `depth` blocks and micro-batch `batch` (the model's own depth: the
+    whole model): each phase's peak, on `gpu` its step time (else None), and on CUDA the
+    allocator's reserved peak (else None); what `derived_plan` must equal. Options: tp, checkpoint, depth, batch, setting, mp_policy, seq,
+    optimizer, gpu."""
+    return _plan_check(model, gpus, whole=True, **options)
+
+
+def derived_plan(model: str, gpus: int, **options
+                 ) -> tuple[dict[str, int], PlanTime | None, int | None]:
+    """The same figures as `traced_plan`, derived by `fit --gpus`'s rules from its probes."""
+    return _plan_check(model, gpus, whole=False, **options)
+
+
+def _plan_check(model: str, gpus: int, *, whole: bool, tp: int = 1, checkpoint: bool = False,
+                depth: int, batch: int, setting: str = "bf16", mp_policy: str | None = None,
+                seq: int = 64, optimizer: str = "adamw", gpu: str | None = None
+                ) -> tuple[dict[str, int], PlanTime | None, int | None]:
     base = resolved(on_device(setting, "cuda") if ":" not in setting else setting)
     lm = registry.resolve(model, device="meta", target_device=base.device)
-    return lm, base, Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))
+    parallel = Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))
+    acc = hardware.by_name(gpu) if gpu is not None else None
+    full = len(workloads.repeated_blocks(lm.module))
+    # As the search: the first blocks for all where every block runs alike, else all of them.
+    alike = not whole and full > PROBE_DEPTHS[-1] and unlike_blocks(lm, base, seq) is None
+    depths = PROBE_DEPTHS if alike else (depth if whole else full,)
+    batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] and not whole else (batch,)
+    with _fake_group(gpus):
+        probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint,
+                         acc) for d in depths for b in batches]
+    time = derived_time(probes, depth, batch) if acc is not None else None
+    rule = Rule(probes, rounded=base.device == "cuda")
+    return (rule.phase_peaks(depth, batch), time,
+            rule.reserved(depth, batch) if base.device == "cuda" else None)
