@@ -183,6 +183,37 @@ def test_a_gpu_sets_the_budget_and_puts_a_bare_setting_on_cuda():
     assert any("stopped after 3 probes" in n for n in report.notes)  # 40 GiB: a huge batch
 
 
+def test_with_a_gpu_the_answer_is_timed_and_its_reserved_peak_replayed(capsys):
+    """The answer's step on the GPU is step_time over the same predicted run (trace), its
+    tokens/s batch × seq over it; the reserved peak is the memory report's allocator replay.
+    Without --gpu: no time; off CUDA: no reserved peak."""
+    from ampscope import hardware
+    from ampscope.analysis.step_time import step_time
+
+    report = fit(MODEL, gpu="h100", memory_size=BUDGET, setting=SETTING, seq=SEQ,
+                 variants=False)
+    t = step_time(ampscope.trace(MODEL, setting=SETTING, batch=report.batch, seq=SEQ,
+                                 predict=True), hardware.by_name("h100"))
+    assert report.step_seconds == t.seconds > 0 and report.mfu == t.mfu
+    assert report.tokens_per_second == pytest.approx(report.batch * SEQ / t.seconds, rel=1e-12)
+    assert report.bound == max(t.by_bound, key=t.by_bound.__getitem__)
+    memory = ampscope.memory(MODEL, setting=SETTING, batch=report.batch, seq=SEQ, predict=True)
+    assert memory.reserved is not None
+    assert report.reserved_bytes == memory.reserved.reserved_peak >= report.peak_bytes
+    document = report.to_dict()
+    assert document["step_seconds"] == t.seconds
+    assert document["reserved_bytes"] == report.reserved_bytes
+    plain = fit(MODEL, memory_size=BUDGET, setting="cpu:fp32", seq=SEQ, variants=False)
+    assert plain.step_seconds is None and plain.reserved_bytes is None
+    code = main(["fit", MODEL, "--gpu", "h100", "--memory", "6MiB", "-s", SETTING, "--seq",
+                 str(SEQ), "--no-variants"])
+    out = " ".join(capsys.readouterr().out.split())  # as words: the line wraps
+    assert code == 0
+    assert (f"At batch {report.batch}: predicted step " in out and " on h100, " in out
+            and f"the caching allocator would reserve {format_bytes(report.reserved_bytes)}"
+            in out)
+
+
 # -- the search, on synthetic steps -----------------------------------------------------------
 
 OPS = ["aten.embedding", "aten.mm", "aten.gelu", "aten.mm"]

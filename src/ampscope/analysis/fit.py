@@ -136,6 +136,14 @@ class FitReport:
     # The largest batch the search probes (api/fit.py: `_batch_limit`); a `batch` equal to it
     # means every batch up to it fits, and no larger one was tried. None: no limit applied.
     batch_limit: int | None = None
+    # The step at `batch` on the accelerator (analysis/step_time; None with only --memory).
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    bound: str | None = None  # what bounds most of the step's time
+    # The CUDA caching allocator's reserved peak at `batch`, replayed over its storages (None
+    # off CUDA).
+    reserved_bytes: int | None = None
 
     @property
     def at_batch_limit(self) -> bool:
@@ -151,7 +159,9 @@ class FitReport:
             "peak_phase": self.peak_phase, "at_limit": [asdict(s) for s in self.at_limit],
             "probes": [asdict(p) for p in self.probes],
             "variants": [asdict(v) for v in self.variants], "notes": list(self.notes),
-            "batch_limit": self.batch_limit,
+            "batch_limit": self.batch_limit, "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "bound": self.bound,
+            "reserved_bytes": self.reserved_bytes,
         }
 
 

@@ -27,11 +27,14 @@ from ampscope.analysis.fit import (
     parse_bytes,
 )
 from ampscope.analysis.memory import MemoryReport, memory_report
+from ampscope.analysis.step_time import step_time
 from ampscope.api.preparation import ID_BYTES_PER_TOKEN, resolved
 from ampscope.api.tracing import trace
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.cuda_allocator import AllocatorConfig, config_for
 from ampscope.models.base import LoadedModel
 from ampscope.precision import Setting, on_device
+from ampscope.records import Trace
 from ampscope.render.style import format_bytes
 from ampscope.runs.environment import RunEnvironment
 
@@ -70,7 +73,8 @@ def fit(
         setting = on_device(setting, "cuda")
     base = resolved(setting)
     lm = _built(model, base)
-    probing = _Probing(lm, budget, optimizer, max_probes, on_probe)
+    allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
+    probing = _Probing(lm, budget, optimizer, max_probes, on_probe, allocator)
     seq_auto = seq == "auto"
     if seq_auto:
         t = _longest_seq(lm, lambda t: compared_peak(probing.run(AS_GIVEN, base, 1, t)) <= budget)
@@ -90,6 +94,10 @@ def fit(
         raise AmpscopeError(_no_fit(lm.name, base, budget, source, probing.probes))
     at_limit = probing.run(AS_GIVEN, base, batch, t)
     peak = compared_peak(at_limit)
+    timed = None
+    if gpu is not None:  # the step at the batch found, on the GPU (its trace kept for this)
+        timed = step_time(probing.traces[AS_GIVEN, batch, t], hardware.by_name(gpu))
+    probing.traces.clear()
     found = probing.variants(base, batch, t, peak) if variants else []
     notes = probing.notes
     reached = [name for name, b in [(AS_GIVEN, batch), *((v.name, v.batch) for v in found)]
@@ -101,20 +109,28 @@ def fit(
         model=lm.name, accelerator=accelerator, memory_bytes=budget, memory_source=source,
         setting=base.name, optimizer=optimizer, seq=t, seq_auto=seq_auto, batch=batch,
         peak_bytes=peak, peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
-        probes=probing.probes, variants=found, notes=notes, batch_limit=probing.limit)
+        probes=probing.probes, variants=found, notes=notes, batch_limit=probing.limit,
+        step_seconds=timed.seconds if timed else None,
+        tokens_per_second=timed.tokens_per_second if timed else None,
+        mfu=timed.mfu if timed else None,
+        bound=max(timed.by_bound, key=timed.by_bound.__getitem__) if timed else None,
+        reserved_bytes=at_limit.reserved.reserved_peak if at_limit.reserved else None)
 
 
 class _Probing:
     """The predicted runs of one search: each (variant, batch, seq) run once, in order."""
 
     def __init__(self, lm: LoadedModel, budget: int, optimizer: str, max_probes: int,
-                 on_probe: Callable[[Probe], None] | None) -> None:
-        self.lm, self.budget, self.optimizer = lm, budget, optimizer
+                 on_probe: Callable[[Probe], None] | None,
+                 allocator: AllocatorConfig | None = None) -> None:
+        self.lm, self.budget, self.optimizer, self.allocator = lm, budget, optimizer, allocator
         self.max_probes, self.on_probe = max_probes, on_probe
         self.probes: list[Probe] = []
         self.notes: list[str] = []
         self.limit: int | None = None  # the largest batch probed (_batch_limit)
         self._reports: dict[tuple[str, int, int], tuple[MemoryReport, list[str], list[str]]] = {}
+        # The search's own traces (not the variants'), for the step time at its answer.
+        self.traces: dict[tuple[str, int, int], Trace] = {}
 
     def run(self, variant: str, s: Setting, batch: int, t: int, **options) -> MemoryReport:
         """One predicted step, as `memory(..., predict=True)` runs it; its ops' names and
@@ -123,13 +139,15 @@ class _Probing:
         if key not in self._reports:
             result = trace(self.lm, setting=s, batch=batch, seq=t, optimizer=self.optimizer,
                            predict=True, **options)
-            report = memory_report(result)
+            report = memory_report(result, allocator=self.allocator)
             peak = compared_peak(report)
             probe = Probe(variant, batch, t, peak, peak <= self.budget, report.peak.phase)
             self.probes.append(probe)
             if self.on_probe is not None:
                 self.on_probe(probe)
             self._reports[key] = report, [o.op for o in result.ops], [o.phase for o in result.ops]
+            if variant == AS_GIVEN:
+                self.traces[key] = result
         return self._reports[key][0]
 
     def search(self, variant: str, s: Setting, t: int, start: int = 1, **options) -> int | None:

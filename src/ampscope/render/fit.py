@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from ampscope.analysis.fit import FitReport, Probe
+from ampscope.render.predicted_step import duration
 from ampscope.render.style import format_bytes, titled_table
 
 
@@ -19,6 +20,27 @@ def probe_line(probe: Probe) -> Text:
     if probe.variant != "as given":
         text.append(f"  {probe.variant}", style="dim")
     return text
+
+
+def _step_line(report: FitReport) -> Text | None:
+    """"At batch 16 on h100: predicted step 312 ms, 52,500 tokens/s, MFU 41%, compute-bound;
+    reserved by the caching allocator 6.2 MiB." (what is known of the two)."""
+    said = []
+    if report.step_seconds is not None:
+        mfu = f"MFU {100 * report.mfu:.0f}%" if report.mfu is not None else "MFU n/a"
+        said.append(f"predicted step {duration(report.step_seconds)} on {report.accelerator}, "
+                    f"{report.tokens_per_second or 0:,.0f} tokens/s, {mfu}, "
+                    f"{report.bound}-bound")
+    if report.reserved_bytes is not None:
+        said.append(f"the caching allocator would reserve {format_bytes(report.reserved_bytes)} "
+                    f"({format_bytes(report.memory_bytes - report.reserved_bytes)} room)"
+                    if report.reserved_bytes <= report.memory_bytes else
+                    f"the caching allocator would reserve {format_bytes(report.reserved_bytes)}, "
+                    f"{format_bytes(report.reserved_bytes - report.memory_bytes)} over the "
+                    "budget (this search holds the allocated peak to it, not the reserved)")
+    if not said:
+        return None
+    return Text(f"At batch {report.batch:,}: " + "; ".join(said) + ".")
 
 
 def render_fit(report: FitReport) -> RenderableType:
@@ -35,12 +57,13 @@ def render_fit(report: FitReport) -> RenderableType:
                 f"{report.optimizer}: predicted peak {format_bytes(report.peak_bytes)} of "
                 f"{budget} ({where}), in the {report.peak_phase} pass, "
                 f"{len(report.probes)} predicted runs.")
+    line = _step_line(report)
     shares = titled_table(None, "what", "bytes", "share", right=("bytes", "share"))
     for s in report.at_limit:
         shares.add_row(s.label, format_bytes(s.bytes), f"{s.fraction:.0%}")
     title = Text(f"At the limit (batch {report.batch}): what is live at the peak",
                  style="italic")
-    parts: list[RenderableType] = [head, Text(""), title, shares]
+    parts: list[RenderableType] = [head, *([line] if line else []), Text(""), title, shares]
     if report.variants:
         numbers = (f"peak at {report.batch}", "saved", "largest batch", "its peak")
         room = titled_table(None, "change", "how", *numbers, right=numbers, no_wrap=True)
