@@ -14,7 +14,7 @@ from rich.text import Text
 from ampscope.analysis.step_time import StepTime
 from ampscope.distributed.report import DistributedReport, RankPeak, summarize
 from ampscope.records import Trace
-from ampscope.render.predicted_step import bound_shares, duration, mfu_text
+from ampscope.render.predicted_step import duration
 from ampscope.render.style import format_bytes, titled_table
 
 _SHAPES = 6  # parameter shapes listed per rank before "…"
@@ -63,10 +63,18 @@ def any_reserved(report: DistributedReport) -> bool:
 
 
 def _step(predicted: StepTime | None) -> str:
-    """"312 ms (compute 58%, memory 35%, communication 7%), MFU 41%"."""
+    """"312 ms (compute 58%, comm 7%)": the step, its largest bound and, where the rank ran
+    collectives, their exposed share (what differs between ranks); "comm" keeps the narrow
+    column on one word a line."""
     if predicted is None:
         return "—"
-    return f"{duration(predicted.seconds)} ({bound_shares(predicted)}), {mfu_text(predicted)}"
+    whole = predicted.seconds
+    top = max(predicted.by_bound, key=lambda b: predicted.by_bound[b])
+    shares = [top] + (["communication"] if top != "communication"
+                      and predicted.by_bound.get("communication") else [])
+    return f"{duration(whole)} (" + ", ".join(
+        f"{'comm' if b == 'communication' else b} {100 * predicted.by_bound[b] / whole:.0f}%"
+        for b in shares) + ")"
 
 
 def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *,
@@ -77,8 +85,8 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
     rank's, by rank) its predicted step, collectives included."""
     timed = predicted is not None and any(p is not None for p in predicted)
     gpus = {p.accelerator for p in predicted or [] if p is not None}
-    step_column = f"predicted step on {gpus.pop().upper()}" if len(gpus) == 1 else \
-        "predicted step"
+    step_column = f"step on {gpus.pop().upper()} (predicted)" if len(gpus) == 1 else \
+        "step (predicted)"
     n = report.parallel.world_size
     head = Text()
     head.append(f"{n} rank{'s' if n != 1 else ''}", style="bold")
