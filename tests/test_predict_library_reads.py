@@ -66,3 +66,17 @@ def test_hf_trainer_gets_through_its_nan_filter_predicted(tmp_path):
                for n in trace.notes)
     assert trace.setting.autocast_dtype == "bfloat16"
     assert any(o.phase == "optimizer" for o in trace.ops)
+
+
+def test_an_error_after_a_nan_answer_names_where_it_was_given(tmp_path):
+    """A value that sets a size (here a split, as expert routing's all-to-all sizes are) has no
+    prediction: the error says where `.item()` was answered with NaN."""
+    script = tmp_path / "split.py"
+    script.write_text(_INIT.format(user="k = loss.detach().abs().item()\n"
+                                        "parts = torch.randn(6).split([int(k), 6 - int(k)])"))
+    with pytest.raises(AmpscopeError) as raised:
+        run_script(str(script), [], in_process=True, predict=True)
+    said = str(raised.value)
+    assert "ValueError" in said and "cannot convert float NaN to integer" in said
+    assert "(predict mode answered .item() with NaN at split.py:10: a value that decides a " \
+           "size" in said

@@ -29,3 +29,9 @@ def first_line(e: BaseException) -> str:
     one-line error quotes of the error behind it."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def named_line(e: BaseException) -> str:
+    """`first_line` after the exception's type: "ValueError: bad value"."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -16,7 +16,8 @@ from ampscope.errors import AmpscopeError
 from ampscope.render.report_kinds import kind_of
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-MAX_MESSAGE = 300
+# A whole line of any real error is kept; only a runaway one (a tensor's repr, a dump) is cut.
+MAX_MESSAGE = 1000
 
 
 def one_line(message: str) -> str:

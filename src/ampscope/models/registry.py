@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, named_line
 from ampscope.models import catalog, hf
 from ampscope.models.base import LoadedModel
 from ampscope.models.catalog import ModelInfo, entry, installed, split_spec
@@ -72,11 +72,6 @@ def _cwd_on_sys_path() -> Iterator[None]:
         sys.path[:] = saved
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def _find_factory(spec: str) -> Callable[[], object]:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
@@ -90,11 +85,11 @@ def _find_factory(spec: str) -> Callable[[], object]:
                     f"cannot import module {module_name!r} for {spec!r}; run from the folder "
                     "that contains it or install its package"
                 ) from e
-            raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
+            raise AmpscopeError(f"importing {module_name!r} failed: {named_line(e)}") from e
         except SystemExit as e:
             raise AmpscopeError(f"importing {module_name!r} called sys.exit({e.code!r})") from e
         except Exception as e:
-            raise AmpscopeError(f"importing {module_name!r} failed: {_one_line(e)}") from e
+            raise AmpscopeError(f"importing {module_name!r} failed: {named_line(e)}") from e
     factory: object = module
     for part in attr_path.split("."):
         if not hasattr(factory, part):
@@ -136,7 +131,7 @@ def _load_factory(spec: str, device: torch.device) -> LoadedModel:
         where = user_line(e)  # the factory's own line, or its model's
         at = f" at {where}" if where else ""
         raise AmpscopeError(f"{spec} raised {type(e).__name__}{at}"
-                            f"{_one_line(e).removeprefix(type(e).__name__)}") from e
+                            f"{named_line(e).removeprefix(type(e).__name__)}") from e
     if isinstance(built, nn.Module):
         built = wrap_module(built, spec)
     if not isinstance(built, LoadedModel):

@@ -153,7 +153,8 @@ def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps:
     except (AmpscopeError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise _script_error(e, label, script.capture, script.env.target, predict) from e
+        raise _script_error(e, label, script.capture, script.env.target,
+                            script.values_read if predict else None) from e
     return script.trace()
 
 
@@ -399,12 +400,14 @@ def _close_log_handlers(before: set[logging.Handler]) -> None:
 
 
 def _script_error(e: Exception, label: str, capture: Capture, device: str | None,
-                  predict: bool) -> AmpscopeError:
+                  values_read: list[str] | None) -> AmpscopeError:
     """One line for a script that raised: what ampscope knows of the cause, or the script's
     own error with its file:line. The script's own error (a dtype mismatch included) carries
     status 1, as `python` ends on it; one that says ampscope cannot run the script (fake
-    tensors' values, the emulated device's limits) carries none: ampscope's own, 2."""
+    tensors' values, the emulated device's limits) carries none: ampscope's own, 2.
+    `values_read`: in a predicted run, the lines whose `.item()` was answered with NaN."""
     where = user_line(e)
+    predict = values_read is not None
     if predict and data_dependent(e):
         return AmpscopeError(
             f"predict mode cannot run {label}: the code at {where or 'an unknown line'} reads a "
@@ -424,7 +427,18 @@ def _script_error(e: Exception, label: str, capture: Capture, device: str | None
         origin = fp16_gradients_origin(capture.ops_so_far())
         message += f" ({origin})" if origin else ""
     return with_status(AmpscopeError(f"{label} raised {type(e).__name__}{at}: {message}"
-                                     f"{_torchrun_hint(e)}"), 1)
+                                     f"{_torchrun_hint(e)}{_nan_hint(values_read)}"), 1)
+
+
+def _nan_hint(values_read: list[str] | None) -> str:
+    """Where a predicted run answered `.item()` with NaN before the error: a value that sets a
+    size (an all-to-all's split sizes from expert routing) has no prediction."""
+    if not values_read:
+        return ""
+    lines = ", ".join(dict.fromkeys(values_read))
+    return (f" (predict mode answered .item() with NaN at {lines}: a value that decides a size, "
+            "such as expert routing's split sizes, cannot be predicted; run it for real at a "
+            "smaller size)")
 
 
 # What torchrun sets for each rank it starts; a script made for it reads them.

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, named_line
 from ampscope.precision import Setting, device_available, matmul, on_device, parse_setting
 from ampscope.records import dtype_name
 from ampscope.torchcompat import dynamo
@@ -152,11 +152,6 @@ class BenchReport:
         return {"schema": "ampscope.bench/1", **dataclasses.asdict(self)}
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
 def _free(device: str, compiled: bool) -> None:
     """Let the next rung start clean: compiled graphs and cached device memory released."""
     if compiled:
@@ -208,7 +203,7 @@ def bench(model: str | None = None, ladder: Sequence[str] | None = None, *,
         except AmpscopeError:
             raise  # bad input (model, sizes, data): the same for every rung
         except Exception as e:  # noqa: BLE001 - out of memory, a compiler error, a missing kernel: the rung's row says which
-            row.status, row.reason = "failed", _one_line(e)
+            row.status, row.reason = "failed", named_line(e)
             _free(device, rung.compile)
             continue
         timed = [s.seconds for s in result.steps[warmup:]]
