@@ -11,6 +11,7 @@ from dataclasses import replace
 from ampscope.hardware.cuda_allocator import AllocatorConfig, AllocatorReplay, replay
 from ampscope.records import StorageRecord
 from ampscope.records.timeline import allocation_events
+from ampscope.runtime.predict import gc_paused
 
 __all__ = ["AllocatorConfig", "replay_storages"]
 
@@ -20,7 +21,8 @@ def replay_storages(storages: Iterable[StorageRecord], n_ops: int,
                     streams: Sequence[int] | None = None) -> AllocatorReplay:
     """`replay` over a trace's storage records, on one stream unless `streams` gives each
     storage's; times are op indices, None before the step."""
-    result = replay(allocation_events(storages, n_ops, streams), config, capacity)
+    with gc_paused():  # thousands of small blocks: no full collection among them
+        result = replay(allocation_events(storages, n_ops, streams), config, capacity)
 
     def op(t: int | None) -> int | None:
         return None if t is None or t < 0 else t

@@ -31,6 +31,7 @@ from ampscope.records.timeline import (
     live_at,
     live_bytes,
 )
+from ampscope.runtime.predict import gc_paused
 from ampscope.torchcompat import distributed as c10d_ops
 
 
@@ -200,7 +201,8 @@ def rank_peak(trace: Trace, allocator: AllocatorConfig | None = None) -> RankPea
         rounded_before, rounded_live = live_bytes(storages, n, cuda_block_size)
         rounded = max(rounded_live) if rounded_live else rounded_before
         config = allocator or config_for("cuda")
-        reserved = replay(allocation_events(storages, n), config).reserved_peak
+        with gc_paused():  # thousands of small blocks: no full collection among them
+            reserved = replay(allocation_events(storages, n), config).reserved_peak
     at: Held = {}
     for s in live_at(storages, k):
         by_dtype = at.setdefault(str(s.category), {})
