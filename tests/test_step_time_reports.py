@@ -155,3 +155,18 @@ def test_distributed_trace_shows_rank_zeros_step_with_its_collectives(capsys):
                "--predict", "-s", "cuda:bf16", "--seq", "8", "--gpu", "h100")
     line = re.search(r"Predicted step on NVIDIA H100 SXM5 80GB: [^,]+\(([^)]*)\)", _words(out))
     assert line is not None and "communication" in line.group(1)
+
+
+def test_html_report_has_the_predicted_step_column(ladder):
+    from ampscope.render.html import report_html
+
+    matrix, traces = ladder
+    reports = [ampscope.flops(t, gpu="a100") for t in traces]
+    page = report_html(traces, matrix, reports=reports)
+    fp32 = reports[0].predicted
+    assert "predicted step" in page
+    assert f"{1e3 * fp32.seconds:.1f} ms on A100" in page
+    assert f"{round(fp32.tokens_per_second):,}" in page
+    # Without a prediction anywhere (CPU settings), the columns are not there.
+    cpu = [ampscope.flops(traces[2])]
+    assert "predicted step" not in report_html([traces[2]], matrix, reports=cpu)
