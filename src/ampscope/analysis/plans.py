@@ -214,6 +214,7 @@ class Rule:
         """`probes`: at each depth, two micro-batches (any batch derived) or one (that batch
         only); `allocator`: the caching allocator's options for `reserved`."""
         self.rounded, self.allocator = rounded, allocator
+        self._reserved: dict[tuple[int, int], int] = {}  # (depth, batch): two replays each
         depths = sorted({p.depth for p in probes})
         self._pairs: dict[int, tuple[Probe, Probe]] = {}
         for d in depths:
@@ -249,6 +250,8 @@ class Rule:
         the allocator replayed over the probes' storages at `batch` — each probe depth's
         exact (every storage's size is), the full depth's affine in the depth from them (an
         approximation: the module docstring)."""
+        if (depth, batch) in self._reserved:
+            return self._reserved[depth, batch]
         gaps = {}
         for d in self.depths:
             low = self._pairs[d][0]
@@ -262,7 +265,8 @@ class Rule:
             # frees): the largest of the probes' gaps and their line, an estimate.
             gap = max(gaps[l1], gaps[l2],
                       gaps[l1] + (depth - l1) * (gaps[l2] - gaps[l1]) // (l2 - l1))
-        return self.peak(depth, batch)[0] + gap
+        self._reserved[depth, batch] = self.peak(depth, batch)[0] + gap
+        return self._reserved[depth, batch]
 
     def _storages(self, depth: int, batch: int) -> list[StorageRecord]:
         """The probe at `depth` blocks' storages at micro-batch `batch`."""

@@ -5,6 +5,7 @@ Namesakes, the same concern at another layer: `analysis/plans.py`."""
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.plans import Plan, PlansReport
@@ -45,31 +46,28 @@ def _memory(p, budget: str) -> str:
             f"reserved of {budget} per rank")
 
 
-def render_plans(report: PlansReport) -> RenderableType:
-    budget = format_bytes(report.memory_bytes)
-    where = report.accelerator or "--memory"
+def _head(report: PlansReport, budget: str) -> Text:
+    """"Best plan: …, micro-batch 3 — … tokens per step in …: … tokens/s …; … per rank …"."""
     head = Text()
     best = report.best
-    if best is not None:
-        if best.at_batch_limit:  # not its largest batch: where the search stopped (the note)
-            head.append(f"Best plan: {best.name}, every micro-batch up to {best.batch:,} fits",
-                        style="bold")
-            head.append(f" — at least {best.tokens:,} tokens per step{_speed(best)}; "
-                        f"{_memory(best, budget)} at {best.batch:,}, its peak in the "
-                        f"{best.phase} pass.")
-        else:
-            head.append(f"Best plan: {best.name}, micro-batch {best.batch:,}", style="bold")
-            head.append(f" — {best.tokens:,} tokens per step{_speed(best)}; "
-                        f"{_memory(best, budget)}, its peak in the {best.phase} pass.")
-    else:
+    if best is None:
         head.append("No plan fits", style="bold")
         head.append(f" in {budget} per rank.")
-    policy = ", ".join(f"{k}={v}" for k, v in report.mp_policy.items() if v) or "none"
-    context = Text(f"{report.model} ({report.depth} blocks) on {report.gpus} GPUs of {budget} "
-                   f"({where}) · {report.setting} · FSDP2 mixed precision: {policy} · seq "
-                   f"{report.seq:,} · {report.optimizer}", style="dim")
-    timed = any(p.step_seconds is not None for p in report.plans)
-    reserved = any(p.reserved_bytes is not None for p in report.plans)
+    elif best.at_batch_limit:  # not its largest batch: where the search stopped (the note)
+        head.append(f"Best plan: {best.name}, every micro-batch up to {best.batch:,} fits",
+                    style="bold")
+        head.append(f" — at least {best.tokens:,} tokens per step{_speed(best)}; "
+                    f"{_memory(best, budget)} at {best.batch:,}, its peak in the "
+                    f"{best.phase} pass.")
+    else:
+        head.append(f"Best plan: {best.name}, micro-batch {best.batch:,}", style="bold")
+        head.append(f" — {best.tokens:,} tokens per step{_speed(best)}; "
+                    f"{_memory(best, budget)}, its peak in the {best.phase} pass.")
+    return head
+
+
+def _table(report: PlansReport, timed: bool, reserved: bool) -> Table:
+    """Every plan: its batch and tokens a step, its step (with a GPU), its peak and room."""
     speed = ("step", "tokens/s", "MFU") if timed else ()
     # 100 columns hold the step's columns with one peak: the reserved one where there is one
     # (the allocated one is in the JSON and the first line), and a checkpointed plan's name on
@@ -97,6 +95,20 @@ def render_plans(report: PlansReport) -> RenderableType:
             format_bytes(room) if room >= 0 else f"−{format_bytes(-room)}",
             *((_BOUND.get(p.bound or "—", p.bound or "—"),) if timed else ()),
             style=None if p.fits else "dim")
+    return table
+
+
+def render_plans(report: PlansReport) -> RenderableType:
+    budget = format_bytes(report.memory_bytes)
+    where = report.accelerator or "--memory"
+    head = _head(report, budget)
+    policy = ", ".join(f"{k}={v}" for k, v in report.mp_policy.items() if v) or "none"
+    context = Text(f"{report.model} ({report.depth} blocks) on {report.gpus} GPUs of {budget} "
+                   f"({where}) · {report.setting} · FSDP2 mixed precision: {policy} · seq "
+                   f"{report.seq:,} · {report.optimizer}", style="dim")
+    timed = any(p.step_seconds is not None for p in report.plans)
+    reserved = any(p.reserved_bytes is not None for p in report.plans)
+    table = _table(report, timed, reserved)
     depths = report.probe_depths
     at = (f"at its {report.depth} blocks" if depths == [report.depth]
           else f"at {' and '.join(map(str, depths or [2, 3]))} blocks")
