@@ -56,8 +56,7 @@ from ampscope.analysis.allocator import AllocatorConfig, replay_storages
 from ampscope.analysis.flops import PHASES, matmul_dtype
 from ampscope.analysis.memory import cuda_block_size, live_bytes
 from ampscope.analysis.op_time import BOUNDS, collective_seconds, link_for
-from ampscope.analysis.step_time import _OVERLAPPED as _STEP_OVERLAPPED
-from ampscope.analysis.step_time import StepTime, step_ops
+from ampscope.analysis.step_time import OVERLAPPED, StepTime, step_ops
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.known import Accelerator
 from ampscope.records import StorageRecord, Trace
@@ -84,9 +83,6 @@ class Probe:
     time: ProbeTime | None = None  # its step timed on the target GPU (None: no --gpu)
 
 
-# The collectives FSDP2 overlaps with a phase's compute: step_time's own table (one rule, not a
-# copy that could drift from it).
-OVERLAPPED = _STEP_OVERLAPPED
 # A probe's time as the rules need it: flat keys ("other", phase, bound), ("ends", phase),
 # ("rest", phase), ("flops", dtype) to seconds or FLOPs.
 Figures = dict[tuple[str, ...], float]

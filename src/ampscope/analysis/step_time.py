@@ -38,7 +38,7 @@ from ampscope.records import OpCall, Trace, module_label
 from ampscope.runtime.predict import gc_paused
 
 SCHEMA = "ampscope.step_time/1"
-_OVERLAPPED = {"forward": ("all_gather", "reduce_scatter"),
+OVERLAPPED = {"forward": ("all_gather", "reduce_scatter"),
                "backward": ("all_gather", "reduce_scatter", "all_reduce")}
 TOP_MODULES = 10
 
@@ -112,7 +112,7 @@ def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = No
     hidden = 0.0
     for phase in PHASES:
         ops = [t for t in timed if t.phase == phase]
-        overlappable = [t for t in ops if t.collective in _OVERLAPPED.get(phase, ())]
+        overlappable = [t for t in ops if t.collective in OVERLAPPED.get(phase, ())]
         overlapped = {t.index for t in overlappable}
         other = sum(t.seconds for t in ops if t.index not in overlapped)
         exposed = exposed_seconds(overlappable, other, last_exposed=phase == "backward")
@@ -200,4 +200,5 @@ def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float) -
     return notes
 
 
-__all__ = ["SCHEMA", "TOP_MODULES", "StepTime", "exposed_seconds", "step_ops", "step_time"]
+__all__ = ["OVERLAPPED", "SCHEMA", "TOP_MODULES", "StepTime", "exposed_seconds", "step_ops",
+           "step_time"]
