@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from ampscope import tricks
 from ampscope.api import parallel_plans
+from ampscope.api.preparation import resolved
 from ampscope.distributed.launch import predict
 from ampscope.distributed.parallel import Parallel
+from ampscope.models import registry
 from ampscope.runs import foreach
 from ampscope.torchcompat import distributed as compat
 from tests.helpers import assert_same_trace
@@ -88,7 +90,9 @@ def test_a_predicted_fsdp_rank_with_the_tricks_equals_the_exact_path(monkeypatch
 
 def test_a_tensor_parallel_probe_with_the_tricks_equals_the_exact_path(monkeypatch):
     seen = _took_part(monkeypatch)
-    lm, base, parallel = parallel_plans._checked("llama-3.2-1b", "bf16", None, 4)
+    base = resolved("cuda:bf16")
+    lm = registry.resolve("llama-3.2-1b", device="meta", target_device=base.device)
+    parallel = Parallel("fsdp", 4)
     parallel_plans._truncate(lm.module, 3)
 
     def probe():
