@@ -36,6 +36,7 @@ from ampscope.torchcompat.dispatch import no_dispatch
 from ampscope.torchcompat.distributed import (
     PremulFactorUnknown,
     c10d_module,
+    forget_meshes,
     mesh_module,
     premul_factor,
 )
@@ -96,7 +97,11 @@ class GlooGroups:
         implementation = c10d_module() or dist  # a build without it: the public names only
         init = self._substituted(implementation.init_process_group, init=True)
         new = self._substituted(implementation.new_group, init=False)
+        # DTensor's cache may hold meshes of a group made and destroyed before in this process:
+        # their group names, reused or gone, would be what a collective names (forget_meshes).
+        forget_meshes()
         with contextlib.ExitStack() as stack:
+            stack.callback(forget_meshes)  # the meshes of this run's groups, once they end
             # DeviceMesh calls the names it imported: its own `new_group(backend=None)` would
             # make an NCCL group on a CUDA build once `torch.cuda.is_available()` says yes.
             for owner in dict.fromkeys((dist, implementation, mesh_module())):

@@ -1,5 +1,6 @@
 """Distributed details: the collectives' op names, c10d's implementation module, the fake process
-group's store, PREMUL_SUM's factor, FSDP2's mixed-precision policy, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
+group's store, DTensor's sharding cache (its meshes outlive their groups), PREMUL_SUM's factor,
+FSDP2's mixed-precision policy, DDP's compression hook, storage ids, FSDP2's per-rank chunking.
 
 Namesakes, the same concern at another layer: `render/distributed.py`."""
 
@@ -66,6 +67,21 @@ def compress_hook(dtype: torch.dtype, bucket):
 
     # None is the default group: torch's body handles it, its annotation says ProcessGroup only.
     return _compress_hook(dtype, None, bucket)  # type: ignore[arg-type]
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation cache. Its keys hold DeviceMeshes, which compare
+    equal by their ranks and dimension names, not by their process groups: an op's output
+    spec comes back with the mesh of the first call that filled the entry. Once that mesh's
+    process group is destroyed and another made, a collective on that output names the old
+    mesh's groups, whose names are reused or gone (a tensor-parallel all-reduce then read its
+    group as the world). Whoever makes a process group after another was destroyed in the same
+    process calls it (runtime/process_group.py's groups, on entry and on exit)."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a build without DTensor (no cache) or without this helper
+        return
+    _clear_sharding_prop_cache()
 
 
 class GroupSizeUnknown(Exception):
