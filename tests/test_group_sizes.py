@@ -7,6 +7,10 @@ its "tp" dimension a group of 2.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,12 +43,27 @@ class _Sizes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _tp_all_reduce(meshes_before: int) -> tuple[list[tuple[str, int | str | None]], str]:
+def _run_world() -> Iterator[None]:
+    """A fake world of 8 ranks as `run --nproc 8 --predict` makes it (FakeGroups)."""
+    with FakeGroups().active():
+        dist.init_process_group("nccl", rank=0, world_size=WORLD)
+        yield
+
+
+def _plans_world() -> Iterator[None]:
+    """A fake world of 8 ranks as `fit --gpus` makes one for its probes."""
+    from ampscope.api.parallel_plans import _fake_group
+
+    with _fake_group(WORLD):
+        yield
+
+
+def _tp_all_reduce(world: Callable[[], Iterator[None]], meshes_before: int
+                   ) -> tuple[list[tuple[str, int | str | None]], str]:
     """A row-parallel matmul's all-reduce over "tp", in a fake world of 8 ranks where
     `meshes_before` equal meshes were made first (the group names count up); the sizes seen
     and the name of the tp group of the mesh it ran on."""
-    with FakeGroups().active():
-        dist.init_process_group("nccl", rank=0, world_size=WORLD)
+    with contextlib.contextmanager(world)():
         for _ in range(meshes_before):
             init_device_mesh("cpu", (WORLD // TP, TP), mesh_dim_names=("dp", "tp"))
         tp = init_device_mesh("cpu", (WORLD // TP, TP), mesh_dim_names=("dp", "tp"))["tp"]
@@ -56,9 +75,16 @@ def _tp_all_reduce(meshes_before: int) -> tuple[list[tuple[str, int | str | None
         return sizes.seen, tp.get_group().group_name
 
 
-def test_a_tp_all_reduce_in_a_second_world_reads_its_own_group():
-    first, first_name = _tp_all_reduce(meshes_before=1)
-    second, second_name = _tp_all_reduce(meshes_before=0)
+@pytest.mark.parametrize("world", [
+    _run_world,
+    pytest.param(_plans_world, marks=pytest.mark.xfail(strict=True, reason=(
+        "api/parallel_plans.py's _fake_group does not call torchcompat's forget_meshes yet: "
+        "a plan traced whole after fit's probes reads its TP all-reduces' group as unknown "
+        "(the world taken)"))),
+], ids=["run-predict", "fit-probes"])
+def test_a_tp_all_reduce_in_a_second_world_reads_its_own_group(world):
+    first, first_name = _tp_all_reduce(world, meshes_before=1)
+    second, second_name = _tp_all_reduce(world, meshes_before=0)
     assert first_name != second_name  # the same mesh, its tp group under another name
     assert first == [(first_name, TP)]
     # Before DTensor's cache was emptied with the world, the second all-reduce named the
