@@ -11,6 +11,11 @@ in the batch (batch × sequence × width), so from two fitting probes the live b
 are extrapolated to the largest batch whose every op stays within the budget; that guess and
 the batch after it are then probed. A wrong guess costs a probe and falls back on bisection.
 
+On a CUDA setting a batch fits when the caching allocator's reserved peak does (a GPU runs out
+of memory on what the allocator reserved, not on what tensors hold): every probe replays its
+own storages through the allocator, so the answer's reserved peak is always a replay, never an
+extrapolation; the guess only lowers the budget by the largest reserved gap a probe showed.
+
 Namesakes, the same concern at another layer: `api/fit.py`, `cli/fit.py`, `render/fit.py`."""
 
 from __future__ import annotations
@@ -61,10 +66,21 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
-def compared_peak(report: MemoryReport) -> int:
-    """The peak a step must fit under: in the CUDA allocator's blocks on a CUDA setting
-    (what `torch.cuda.max_memory_allocated` would count), the exact bytes elsewhere."""
+def allocated_peak(report: MemoryReport) -> int:
+    """The allocated peak: in the CUDA allocator's blocks on a CUDA setting (what
+    `torch.cuda.max_memory_allocated` would count), the exact bytes elsewhere."""
     return report.peak.rounded_bytes if report.peak.rounded_bytes is not None else report.peak.bytes
+
+
+def compared_peak(report: MemoryReport) -> int:
+    """The peak a step must fit under: the caching allocator's reserved peak where the report
+    replayed it (a CUDA setting: what the GPU runs out of), the allocated peak elsewhere."""
+    return report.reserved.reserved_peak if report.reserved is not None else allocated_peak(report)
+
+
+def held_peak(report: MemoryReport) -> str:
+    """Which peak `compared_peak` holds to the budget: "reserved" or "allocated"."""
+    return "reserved" if report.reserved is not None else "allocated"
 
 
 @dataclass(frozen=True)
@@ -74,9 +90,10 @@ class Probe:
     variant: str  # "as given", or the variant that ran
     batch: int
     seq: int
-    peak_bytes: int  # compared_peak of its memory report
-    fits: bool
+    peak_bytes: int  # allocated_peak of its memory report
+    fits: bool  # its compared_peak (the reserved peak on CUDA) is within the budget
     phase: str | None  # where the peak is: forward, backward, optimizer
+    reserved_bytes: int | None = None  # the caching allocator's reserved peak (None off CUDA)
 
 
 @dataclass(frozen=True)
@@ -106,7 +123,8 @@ def dominant(report: MemoryReport) -> list[Share]:
 
 @dataclass(frozen=True)
 class Variant:
-    """A change that would buy room, each figure from its own predicted runs."""
+    """A change that would buy room, each figure from its own predicted runs; every peak is
+    the one held to the budget (`compared_peak`: the reserved peak on CUDA)."""
 
     name: str  # "bf16 weights", "activation checkpointing", "fused optimizer"
     change: str  # how to ask for it: the setting or the run option
@@ -127,7 +145,7 @@ class FitReport:
     seq: int
     seq_auto: bool  # the sequence was searched too (--seq auto)
     batch: int  # the largest micro-batch that fits
-    peak_bytes: int  # its predicted peak
+    peak_bytes: int  # its predicted allocated peak (allocated_peak)
     peak_phase: str | None
     at_limit: list[Share]
     probes: list[Probe]
@@ -144,6 +162,10 @@ class FitReport:
     # The CUDA caching allocator's reserved peak at `batch`, replayed over its storages (None
     # off CUDA).
     reserved_bytes: int | None = None
+    # Which peak the search held to the budget ("reserved" on CUDA, else "allocated"), and the
+    # budget less that peak at `batch`.
+    held: str = "allocated"
+    margin_bytes: int = 0
 
     @property
     def at_batch_limit(self) -> bool:
@@ -161,7 +183,8 @@ class FitReport:
             "variants": [asdict(v) for v in self.variants], "notes": list(self.notes),
             "batch_limit": self.batch_limit, "step_seconds": self.step_seconds,
             "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "bound": self.bound,
-            "reserved_bytes": self.reserved_bytes,
+            "reserved_bytes": self.reserved_bytes, "held": self.held,
+            "margin_bytes": self.margin_bytes,
         }
 
 
@@ -170,13 +193,15 @@ class FitReport:
 @dataclass(frozen=True)
 class Point:
     """What the search keeps of a probe: its batch, whether it fit, and per op the live bytes
-    through it, its name and its phase."""
+    through it, its name and its phase; `gap`: how far the peak held to the budget (the
+    reserved one on CUDA, in allocator blocks) is above the highest live bytes."""
 
     batch: int
     fits: bool
     live: list[int]
     ops: list[str]
     phases: list[str]
+    gap: int = 0
 
 
 def extrapolated(a: Point, b: Point, budget: int) -> int | None:
@@ -269,7 +294,11 @@ def _next(points: dict[int, Point], lo: int, hi: int | None, budget: int, *,
     """The next batch to probe, and whether it is an extrapolated guess."""
     fitting = sorted(n for n, p in points.items() if p.fits)
     if guess and len(fitting) >= 2:
-        g = extrapolated(points[fitting[-2]], points[fitting[-1]], budget)
+        # Live bytes are extrapolated, not the held peak: the budget they get is less the
+        # largest gap (the reserved peak's, on CUDA) any probe showed, since the gap grows with
+        # the batch; the guess is probed anyway.
+        gap = max(0, *(p.gap for p in points.values()))
+        g = extrapolated(points[fitting[-2]], points[fitting[-1]], budget - gap)
         if g is not None:
             # Probe the guess when it is above what fits, else the batch after it (expected
             # not to fit, which closes the bracket).

@@ -21,8 +21,10 @@ from ampscope.analysis.fit import (
     Point,
     Probe,
     Variant,
+    allocated_peak,
     compared_peak,
     dominant,
+    held_peak,
     largest,
     parse_bytes,
 )
@@ -61,7 +63,9 @@ def fit(
 ) -> FitReport:
     """The largest micro-batch of a train step whose predicted peak fits `gpu`'s memory (from
     hardware/known.py) or `memory_size` ("80GiB", or bytes); with `seq="auto"`, first the longest
-    power-of-two sequence (up to the model's context) that fits at batch 1.
+    power-of-two sequence (up to the model's context) that fits at batch 1. On a CUDA setting
+    a step fits when the caching allocator's reserved peak (replayed for every probe) is within
+    the budget, elsewhere when its allocated peak is.
 
     A setting without a device runs on CUDA when `gpu` is given. With `variants`, each change
     that could buy room — bf16 weights, activation checkpointing, a fused optimizer — is run
@@ -92,7 +96,7 @@ def fit(
     batch = probing.search(AS_GIVEN, base, t)
     if batch is None:
         raise AmpscopeError(_no_fit(lm.name, base, budget, source, probing.probes))
-    at_limit = probing.run(AS_GIVEN, base, batch, t)
+    at_limit = probing.run(AS_GIVEN, base, batch, t)  # probed by the search: its own run
     peak = compared_peak(at_limit)
     timed = None
     if gpu is not None:  # the step at the batch found, on the GPU (its trace kept for this)
@@ -108,13 +112,14 @@ def fit(
     return FitReport(
         model=lm.name, accelerator=accelerator, memory_bytes=budget, memory_source=source,
         setting=base.name, optimizer=optimizer, seq=t, seq_auto=seq_auto, batch=batch,
-        peak_bytes=peak, peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
+        peak_bytes=allocated_peak(at_limit), peak_phase=at_limit.peak.phase, at_limit=dominant(at_limit),
         probes=probing.probes, variants=found, notes=notes, batch_limit=probing.limit,
         step_seconds=timed.seconds if timed else None,
         tokens_per_second=timed.tokens_per_second if timed else None,
         mfu=timed.mfu if timed else None,
         bound=max(timed.by_bound, key=timed.by_bound.__getitem__) if timed else None,
-        reserved_bytes=at_limit.reserved.reserved_peak if at_limit.reserved else None)
+        reserved_bytes=at_limit.reserved.reserved_peak if at_limit.reserved else None,
+        held=held_peak(at_limit), margin_bytes=budget - peak)
 
 
 class _Probing:
@@ -140,8 +145,9 @@ class _Probing:
             result = trace(self.lm, setting=s, batch=batch, seq=t, optimizer=self.optimizer,
                            predict=True, **options)
             report = memory_report(result, allocator=self.allocator)
-            peak = compared_peak(report)
-            probe = Probe(variant, batch, t, peak, peak <= self.budget, report.peak.phase)
+            probe = Probe(variant, batch, t, allocated_peak(report),
+                          compared_peak(report) <= self.budget, report.peak.phase,
+                          report.reserved.reserved_peak if report.reserved else None)
             self.probes.append(probe)
             if self.on_probe is not None:
                 self.on_probe(probe)
@@ -155,8 +161,9 @@ class _Probing:
         def point(batch: int) -> Point:
             report = self.run(variant, s, batch, t, **options)
             _, ops, phases = self._reports[variant, batch, t]
-            return Point(batch, compared_peak(report) <= self.budget, report.live_bytes, ops,
-                         phases)
+            held = compared_peak(report)
+            return Point(batch, held <= self.budget, report.live_bytes, ops, phases,
+                         held - max(report.live_bytes, default=0))
 
         batch, closed = largest(point, self.budget, start=start, max_probes=self.max_probes,
                                 limit=self.limit)
@@ -248,9 +255,12 @@ def _variants(lm: LoadedModel, base: Setting) -> list[tuple[str, str, Setting, d
 
 
 def _no_fit(name: str, setting: Setting, budget: int, source: str, probes: list[Probe]) -> str:
-    smallest = min(probes, key=lambda p: p.peak_bytes)
+    smallest = min(probes, key=lambda p: (p.reserved_bytes or p.peak_bytes, p.peak_bytes))
     where = "--memory" if source == "--memory" else source.removeprefix("hardware.py: ")
+    held = (f"the caching allocator would reserve {format_bytes(smallest.reserved_bytes)} "
+            f"(allocated peak {format_bytes(smallest.peak_bytes)})"
+            if smallest.reserved_bytes is not None else
+            f"its predicted peak is {format_bytes(smallest.peak_bytes)}")
     return (f"{name} does not fit in {format_bytes(budget)} ({where}) under {setting.name} even "
-            f"at batch {smallest.batch}, seq {smallest.seq}: its predicted peak is "
-            f"{format_bytes(smallest.peak_bytes)}; try a bf16 setting, a shorter --seq or a "
-            "larger GPU")
+            f"at batch {smallest.batch}, seq {smallest.seq}: {held}; try a bf16 setting, a "
+            "shorter --seq or a larger GPU")

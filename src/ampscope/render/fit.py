@@ -13,9 +13,12 @@ from ampscope.render.style import format_bytes, titled_table
 
 
 def probe_line(probe: Probe) -> Text:
-    """One predicted run: `batch 4  seq 64  peak 1.2 MiB  fits: yes` (and the variant tried)."""
+    """One predicted run: `batch 4  seq 64  peak 1.2 MiB  reserved 2 MiB  fits: yes` (the
+    reserved peak on CUDA, the one held to the budget; and the variant tried)."""
+    reserved = (f"  reserved {format_bytes(probe.reserved_bytes):>9}"
+                if probe.reserved_bytes is not None else "")
     text = Text(f"  batch {probe.batch:>4}  seq {probe.seq:>5}  peak "
-                f"{format_bytes(probe.peak_bytes):>9}  fits: ")
+                f"{format_bytes(probe.peak_bytes):>9}{reserved}  fits: ")
     text.append("yes" if probe.fits else "no ", style="green" if probe.fits else "red")
     if probe.variant != "as given":
         text.append(f"  {probe.variant}", style="dim")
@@ -23,28 +26,27 @@ def probe_line(probe: Probe) -> Text:
 
 
 def _step_line(report: FitReport) -> Text | None:
-    """"At batch 16 on h100: predicted step 312 ms, 52,500 tokens/s, MFU 41%, compute-bound;
-    reserved by the caching allocator 6.2 MiB." (what is known of the two)."""
-    said = []
-    if report.step_seconds is not None:
-        mfu = f"MFU {100 * report.mfu:.0f}%" if report.mfu is not None else "MFU n/a"
-        said.append(f"predicted step {duration(report.step_seconds)} on {report.accelerator}, "
-                    f"{report.tokens_per_second or 0:,.0f} tokens/s, {mfu}, "
-                    f"{report.bound}-bound")
-    if report.reserved_bytes is not None:
-        said.append(f"the caching allocator would reserve {format_bytes(report.reserved_bytes)} "
-                    f"({format_bytes(report.memory_bytes - report.reserved_bytes)} room)"
-                    if report.reserved_bytes <= report.memory_bytes else
-                    f"the caching allocator would reserve {format_bytes(report.reserved_bytes)}, "
-                    f"{format_bytes(report.reserved_bytes - report.memory_bytes)} over the "
-                    "budget (this search holds the allocated peak to it, not the reserved)")
-    if not said:
+    """"At batch 16: predicted step 312 ms on h100, 52,500 tokens/s, MFU 41%, compute-bound."
+    (None with only --memory)."""
+    if report.step_seconds is None:
         return None
-    return Text(f"At batch {report.batch:,}: " + "; ".join(said) + ".")
+    mfu = f"MFU {100 * report.mfu:.0f}%" if report.mfu is not None else "MFU n/a"
+    return Text(f"At batch {report.batch:,}: predicted step {duration(report.step_seconds)} on "
+                f"{report.accelerator}, {report.tokens_per_second or 0:,.0f} tokens/s, {mfu}, "
+                f"{report.bound}-bound.")
+
+
+def _held(report: FitReport) -> str:
+    """The peaks at the answer and the margin left under the budget by the one held to it."""
+    peaks = f"predicted peak {format_bytes(report.peak_bytes)} allocated"
+    if report.reserved_bytes is not None:
+        peaks += (f", {format_bytes(report.reserved_bytes)} reserved by the caching allocator "
+                  "(the peak held to the budget)")
+    return (f"{peaks}: {format_bytes(report.margin_bytes)} under the "
+            f"{format_bytes(report.memory_bytes)} budget")
 
 
 def render_fit(report: FitReport) -> RenderableType:
-    budget = format_bytes(report.memory_bytes)
     where = report.accelerator or "--memory"
     head = Text()
     if report.at_batch_limit:  # not the answer: only where the search stopped (see the note)
@@ -54,9 +56,8 @@ def render_fit(report: FitReport) -> RenderableType:
     head.append(f" at seq {report.seq}" + (" (the longest power of two that fits)"
                                            if report.seq_auto else ""))
     head.append(f" for {report.model} under {report.setting}, train step with "
-                f"{report.optimizer}: predicted peak {format_bytes(report.peak_bytes)} of "
-                f"{budget} ({where}), in the {report.peak_phase} pass, "
-                f"{len(report.probes)} predicted runs.")
+                f"{report.optimizer}: {_held(report)} ({where}), in the {report.peak_phase} "
+                f"pass, {len(report.probes)} predicted runs.")
     line = _step_line(report)
     shares = titled_table(None, "what", "bytes", "share", right=("bytes", "share"))
     for s in report.at_limit:
@@ -65,7 +66,8 @@ def render_fit(report: FitReport) -> RenderableType:
                  style="italic")
     parts: list[RenderableType] = [head, *([line] if line else []), Text(""), title, shares]
     if report.variants:
-        numbers = (f"peak at {report.batch}", "saved", "largest batch", "its peak")
+        held = "reserved" if report.held == "reserved" else "peak"
+        numbers = (f"{held} at {report.batch}", "saved", "largest batch", f"its {held}")
         room = titled_table(None, "change", "how", *numbers, right=numbers, no_wrap=True)
         for v in report.variants:
             room.add_row(v.name, v.change, format_bytes(v.peak_at_limit),
