@@ -77,10 +77,7 @@ def _tp_all_reduce(world: Callable[[], Iterator[None]], meshes_before: int
 
 @pytest.mark.parametrize("world", [
     _run_world,
-    pytest.param(_plans_world, marks=pytest.mark.xfail(strict=True, reason=(
-        "api/parallel_plans.py's _fake_group does not call torchcompat's forget_meshes yet: "
-        "a plan traced whole after fit's probes reads its TP all-reduces' group as unknown "
-        "(the world taken)"))),
+    _plans_world,
 ], ids=["run-predict", "fit-probes"])
 def test_a_tp_all_reduce_in_a_second_world_reads_its_own_group(world):
     first, first_name = _tp_all_reduce(world, meshes_before=1)

@@ -25,9 +25,6 @@ What must hold and how closely:
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-
 import pytest
 
 from ampscope import hardware
@@ -50,23 +47,11 @@ def _relative(derived: float, traced: float) -> float:
     return abs(derived - traced) / traced
 
 
-def _traced(model: str, gpus: int, **options):
-    """`traced_plan` in a fresh process: traced whole after other probes in the same process,
-    a tensor-parallel all-reduce has been seen recorded with the world's group size instead of
-    its group's (the truth must not depend on what ran before it)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_traced_plan, model, gpus, options).result()
-
-
-def _traced_plan(model: str, gpus: int, options: dict):
-    return traced_plan(model, gpus, **options)
-
-
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}gpus-tp{c[2]}-b{c[5]}" for c in CASES])
 def test_derived_time_and_reserved_peak_near_the_traced_plan(case):
     model, gpus, tp, checkpoint, depth, batch, seq = case
     options = dict(tp=tp, checkpoint=checkpoint, depth=depth, batch=batch, seq=seq, gpu="h100")
-    peaks, time, reserved = _traced(model, gpus, **options)
+    peaks, time, reserved = traced_plan(model, gpus, **options)
     d_peaks, d_time, d_reserved = derived_plan(model, gpus, **options)
     assert time is not None and d_time is not None and reserved and d_reserved
     assert d_peaks == peaks  # the memory rules, exact as tests/test_plans.py holds them
@@ -80,7 +65,7 @@ def test_the_depth_rule_is_exact_at_a_probed_batch():
     """At micro-batch 3 (probed) the time's depth rule alone takes 2 and 3 blocks to 16: equal
     to the plan traced at 16 blocks, every phase and bound."""
     options = dict(tp=2, checkpoint=True, depth=16, batch=3, seq=2048, gpu="h100")
-    _, time, _ = _traced("llama-3.2-1b", 8, **options)
+    _, time, _ = traced_plan("llama-3.2-1b", 8, **options)
     _, derived, _ = derived_plan("llama-3.2-1b", 8, **options)
     assert time is not None and derived is not None
     assert derived.seconds == pytest.approx(time.seconds, rel=1e-9)

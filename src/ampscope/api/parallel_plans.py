@@ -436,17 +436,21 @@ def _truncate(module: nn.Module, depth: int) -> None:
 
 @contextlib.contextmanager
 def _fake_group(world: int) -> Iterator[None]:
-    """PyTorch's fake process group of `world` ranks, this process rank 0, for the probes."""
-    from ampscope.torchcompat.distributed import fake_store
+    """PyTorch's fake process group of `world` ranks, this process rank 0, for the probes.
+    DTensor's sharding cache is emptied on both sides: it matches meshes by their ranks, so an
+    earlier world's mesh (and its process groups' names) would come back in this one."""
+    from ampscope.torchcompat.distributed import fake_store, forget_meshes
 
     if dist.is_initialized():
         raise AmpscopeError("a process group is already initialised here; search plans from a "
                             "process of its own")
+    forget_meshes()
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
 
 
 def traced_peaks(model: str, gpus: int, **options) -> dict[str, int]:
