@@ -281,7 +281,10 @@ def largest(probe: Callable[[int], Point], budget: int, *, start: int = 1,
             return lo, True
         if len(points) >= max_probes:
             return (lo or None), False
-        candidate, guessed = _next(points, lo, hi, budget, guess=guesses < 2)
+        # Three guesses: the guess, the batch after it, and a third for a held peak that is
+        # not a line in the batch (the reserved one on CUDA: its gap to the live bytes grows,
+        # and a guess just over the budget re-extrapolated with the larger gap lands below).
+        candidate, guessed = _next(points, lo, hi, budget, guess=guesses < 3)
         if limit is not None:
             # Never probed yet: a limit probed either fit (returned above) or bounds `hi`, and
             # every candidate is below `hi`.
