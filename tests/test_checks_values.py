@@ -325,6 +325,8 @@ def test_gradients_a_grad_scaler_skips_are_no_finding(tmp_path, device):
     [first] = trace.values.first_nonfinite
     assert first.phase == "backward" and first.dtype == "float16" and "inf" in first.kind
     assert trace.values.optimizer_steps == 0  # skipped: no 16-bit parameter anyway
+    # A step the scaler skipped read its pass's gradients all the same: no pass is discarded.
+    assert {p.kind for p in trace.passes} == {"train"}
     assert not _ids(trace) & {"AMP303", "AMP304", "AMP401"}
 
 

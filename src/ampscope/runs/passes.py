@@ -9,7 +9,8 @@ on. Every other pass ran without a gradient, or its output was never backpropaga
 sampling pass when a sampling op (`multinomial`, `argmax`, `topk`) ran on the way to the next
 pass, and an evaluation pass otherwise. A pass that was backpropagated but whose gradients were
 cleared before any optimizer step read them is discarded: no `optimizer.step()` began after
-it, and when a later pass began the model's parameters held no gradient (`zero_grad()`, which sets
+it, no GradScaler checked its gradients (a step it skipped on an overflow is still a step), and
+when a later pass began the model's parameters held no gradient (`zero_grad()`, which sets
 them to None, or `p.grad = None`). llm.c runs such a pass to dump reference tensors before it
 trains; counting it would double the first step's tokens and FLOPs.
 
@@ -21,7 +22,8 @@ A run that never trained (inference, sampling) keeps its passes in the forward p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,6 +35,10 @@ from ampscope.runs.tensor_meta import no_torch_function, tensors_in
 # Ops that turn a pass's output into tokens: a pass followed by one samples.
 _SAMPLING_OPS = frozenset({"aten.multinomial.default", "aten.argmax.default",
                            "aten.topk.default"})
+# A GradScaler's check of the gradients for inf and NaN: the step it ran, or skipped on an
+# overflow (its optimizer.step() then never runs), read the pass's gradients all the same.
+_UNSCALE_OPS = frozenset({"aten._amp_foreach_non_finite_check_and_unscale_.default",
+                          "aten._amp_non_finite_check_and_unscale_.default"})
 _OP_NAME, _OP_PHASE = OP_ROW.at("op"), OP_ROW.at("phase")
 _FUNCTION_PHASE = FUNCTION_ROW.at("phase")
 
@@ -66,14 +72,20 @@ class _OpenPass:
         self.cleared = False
 
 
+class _HasModel(Protocol):
+    model: nn.Module | None
+
+
 class PassLog:
     """The model's forward passes while a run is recorded (the capture session tells it where
     each begins and ends), classified when the run is finished."""
 
     def __init__(self, op_rows: list[tuple], function_rows: list[tuple],
-                 tracker: ModuleTracker, model: Callable[[], nn.Module | None]) -> None:
+                 tracker: ModuleTracker, capture: _HasModel) -> None:
         self._ops, self._functions, self._tracker = op_rows, function_rows, tracker
-        self._model = model  # the model, once known (a script's is found while it runs)
+        # The capture whose model it is, once known (a script's is found while it runs); by a
+        # weak reference, so that no cycle keeps a finished run alive.
+        self._capture = weakref.ref(capture)
         self._open: list[_OpenPass] = []
         self._hooks: list = []  # the removable handles of the pre-hooks on outputs' nodes
 
@@ -88,7 +100,7 @@ class PassLog:
             # stepped on since it began: are its gradients still there?
             last = next((p for p in reversed(self._open) if p.backward.reached), None)
             if last is not None and last.steps == self._steps():
-                last.cleared = not self._holds_gradients()
+                last.cleared = not self._holds_gradients() and not self._unscaled(last)
         self._open.append(_OpenPass(torch.is_grad_enabled(), len(self._ops), first_call,
                                     len(self._functions), tokens, self._steps()))
 
@@ -107,8 +119,14 @@ class PassLog:
         clock = self._tracker.phase
         return clock.steps if clock is not None else 0
 
+    def _unscaled(self, p: _OpenPass) -> bool:
+        """A GradScaler read the gradients after the pass began (its step taken or skipped)."""
+        return any(self._ops[i][_OP_NAME] in _UNSCALE_OPS
+                   for i in range(p.first_op, len(self._ops)))
+
     def _holds_gradients(self) -> bool:
-        model = self._model()
+        capture = self._capture()
+        model = capture.model if capture is not None else None
         return model is None or any(p.grad is not None for p in model.parameters())
 
     def close(self) -> None:

@@ -169,7 +169,7 @@ class Capture:
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self.options.op_check
         self._ops.device = self.options.device
-        self._passes = PassLog(self._ops.rows, self._functions.rows, tracker, lambda: self.model)
+        self._passes = PassLog(self._ops.rows, self._functions.rows, tracker, self)
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
         self._regions = RegionRecorder(self._ops.rows, self._functions, self.options.device).__enter__()
