@@ -95,29 +95,34 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
     if report.unshard_dtypes:
         head.append(f" · parameters all-gathered in: {', '.join(report.unshard_dtypes)}")
     reserved = any_reserved(report)
+    # Two tables, so that each fits a terminal of 80 columns: what a rank holds, then its
+    # peak and its predicted step.
     held = titled_table("Held by each rank after its last step", "rank", "parameters",
-                        "gradients", "optimizer state", "peak",
-                        *(["reserved"] if reserved else []),
-                        *([step_column] if timed else []),
-                        *(["parameter shapes"] if traces is not None else []),
-                        right=("rank", "peak", "reserved"))
+                        "gradients", "optimizer state",
+                        *(["parameter shapes"] if traces is not None else []), right=("rank",))
+    peaks = titled_table("Peak and step of each rank", "rank", "peak",
+                         *(["reserved"] if reserved else []),
+                         *([step_column] if timed else []),
+                         right=("rank", "peak", "reserved"))
     for r in report.ranks:
         cells = [str(r.rank), _held(r.held.get("parameter", {})),
-                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {})),
-                 peak_cell(r.peak), *([reserved_cell(r.peak)] if reserved else [])]
-        if timed:
-            assert predicted is not None
-            cells.append(_step(predicted[r.rank] if r.rank < len(predicted) else None))
+                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {}))]
         if traces is not None:
             cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
         held.add_row(*cells)
+        peak_cells = [str(r.rank), peak_cell(r.peak),
+                      *([reserved_cell(r.peak)] if reserved else [])]
+        if timed:
+            assert predicted is not None
+            peak_cells.append(_step(predicted[r.rank] if r.rank < len(predicted) else None))
+        peaks.add_row(*peak_cells)
     comms = titled_table("Collectives of each rank", "rank", "collective", "phase", "dtype",
                          "calls", "payload", right=("rank", "calls", "payload"))
     for r in report.ranks:
         for row in summarize(r.collectives):
             comms.add_row(str(r.rank), row.kind.replace("_", "-"), row.phase, row.dtype,
                           str(row.calls), format_bytes(row.payload_bytes))
-    parts: list[RenderableType] = [head, Text(), held, Text()]
+    parts: list[RenderableType] = [head, Text(), held, Text(), peaks, Text()]
     parts.append(comms if comms.rows else Text("No rank ran a collective."))
     parts += [Text(f"Note: {note}", style="dim") for note in report.notes]
     return Group(*parts)
