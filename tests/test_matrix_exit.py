@@ -46,9 +46,9 @@ def build():
 
 @pytest.fixture
 def mixed(tmp_path, monkeypatch):
-    (tmp_path / "mixed_model.py").write_text(textwrap.dedent(MIXED))
+    (tmp_path / "mixed_matrix_model.py").write_text(textwrap.dedent(MIXED))
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "mixed_model:build"
+    return "mixed_matrix_model:build"
 
 
 def test_a_failed_setting_exits_2_with_one_line_naming_it(mixed, capsys):

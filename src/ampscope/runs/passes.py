@@ -31,14 +31,11 @@ from torch import nn
 from ampscope.records import FUNCTION_ROW, OP_ROW, PassKind, PassRecord, Phase
 from ampscope.runs.modules import ModuleTracker
 from ampscope.runs.tensor_meta import no_torch_function, tensors_in
+from ampscope.torchcompat.ops import GRAD_SCALER_CHECK_OPS
 
 # Ops that turn a pass's output into tokens: a pass followed by one samples.
 _SAMPLING_OPS = frozenset({"aten.multinomial.default", "aten.argmax.default",
                            "aten.topk.default"})
-# A GradScaler's check of the gradients for inf and NaN: the step it ran, or skipped on an
-# overflow (its optimizer.step() then never runs), read the pass's gradients all the same.
-_UNSCALE_OPS = frozenset({"aten._amp_foreach_non_finite_check_and_unscale_.default",
-                          "aten._amp_non_finite_check_and_unscale_.default"})
 _OP_NAME, _OP_PHASE = OP_ROW.at("op"), OP_ROW.at("phase")
 _FUNCTION_PHASE = FUNCTION_ROW.at("phase")
 
@@ -121,7 +118,7 @@ class PassLog:
 
     def _unscaled(self, p: _OpenPass) -> bool:
         """A GradScaler read the gradients after the pass began (its step taken or skipped)."""
-        return any(self._ops[i][_OP_NAME] in _UNSCALE_OPS
+        return any(self._ops[i][_OP_NAME] in GRAD_SCALER_CHECK_OPS
                    for i in range(p.first_op, len(self._ops)))
 
     def _holds_gradients(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,6 +78,10 @@ def forget_meshes() -> None:
     mesh's groups, whose names are reused or gone (a tensor-parallel all-reduce then read its
     group as the world). Whoever makes a process group after another was destroyed in the same
     process calls it (runtime/process_group.py's groups, on entry and on exit)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        # Nothing made a DTensor, so nothing is cached; and importing the debug package would
+        # import inductor, which makes its cache folder in the user's TMPDIR.
+        return
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # a build without DTensor (no cache) or without this helper

@@ -58,6 +58,9 @@ FUSED_ATTENTION_NAMES = (*(SDPA_OP_NAMES[b][0] for b in ("flash", "efficient", "
                          "_flash_attention_forward", "_efficient_attention_forward")
 # The optimizers' multi-tensor ops all begin so (`_foreach_add_`, `_foreach_sqrt`).
 FOREACH_PREFIX = "_foreach_"
+# GradScaler's check of the gradients for inf and NaN (and their unscaling), as records name it.
+GRAD_SCALER_CHECK_OPS = frozenset({"aten._amp_foreach_non_finite_check_and_unscale_.default",
+                                   "aten._amp_non_finite_check_and_unscale_.default"})
 
 # Loggers of torch's private modules whose lines ampscope holds back while it uses them.
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
