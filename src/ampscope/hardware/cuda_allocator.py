@@ -5,9 +5,7 @@ made at, freed at, stream); analysis/allocator.py replays a trace's storages (`r
 
 The rules are those of `c10/cuda/CUDACachingAllocator.cpp` and PyTorch's "CUDA memory
 management" notes, implemented from their description; docs/memory.md ("The allocator replay")
-lists them and what is not modelled: the best-fit preference of expandable blocks with unmapped
-space after them, the unmapping of free pages inside an expandable segment (only a free tail is
-unmapped under `capacity`), `garbage_collection_threshold`, CUDA graphs' private pools."""
+lists them and what is not modelled."""
 
 from __future__ import annotations
 
@@ -58,12 +56,11 @@ class AllocatorConfig:
     def from_env(cls, text: str | None) -> AllocatorConfig:
         """Parse PYTORCH_CUDA_ALLOC_CONF's text ("expandable_segments:True,max_split_size_mb:128");
         options the replay does not model are noted, malformed text is one AmpscopeError."""
-        if not text or not text.strip():
+        if not text:
             return cls()
-        items = [i.strip() for i in re.split(r",(?![^\[]*\])", text) if i.strip()]
         values: dict[str, object] = {}
         notes = []
-        for item in items:
+        for item in filter(None, map(str.strip, re.split(r",(?![^\[]*\])", text))):
             key, sep, value = (s.strip() for s in item.partition(":"))
             if not sep or not key or not value:
                 raise _conf_error(text, f"{item!r} is not option:value")
@@ -77,8 +74,7 @@ class AllocatorConfig:
                 mb = int(value)
                 if key == "max_split_size_mb" and mb <= LARGE_BUFFER // MiB:
                     raise _conf_error(text, f"max_split_size_mb must be > {LARGE_BUFFER // MiB}")
-                values["max_split_size" if key == "max_split_size_mb"
-                       else "max_non_split_rounding"] = mb * MiB
+                values[key.removesuffix("_mb")] = mb * MiB  # the field holds bytes
             elif key == "roundup_power2_divisions":
                 values[key] = _parse_divisions(text, value)
             elif key in _IGNORED:
@@ -88,27 +84,14 @@ class AllocatorConfig:
                              f"knows ({_KNOWN}): ignored")
         return cls(**values, notes=tuple(notes))  # type: ignore[arg-type]
 
-    def divisions(self, size: int) -> int:
-        if not self.roundup_power2_divisions:
-            return 0
-        index = max(size.bit_length() - 1 - 20, 0)  # log2(size) - log2(1 MiB)
-        return self.roundup_power2_divisions[min(index, POWER2_INTERVALS - 1)]
-
     def round_size(self, size: int) -> int:
         """The block a request of `size` bytes needs (`round_size`)."""
-        if size < MIN_BLOCK:
-            return MIN_BLOCK
-        d = self.divisions(size)
-        if d > 1 and size > MIN_BLOCK * d:
-            if _power_of_two(size):
-                return size
-            floor = 1 << (size.bit_length() - 1)
-            step = floor >> (d.bit_length() - 1)
-            if step == 0:
-                return floor << 1
-            low = size & ~(step - 1)
-            return size if low == size else low + step
-        return -(-size // MIN_BLOCK) * MIN_BLOCK
+        table = self.roundup_power2_divisions  # indexed by log2(size) - log2(1 MiB)
+        d = table[min(max(size.bit_length() - 21, 0), POWER2_INTERVALS - 1)] if table else 0
+        if d > 1 and size > MIN_BLOCK * d:  # then the step is at least 512 B, never 0
+            step = (1 << (size.bit_length() - 1)) >> (d.bit_length() - 1)  # 2**floor(log2) / d
+            return -(-size // step) * step
+        return max(-(-size // MIN_BLOCK) * MIN_BLOCK, MIN_BLOCK)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "roundup_power2_divisions": list(self.roundup_power2_divisions),
@@ -127,10 +110,7 @@ def environment_config() -> tuple[AllocatorConfig | None, AmpscopeError | None]:
 def config_for(device: str) -> AllocatorConfig | None:
     """The options a run on `device` is replayed with: None off cuda (nothing to replay);
     on cuda this process's PYTORCH_CUDA_ALLOC_CONF, an unreadable one raised."""
-    config, unreadable = environment_config()
-    if device == "cuda" and unreadable is not None:
-        raise unreadable
-    return config if device == "cuda" else None
+    return AllocatorConfig.from_env(os.environ.get(ENV)) if device == "cuda" else None
 
 
 def _parse_divisions(text: str, value: str) -> tuple[int, ...]:
@@ -189,7 +169,7 @@ class Event(NamedTuple):
 
 @dataclass(frozen=True)
 class OutOfMemory:
-    time: int | None  # the allocation's start (replay_storages: its op; None: before the step)
+    time: int  # the allocation's start
     size: int  # its rounded request
     reserved: int  # reserved when it failed, after giving back what was cached
     capacity: int
@@ -214,9 +194,7 @@ class AllocatorReplay:
     oom: OutOfMemory | None = None
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["config"] = self.config.to_dict()
-        return out
+        return {**asdict(self), "config": self.config.to_dict()}
 
 
 class _Segment:
@@ -243,8 +221,7 @@ class _Allocator:
         self.next_base = 0
         self.mallocs = 0
         self.reserved = 0
-        self.tail: dict[int, int] = {}  # per stream: Σ segment bytes never handed out
-        self.reserved_by: dict[int, int] = {}  # per stream
+        self.used_by: dict[int, int] = {}  # per stream: Σ segment bytes up to their used_end
         self.blocks_by: dict[int, int] = {}  # per stream: Σ sizes of blocks handed out
 
     # -- blocks ---------------------------------------------------------------------------
@@ -283,35 +260,30 @@ class _Allocator:
         return addr
 
     def _split(self, addr: int, size: int) -> None:
-        seg, bsize = self.seg[addr], self.size[addr]
-        remaining = bsize - size
+        seg, remaining = self.seg[addr], self.size[addr] - size
         if seg.small or seg.expandable:
             split = remaining >= MIN_BLOCK
         else:
             cap = self.config.max_split_size
             split = (cap is None or size < cap) and remaining > SMALL_SIZE
         if split:  # the block keeps its start; the remainder takes over its end
-            end, rest = addr + bsize, addr + size
-            self.size[addr], self.by_end[rest] = size, addr
-            self.size[rest], self.seg[rest], self.by_end[end] = remaining, seg, rest
-            self._free_insert(rest)
+            self.size[addr], self.by_end[addr + size] = size, addr
+            self._put(addr + size, remaining, seg)
+            self._free_insert(addr + size)
 
     # -- segments -------------------------------------------------------------------------
 
-    def _reserve(self, seg: _Segment, nbytes: int) -> None:
+    def _reserve(self, nbytes: int) -> None:
         self.reserved += nbytes
-        self.reserved_by[seg.stream] = self.reserved_by.get(seg.stream, 0) + nbytes
-        self.tail[seg.stream] = self.tail.get(seg.stream, 0) + nbytes
         self.mallocs += 1
 
-    def _unreserve(self, seg: _Segment, nbytes: int) -> None:
-        self.reserved -= nbytes
-        self.reserved_by[seg.stream] -= nbytes
-        if seg.used_end > seg.end - nbytes:  # a tail handed out once, now given back
-            self.tail[seg.stream] -= seg.end - seg.used_end
-            seg.used_end = seg.end - nbytes
-        else:
-            self.tail[seg.stream] -= nbytes
+    def _unreserve(self, seg: _Segment, keep: int) -> None:
+        """Give back the segment's bytes from address `keep` to its end."""
+        self.reserved -= seg.end - keep
+        if seg.used_end > keep:  # a tail handed out once, now given back
+            self.used_by[seg.stream] -= seg.used_end - keep
+            seg.used_end = keep
+        seg.end = keep
 
     def _fits(self, nbytes: int) -> bool:
         return self.capacity is None or self.reserved + nbytes <= self.capacity
@@ -323,7 +295,7 @@ class _Allocator:
         seg = _Segment(self.next_base, nbytes, stream, small, False)
         self.next_base += nbytes
         self.segments.append(seg)
-        self._reserve(seg, nbytes)
+        self._reserve(nbytes)
         self._put(seg.base, nbytes, seg)
         return seg.base
 
@@ -335,20 +307,18 @@ class _Allocator:
             seg = self.expandable[(stream, small)] = _Segment(self.next_base, 0, stream, small, True)
             self.next_base += 1 << 50  # a virtual range as large as any device
             self.segments.append(seg)
-        tail = self.by_end.get(seg.end)
-        if tail is not None and (tail not in self.is_free or self.seg[tail] is not seg):
-            tail = None
-        have = self.size[tail] if tail is not None else 0
+        tail = self.by_end.get(seg.end, -1)  # segments lie 2**50 apart: a block ending here is seg's
+        have = self.size[tail] if tail in self.is_free else 0
         page = SMALL_BUFFER if small else LARGE_BUFFER
         grow = -(-(size - have) // page) * page
         if not self._fits(grow):
             return None
-        start = tail if tail is not None else seg.end
-        if tail is not None:
+        start = seg.end - have
+        if have:
             self._free_remove(tail)
             self._drop(tail)
         seg.end += grow
-        self._reserve(seg, grow)
+        self._reserve(grow)
         self._put(start, have + grow, seg)
         return start
 
@@ -374,7 +344,7 @@ class _Allocator:
         seg = self.seg[addr]
         self._free_remove(addr)
         self._drop(addr)
-        self._unreserve(seg, seg.end - seg.base)
+        self._unreserve(seg, seg.base)
         self.segments.remove(seg)
 
     def _release_cached(self) -> None:
@@ -383,16 +353,13 @@ class _Allocator:
         for addr in list(self.is_free):
             seg = self.seg[addr]
             if seg.expandable:
-                if addr + self.size[addr] != seg.end:
-                    continue
                 page = SMALL_BUFFER if seg.small else LARGE_BUFFER
                 keep = -(-(addr - seg.base) // page) * page + seg.base
-                if keep >= seg.end:
-                    continue
+                if addr + self.size[addr] != seg.end or keep >= seg.end:
+                    continue  # not the segment's free tail, or no whole page of it
                 self._free_remove(addr)
                 self._drop(addr)
-                self._unreserve(seg, seg.end - keep)
-                seg.end = keep
+                self._unreserve(seg, keep)
                 if addr < keep:
                     self._put(addr, keep - addr, seg)
                     self._free_insert(addr)
@@ -417,7 +384,7 @@ class _Allocator:
         self._split(addr, size)
         seg, end = self.seg[addr], addr + self.size[addr]
         if end > seg.used_end:  # handed out for the first time: no longer a tail
-            self.tail[stream] -= end - seg.used_end
+            self.used_by[stream] = self.used_by.get(stream, 0) + end - seg.used_end
             seg.used_end = end
         self.blocks_by[stream] = self.blocks_by.get(stream, 0) + self.size[addr]
         return addr
@@ -446,21 +413,18 @@ def replay(events: Iterable[Event | tuple], config: AllocatorConfig | None = Non
     and, failing that, the replay stops with `oom` set. Zero-byte requests allocate nothing."""
     config = config or AllocatorConfig()
     evs = [e if isinstance(e, Event) else Event(*e) for e in events]
-    plain = not config.roundup_power2_divisions
-    sizes = [max(-(-e.size // MIN_BLOCK) * MIN_BLOCK, MIN_BLOCK) if plain
-             else config.round_size(e.size) for e in evs]
-    low = min((e.start for e in evs), default=0)
+    sizes = [config.round_size(e.size) for e in evs]
     n = len(evs)
     order: list[int] = []  # (time, frees first, index) as one integer: sorts fastest
     for i, e in enumerate(evs):
         if e.size <= 0:
             continue
-        order.append(((e.start - low) * 2 + 1) * n + i)
+        order.append((e.start * 2 + 1) * n + i)
         if e.end is not None:
             if e.end <= e.start:
                 raise AmpscopeError(f"allocation {i} is freed at {e.end}, not after it is "
                                     f"made at {e.start}")
-            order.append((e.end - low) * 2 * n + i)
+            order.append(e.end * 2 * n + i)
     order.sort()
     state = _Allocator(config, capacity)
     malloc, release = state.malloc, state.release
@@ -477,7 +441,7 @@ def replay(events: Iterable[Event | tuple], config: AllocatorConfig | None = Non
             requested -= e.size
             rounded -= size
             continue
-        time = slot // 2 + low
+        time = slot // 2
         addr = malloc(size, e.stream)
         if addr is None:
             oom = OutOfMemory(time, size, state.reserved, capacity or 0)
@@ -489,12 +453,10 @@ def replay(events: Iterable[Event | tuple], config: AllocatorConfig | None = Non
             alloc_peak = (rounded, time)
         if state.reserved > best[0]:
             blocks = sum(state.blocks_by.values())
-            tails = sum(state.tail.values())
-            free_other = sum(state.reserved_by[s] - state.blocks_by.get(s, 0) - state.tail[s]
-                             for s in state.reserved_by if s != e.stream)
+            tails = state.reserved - sum(state.used_by.values())
+            free_other = sum(used - state.blocks_by[s] for s, used in state.used_by.items()
+                             if s != e.stream)
             best = (state.reserved, time, requested, blocks - requested, tails,
                     state.reserved - blocks - tails, free_other, len(state.segments))
-    peak, at, req, rounding, tails, frag, other, count = best
-    return AllocatorReplay(peak, at, alloc_peak[0], alloc_peak[1], req, rounding, tails, frag,
-                           other, count, state.mallocs, config, oom)
+    return AllocatorReplay(*best[:2], *alloc_peak, *best[2:], state.mallocs, config, oom)
 
