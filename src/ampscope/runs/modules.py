@@ -175,12 +175,11 @@ class ModuleTracker:
         self._calls: list[OpenCall] = []
         self._handles: list = []
         self._engine_callback_queued = False
-        # Set by the capture session: the phase clock, and what to do when the root module is
-        # called (a new step begins) and when a backward pass is over.
+        # Set by the capture session: the phase clock (told when a backward pass is over), and
+        # what to do when the root module is called (a new step begins) and has returned.
         self.phase: PhaseClock | None = None
         self.on_root_forward: Callable[[], None] | None = None
         self.on_root_forward_end: Callable[[object], None] | None = None  # with its output
-        self.on_backward_end: Callable[[], None] | None = None
         # Set when the model is not known yet (a script): called with the first module that
         # runs outside any other, and its arguments, before that call is recorded.
         self.on_new_root: Callable[[nn.Module, tuple], None] | None = None
@@ -401,7 +400,7 @@ class ModuleTracker:
         def end_of_backward() -> None:
             self._backward_stack.clear()
             self._engine_callback_queued = False
-            if self.on_backward_end is not None:
-                self.on_backward_end()
+            if self.phase is not None:
+                self.phase.after_backward = True
 
         queue_engine_callback(end_of_backward)

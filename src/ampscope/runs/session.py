@@ -148,8 +148,6 @@ class Capture:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._inputs: dict[str, torch.Tensor] | None = None
         self._arguments: dict[str, object] = {}
-        self._handles: list = []
-        self._undo: list[Callable[[], None]] = []  # what _watch changed on the model
         self._replay_blocks = options.replay_blocks and enabled(Trick.REPLAY)
         self._thin = options.replay_blocks if options.thin is None else options.thin
         self._replay: BlockReplay | None = None
@@ -162,68 +160,52 @@ class Capture:
         tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
-        tracker.on_root_forward_end = self._on_root_forward_end
-        tracker.on_backward_end = self._on_backward_end
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self._functions = FunctionRecorder(tracker, clock, {})
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self.options.op_check
         self._ops.device = self.options.device
         self._passes = PassLog(self._ops.rows, self._functions.rows, tracker, self)
+        tracker.on_root_forward_end = self._passes.end
         self._ops.use_tricks(frozenset(Trick) if self._thin else frozenset({Trick.PRIM_DEVICE}))
         self._storages = self._ops.storages = StorageTracker(self._ops.rows)
-        self._regions = RegionRecorder(self._ops.rows, self._functions, self.options.device).__enter__()
-        self._undo.append(self._storages.watch_resizes())
-        self._handles = [
-            register_optimizer_step_pre_hook(self._on_step_begin),
-            register_optimizer_step_post_hook(self._on_step_end),
-        ]
+        # What `_stop` undoes, last first: every one of them, even when one fails.
+        exits = self._exits = contextlib.ExitStack()
+        self._regions = exits.enter_context(
+            RegionRecorder(self._ops.rows, self._functions, self.options.device))
+        exits.callback(self._storages.watch_resizes())
+        exits.callback(register_optimizer_step_pre_hook(self._on_step_begin).remove)
+        exits.callback(register_optimizer_step_post_hook(self._on_step_end).remove)
         if self.model is not None:
             self._watch(self.model)
         else:
             tracker.on_new_root = self._adopt
             self._functions.on_inputs = self._adopt_owner
-        self._inference = InferenceAsNoGrad().__enter__()
+        self._inference = exits.enter_context(InferenceAsNoGrad())
         # Compiled code runs eagerly while recorded: TorchDynamo compiles nothing under the
         # recorders' modes, and `fullgraph=True` would fail for it.
-        self._eager = eager_stance()
-        self._eager.__enter__()
+        exits.enter_context(eager_stance())
         if self.options.values:  # below the op recorder; its module hook before the tracker's
-            self._values = ValueRecorder(tracker, self._ops.rows, self._names).__enter__()
-        tracker.__enter__()
-        self._functions.__enter__()
-        self._ops.__enter__()
+            self._values = exits.enter_context(
+                ValueRecorder(tracker, self._ops.rows, self._names))
+        exits.enter_context(tracker)
+        exits.enter_context(self._functions)
+        exits.callback(self._functions.step_end)  # the run failed inside a step
+        exits.enter_context(self._ops)
 
     def _stop(self) -> None:
-        # Each step undoes one thing; run them all even if one fails.
         try:
-            self._ops.__exit__(None, None, None)
+            self._exits.close()
         finally:
-            try:
-                self._functions.step_end()  # the run failed inside a step
-                self._functions.__exit__(None, None, None)
-            finally:
-                self._tracker.__exit__()
-                if self._values is not None:
-                    self._values.__exit__(None, None, None)
-                self._inference.__exit__()
-                self._regions.__exit__(None, None, None)
-                self._eager.__exit__(None, None, None)
-                for handle in self._handles:
-                    handle.remove()
-                for undo in self._undo:
-                    undo()
-                self._undo = []
-                # The recorders' callbacks are this capture's bound methods: a cycle that would
-                # keep the capture, and with it the trace and every record, until the garbage
-                # collector ran (a quarter of a second for a 70B step's, paid by whatever runs
-                # next). Nothing calls them once the hooks are gone.
-                tracker = self._tracker
-                tracker.on_root_forward = tracker.on_backward_end = tracker.on_new_root = None
-                tracker.on_root_forward_end = None
-                self._passes.close()
-                self._matmul_precision = matmul_precision()  # as the run left it
-                self._functions.on_inputs = None
+            # The recorders' callbacks are bound methods of this capture and its pass log: cycles
+            # that would keep the trace and every record until the garbage collector ran (a
+            # quarter of a second for a 70B step's, paid by whatever runs next). Nothing calls
+            # them once the hooks are gone.
+            tracker = self._tracker
+            tracker.on_root_forward = tracker.on_root_forward_end = tracker.on_new_root = None
+            self._passes.close()
+            self._matmul_precision = matmul_precision()  # as the run left it
+            self._functions.on_inputs = None
 
     def _watch(self, model: nn.Module) -> None:
         """Name the model's modules, parameters and buffers for the recorders."""
@@ -246,12 +228,12 @@ class Capture:
                     self._names.setdefault(id(t), (weakref.ref(t), name))
                     self._functions.origins.setdefault(id(t), (weakref.ref(t), f"{kind} {name}"))
                     self._storages.register(t, kind, name)
-        self._handles.append(
-            model.register_forward_pre_hook(self._on_model_call, with_kwargs=True))
-        self._undo.append(self._tracker.watch_direct_calls(model, self._on_model_call))
+        self._exits.callback(
+            model.register_forward_pre_hook(self._on_model_call, with_kwargs=True).remove)
+        self._exits.callback(self._tracker.watch_direct_calls(model, self._on_model_call))
         if self._replay_blocks:
             self._replay = BlockReplay(self._tracker, self._functions, self._ops, self._storages)
-            self._undo.append(self._replay.install(model))
+            self._exits.callback(self._replay.install(model))
 
     def _adopt(self, module: nn.Module, args: tuple) -> None:
         """The first module a script calls outside any other becomes the model: or the module
@@ -319,9 +301,6 @@ class Capture:
         if self.options.on_model_forward is not None:
             self.options.on_model_forward()
 
-    def _on_root_forward_end(self, output: object) -> None:
-        self._passes.end(output)
-
     def _on_model_call(self, module, args, kwargs) -> None:
         running = self._tracker.innermost_forward()
         if running is None or running.depth == 0:  # the model itself, called outside any module
@@ -369,9 +348,6 @@ class Capture:
                     grad = p.grad if isinstance(p, torch.Tensor) else None
                     if entry is not None and entry[0]() is p and grad is not None:
                         self._storages.register(grad, "gradient", entry[1] + ".grad")
-
-    def _on_backward_end(self) -> None:
-        self._clock.after_backward = True
 
     def name_registries(self) -> list[dict[int, tuple[weakref.ref, Any]]]:
         """The recorders' weak references to the tensors they name, by id (a predicted
