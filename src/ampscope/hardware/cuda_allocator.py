@@ -309,6 +309,9 @@ class _Allocator:
             self.segments.append(seg)
         tail = self.by_end.get(seg.end, -1)  # segments lie 2**50 apart: a block ending here is seg's
         have = self.size[tail] if tail in self.is_free else 0
+        if have >= size:  # a free tail best fit passed over (max_split_size_mb): no page to map
+            self._free_remove(tail)
+            return tail
         page = SMALL_BUFFER if small else LARGE_BUFFER
         grow = -(-(size - have) // page) * page
         if not self._fits(grow):
@@ -327,8 +330,8 @@ class _Allocator:
         the largest until as many bytes are free (`release_available_cached_blocks`)."""
         cap = self.config.max_split_size
         pool = self.free.get((stream, small))
-        if cap is None or not pool:
-            return False
+        if cap is None or not pool or self.config.expandable_segments:
+            return False  # PyTorch skips expandable segments' blocks here: never given back
         want = max(size, cap)
         i = bisect_left(pool, (want, -1))
         if i < len(pool):
