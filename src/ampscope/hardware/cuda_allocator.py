@@ -37,10 +37,6 @@ def _conf_error(text: str, why: str) -> AmpscopeError:
     return AmpscopeError(f"PYTORCH_CUDA_ALLOC_CONF={text!r}: {why}")
 
 
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The caching allocator's options the replay models (PyTorch's defaults when built bare)."""
@@ -120,7 +116,7 @@ def _parse_divisions(text: str, value: str) -> tuple[int, ...]:
         if not s.strip().isdigit():
             raise _conf_error(text, f"roundup_power2_divisions: {s!r} is not a whole number")
         n = int(s)
-        if n != 0 and not _power_of_two(n):
+        if n & (n - 1):  # neither 0 nor a power of 2
             raise _conf_error(text, "roundup_power2_divisions must be powers of 2 (or 0)")
         return n
     if not value.startswith("["):
@@ -138,7 +134,7 @@ def _parse_divisions(text: str, value: str) -> tuple[int, ...]:
             slots[last + 1:] = [n] * (POWER2_INTERVALS - last - 1)
             continue
         mb = number(bound)
-        if not _power_of_two(mb):
+        if mb == 0:  # number() lets through powers of 2 and 0
             raise _conf_error(text, "roundup_power2_divisions: boundaries must be powers of 2")
         index = min(mb.bit_length() - 1, POWER2_INTERVALS - 1)
         if first:
@@ -251,10 +247,8 @@ class _Allocator:
         if not pool or i == len(pool):
             return None
         bsize, addr = pool[i]
-        cap = self.config.max_split_size
-        if cap is not None and (
-            (size < cap <= bsize) or (size >= cap and bsize >= size + self.config.max_non_split_rounding)
-        ):
+        cap, over = self.config.max_split_size, self.config.max_non_split_rounding
+        if cap is not None and (size < cap <= bsize or cap <= size <= bsize - over):
             return None
         self._free_remove(addr)
         return addr
