@@ -62,16 +62,9 @@ def _forward_signature(module: nn.Module) -> inspect.Signature:
     function = getattr(forward, "__func__", None)
     if function is None:  # not a method: a forward set on the instance
         return inspect.signature(forward)
-    signature = _signatures.get(function)
-    if signature is None:
-        signature = _signatures[function] = inspect.signature(forward)
-    return signature
-
-
-def _pytorch_step(optimizer) -> bool:
-    """Whether `optimizer.step` is PyTorch's own code (`torch.optim.AdamW`, or a subclass that
-    keeps its step), rather than the user's (Muon, a subclass that overrides it)."""
-    return getattr(type(optimizer).step, "__module__", "").startswith("torch.")
+    if function not in _signatures:
+        _signatures[function] = inspect.signature(forward)
+    return _signatures[function]
 
 
 def _step_name(optimizer) -> str:
@@ -88,18 +81,15 @@ class CaptureOptions:
 
     `judge` and `explain_failure` are given by the API (they are analysis, which capture
     does not import): the first fills `trace.findings` and `trace.diagnostics` when a `with`
-    block ends, the second turns the call that raised into a note under the user's traceback. `op_check` sees every
-    aten op before it runs (predict mode's matmul dtype check).
+    block ends, the second turns the call that raised into a note under the user's traceback.
+    `op_check` sees every aten op before it runs (predict mode's matmul dtype check).
 
     `replay_blocks` (for a run on fake tensors) records repeated identical blocks once and
     replays the others (runs/repeats.py); `finish` raises `ReplayDoubt` when that turned
     out unsound, or when another speed trick failed during the run (the caller runs it again on
-    the exact path). `thin` (by default as `replay_blocks`) runs foreach ops on fake tensors
-    over one list entry of each kind (runs/foreach.py), answers per-parameter ops
-    FakeTensorMode never caches without it (runs/shortcuts.py) and others from its cache
-    (runs/fake_cache.py); a trick that fails is then off for the rest of the run, its op
-    run the exact way, and the trace says so. Each trick is used only where this torch build
-    has what it needs and the exact path is not asked for (ampscope.tricks).
+    the exact path). `thin` (by default as `replay_blocks`) lets the op recorder's speed tricks
+    answer ops (runs/__init__.py lists them); one that fails is then off for the rest of the
+    run, its op run the exact way, and the trace says so.
 
     For a script's run: `candidates`, the modules it makes (filled by the runner as the script
     runs), to find its model by a parameter when it never calls a module, only
@@ -134,9 +124,7 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module | None, options: CaptureOptions | None = None) -> None:
-        """`model=None` (a script run by `ampscope run`): the first module called outside any
-        other becomes the model, with everything it holds. `options` says the rest
-        (`CaptureOptions`)."""
+        """`model=None`: a script's, found as it runs (`_adopt`, `_adopt_owner`)."""
         options = self.options = options or CaptureOptions()
         self.model = model
         self.trace = Trace(
@@ -148,14 +136,12 @@ class Capture:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._inputs: dict[str, torch.Tensor] | None = None
         self._arguments: dict[str, object] = {}
-        self._replay_blocks = options.replay_blocks and enabled(Trick.REPLAY)
         self._thin = options.replay_blocks if options.thin is None else options.thin
         self._replay: BlockReplay | None = None
         self._values: ValueRecorder | None = None
 
     # -- recorders
     def _start(self) -> None:
-        self._matmul_precision = matmul_precision()
         clock = self._clock = PhaseClock()
         tracker = self._tracker = ModuleTracker({})
         tracker.phase = clock
@@ -231,7 +217,7 @@ class Capture:
         self._exits.callback(
             model.register_forward_pre_hook(self._on_model_call, with_kwargs=True).remove)
         self._exits.callback(self._tracker.watch_direct_calls(model, self._on_model_call))
-        if self._replay_blocks:
+        if self.options.replay_blocks and enabled(Trick.REPLAY):
             self._replay = BlockReplay(self._tracker, self._functions, self._ops, self._storages)
             self._exits.callback(self._replay.install(model))
 
@@ -269,9 +255,7 @@ class Capture:
 
     def _outermost(self, holds: Callable[[nn.Module], bool]) -> nn.Module | None:
         """The outermost module the script made for which `holds` is true, if any."""
-        if not self.options.candidates:
-            return None
-        modules = list(self.options.candidates)
+        modules = list(self.options.candidates or ())
         children = {id(c) for m in modules for c in m.children()}
         return next((m for m in modules if id(m) not in children and holds(m)), None)
 
@@ -287,8 +271,6 @@ class Capture:
         self.model = model
         self._tracker.on_new_root = None
         self._functions.on_inputs = None
-        self.trace.model = ModelInfo(self.options.model_name or type(model).__name__,
-                                     type(model).__name__, 0)
         self._watch(model)
 
     def _on_root_forward(self) -> None:
@@ -325,11 +307,13 @@ class Capture:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
         self._clock.step_begun()
-        # PyTorch's own optimizers step as one call (FunctionRecorder.step_begin). Not a step
-        # given a closure (LBFGS; Lightning steps this way): the user's forward and backward
-        # run inside it, and their calls are recorded as always.
+        # PyTorch's own optimizers (AdamW, or a subclass that keeps its step; not the user's,
+        # Muon, a subclass that overrides it) step as one call (FunctionRecorder.step_begin).
+        # Not a step given a closure (LBFGS; Lightning steps this way): the user's forward and
+        # backward run inside it, and their calls are recorded as always.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
-        if closure is None and _pytorch_step(optimizer):
+        pytorch_step = getattr(type(optimizer).step, "__module__", "").startswith("torch.")
+        if closure is None and pytorch_step:
             with no_torch_function():
                 device = next((p.device.type for group in optimizer.param_groups
                                for p in group["params"]), "cpu")
@@ -428,7 +412,8 @@ class Capture:
         trace.passes = self._passes.records()
         # One walk of a model of thousands of modules for both.
         params, names = inventory.parameters_and_names(model)
-        trace.model = ModelInfo(trace.model.name, trace.model.cls, sum(p.numel() for p in params))
+        cls = type(model).__name__
+        trace.model = ModelInfo(self.options.model_name or cls, cls, sum(p.numel() for p in params))
         trace.modules = self._tracker.records()
         trace.calls = self._functions.records()
         trace.ops = self._ops.records()
@@ -447,8 +432,7 @@ class Capture:
         trace.held = inventory.held_state(model, self._arguments, params)
         self._arguments = {}
         self._optimizers = []
-        if inputs is not None or not trace.inputs:
-            trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))
+        trace.inputs = inventory.named_tensors(inputs if inputs is not None else (self._inputs or {}))
         self._inputs = None  # the trace keeps records, not the user's tensors
         if outputs:
             trace.outputs = inventory.named_tensors(outputs, role="output")
