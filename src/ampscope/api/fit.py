@@ -76,7 +76,9 @@ def fit(
     if isinstance(setting, str) and ":" not in setting and gpu is not None:
         setting = on_device(setting, "cuda")
     base = resolved(setting)
-    lm = _built(model, base)
+    # Built once, as `plan` builds a named model for a predicted run: on the meta device (an
+    # emulated device's own code sees that device while it builds).
+    lm = RunEnvironment(base).load(model, device="meta" if isinstance(model, str) else None)
     allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
     probing = _Probing(lm, budget, optimizer, max_probes, on_probe, allocator)
     seq_auto = seq == "auto"
@@ -218,12 +220,6 @@ def _batch_limit(seq: int) -> tuple[int, str]:
     where = " (half the memory free here)" if ids < _IDS_BUDGET else ""
     return by_memory, (f"a larger one's token ids, made for real even in a predicted run, would "
                        f"take more than {format_bytes(ids)}{where}")
-
-
-def _built(model: str | nn.Module | LoadedModel, setting: Setting) -> LoadedModel:
-    """The model once, as `plan` builds a named model for a predicted run: on the meta device
-    (an emulated device's own code sees that device while it builds)."""
-    return RunEnvironment(setting).load(model, device="meta" if isinstance(model, str) else None)
 
 
 def _longest_seq(lm: LoadedModel, fits: Callable[[int], bool]) -> int | None:
