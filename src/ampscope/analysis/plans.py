@@ -48,7 +48,7 @@ Namesakes, the same concern at another layer: `render/plans.py`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ampscope import hardware
@@ -83,8 +83,7 @@ class Probe:
     time: ProbeTime | None = None  # its step timed on the target GPU (None: no --gpu)
 
 
-# A probe's time as the rules need it: flat keys ("other", phase, bound), ("ends", phase),
-# ("rest", phase), ("flops", dtype) to seconds or FLOPs.
+# A probe's time as the rules need it, by flat key (`ProbeTime`).
 Figures = dict[tuple[str, ...], float]
 
 
@@ -145,21 +144,14 @@ class PlanTime:
     by_bound: dict[str, float]
     flops: dict[str, float]
 
-    @property
-    def bound(self) -> str:
-        """What bounds most of the step's time."""
-        return max(self.by_bound, key=self.by_bound.__getitem__)
-
-    def mfu(self, acc: Accelerator, matmul_precision: str) -> float | None:
-        return hardware.mfu(self.flops, self.seconds, acc, matmul_precision) \
-            if self.seconds > 0 else None
-
     def of(self, plan: Plan, acc: Accelerator, matmul_precision: str) -> Plan:
-        """`plan` with this step time: seconds, tokens/s, MFU and bound."""
+        """`plan` with this step time: seconds, tokens/s, MFU and what bounds most of it."""
+        timed = self.seconds > 0
         return dataclasses.replace(
-            plan, step_seconds=self.seconds, mfu=self.mfu(acc, matmul_precision),
-            bound=self.bound, tokens_per_second=plan.tokens / self.seconds
-            if self.seconds > 0 else None)
+            plan, step_seconds=self.seconds,
+            tokens_per_second=plan.tokens / self.seconds if timed else None,
+            mfu=hardware.mfu(self.flops, self.seconds, acc, matmul_precision) if timed else None,
+            bound=max(self.by_bound, key=self.by_bound.__getitem__))
 
 
 def derived_time(probes: Sequence[Probe], depth: int, batch: int) -> PlanTime:
@@ -211,27 +203,21 @@ class Rule:
         only); `allocator`: the caching allocator's options for `reserved`."""
         self.rounded, self.allocator = rounded, allocator
         self._reserved: dict[tuple[int, int], int] = {}  # (depth, batch): two replays each
-        depths = sorted({p.depth for p in probes})
+        self.depths = sorted({p.depth for p in probes})
         self._pairs: dict[int, tuple[Probe, Probe]] = {}
-        for d in depths:
+        for d in self.depths:
             at = sorted((p for p in probes if p.depth == d), key=lambda p: p.batch)
-            low, high = at[0], at[-1]
-            _check_paired(low, high)
-            self._pairs[d] = low, high
-        self.depths = depths
+            self._pairs[d] = at[0], at[-1]
+            _check_paired(*self._pairs[d])
 
     def phase_peaks(self, depth: int, batch: int) -> dict[str, int]:
         """Each phase's most bytes live at once at `depth` blocks and micro-batch `batch`."""
         at = {d: self._at_batch(d, batch) for d in self.depths}
-        if len(self.depths) == 1:
-            by_place = at[self.depths[0]]
-        else:
-            (l1, l2) = self.depths
-            by_place = {key: at[l1][key] + (depth - l1) * (at[l2][key] - at[l1][key])
-                        // (l2 - l1) for key in at[l1].keys() & at[l2].keys()}
         peaks: dict[str, int] = {}
-        for (phase, _), value in by_place.items():
-            peaks[phase] = max(peaks.get(phase, 0), value)
+        for key in at[self.depths[0]]:
+            if key in at[self.depths[-1]]:  # (a place of both depths)
+                value = self._at_depth({d: at[d][key] for d in self.depths}, depth)
+                peaks[key[0]] = max(peaks.get(key[0], 0), value)
         return peaks
 
     def peak(self, depth: int, batch: int) -> tuple[int, str]:
@@ -253,16 +239,18 @@ class Rule:
             low = self._pairs[d][0]
             replayed = replay_storages(self._storages(d, batch), len(low.phases), self.allocator)
             gaps[d] = replayed.reserved_peak - replayed.allocated_peak
-        if len(self.depths) == 1:
-            gap = gaps[self.depths[0]]
-        else:
-            (l1, l2) = self.depths
-            # Not affine in the depth (fragmentation comes and goes with the blocks' order of
-            # frees): the largest of the probes' gaps and their line, an estimate.
-            gap = max(gaps[l1], gaps[l2],
-                      gaps[l1] + (depth - l1) * (gaps[l2] - gaps[l1]) // (l2 - l1))
+        # Not affine in the depth (fragmentation comes and goes with the blocks' order of
+        # frees): the largest of the probes' gaps and their line, an estimate.
+        gap = max(*gaps.values(), self._at_depth(gaps, depth))
         self._reserved[depth, batch] = self.peak(depth, batch)[0] + gap
         return self._reserved[depth, batch]
+
+    def _at_depth(self, by_depth: dict[int, int], depth: int) -> int:
+        """A figure of each probe depth at `depth`: on their line (one depth: its own)."""
+        if len(self.depths) == 1:
+            return by_depth[self.depths[0]]
+        l1, l2 = self.depths
+        return by_depth[l1] + (depth - l1) * (by_depth[l2] - by_depth[l1]) // (l2 - l1)
 
     def _storages(self, depth: int, batch: int) -> list[StorageRecord]:
         """The probe at `depth` blocks' storages at micro-batch `batch`."""
@@ -335,35 +323,30 @@ def _check_paired(low: Probe, high: Probe) -> None:
             "run the same ops and storages; this plan's larger batches cannot be derived")
 
 
-def largest_batch(rule: Rule, depth: int, budget: int, limit: int, start: int) -> int:
-    """The largest micro-batch from `start` up to `limit` whose derived peak fits `budget`;
-    `start - 1` when `start` does not. The peak grows with the batch (no storage shrinks as it
-    grows), so bisection finds it."""
-    if rule.peak(depth, start)[0] > budget:
-        return start - 1
-    lo, hi = start, limit + 1  # lo fits; hi does not (or is past the limit)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if rule.peak(depth, mid)[0] <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def largest_batch(rule: Rule, depth: int, budget: int, start: int, limit: int,
+                  reserved: bool) -> int:
+    """The largest micro-batch from `start` up to `limit` whose derived peak fits `budget` —
+    with `reserved` (a CUDA setting), the allocator's reserved peak, searched up to the
+    allocated peak's answer (the reserved peak is never below it); `start - 1` when none
+    fits. Both peaks grow with the batch (no storage shrinks as it grows; the reserved peak
+    not in steps of one size: a request past 1 MiB takes a 20 MiB segment): bisection."""
+    batch = _largest(lambda b: rule.peak(depth, b)[0] <= budget, start, limit)
+    if reserved:
+        batch = _largest(lambda b: rule.reserved(depth, b) <= budget, start, batch)
+    return batch
 
 
-def largest_reserved(rule: Rule, depth: int, budget: int, start: int, high: int) -> int:
-    """The largest micro-batch from `start` up to `high` (the largest whose allocated peak
-    fits: the reserved peak is never below it) whose reserved peak fits `budget`; `start - 1`
-    when none does. By bisection: the reserved peak grows with the batch, though not in
-    steps of one size (a request past 1 MiB takes a 20 MiB segment)."""
-    if high < start or rule.reserved(depth, start) > budget:
+def _largest(fits: Callable[[int], bool], start: int, high: int) -> int:
+    """The largest n from `start` up to `high` that `fits`, `high` tried first; `start - 1`
+    when `start` does not."""
+    if high < start or not fits(start):
         return start - 1
-    if rule.reserved(depth, high) <= budget:
+    if fits(high):
         return high
     lo, hi = start, high  # lo fits, hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if rule.reserved(depth, mid) <= budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid

@@ -3,17 +3,11 @@
 Each plan family — FSDP2 over dp = N / tp ranks, tensor parallelism over tp, activation
 checkpointing or not — is traced as rank 0 of N on fake tensors and PyTorch's fake process
 group, as `trace --distributed fsdp --predict` traces one: the model built on the meta
-device, FSDP2 on every repeated block and the root, the same train step. Its probes are the
-model's first 3 and 2 blocks at micro-batch 2, and 3 where 2 fits; analysis/plans.py derives
-every depth and batch from them. The families of one tensor-parallel degree are one job for a
-worker process forked from this one (here where this platform cannot fork), each probe with a
-fake process group of its own (the command refuses to run where one is initialised). The rules
-take the first blocks for all: while the workers trace, this process runs the whole model's
-forward once on fake tensors (distributed/block_forward.py), and where a block runs other ops or
-shapes than block 0 the probes are dropped and every plan is traced at the model's full depth.
-With a GPU (`gpu`), each probe's step is timed in the worker that traced it (analysis/step_time)
-and only the figures the time rules need come back (analysis/plans.py: ProbeTime), so each plan
-has a predicted step time and tokens/s at its micro-batch, and the plans rank by tokens/s.
+device, FSDP2 on every repeated block and the root, the same train step, at the few depths and
+micro-batches analysis/plans.py derives every plan from (its docstring: the rules, the check
+that the blocks run alike, the step time). The probes run in worker processes forked from this
+one (`_Search`), each with a fake process group of its own; with a GPU (`gpu`) the plans rank
+by predicted tokens/s.
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
-import logging
 import multiprocessing
 import os
 import time
@@ -44,7 +37,6 @@ from ampscope.analysis.plans import (
     could_win,
     derived_time,
     largest_batch,
-    largest_reserved,
     matmul_flops,
     places,
     probe_time,
@@ -68,10 +60,6 @@ from ampscope.render.style import format_bytes
 from ampscope.runs.environment import exact_retry
 from ampscope.torchcompat.distributed import no_fake_collectives
 
-log = logging.getLogger(__name__)
-
-# The most GPUs a tensor-parallel group spans: one machine of eight, as NVLink does.
-MAX_TP = 8
 # The largest micro-batch the search answers (the rule is exact past it, but no probe ran
 # near it: say so rather than offer a batch of millions).
 BATCH_LIMIT = 4096
@@ -99,17 +87,19 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     if isinstance(setting, str) and ":" not in setting:
         setting = on_device(setting, "cuda")
     base = resolved(setting)
-    policy = parse_mp_policy(mp_policy)
+    parallel = Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))
     probe_lm = registry.resolve(model, device="meta", target_device=base.device)
-    depth = len(workloads.repeated_blocks(probe_lm.module))
+    blocks = workloads.repeated_blocks(probe_lm.module)
+    depth = len(blocks)
     if depth == 0:
         raise AmpscopeError(f"{probe_lm.name} has no repeated blocks (no ModuleList) to shard")
-    _check_alike(probe_lm)
+    _check_alike(probe_lm.name, blocks)
     if seq > probe_lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
                             f"{probe_lm.max_seq_len}")
     notes: list[str] = []
-    tps = [t for t in (1, 2, 4, 8) if t <= min(gpus, MAX_TP) and gpus % t == 0]
+    # A tensor-parallel group spans at most one machine of eight, as NVLink does.
+    tps = [t for t in (1, 2, 4, 8) if gpus % t == 0]
     splittable = [t for t in tps if t == 1 or tensor_parallel_plan(probe_lm.module, t)[0]]
     if len(splittable) < len(tps):
         why = tensor_parallel_plan(probe_lm.module, tps[-1])[1]
@@ -117,7 +107,6 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
                      f" is not offered: {why}")
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place). Its blocks are kept for the check.
-    blocks = workloads.repeated_blocks(probe_lm.module)
     _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))
     families = [(tp, checkpoint) for tp in splittable for checkpoint in (False, True)]
     unlike: list[Unlike] = []
@@ -132,31 +121,28 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     acc = hardware.by_name(gpu) if gpu is not None else None
     allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
     notes += allocator.notes if allocator is not None else ()
-    search_args = (probe_lm, base, policy, gpus, depth, seq, optimizer, budget, acc, allocator)
+    search_args = (probe_lm, base, parallel, gpus, depth, seq, optimizer, budget, acc, allocator)
     with _Search(*search_args) as search:
         # (A model of at most PROBE_DEPTHS[-1] blocks is traced whole anyway.)
         found = search.run(families, on_probe,
                            check=alike if depth > PROBE_DEPTHS[-1] else None)
-        traced = list(search.depths)
     if found is None:
-        # Blocks unlike block 0: no rule takes the first blocks for them; every plan is traced
-        # at the model's full depth (the micro-batch rule alone: exact at any depth).
+        # No rule takes the first blocks for unlike ones: the micro-batch rule alone (exact).
         said = unlike[0].said()
         (on_probe or (lambda _: None))(f"  {said}: each plan is traced at all {depth} blocks")
         notes.append(f"{said[0].upper()}{said[1:]}: each plan was traced at all {depth} "
                      "blocks, not derived from its first blocks.")
         with _full_depth(probe_lm.module, blocks), _Search(*search_args, whole=True) as search:
             found = search.run(families, on_probe)
-            traced = list(search.depths)
         assert found is not None  # (no check: always plans)
     if not any(p.fits for p in found):
         raise AmpscopeError(_no_fit(probe_lm.name, gpus, budget, accelerator, base, seq, found))
     return PlansReport(
         model=probe_lm.name, depth=depth, gpus=gpus,
         accelerator=accelerator, memory_bytes=budget,
-        setting=base.name, mp_policy=Parallel("fsdp", gpus, **policy).policy_dict(), seq=seq,
+        setting=base.name, mp_policy=parallel.policy_dict(), seq=seq,
         optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
-        notes=notes, batch_limit=BATCH_LIMIT, probe_depths=sorted(traced))
+        notes=notes, batch_limit=BATCH_LIMIT, probe_depths=sorted(search.depths))
 
 
 def check_arguments(gpus: int, seq: int) -> None:
@@ -182,21 +168,19 @@ def _no_fit(name: str, gpus: int, budget: int, accelerator: str | None, setting:
 
 
 Family = tuple[int, bool]  # (tp, checkpointing)
+PlanFigures = tuple[dict[str, int], PlanTime | None, int | None]  # peaks, time, reserved peak
 
 
 class _Search:
-    """The probes of one search and the plans they give. The families are independent: they
-    run in worker processes forked from this one (a fork starts with torch imported and the
-    model built; each probe makes its own fake process group), one a core, or here where this
-    platform cannot fork."""
+    """The probes of one search and the plans they give, traced in processes forked from this
+    one (starting with torch imported and the model built), one a core; here without fork."""
 
-    def __init__(self, lm: LoadedModel, setting: Setting, policy: dict, gpus: int, depth: int,
+    def __init__(self, lm: LoadedModel, setting: Setting, parallel: Parallel, gpus: int, depth: int,
                  seq: int, optimizer: str, budget: int, acc: Accelerator | None = None,
                  allocator: AllocatorConfig | None = None, *, whole: bool = False) -> None:
         self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
         self.seq, self.optimizer, self.budget, self.acc = seq, optimizer, budget, acc
-        self.allocator = allocator
-        self.parallel = Parallel("fsdp", gpus, **policy)
+        self.allocator, self.parallel = allocator, parallel
         # Deepest first: its ops include every op of the shallower probe, whose shapes the
         # caches then know. `whole`: the model's own depth only (its blocks are unlike).
         self.depths = PROBE_DEPTHS[::-1] if depth > PROBE_DEPTHS[-1] and not whole else (depth,)
@@ -219,11 +203,10 @@ class _Search:
 
     def run(self, families: list[Family], on_probe: Callable[[str], None] | None,
             check: Callable[[], bool] | None = None) -> list[Plan] | None:
-        """Each family at micro-batch 2; at 3 where 2 fits (every batch derived from the
-        two); at 1 (traced on its own: its storages do not pair with larger batches') only
-        where it could change the answer (analysis/plans.py: `could_win`). `check` runs here
-        while the workers trace the first probes (before them, without workers): when it
-        answers False the probes are of no use, and the answer is None."""
+        """Each family's plan (`family_plan`), and at micro-batch 1 (traced on its own: its
+        storages do not pair with larger batches') only where that could change the answer
+        (analysis/plans.py: `could_win`); None when `check` (`_map`'s `meanwhile`) answers
+        False."""
         say = on_probe or (lambda _: None)
         rows = self._map(_families_job, self._groups(families), meanwhile=check)
         if rows is None:
@@ -312,16 +295,14 @@ class _Search:
         cuda = self.setting.device == "cuda"
         rule = Rule(probes, rounded=cuda, allocator=self.allocator)
         limit = BATCH_LIMIT if len({p.batch for p in probes}) > 1 else start
-        batch = largest_batch(rule, self.depth, self.budget, limit, start=start)
-        if cuda:  # a batch fits when the allocator's reserved peak does
-            batch = largest_reserved(rule, self.depth, self.budget, start, batch)
+        batch = largest_batch(rule, self.depth, self.budget, start, limit, reserved=cuda)
         fits = batch >= start
-        peak, phase = rule.peak(self.depth, batch if fits else start)
+        at = batch if fits else start  # the figures' batch: the nearest when none fits
+        peak, phase = rule.peak(self.depth, at)
         plan = Plan(dp, tp, checkpoint, batch if fits else 0,
                     dp * batch * self.seq if fits else 0, peak, phase, start,
                     at_batch_limit=fits and batch == BATCH_LIMIT,
-                    reserved_bytes=rule.reserved(self.depth, batch if fits else start)
-                    if cuda else None)
+                    reserved_bytes=rule.reserved(self.depth, at) if cuda else None)
         if fits and self.acc is not None:
             plan = derived_time(probes, self.depth, batch).of(plan, self.acc,
                                                               self.setting.matmul_precision)
@@ -352,19 +333,23 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
+    def parallelize(module: nn.Module) -> None:  # each block split over the tp group
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = tensor_parallel_plan(module, tp)[0]
+        assert plan is not None  # (only splittable plans are probed)
+        for block in workloads.repeated_blocks(module):
+            parallelize_module(block, mesh["tp"], plan)
+
     def attempt() -> tuple[LoadedModel, DistributedReport | None]:
         # A fresh copy each time: a speed trick's failure (never the user's) leaves the first
         # sharded in part.
         lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
         _truncate(lm.module, depth)
         data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
-        prepare = None
-        if tp > 1:
-            plan = tensor_parallel_plan(lm.module, tp)[0]
-            assert plan is not None  # (only splittable plans are probed)
-            prepare = _parallelized(plan, mesh["tp"])
         return lm, rank_step(lm, parallel, setting, data, optimizer=optimizer, predict=True,
-                             mesh=mesh["dp"], checkpoint=checkpoint, prepare=prepare)
+                             mesh=mesh["dp"], checkpoint=checkpoint,
+                             prepare=parallelize if tp > 1 else None)
 
     lm, report = exact_retry(attempt, what="the rank is traced")
     assert report is not None and report.trace is not None
@@ -373,25 +358,15 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     time = None if acc is None else probe_time(
         step_time(trace, acc, world_size=dp * tp), matmul_flops(trace), dp, tp)
     return Probe(depth, batch, trace.storages, phases,
-                 places([o.module for o in trace.ops], phases, _blocks_name(lm.module), depth),
+                 places([o.module for o in trace.ops], phases, _blocks(lm.module)[0], depth),
                  time)
-
-
-def _parallelized(plan: dict, mesh) -> Callable[[nn.Module], None]:
-    def prepare(module: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        for block in workloads.repeated_blocks(module):
-            parallelize_module(block, mesh, plan)
-
-    return prepare
 
 
 @contextlib.contextmanager
 def _full_depth(module: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
     """The model's largest ModuleList holding `blocks` again (the probes' model keeps only
     the first ones), and as it was afterwards."""
-    largest = max((m for m in module.modules() if isinstance(m, nn.ModuleList)), key=len)
+    largest = _blocks(module)[1]
     kept = len(largest)
     largest.extend(blocks[kept:])
     try:
@@ -400,38 +375,33 @@ def _full_depth(module: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
         del largest[kept:]
 
 
-def _check_alike(lm: LoadedModel) -> None:
-    """The depth rule takes the first blocks for every block: refuse a model whose blocks
-    differ in their modules, parameters or buffers (shapes, dtypes, and whether a parameter
-    trains)."""
+def _check_alike(name: str, blocks: list[nn.Module]) -> None:
+    """Refuse a model whose blocks differ in their modules, parameters or buffers (shapes,
+    dtypes, whether a parameter trains): the depth rule takes the first blocks for all."""
     def signature(block: nn.Module) -> tuple:
         return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
                 tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                       for n, t in block.named_parameters()),
                 tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
 
-    blocks = workloads.repeated_blocks(lm.module)
     first = signature(blocks[0])
     for k, block in enumerate(blocks[1:], start=1):
         if signature(block) != first:
             raise AmpscopeError(
-                f"{lm.name}'s block {k} differs from block 0 (its modules, parameters or "
+                f"{name}'s block {k} differs from block 0 (its modules, parameters or "
                 "buffers): its plans cannot be derived from its first blocks; `ampscope run "
                 "--nproc N --predict --gpu NAME SCRIPT` traces a script's plan whole")
 
 
-def _blocks_name(module: nn.Module) -> str:
-    """The path of the model's largest ModuleList, as its ops' module names begin."""
+def _blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's largest ModuleList (its repeated blocks) and its path, as ops name it."""
     lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=lambda item: len(item[1]))[0]
+    return max(lists, key=lambda item: len(item[1]))
 
 
 def _truncate(module: nn.Module, depth: int) -> None:
-    """Keep the model's first `depth` repeated blocks (the children of its largest
-    ModuleList): the probe's model, whose blocks are the full model's own."""
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
-    largest = max(lists, key=len)
-    del largest[depth:]
+    """Keep the model's first `depth` repeated blocks (the full model's own): a probe's model."""
+    del _blocks(module)[1][depth:]
 
 
 @contextlib.contextmanager
@@ -463,25 +433,18 @@ def derived_peaks(model: str, gpus: int, **options) -> dict[str, int]:
     return derived_plan(model, gpus, **options)[0]
 
 
-def traced_plan(model: str, gpus: int, **options
-                ) -> tuple[dict[str, int], PlanTime | None, int | None]:
-    """The plan traced at `depth` blocks and micro-batch `batch` (the model's own depth: the
-    whole model): each phase's peak, on `gpu` its step time (else None), and on CUDA the
-    allocator's reserved peak (else None); what `derived_plan` must equal. Options: tp, checkpoint, depth, batch, setting, mp_policy, seq,
-    optimizer, gpu."""
-    return _plan_check(model, gpus, whole=True, **options)
+def traced_plan(model: str, gpus: int, **options) -> PlanFigures:
+    """`derived_plan`'s figures, traced at `depth` blocks itself: what they must equal."""
+    return derived_plan(model, gpus, whole=True, **options)
 
 
-def derived_plan(model: str, gpus: int, **options
-                 ) -> tuple[dict[str, int], PlanTime | None, int | None]:
-    """The same figures as `traced_plan`, derived by `fit --gpus`'s rules from its probes."""
-    return _plan_check(model, gpus, whole=False, **options)
-
-
-def _plan_check(model: str, gpus: int, *, whole: bool, tp: int = 1, checkpoint: bool = False,
-                depth: int, batch: int, setting: str = "bf16", mp_policy: str | None = None,
-                seq: int = 64, optimizer: str = "adamw", gpu: str | None = None
-                ) -> tuple[dict[str, int], PlanTime | None, int | None]:
+def derived_plan(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False, depth: int,
+                 batch: int, setting: str = "bf16", mp_policy: str | None = None, seq: int = 64,
+                 optimizer: str = "adamw", gpu: str | None = None, whole: bool = False
+                 ) -> PlanFigures:
+    """The figures of the plan at `depth` blocks (the model's own: the whole model) and
+    micro-batch `batch`, derived by `fit --gpus`'s rules from its probes (`whole`: traced as
+    it is); the step time on `gpu` only, the allocator's reserved peak on CUDA only."""
     base = resolved(on_device(setting, "cuda") if ":" not in setting else setting)
     lm = registry.resolve(model, device="meta", target_device=base.device)
     parallel = Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))
