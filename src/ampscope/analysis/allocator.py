@@ -5,7 +5,7 @@ records: the memory report's reserved peak, in op indices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 
 from ampscope.hardware.cuda_allocator import AllocatorConfig, AllocatorReplay, replay
@@ -17,15 +17,12 @@ __all__ = ["AllocatorConfig", "replay_storages"]
 
 
 def replay_storages(storages: Iterable[StorageRecord], n_ops: int,
-                    config: AllocatorConfig | None = None, capacity: int | None = None,
-                    streams: Sequence[int] | None = None) -> AllocatorReplay:
-    """`replay` over a trace's storage records, on one stream unless `streams` gives each
-    storage's; times are op indices, None before the step."""
+                    config: AllocatorConfig | None = None) -> AllocatorReplay:
+    """`replay` over a trace's storage records, on one stream, without a capacity; times are
+    op indices, None before the step."""
     with gc_paused():  # thousands of small blocks: no full collection among them
-        result = replay(allocation_events(storages, n_ops, streams), config, capacity)
+        result = replay(allocation_events(storages, n_ops), config)
 
     def op(t: int | None) -> int | None:
         return None if t is None or t < 0 else t
-    oom = result.oom and replace(result.oom, time=op(result.oom.time))
-    return replace(result, reserved_at=op(result.reserved_at),
-                   allocated_at=op(result.allocated_at), oom=oom)
+    return replace(result, reserved_at=op(result.reserved_at), allocated_at=op(result.allocated_at))

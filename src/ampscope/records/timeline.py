@@ -5,7 +5,7 @@ or in the CUDA allocator's blocks, and as the allocation events the allocator re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from ampscope.records.tensors import StorageRecord
 
@@ -45,14 +45,13 @@ def live_bytes(storages: Iterable[StorageRecord], n_ops: int,
     return before, live
 
 
-def allocation_events(storages: Iterable[StorageRecord], n_ops: int,
-                      streams: Sequence[int] | None = None) -> list[tuple[int, int, int | None, int]]:
+def allocation_events(storages: Iterable[StorageRecord],
+                      n_ops: int) -> list[tuple[int, int, int | None, int]]:
     """The storages as (bytes, made at, freed at, stream) events, the tuples the allocator
     replay takes: made at their op (-1: before the step), freed after the op they were last
-    live through (None: never), on stream 0 unless `streams` gives each storage's."""
+    live through (None: never), on stream 0 (a trace records no streams)."""
     return [(s.nbytes, -1 if s.created is None else s.created,
-             None if s.freed is None else min(s.freed + 1, n_ops),
-             streams[k] if streams is not None else 0) for k, s in enumerate(storages)]
+             None if s.freed is None else min(s.freed + 1, n_ops), 0) for s in storages]
 
 
 def live_at(storages: Iterable[StorageRecord], op: int | None) -> list[StorageRecord]:
