@@ -16,7 +16,7 @@
 - `flops.py`: `FlopReport`, FLOPs by phase, dtype and module, and MFU;
 - `step_time.py`: `StepTime`, a step's predicted time on an accelerator and where it goes, from
   `op_time.py` (one op's time: matmuls with tile and wave quantization, memory, launch,
-  collectives);
+  collectives) and `fusion.py` (compiled code's ops as Inductor's fused kernels);
 - `numerics.py`: `NumericsReport`, divergence from a reference and ranges;
 - `autocast.py`: `PolicyReport`, autocast policies side by side;
 - `policy_versions.py`: the finding that says when dtypes depend on the PyTorch release;

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ampscope import hardware
 from ampscope.analysis.flops import PHASES, matmul_dtype
+from ampscope.analysis.fusion import fuse
 from ampscope.analysis.op_time import BOUNDS, OpTime, op_time
 from ampscope.analysis.summary import tokens_of
 from ampscope.hardware.kernels import KernelParams, params
@@ -106,6 +107,8 @@ def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = No
     step = step_ops(trace)
     with gc_paused():  # tens of thousands of small records: no full collection among them
         timed = _timed(step, accelerator, figures, world_size)
+    compiled = sum(o.compiled for o in step)
+    kernels = fuse(timed, step, trace.storages, accelerator, figures) if compiled else 0
     by_bound = dict.fromkeys(BOUNDS, 0.0)
     by_phase = dict.fromkeys(PHASES, 0.0)
     by_module: dict[str, float] = {}
@@ -135,7 +138,7 @@ def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = No
         seconds=seconds, by_bound=by_bound, by_phase=by_phase, by_module=top, ops=timed,
         tokens=count, tokens_per_second=count / seconds if seconds else 0.0,
         mfu=_mfu(trace, seconds, accelerator), hidden_seconds=hidden, params=figures,
-        notes=_notes(trace, timed, accelerator, hidden))
+        notes=_notes(trace, timed, accelerator, hidden, (compiled, kernels)))
 
 
 def _timed(step: list[OpCall], accelerator: Accelerator, figures: KernelParams,
@@ -182,9 +185,15 @@ def _mfu(trace: Trace, seconds: float, accelerator: Accelerator) -> float | None
     return hardware.mfu(by_dtype, seconds, accelerator, trace.setting.matmul_precision)
 
 
-def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float) -> list[str]:
+def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float,
+           fused: tuple[int, int]) -> list[str]:
     notes = ["Eager PyTorch: one op after another on one stream; each op max(compute, memory, "
              "host dispatch) + a kernel launch gap (docs/performance.md)."]
+    compiled, kernels = fused
+    if compiled:
+        notes.append(f"torch.compile: {compiled} ops ran in compiled code; their pointwise and "
+                     f"reduction ops are costed as {kernels} fused Inductor kernels, matmuls "
+                     "and attention as their own kernels (docs/performance.md).")
     if acc.multiprocessors is None:
         notes.append(f"{acc.name} has no SM count in the hardware table: matmuls are timed "
                      "without tile or wave quantization.")

@@ -51,6 +51,9 @@ _LAUNCH = ("NVIDIA Technical Blog, 'Getting Started with CUDA Graphs' (2019): ba
 _HOST = ("assumption: 8 us of CPU per eager op, inside the 5-25 us that published breakdowns "
          "of an eager op give (Python, autograd, dispatcher, cudaLaunchKernel); it runs ahead "
          "of the GPU, so it costs time only where it exceeds the op's kernel")
+_INDUCTOR_HOST = ("tritonbench's Inductor launch-overhead benchmarks (2026, GB200): "
+                  "nop_inductor_per_kernel, one generated kernel launched through Inductor's "
+                  "CachingAutotuner, 6.8 us (0 arguments) to 9.1 us (19 arguments); 7 us taken")
 _FA2 = ("Tri Dao, FlashAttention-2 (arXiv 2307.08691): 50-73% of the A100's peak forward, "
         "lower backward; 0.6 taken")
 _FA1 = ("Tri Dao, FlashAttention-2 (arXiv 2307.08691): FlashAttention(-1)-class kernels reach "
@@ -95,6 +98,8 @@ DEFAULTS: dict[str, tuple[float, str]] = {
     # Per kernel: the GPU's gap between back-to-back kernels; per op: eager host dispatch.
     "launch_s": (1e-6, _LAUNCH),
     "host_s": (8e-6, _HOST),
+    # Per fused kernel of compiled code (analysis/fusion.py): the host's launch of it.
+    "compiled_host_s": (7e-6, _INDUCTOR_HOST),
     # Fused attention kernels: fraction of the math mode's peak.
     "attention_flash": (0.60, _FA2),
     "attention_efficient": (0.35, _FA1),

@@ -172,6 +172,9 @@ class OpCall:
     # `1e-12` of `x + 1e-12`, a clamp's bounds), in argument order, as floats: every float
     # argument, and ints where the op takes a value (not a dim or a size). Empty for most ops.
     scalars: tuple[float, ...] = ()
+    # Ran inside code compiled with Inductor (`torch.compile`; runtime/compiled.py), forward or
+    # the backward of a module whose forward did: on a GPU it would be part of a fused kernel.
+    compiled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

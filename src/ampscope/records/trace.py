@@ -173,7 +173,7 @@ class Trace:
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
                        tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"),
-                       tuple(float(x) for x in o.get("scalars", ())))
+                       tuple(float(x) for x in o.get("scalars", ())), o.get("compiled", False))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -250,7 +250,8 @@ def _op(o: OpCall) -> dict:
             "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data),
             "fp32_precision": o.fp32_precision, "group": o.group,
             # JSON has no inf or NaN: "inf", "-inf", "nan", which float() reads back.
-            "scalars": [x if math.isfinite(x) else str(x) for x in o.scalars]}
+            "scalars": [x if math.isfinite(x) else str(x) for x in o.scalars],
+            "compiled": o.compiled}
 
 
 def _call(c: FunctionCall) -> dict:

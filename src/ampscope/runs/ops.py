@@ -39,6 +39,7 @@ from ampscope.runs.tensor_meta import (
     results_of,
     walk,
 )
+from ampscope.runtime.compiled import in_compiled
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat.autograd import current_autograd_node, graph_task_id
 from ampscope.torchcompat.dispatch import (
@@ -160,6 +161,8 @@ class OpRecorder(UncompiledDispatchMode):
         # reason of each op; its records keep `group` None, and the trace says so).
         self.unknown_groups: dict[str, str] = {}
         self._cached = fake_cache.CachedAnswers()
+        # The modules whose forward ran compiled code (runtime/compiled.py): their backward did.
+        self._compiled_modules: set[str] = set()
         functions.op_log = self.rows
         self._tracker = tracker
         self._phase = phase
@@ -226,6 +229,7 @@ class OpRecorder(UncompiledDispatchMode):
             seen_args, seen_kwargs, seen_out = local_values((args, kwargs, out))
             inputs = [local_tensor(t) for t in inputs]
         backward = graph_task_id() != -1  # -1 outside a backward pass
+        module = self._tracker.current_in(backward)
         grad_fn = node = None
         if backward or functions.current_phase == "backward":
             # (not yet in the engine: the gradient seed of loss.backward())
@@ -233,11 +237,17 @@ class OpRecorder(UncompiledDispatchMode):
             node = current_autograd_node()
             if node is not None:
                 grad_fn = node.name()
+            # Inductor compiles a compiled forward's backward too: a module's backward ops are
+            # compiled where its forward ops were.
+            compiled = module in self._compiled_modules
         else:
             phase = self._phase.now()
             caller = functions.current
             autocast_cast = (facts.cast and caller is not None and not functions.current_is_cast
                              and functions.current_autocast is not None)
+            compiled = in_compiled()
+            if compiled and module is not None:
+                self._compiled_modules.add(module)
         if facts.flops is not None:
             flops, flops_causal = op_flops(func, seen_args, seen_kwargs, seen_out, facts.flops)
         else:
@@ -249,7 +259,7 @@ class OpRecorder(UncompiledDispatchMode):
         if self.storages is not None:
             self.storages.on_op(index, results, outputs, node)
         rows.append((
-            index, facts.name, self._tracker.current_in(backward), phase,
+            index, facts.name, module, phase,
             metas_of(inputs), outputs, autocast_cast, caller,
             None if caller is None else (
                 functions.current_source if functions.current_source is not PENDING
@@ -257,7 +267,7 @@ class OpRecorder(UncompiledDispatchMode):
             self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
             None if facts.precision is None else self._fp32_precision(facts.precision, inputs),
             self._group(facts.name, func, args, kwargs) if facts.collective else None,
-            _scalars(args, kwargs, facts.values),
+            _scalars(args, kwargs, facts.values), compiled,
         ))
         if self._progress is not None:
             self._progress.op(index + 1, phase)

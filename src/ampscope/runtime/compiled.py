@@ -10,6 +10,12 @@ and `model.compile()` (which calls `torch.compile` on the module's call). Every 
 `fullgraph=True` and `backend=` included, is accepted and has no effect: nothing is compiled.
 Code compiled before the run (a library's `@torch.compile` at import) runs eagerly through the
 capture's compiler stance (torchcompat/dynamo.py `eager_stance`).
+
+What runs inside code compiled with Inductor (the default backend) is marked: `in_compiled()`
+is true while such a function or module runs, and the op recorder marks its ops `compiled`
+(runs/ops.py), those of its backward too, so that the step-time model costs them as Inductor's
+fused kernels (analysis/fusion.py). Another backend ("eager", "aot_eager", a callable) fuses
+nothing: its code is not marked.
 """
 
 from __future__ import annotations
@@ -34,6 +40,34 @@ COMPILE_NOTE = ("torch.compile was called: the run was eager. Compiled code keep
                 "fewer activations for backward.")
 
 
+_depth = 0  # how many Inductor-compiled calls are running now
+
+
+def in_compiled() -> bool:
+    """Whether code compiled with Inductor is running (its ops would be fused kernels)."""
+    return _depth > 0
+
+
+def _marked(fn: Callable) -> Callable:
+    """`fn`, its calls marked as compiled code's while they run."""
+
+    @functools.wraps(fn)
+    def compiled(*args, **kwargs):
+        global _depth
+        _depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _depth -= 1
+
+    return compiled
+
+
+def _fuses(options: dict) -> bool:
+    """Whether `torch.compile(..., **options)` compiles with Inductor, which fuses kernels."""
+    return options.get("backend", "inductor") == "inductor"
+
+
 class EagerCompile:
     """`torch.compile`, replaced for a run. `on_wrapper` is told of each module wrapper it
     makes (a script's run keeps it from being taken for the model: the model is what it
@@ -49,13 +83,18 @@ class EagerCompile:
         self.called = True
         if model is None:  # @torch.compile(...) as a decorator factory
             return lambda fn: self.compile(fn, **options)
+        fuses = _fuses(options)
         if isinstance(model, nn.Module):
-            wrapper = eager_module(model, self._torch_compile)
+            wrapper = eager_module(model, self._torch_compile,
+                                   call=_marked(model.__call__) if fuses else None)
             if wrapper is not model and self.on_wrapper is not None:
                 self.on_wrapper(wrapper)
             return wrapper
         if not callable(model):
             return self._torch_compile(model, **options)  # torch's own error for it
+
+        if fuses:
+            return _marked(model)
 
         @functools.wraps(model)
         def compiled(*args, **kwargs):

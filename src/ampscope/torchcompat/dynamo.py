@@ -108,17 +108,18 @@ def _eager_module_class() -> type[nn.Module] | None:
         TorchDynamo, and no module call of its own (module hooks see the module it wraps)."""
 
         def __call__(self, *args, **kwargs):
-            return self._orig_mod(*args, **kwargs)
+            return self.forward(*args, **kwargs)  # the module's call (`eager_module`)
 
     return EagerOptimizedModule
 
 
-def eager_module(module: nn.Module, compile_: Callable) -> nn.Module:
+def eager_module(module: nn.Module, compile_: Callable, *,
+                 call: Callable | None = None) -> nn.Module:
     """`module` wrapped as `torch.compile(module)` wraps it, run eagerly: its calls and its
-    `forward` run `module` itself. `compile_` is torch's own `torch.compile` (with the eager
-    backend, it compiles nothing and loads no compiler). Where this build has no
-    `OptimizedModule`, or makes something else, `module` itself: eager all the same, without
-    `_orig_mod`."""
+    `forward` run `call` (default: `module`'s own call). `compile_` is torch's own
+    `torch.compile` (with the eager backend, it compiles nothing and loads no compiler). Where
+    this build has no `OptimizedModule`, or makes something else, `module` itself: eager all
+    the same, without `_orig_mod`."""
     cls = _eager_module_class()
     if cls is None:
         return module
@@ -128,7 +129,7 @@ def eager_module(module: nn.Module, compile_: Callable) -> nn.Module:
     wrapper.__class__ = cls
     # Its own `forward` called directly (TorchDynamo's wrapper of the module's call): the
     # module's call, without TorchDynamo.
-    wrapper.forward = module.__call__
+    wrapper.forward = call or module.__call__
     return wrapper
 
 

@@ -1,0 +1,108 @@
+"""What `torch.compile` (Inductor) makes of a step's ops on a GPU: fused kernels, and their time.
+
+ampscope runs compiled code eagerly and records its ops one by one, marked `compiled`
+(runtime/compiled.py). Inductor would run them as fewer, larger kernels: it keeps matmuls,
+convolutions and fused attention as library kernels (cuBLAS, cuDNN, FlashAttention, "extern
+kernels") and generates a kernel for each run of the pointwise and reduction ops between them,
+which reads its inputs from memory once and writes only the results used after it (the
+intermediates stay in registers). The rule here, applied to a step's op times:
+
+- **A fused kernel** is a maximal run of consecutive compiled ops of one phase that have no
+  FLOPs (a matmul-class op has them, and stays its own kernel), are no collective and do not
+  read a value back to the host (`_local_scalar_dense`). Views inside a run cost nothing and do
+  not end it.
+- **Its bytes**: the inputs it reads from outside (an input is inside when an earlier op of the
+  run produced a tensor of its dtype and shape), and the outputs that live past its last op
+  (their storage is freed after it, or never: saved for backward, or read by the next kernel).
+- **Its time**: max(those bytes at the achievable bandwidth, the host's launch of one Inductor
+  kernel, `compiled_host_s`) + one launch gap, spread over its ops by their eager seconds (so
+  the time stays with the modules that spend it).
+
+Known differences from Inductor: it may split a run where reductions over different axes meet,
+fuse a bias add into a matmul's epilogue (max-autotune), recompute cheap ops in backward instead
+of saving them, and a compiled call has its own fixed cost (guards, about 35 µs a graph), none
+of them modelled; CUDA graphs (`mode="reduce-overhead"`) would remove the host's launch cost.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from ampscope.analysis.op_time import OpTime, memory_seconds, tensor_bytes
+from ampscope.hardware.kernels import KernelParams
+from ampscope.hardware.known import Accelerator
+from ampscope.records import OpCall, StorageRecord
+from ampscope.torchcompat.ops import LOCAL_SCALAR_DENSE, is_view_op
+
+_HOST_READS = frozenset({str(LOCAL_SCALAR_DENSE)})  # `.item()`: the graph breaks there
+
+
+def fused_runs(ops: Sequence[OpCall]) -> list[list[int]]:
+    """The positions in `ops` (a step's ops, in order) of each fused kernel's ops: runs of at
+    least one op that is not a view."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    phase = None
+    for k, o in enumerate(ops):
+        fusible = (o.compiled and not o.flops and o.group is None
+                   and o.op not in _HOST_READS and not o.op.startswith("c10d"))
+        if not fusible or o.phase != phase:
+            _close(ops, current, runs)
+            current = []
+        phase = o.phase
+        if fusible:
+            current.append(k)
+    _close(ops, current, runs)
+    return runs
+
+
+def _close(ops: Sequence[OpCall], run: list[int], runs: list[list[int]]) -> None:
+    if any(not is_view_op(ops[k].op) for k in run):
+        runs.append(run)
+
+
+def kernel_bytes(run: Sequence[OpCall], storages: Sequence[StorageRecord]) -> int:
+    """Bytes one fused kernel moves (module docstring): inputs from outside the run, outputs
+    whose storage lives past its last op (without `storages`, every output)."""
+    made: Counter = Counter()
+    read = 0
+    for o in run:
+        if is_view_op(o.op):
+            continue
+        for m in o.inputs:
+            if not made[(m.dtype, m.shape)]:
+                read += tensor_bytes(m.shape, m.dtype)
+        made.update((m.dtype, m.shape) for m in o.outputs)
+    if not storages:  # a trace without its storages (memory not followed): every output
+        return read + sum(tensor_bytes(m.shape, m.dtype) for o in run if not is_view_op(o.op)
+                          for m in o.outputs)
+    first, last = run[0].index, run[-1].index
+    written = sum(s.nbytes for s in storages
+                  if s.created is not None and first <= s.created <= last
+                  and (s.freed is None or s.freed > last))
+    return read + written
+
+
+def fuse(timed: list[OpTime], ops: Sequence[OpCall], storages: Sequence[StorageRecord],
+         acc: Accelerator, params: KernelParams) -> int:
+    """Replace, in `timed` (aligned with `ops`), the times of each fused kernel's ops by their
+    share of the kernel's time; the number of kernels made."""
+    runs = fused_runs(ops)
+    for run in runs:
+        nbytes = kernel_bytes([ops[k] for k in run], storages)
+        memory = memory_seconds(nbytes, acc, params)
+        seconds = max(memory, params["compiled_host_s"]) + params["launch_s"]
+        bound = "launch" if seconds - memory > memory else "memory"
+        # Eager seconds: > 0 for every op but a view, and a run has one such op.
+        total = sum(timed[k].seconds for k in run)
+        for k in run:
+            t = timed[k]
+            share = t.seconds / total
+            timed[k] = OpTime(t.index, t.op, t.phase, t.module, seconds * share,
+                              bound if share else "none", t.flops, round(nbytes * share),
+                              t.mode, 0.0, memory * share)
+    return len(runs)
+
+
+__all__ = ["fuse", "fused_runs", "kernel_bytes"]
