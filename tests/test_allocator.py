@@ -139,6 +139,69 @@ def test_expandable_segments():
     assert (cap.oom, cap.reserved_peak, cap.mallocs) == (None, 40 * MiB, 2)
 
 
+BOTH = "expandable_segments:True,max_split_size_mb:32"  # the two options together
+
+
+def test_expandable_segments_take_an_oversize_free_tail_as_it_is():
+    """Best fit passes over an oversize block for a request under max_split_size; when that block
+    is the expandable segment's free tail, the request takes it and maps nothing."""
+    conf = AllocatorConfig.from_env(BOTH)
+    events = [Event(40 * MiB, 0, 1, 0), Event(8 * MiB, 2, None, 0), Event(30 * MiB, 3, None, 1)]
+    r = replay(events, conf)
+    # t0, stream 0: 40 MiB maps two 20 MiB pages of stream 0's segment: [0, 40) MiB, no
+    # remainder to split. Reserved 40. t1: it is freed, the segment's free tail.
+    # t2, stream 0: 8 MiB is under 32 MiB and the only cached block, 40 MiB, is at or over it:
+    # best fit passes it over. The segment's free tail (the same 40 MiB) already holds 8 MiB:
+    # no page mapped, the tail split (remainder 32 MiB >= 512 B): [0, 8) live, [8, 40) free.
+    # Reserved stays 40 (the old replay "grew" by -20 MiB here, to 20).
+    # t3, stream 1: 30 MiB, a segment of its own: two pages, 40 MiB, split (10 MiB left free).
+    # Reserved 40 + 40 = 80, the peak, in two segments, mapped by two calls.
+    assert (r.reserved_peak, r.reserved_at, r.segment_count, r.mallocs) == (80 * MiB, 3, 2, 2)
+    # At the peak: 8 + 30 MiB requested, multiples of 512 B. Tails never handed out: stream 1's
+    # 10 MiB (stream 0 handed out all 40 at t0). Fragmentation: stream 0's 32 MiB free block,
+    # cached on a stream other than the one allocating at the peak.
+    assert (r.requested, r.rounding, r.segments) == (38 * MiB, 0, 10 * MiB)
+    assert (r.fragmentation, r.other_streams) == (32 * MiB, 32 * MiB)
+    assert (r.allocated_peak, r.allocated_at, r.oom) == (40 * MiB, 0, None)
+
+
+def test_expandable_segments_are_not_released_as_oversize_under_a_capacity():
+    """Past a capacity, max_split_size_mb gives back cached oversize segments whole; PyTorch
+    skips expandable segments' blocks there. What is unmapped instead: the free tails (the
+    replay unmaps nothing else, see `_release_cached`)."""
+    conf = AllocatorConfig.from_env(BOTH)
+    events = [Event(40 * MiB, 0, 4, 1),  # F: stream 1
+              Event(40 * MiB, 0, 4, 0), Event(8 * MiB, 1, None, 0),  # A, B: stream 0
+              Event(40 * MiB, 2, 4, 0), Event(60 * MiB, 5, None, 0)]  # D, E
+    # t0: F maps [0, 40) MiB of stream 1's segment, A [0, 40) of stream 0's: reserved 80.
+    # t1: B finds no free block; stream 0's tail is A, in use: one page [40, 60), B [40, 48),
+    # [48, 60) free. Reserved 100. t2: D, 40 MiB: the free tail holds 12, 28 more need two
+    # pages: [60, 100); D [48, 88), [88, 100) free. Reserved 140.
+    # t4: F, A and D freed. Stream 0 caches A [0, 40) (B is its neighbour) and D merged with
+    # [88, 100): [48, 100), 52 MiB, the segment's free tail. Stream 1 caches [0, 40).
+    # t5: E, 60 MiB (>= 32): no cached block holds it; the free tail's 52 plus one page of 20.
+    uncapped = replay(events, conf)
+    assert (uncapped.reserved_peak, uncapped.reserved_at, uncapped.mallocs) == (160 * MiB, 5, 5)
+    # At 160: 8 + 60 requested; [108, 120) of stream 0 never handed out; A's 40 MiB and
+    # stream 1's 40 MiB cached, the latter on another stream than E's.
+    assert (uncapped.requested, uncapped.segments, uncapped.fragmentation,
+            uncapped.other_streams) == (68 * MiB, 12 * MiB, 80 * MiB, 40 * MiB)
+    capped = replay(events, conf, capacity=150 * MiB)
+    # Under 150 MiB, 140 + 20 does not fit. The cached oversize blocks (52 and 40 MiB) lie in
+    # expandable segments: nothing is given back whole (the old replay gave back stream 0's
+    # segment twice over and raised ValueError). Then cached bytes are unmapped: stream 1's
+    # free tail, all 40 MiB (reserved 100), and the whole pages of stream 0's free tail
+    # [48, 100), that is [60, 100) (reserved 60); A, not a tail, stays mapped. E takes the 12 MiB
+    # left at [48, 60) and three pages more, [60, 120): reserved 120, within the capacity.
+    assert (capped.oom, capped.mallocs) == (None, 5)
+    # The peak is t2's 140, before the capacity mattered: 128 MiB requested, [88, 100) untouched.
+    assert (capped.reserved_peak, capped.reserved_at, capped.segment_count) == (140 * MiB, 2, 2)
+    assert (capped.requested, capped.segments, capped.fragmentation) == (128 * MiB, 12 * MiB, 0)
+    for r in (uncapped, capped):
+        causes = (r.requested, r.rounding, r.segments, r.fragmentation, r.other_streams)
+        assert sum(causes[:4]) == r.reserved_peak and min(causes) >= 0
+
+
 def test_roundup_power2_divisions():
     conf = AllocatorConfig.from_env("roundup_power2_divisions:4")
     # 1200 KiB lies in [1024, 2048) KiB; 4 divisions: 1024, 1280, 1536, 1792 -> 1280 KiB.
@@ -232,10 +295,11 @@ def test_an_unreadable_alloc_conf_stops_only_cuda_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
-                                  "roundup_power2_divisions:4"])
+                                  "roundup_power2_divisions:4", BOTH])
 def test_random_sequences_keep_the_books(conf):
-    """Splits, merges, releases and pages on 3,000 random events over two streams: the causes
-    add up to the reserved peak, which holds the allocated one; a capacity is never passed."""
+    """Splits, merges, releases and pages on 3,000 random events over two streams, uncapped and
+    capped at 3/4, 1/2 and 1/4 of the uncapped peak: the causes, none negative, add up to the
+    reserved peak, which holds the allocated one; a capacity is never passed."""
     import random
     rng = random.Random(7)
     events = [Event(rng.choice([rng.randint(1, 4096), rng.randint(1, 2 * MiB),
@@ -244,9 +308,14 @@ def test_random_sequences_keep_the_books(conf):
               for i in range(3000)]
     config = AllocatorConfig.from_env(conf)
     free = replay(events, config)
-    assert free.requested + free.rounding + free.segments + free.fragmentation == \
-        free.reserved_peak >= free.allocated_peak
-    assert 0 <= free.other_streams <= free.fragmentation
-    capped = replay(events, config, capacity=free.reserved_peak * 3 // 4)
-    assert capped.reserved_peak <= free.reserved_peak * 3 // 4
-    assert capped.oom is not None or capped.allocated_peak == free.allocated_peak
+    assert free.reserved_peak >= free.allocated_peak
+    runs = [free]
+    for share in (3, 2, 1):
+        capacity = free.reserved_peak * share // 4
+        runs.append(replay(events, config, capacity=capacity))
+        assert runs[-1].reserved_peak <= capacity
+        assert runs[-1].oom is not None or runs[-1].allocated_peak == free.allocated_peak
+    for r in runs:
+        causes = (r.requested, r.rounding, r.segments, r.fragmentation)
+        assert sum(causes) == r.reserved_peak and min(causes) >= 0
+        assert 0 <= r.other_streams <= r.fragmentation
