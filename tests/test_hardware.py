@@ -162,6 +162,8 @@ def test_every_figure_has_a_source_with_a_url():
         figures = set(acc.peak_flops) | {"memory", "bandwidth"}
         if acc.multiprocessors is not None:
             figures.add("multiprocessors")
+        if acc.capability is not None:
+            figures.add("capability")
         assert set(acc.sources) == figures, acc.name
         for source in acc.sources.values():
             assert re.search(r", https://\S+$", source), (acc.name, source)

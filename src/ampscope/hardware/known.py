@@ -44,7 +44,7 @@ class Accelerator:
 
     `peak_flops` maps a name of `DTYPES` to FLOP/s; a dtype that is missing is unknown or
     unsupported (V100 and T4 have no bfloat16). `sources` maps each figure (a dtype, "memory",
-    "bandwidth") to the document it was read from. `tf32_matmuls` says whether PyTorch runs
+    "bandwidth", "multiprocessors", "capability") to the document it was read from. `tf32_matmuls` says whether PyTorch runs
     float32 matmuls on TF32 Tensor Cores here when the matmul precision is "high" or "medium".
     """
 
@@ -57,6 +57,9 @@ class Accelerator:
     sources: Mapping[str, str] = field(hash=False)
     tf32_matmuls: bool = False
     multiprocessors: int | None = None  # streaming multiprocessors (SMs); None: not recorded
+    # CUDA compute capability (major, minor); None: no CUDA device (MI300X) or not recorded (a
+    # user's entry without one). What the virtual cuda device reports (runtime/virtual_device.py).
+    capability: tuple[int, int] | None = None
     # The user's overrides of the step-time model's figures (hardware/kernels.py), by name.
     kernels: Mapping[str, float] = field(default_factory=dict, hash=False)
 
@@ -101,6 +104,9 @@ _V100_DATASHEET = ("NVIDIA V100 Tensor Core GPU datasheet, https://images.nvidia
 _T4_DATASHEET = ("NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/"
                  "Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf")
 _T4_PAGE = "NVIDIA T4 product page, https://www.nvidia.com/en-us/data-center/tesla-t4/"
+# Compute capabilities: NVIDIA's table of CUDA GPUs by product (V100 7.0, T4 7.5, A100 8.0,
+# A10 and RTX 3090 8.6, L4, L40S and RTX 4090 8.9, H100 and H200 9.0, B200 10.0).
+_CUDA_GPUS = "NVIDIA CUDA GPUs, compute capability table, https://developer.nvidia.com/cuda-gpus"
 _MI300X_DATASHEET = ("AMD Instinct MI300X data sheet, https://www.amd.com/content/dam/amd/en/"
                      "documents/instinct-tech-docs/data-sheets/amd-instinct-mi300x-data-sheet.pdf")
 
@@ -114,9 +120,11 @@ H100 = Accelerator(
                 "float16": 989e12, "float8": 1979e12},
     memory_bytes=80 * GiB,
     bandwidth_bytes_per_s=3.35e12,
-    sources=_cite((_ALL, _H100_DATASHEET), ("multiprocessors", _H100_WHITEPAPER)),
+    sources=_cite((_ALL, _H100_DATASHEET), ("multiprocessors", _H100_WHITEPAPER),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
     multiprocessors=132,  # the whitepaper's Table 3: H100 SXM5, 132 SMs
+    capability=(9, 0),
 )
 # The 2022 datasheet's PCIe column, with sparsity: TF32 756, BF16/FP16 1,513, FP8 3,026; the
 # whitepaper prints BF16 756 dense.
@@ -128,8 +136,10 @@ H100_PCIE = Accelerator(
                 "float16": 756e12, "float8": 1513e12},
     memory_bytes=80 * GiB,
     bandwidth_bytes_per_s=2.0e12,
-    sources=_cite((_ALL, _H100_DATASHEET), ("bfloat16 float16", _H100_WHITEPAPER)),
+    sources=_cite((_ALL, _H100_DATASHEET), ("bfloat16 float16", _H100_WHITEPAPER),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(9, 0),
 )
 # The datasheet's NVL column, per GPU, with sparsity: TF32 835, BF16/FP16 1,671, FP8 3,341.
 H100_NVL = Accelerator(
@@ -140,8 +150,9 @@ H100_NVL = Accelerator(
                 "float16": 835.5e12, "float8": 1670.5e12},
     memory_bytes=94 * GiB,
     bandwidth_bytes_per_s=3.9e12,
-    sources=_cite((_ALL, _H100_DATASHEET)),
+    sources=_cite((_ALL, _H100_DATASHEET), ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(9, 0),
 )
 # The H100's GH100 compute with HBM3e. The H200 NVL, a PCIe card with a lower power limit, is
 # rated lower; its figures could not be confirmed, so its name must not fall through to here.
@@ -152,7 +163,7 @@ H200 = replace(
     patterns=(r"\bh200\b(?!.*\bnvl\b)",),
     memory_bytes=141 * GiB,
     bandwidth_bytes_per_s=4.8e12,
-    sources=_cite((_ALL, _H200_PAGE)),
+    sources=_cite((_ALL, _H200_PAGE), ("capability", _CUDA_GPUS)),  # (9.0, the H100's)
     multiprocessors=None,  # the product page gives no SM count
 )
 
@@ -167,8 +178,9 @@ B200 = Accelerator(
                 "float16": 2250e12, "float8": 4500e12},
     memory_bytes=180 * GiB,
     bandwidth_bytes_per_s=7.7e12,
-    sources=_cite((_ALL, _BLACKWELL_DATASHEET)),
+    sources=_cite((_ALL, _BLACKWELL_DATASHEET), ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(10, 0),
 )
 
 # Ampere. The A100 datasheet prints dense figures (sparse ones starred) and the same compute
@@ -182,9 +194,10 @@ A100 = Accelerator(
     memory_bytes=80 * GiB,
     bandwidth_bytes_per_s=2.039e12,
     sources=_cite(("float64 float32 tf32 bfloat16 float16 memory bandwidth", _A100_DATASHEET),
-                  ("multiprocessors", _A100_WHITEPAPER)),
+                  ("multiprocessors", _A100_WHITEPAPER), ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
     multiprocessors=108,  # every A100 board: the GA100 with 108 of its 128 SMs enabled
+    capability=(8, 0),
 )
 A100_40GB = replace(  # SXM4 and PCIe boards: same memory, same 1,555 GB/s
     A100, name="a100-40gb", title="NVIDIA A100 40GB (SXM4 or PCIe)",
@@ -200,8 +213,10 @@ A10 = Accelerator(
     peak_flops={"float32": 31.2e12, "tf32": 62.5e12, "bfloat16": 125e12, "float16": 125e12},
     memory_bytes=24 * GiB,
     bandwidth_bytes_per_s=600e9,
-    sources=_cite(("float32 tf32 bfloat16 float16 memory bandwidth", _A10_DATASHEET)),
+    sources=_cite(("float32 tf32 bfloat16 float16 memory bandwidth", _A10_DATASHEET),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(8, 6),
 )
 # GeForce GA102. Table 9 prints BF16/FP16 with FP32 accumulate 71 (142 with sparsity); the
 # card's dense TF32 rate could not be confirmed, so float32 matmuls under TF32 show n/a.
@@ -212,8 +227,10 @@ RTX_3090 = Accelerator(
     peak_flops={"float32": 35.6e12, "bfloat16": 71e12, "float16": 71e12},
     memory_bytes=24 * GiB,
     bandwidth_bytes_per_s=936e9,
-    sources=_cite(("float32 bfloat16 float16 memory bandwidth", _GA102_WHITEPAPER)),
+    sources=_cite(("float32 bfloat16 float16 memory bandwidth", _GA102_WHITEPAPER),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(8, 6),
 )
 
 # Ada. L4 page, with sparsity: TF32 120, BF16/FP16 242, FP8 485. The L40S page prints dense
@@ -226,8 +243,10 @@ L4 = Accelerator(
                 "float8": 242.5e12},
     memory_bytes=24 * GiB,
     bandwidth_bytes_per_s=300e9,
-    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _L4_PAGE)),
+    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _L4_PAGE),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(8, 9),
 )
 L40S = Accelerator(
     name="l40s",
@@ -237,8 +256,10 @@ L40S = Accelerator(
                 "float8": 733e12},
     memory_bytes=48 * GiB,
     bandwidth_bytes_per_s=864e9,
-    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _L40S_PAGE)),
+    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _L40S_PAGE),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(8, 9),
 )
 # GeForce AD102, whitepaper v2.02 Table 2, dense/sparse: BF16 and FP16 with FP32 accumulate
 # 165.2/330.4, FP8 with FP32 accumulate 330.3/660.6, TF32 82.6/165.2.
@@ -250,8 +271,10 @@ RTX_4090 = Accelerator(
                 "float8": 330.3e12},
     memory_bytes=24 * GiB,
     bandwidth_bytes_per_s=1008e9,
-    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _ADA_WHITEPAPER)),
+    sources=_cite(("float32 tf32 bfloat16 float16 float8 memory bandwidth", _ADA_WHITEPAPER),
+                  ("capability", _CUDA_GPUS)),
     tf32_matmuls=True,
+    capability=(8, 9),
 )
 
 # Volta: no bfloat16, no TF32. "Tensor Performance" is float16 with float32 accumulate. These
@@ -263,7 +286,9 @@ V100 = Accelerator(
     peak_flops={"float64": 7.8e12, "float32": 15.7e12, "float16": 125e12},
     memory_bytes=32 * GiB,
     bandwidth_bytes_per_s=900e9,
-    sources=_cite(("float64 float32 float16 memory bandwidth", _V100_DATASHEET)),
+    sources=_cite(("float64 float32 float16 memory bandwidth", _V100_DATASHEET),
+                  ("capability", _CUDA_GPUS)),
+    capability=(7, 0),
 )
 V100_16GB = replace(V100, name="v100-16gb", title="NVIDIA V100 SXM2 16GB",
                     patterns=(r"\bv100-sxm2-16gb\b",), memory_bytes=16 * GiB)
@@ -282,7 +307,9 @@ T4 = Accelerator(
     peak_flops={"float32": 8.1e12, "float16": 65e12},
     memory_bytes=16 * GiB,
     bandwidth_bytes_per_s=320e9,
-    sources=_cite(("float32 float16 memory", _T4_DATASHEET), ("bandwidth", _T4_PAGE)),
+    sources=_cite(("float32 float16 memory", _T4_DATASHEET), ("bandwidth", _T4_PAGE),
+                  ("capability", _CUDA_GPUS)),
+    capability=(7, 5),
 )
 
 # CDNA 3, dense figures as printed (sparse ones separately). The matrix cores have an XF32
@@ -297,6 +324,8 @@ MI300X = Accelerator(
     memory_bytes=192 * GiB,
     bandwidth_bytes_per_s=5.3e12,
     sources=_cite((_ALL, _MI300X_DATASHEET)),
+    # No CUDA compute capability: ROCm's torch.cuda reports the gfx942's (9, 4), whose kernel
+    # choices (SDPA on ROCm) ampscope does not model, so the virtual cuda device is no MI300X.
 )
 
 KNOWN: tuple[Accelerator, ...] = (

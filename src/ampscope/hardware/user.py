@@ -36,7 +36,8 @@ _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*([0-9][0-9_.]*(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 _USER_KEYS = {"title", "patterns", "peak_flops", "memory", "bandwidth", "tf32_matmuls",
-              "multiprocessors", "kernels"}
+              "multiprocessors", "capability", "kernels"}
+_CAPABILITY = re.compile(r"\s*([0-9]+)\.([0-9]+)\s*")
 
 
 def user_table_path() -> Path:
@@ -119,6 +120,7 @@ class _Figures(TypedDict):
     title: str
     tf32_matmuls: bool
     multiprocessors: int | None
+    capability: tuple[int, int] | None
     kernels: Mapping[str, float]
 
 
@@ -145,11 +147,12 @@ def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) 
         if not isinstance(kernels, dict):
             raise AmpscopeError("kernels must be a table, e.g. { gemm_bfloat16 = 0.9 }")
         kernels = check_overrides(kernels)
+        capability = _capability(entry["capability"]) if "capability" in entry else None
     except (AmpscopeError, re.error) as e:
         raise AmpscopeError(f"{where}: {e}") from None
     if base is None and (memory is None or not peaks):
         raise AmpscopeError(f"{where}: a new accelerator needs memory and peak_flops")
-    given = [*(f for f in ("memory", "bandwidth") if f in entry), *peaks,
+    given = [*(f for f in ("memory", "bandwidth", "capability") if f in entry), *peaks,
              *(f"kernels.{k}" for k in kernels)]
     # (A new accelerator, base None, has a memory: refused above otherwise.)
     figures: _Figures = {
@@ -162,9 +165,23 @@ def _user_entry(path: Path, name: str, entry: object, base: Accelerator | None) 
         "title": str(entry.get("title", base.title if base else name)),
         "tf32_matmuls": bool(entry.get("tf32_matmuls", base.tf32_matmuls if base else False)),
         "multiprocessors": entry.get("multiprocessors", base.multiprocessors if base else None),
+        # Optional: without one, a new entry is no virtual cuda device (runtime/virtual_device.py).
+        "capability": capability if capability is not None or base is None else base.capability,
         "kernels": {**(base.kernels if base else {}), **kernels},
     }
     return replace(base, **figures) if base else Accelerator(name=name, **figures)
+
+
+def _capability(value: object) -> tuple[int, int]:
+    """A compute capability as a user writes it, "8.0" or [8, 0], as (8, 0)."""
+    match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    if isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return value[0], value[1]
+    raise AmpscopeError(f"capability must be \"MAJOR.MINOR\" or [MAJOR, MINOR], e.g. \"8.0\" "
+                        f"or [8, 0], not {value!r}")
 
 
 def _positive(value: object, what: str) -> float:
