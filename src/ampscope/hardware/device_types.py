@@ -30,8 +30,9 @@ class DeviceType:
     `autocast_dtype`: the dtype `torch.autocast(name)` takes when none is given, which
     `torch.get_autocast_dtype(name)` answers outside any autocast region; None: the running
     build's own default, read from it. `accelerator` and `capability`: the accelerator (a name of
-    the hardware table) and compute capability the virtual device reports; None: it names
-    none. `attention`: whose `scaled_dot_product_attention` kernel choice an emulated run
+    the hardware table) and compute capability the virtual device reports when the run asks
+    for none (`--gpu` names the one it is, runtime/virtual_device.py); None: it names none,
+    and an asked accelerator is only cuda's. `attention`: whose `scaled_dot_product_attention` kernel choice an emulated run
     makes ("cuda": the backend PyTorch picks on that accelerator, runtime/attention_choice.py;
     "cpu": the CPU's kernels, said in a note). `rnn`: "cudnn" where the device's RNN layers run
     cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. What an emulated run

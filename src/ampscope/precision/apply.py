@@ -19,11 +19,13 @@ from torch import nn
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.precision import fp8, matmul
 from ampscope.precision.setting import Setting
+from ampscope.runtime.compiled import compiled_forward
 from ampscope.runtime.emulation import Emulation
 from ampscope.runtime.predict import fake_like, fake_parameter
 from ampscope.torchcompat import modules as module_state
 
 if TYPE_CHECKING:
+    from ampscope.runtime.attention_choice import CudaTarget
     from ampscope.torchcompat.fake import FakeTensor
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -213,12 +215,14 @@ def _convert_to_fp8(stack: contextlib.ExitStack, model: nn.Module, setting: Sett
 
 
 @contextlib.contextmanager
-def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> Iterator[Emulation | None]:
+def applied(setting: Setting, model: nn.Module | None = None, *, fake=None,
+            gpu: CudaTarget | None = None) -> Iterator[Emulation | None]:
     """Run the body under `setting`; afterwards the model and torch's global state are exactly
     as they were, also when the body raised. Autocast itself is entered by the workload
     (around forward and loss, as training scripts do), not here; an emulated setting puts the
     target device's autocast policy and kernels in place for the body and yields the
-    `Emulation`, else None is yielded."""
+    `Emulation` (`gpu`: the GPU whose kernel choices it makes, runs/environment.py), else None
+    is yielded."""
     global_state = GlobalState.save()
     model_state = ModelState.save(model) if model is not None else None
     try:
@@ -245,9 +249,12 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None) -> I
                 # each mode would see every copy made (1,446 for a 70B model's parameters).
                 _working_copies(model, setting, model_state, fake)
             if setting.emulated:
-                emulation = stack.enter_context(Emulation(setting.device, setting.autocast_dtype))
+                emulation = stack.enter_context(
+                    Emulation(setting.device, setting.autocast_dtype, gpu))
             if model is not None and setting.fp8 is not None:
                 _convert_to_fp8(stack, model, setting)
+            if model is not None and setting.compiled:
+                stack.enter_context(compiled_forward(model))
             matmul.set_matmul_precision(setting.matmul_precision)
             yield emulation
     finally:

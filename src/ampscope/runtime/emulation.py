@@ -27,6 +27,7 @@ import logging
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 from typing import cast as cast_type
 
 import torch
@@ -47,6 +48,9 @@ from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.ops import FUSED_RMS_NORM_NAMES
 from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
+
+if TYPE_CHECKING:
+    from ampscope.runtime.attention_choice import CudaTarget
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
@@ -298,15 +302,26 @@ def _cudnn(version: int | None) -> str:
     return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
 
 
+def _article(name: str) -> str:
+    """"an" before a name read letter by letter from a vowel sound (an H100, an L4), else "a"."""
+    return "an" if name[:1].upper() in "AEFHILMNORSX" else "a"
+
+
 class Emulation:
     """Everything an emulated run changes, for its duration: the target's autocast policy, the
     dtypes its norm kernels keep their statistics in (`runtime/norm_stats.py`) and, where the
     device's entry in hardware/device_types.py says so, the attention kernels its GPU would
-    pick (`runtime/attention_choice.py`) and cuDNN's RNN kernels (`runtime/rnn_kernels.py`)."""
+    pick (`runtime/attention_choice.py`) and cuDNN's RNN kernels (`runtime/rnn_kernels.py`).
+    `gpu`: the GPU whose attention kernel choice is made (its compute capability: the one the
+    virtual device reports); None: the H100 of attention_choice.py."""
 
-    def __init__(self, device: str, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, device: str, autocast_dtype: torch.dtype | None,
+                 gpu: CudaTarget | None = None) -> None:
+        from ampscope.runtime.attention_choice import H100
+
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.gpu = gpu or H100
         self.attention: list = []  # AttentionChoice per SDPA call (CUDA only)
         self.rnn: list = []  # RnnChoice per nn.LSTM/GRU/RNN call (CUDA only)
         self._stack = contextlib.ExitStack()
@@ -323,7 +338,7 @@ class Emulation:
                 stack.enter_context(TargetAutocast(self.device, self.autocast_dtype))
             entry = device_type(self.device)
             if entry.attention == "cuda":
-                self.attention = stack.enter_context(cuda_attention())
+                self.attention = stack.enter_context(cuda_attention(self.gpu))
                 # The GPU's float16 GEMM: float32 accumulation, one rounding (half_matmul.py).
                 stack.enter_context(half_matmuls())
             if entry.rnn == "cudnn":
@@ -356,18 +371,20 @@ class Emulation:
     def kernel_notes(self, forward_ops: Sequence[str]) -> list[str]:
         """The kernels the emulation chose as the device would (attention, RNNs), or says it
         could not; `forward_ops` as for `notes`."""
-        from ampscope.runtime.attention_choice import H100
-
+        gpu = self.gpu
         notes: list[str] = []
         ran_ops = Counter(forward_ops)
-        kernels = {f"{c.backend} ({c.forward_op.removesuffix('.default')})": ran_ops[c.forward_op]
-                   for c in self.attention}
+        # The math path is a composite: its op is never recorded, only what it decomposes to,
+        # so its calls are the choices made (a replayed block's not among them).
+        chosen = Counter(c.forward_op for c in self.attention)
+        kernels = {f"{c.backend} ({c.forward_op.removesuffix('.default')})":
+                   ran_ops[c.forward_op] or chosen[c.forward_op] for c in self.attention}
         if kernels:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(
                 f"scaled_dot_product_attention ran the kernels PyTorch {torch.__version__.split('+')[0]} "
-                f"picks on an {H100.name} (sm{H100.capability[0]}{H100.capability[1]}, CUDA "
-                f"{H100.cuda_version[0]}.{H100.cuda_version[1]}, cuDNN {_cudnn(H100.cudnn_version)}) for "
+                f"picks on {_article(gpu.name)} {gpu.name} (sm{gpu.capability[0]}{gpu.capability[1]}, "
+                f"CUDA {gpu.cuda_version[0]}.{gpu.cuda_version[1]}, cuDNN {_cudnn(gpu.cudnn_version)}) for "
                 f"these dtypes and shapes: {ran}."
             )
         elif device_type(self.device).attention != "cuda":

@@ -11,7 +11,9 @@ would, for the duration of a `with` block, and undoes every change on exit:
   backing device and answers `tensor.device`, `.is_cuda`, `.get_device()` as the target;
 - `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*`, which torch's own
   optimizers, DataLoader and checkpointing ask, answer as one device of the emulated GPU:
-  available, its name, capability and memory from its entry in `hardware/device_types.py`; `synchronize` and events
+  available, its name, compute capability, memory and SM count those of the accelerator the
+  run asked for (`--gpu`), else of the default in `hardware/device_types.py` (an H100 for
+  cuda); `is_bf16_supported()` follows the capability as torch's own does; `synchronize` and events
   return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
 - `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
@@ -35,6 +37,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import cast
 
 import torch
@@ -176,16 +179,30 @@ class VirtualDevice:
     starts one rank per GPU, so a rank's `set_device(LOCAL_RANK)` must find its device), else 1.
     `set_device(k)` makes `current_device()` k and tensors on the target report `cuda:k`; every
     index is backed by the same CPU.
+
+    `accelerator` (a name of the hardware table, or an entry) is the GPU the device reports:
+    its title, memory, SM count and compute capability, which every capability-dependent choice
+    then follows (bf16 support here; the SDPA kernel, runtime/attention_choice.py, through the
+    `Emulation` the run gives the same capability). None: the device type's default (an H100
+    for cuda). An accelerator without a compute capability (an AMD MI300X, a hardware.toml
+    entry that gives none) cannot stand in for a CUDA device: the default stays, and a note
+    says so (`declined`).
     """
 
-    def __init__(self, target: str, *, accelerator: str | None = None,
+    def __init__(self, target: str, *, accelerator: str | hardware.Accelerator | None = None,
                  capability: tuple[int, int] | None = None, count: int | None = None) -> None:
         self.target = target
         self.count = count if count is not None else _local_world_size()
         entry = device_type(target)  # what the device reports, unless the caller says
-        name = accelerator or entry.accelerator
-        self.accelerator = hardware.by_name(name) if name is not None else None
-        self.capability = capability or entry.capability
+        asked = hardware.by_name(accelerator) if isinstance(accelerator, str) else accelerator
+        self.declined: hardware.Accelerator | None = None  # asked, but with no capability
+        if asked is not None and capability is None and asked.capability is None \
+                and entry.capability is not None:
+            self.declined, asked = asked, None
+        self.accelerator = asked or (hardware.by_name(entry.accelerator)
+                                     if entry.accelerator is not None else None)
+        self.capability = capability or (asked.capability if asked is not None else None) \
+            or entry.capability
         self.autocast = AutocastSlots(target)
         self.mode = DeviceMode(target)
         self.memory: Callable[[], tuple[int, int]] | None = None
@@ -260,7 +277,7 @@ class VirtualDevice:
                 (backend, "get_device_capability", lambda device=None: capability),
                 (backend, "get_device_properties",
                  lambda device=None: _Properties(accelerator, capability)),
-                (backend, "is_bf16_supported", lambda including_emulation=True: True),
+                (backend, "is_bf16_supported", partial(_bf16_supported, capability)),
                 (backend, "Event", _Event),
                 (backend, "Stream", _Stream),
                 (backend, "current_stream", lambda device=None: _Stream()),
@@ -391,6 +408,11 @@ class VirtualDevice:
             what += f", compute capability {self.capability[0]}.{self.capability[1]}"
         notes = [f"Code that asked which device it was on saw {self.target} ({what}): tensors "
                  "really lived on the CPU."]
+        if self.declined is not None:
+            notes.append(f"The virtual {self.target} device is not the asked {self.declined.title}"
+                         f" ({self.declined.name}): the hardware table gives it no CUDA compute "
+                         "capability, which every kernel choice depends on, so it kept its "
+                         "default.")
         if "compile" in self.used:
             notes.append(COMPILE_NOTE)
         notes += self.graphs.notes(self.target)
@@ -424,6 +446,14 @@ def _local_world_size() -> int:
 # torch.cuda calls a virtual device cannot answer truthfully, which a CUDA build without a GPU
 # would run as silent no-ops (it was never initialized): refused by name instead.
 _REFUSED = ("ipc_collect",)
+
+
+def _bf16_supported(capability: tuple[int, int], including_emulation: bool = True) -> bool:
+    """`torch.cuda.is_bf16_supported()` as torch's own answers on a GPU of `capability`: True
+    from compute capability 8.0 (Ampere); below it, True only while `including_emulation`,
+    because there torch tries to make a bfloat16 tensor on the device, which an older GPU does
+    (CUDA emulates its arithmetic in float32), so a plain call says True even on a V100 or T4."""
+    return capability >= (8, 0) or including_emulation
 
 
 def _refusing(backend: types.ModuleType, name: str) -> Callable:
