@@ -32,8 +32,8 @@ class DeviceType:
     build's own default, read from it. `accelerator` and `capability`: the accelerator (a name of
     the hardware table) and compute capability the virtual device reports when the run asks
     for none (`--gpu` names the one it is, runtime/virtual_device.py); None: it names none,
-    and an asked accelerator is only cuda's. `attention`: whose `scaled_dot_product_attention` kernel choice an emulated run
-    makes ("cuda": the backend PyTorch picks on that accelerator, runtime/attention_choice.py;
+    and an asked accelerator is only cuda's. `attention`: whose `scaled_dot_product_attention`
+    kernel choice an emulated run makes ("cuda": the backend PyTorch picks on that accelerator, runtime/attention_choice.py;
     "cpu": the CPU's kernels, said in a note). `rnn`: "cudnn" where the device's RNN layers run
     cuDNN's fused kernel (runtime/rnn_choice.py), "cpu" otherwise. What an emulated run
     cannot do (a custom kernel, a real collective) fails where it is called, in one line

@@ -382,10 +382,11 @@ class Emulation:
         if kernels:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(
-                f"scaled_dot_product_attention ran the kernels PyTorch {torch.__version__.split('+')[0]} "
-                f"picks on {_article(gpu.name)} {gpu.name} (sm{gpu.capability[0]}{gpu.capability[1]}, "
-                f"CUDA {gpu.cuda_version[0]}.{gpu.cuda_version[1]}, cuDNN {_cudnn(gpu.cudnn_version)}) for "
-                f"these dtypes and shapes: {ran}."
+                "scaled_dot_product_attention ran the kernels PyTorch "
+                f"{torch.__version__.split('+')[0]} picks on {_article(gpu.name)} {gpu.name} "
+                f"(sm{gpu.capability[0]}{gpu.capability[1]}, CUDA {gpu.cuda_version[0]}."
+                f"{gpu.cuda_version[1]}, cuDNN {_cudnn(gpu.cudnn_version)}) for these dtypes and "
+                f"shapes: {ran}."
             )
         elif device_type(self.device).attention != "cuda":
             notes.append(
