@@ -98,13 +98,16 @@ def flops(
     With the step's wall time — `step_time` seconds, or `measure=True` to time the untraced
     step on this machine's real device — the report adds throughput and MFU against `gpu`'s
     peaks (a name from `hardware.table()`, or an `Accelerator` of your own figures; default:
-    this machine's GPU, an H100 for emulated CUDA). An unknown name is refused at once. Given a
+    this machine's GPU, an H100 for emulated CUDA), which an emulated cuda setting's code also
+    sees as its device. An unknown name is refused at once. Given a
     `Trace`, the count is made from it, with nothing run again (`step_time` still applies)."""
     if isinstance(gpu, str):
         gpu = hardware.by_name(gpu) if gpu else None
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise AmpscopeError("the step time must be a positive number of seconds")
-    result = _traced(model, inputs, options, measure=measure)
+    # An emulated cuda setting runs on `gpu` as its virtual device too (api/tracing.py).
+    run = options if isinstance(model, Trace) else {**options, "gpu": gpu}
+    result = _traced(model, inputs, run, measure=measure)
     report = flop_report(result, tokens=tokens_of(result))
     report.predicted = predicted_step(result, gpu)
     if measure:

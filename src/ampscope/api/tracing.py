@@ -67,6 +67,7 @@ def trace(
     exact: bool = False,
     every_block: bool = False,
     values: bool = False,
+    gpu: str | hardware.Accelerator | None = None,
 ) -> Trace:
 
     """Run `workload` once under `setting` and return what every tensor's dtype was.
@@ -84,7 +85,10 @@ def trace(
     and dispatches every op: the same trace, slower. `values=True` also records what the
     values say (`Trace.values`: inf/NaN, activations near the format's limit, 16-bit updates
     that round away, judged by the checks AMP303, AMP304, AMP401): a real run, so `predict`
-    None means False then (`predict=True` records no values).
+    None means False then (`predict=True` records no values). `gpu` (a name of
+    `hardware.table()` or an `Accelerator`) is the GPU an emulated cuda setting's virtual
+    device is: what the model's code sees (name, memory, compute capability) and the kernels
+    chosen by capability (SDPA's); default: an H100.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when
@@ -94,11 +98,12 @@ def trace(
         predict = False  # values need real tensors
     options = RunOptions(workload, batch, seq, optimizer, new_tokens, seed, predict, checkpoint,
                          optimizer_impl, exact or every_block, values)
-    return trace_run(model, inputs, setting=setting, options=options)
+    return trace_run(model, inputs, setting=setting, options=options, gpu=gpu)
 
 
 def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None = None,
-              *, setting: str | Setting = "fp32", options: RunOptions = DEFAULT_OPTIONS) -> Trace:
+              *, setting: str | Setting = "fp32", options: RunOptions = DEFAULT_OPTIONS,
+              gpu: str | hardware.Accelerator | None = None) -> Trace:
     """`trace` with its run options as one `RunOptions` (what the CLI and `matrix` pass on)."""
     # Built and run outside the caller's inference_mode: its tensors cannot take part in a
     # train step (precision.applied sets the other modes the run needs).
@@ -110,11 +115,12 @@ def trace_run(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch
     setting = resolved(setting)
     with torch.inference_mode(False), exact_path(options.exact), gc_paused():
         try:
-            return exact_retry(lambda: _traced(model, inputs, setting, options, collecting),
+            return exact_retry(lambda: _traced(model, inputs, setting, options, collecting, gpu),
                                what="the step is traced")
         except _ValuesNeeded as needed:
             # Predicted by default, but the model reads a value: run it for real, and say why.
-            result = _traced(model, inputs, setting, replace(options, predict=False), collecting)
+            result = _traced(model, inputs, setting, replace(options, predict=False), collecting,
+                             gpu)
             result.notes.insert(0, f"Run for real: the model reads a tensor's value{needed.what}, "
                                    "which a fake tensor has none of.")
             return result
@@ -141,14 +147,15 @@ class _ValuesNeeded(Exception):
 
 
 def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch | None,
-            setting: Setting, options: RunOptions, collecting: bool) -> Trace:
+            setting: Setting, options: RunOptions, collecting: bool,
+            gpu: str | hardware.Accelerator | None = None) -> Trace:
     workload_name = options.workload_name
-    env = RunEnvironment(setting)
+    env = RunEnvironment(setting, gpu=gpu)
     lm, notes = plan(model, env, workload_name, options.optimizer, options.predict,
                      have_inputs=inputs is not None)
     predict = env.predict
     if not predict and inputs is None and options.batch * options.seq >= _PEAK_CHECK_TOKENS:
-        _check_peak(lm, setting, options)
+        _check_peak(lm, setting, options, gpu)
     with env.applied(lm.module):
         data = batch_for(lm, inputs, options, device=setting.run_device)
         if inputs is not None:
@@ -207,7 +214,8 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
 _PEAK_CHECK_TOKENS = 4096
 
 
-def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions) -> None:
+def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions,
+                gpu: str | hardware.Accelerator | None = None) -> None:
     """Refuse a real run whose predicted peak, plus the model as loaded, does not fit in the
     memory free here. (A model that reads values cannot be predicted: its real run, the
     fallback, is not checked.)"""
@@ -216,7 +224,8 @@ def _check_peak(lm: LoadedModel, setting: Setting, options: RunOptions) -> None:
     available = available_memory_bytes() if setting.run_device == "cpu" else None
     if available is None:
         return
-    predicted = trace_run(lm, None, setting=setting, options=replace(options, predict=True))
+    predicted = trace_run(lm, None, setting=setting, options=replace(options, predict=True),
+                          gpu=gpu)
     loaded = sum(p.numel() * p.element_size() for p in lm.module.parameters())
     needed = memory_report(predicted).peak.bytes + loaded
     if needed > available:
@@ -252,7 +261,8 @@ def matrix(
     `on_setting(i, name)` is called before setting i runs (for a progress display). `values`:
     as for `trace`. Each cuda setting's step is predicted on `gpu` (a name of
     `hardware.table()` or an `Accelerator`; default: this machine's GPU, an H100 for emulated
-    CUDA): the matrix's whole-run rows show its time, bound, tokens/s and MFU.
+    CUDA): the matrix's whole-run rows show its time, bound, tokens/s and MFU. An emulated
+    cuda setting also runs on `gpu` as its virtual device (as for `trace`).
     """
     if isinstance(gpu, str):
         gpu = hardware.by_name(gpu)  # an unknown name is refused before anything runs
@@ -273,14 +283,14 @@ def matrix(
         if on_setting is not None:
             on_setting(i, s.name)
         if s.device not in plans:
-            env = RunEnvironment(s)
+            env = RunEnvironment(s, gpu=gpu)
             lm, _ = plan(model, env, options.workload_name, options.optimizer, options.predict,
                          have_inputs=inputs is not None)
             plans[s.device] = (lm, env.predict)
         lm, decided = plans[s.device]
         try:
             traces.append(trace_run(lm, inputs, setting=s,
-                                    options=replace(options, predict=decided)))
+                                    options=replace(options, predict=decided), gpu=gpu))
         except Exception as e:  # noqa: BLE001 - one setting's failure is a column, not the end
             first_error = first_error or e
             failures.append((s.name, _why(e)))
@@ -297,17 +307,19 @@ def _why(e: Exception) -> str:
     return text if isinstance(e, AmpscopeError) else f"{type(e).__name__}: {text}"
 
 
-def capture(model: nn.Module, *, name: str | None = None,
-            device: str | None = None) -> contextlib.AbstractContextManager[Trace]:
+def capture(model: nn.Module, *, name: str | None = None, device: str | None = None,
+            gpu: str | hardware.Accelerator | None = None
+            ) -> contextlib.AbstractContextManager[Trace]:
     """`with ampscope.capture(model) as t: ...` records whatever runs inside into the Trace `t`.
 
     The model's own code, autocast regions and optimizer run as written; ampscope only watches.
     With `device` ("cuda", "mps", "xpu") on a machine that lacks it, the code inside runs on
-    the virtual device: it sees that device, and its autocast follows that device's policy.
+    the virtual device: it sees that device, and its autocast follows that device's policy;
+    `gpu` names the GPU an emulated cuda device is (as for `trace`).
     """
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
-    env = RunEnvironment(device=device)
+    env = RunEnvironment(device=device, gpu=gpu)
     recorder = env.capture(model, model_name=name, workload="custom", judge=judged,
                            explain_failure=_explain, device=device)
     if env.virtual is None:

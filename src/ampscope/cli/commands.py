@@ -80,7 +80,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     options, setting = _one_setting(args)
     with _run_progress(f"Tracing {args.model}: {args.workload} under {setting}…"):
-        result = trace(args.model, setting=setting, **options.as_kwargs())
+        # --gpu: the GPU an emulated cuda setting's code sees, as well as the one it is priced on
+        result = trace(args.model, setting=setting, gpu=args.accelerator, **options.as_kwargs())
     return _show_trace(args, result, page=lambda: _page([result], _step_reports(result)))
 
 
@@ -131,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             result = run_script(args.target, script_args, module=args.module,
                                 device=args.device, steps=args.steps, predict=args.predict,
                                 max_forwards=args.max_forwards, in_process=True,
-                                values=args.values)
+                                values=args.values, gpu=args.accelerator)
     if report is not None:  # --gpu's fit verdicts join the report before its JSON, page or view
         from ampscope.distributed.verdicts import verdicts
 

@@ -37,9 +37,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
+from ampscope.hardware import Accelerator
+from ampscope.hardware.device_types import device_type
 from ampscope.models.loading import load
 from ampscope.precision import Setting, applied, device_available
 from ampscope.runs.session import Capture, CaptureOptions
+from ampscope.runtime.attention_choice import CudaTarget
 from ampscope.runtime.emulation import Emulation
 from ampscope.runtime.predict import check_matmul_dtypes, fake_mode, gc_enabled, predicting
 from ampscope.runtime.virtual_autocast import target_default_dtype
@@ -64,10 +67,14 @@ class RunEnvironment:
     `setting`: what the run applies (its device is the target). `predict`: fake tensors.
     `device`: for a run with no setting of its own (a user's script, `capture`), the device
     its code should believe it has, emulated where missing; `virtual` forces the virtual
-    device where the device exists (to compare the two)."""
+    device where the device exists (to compare the two). `gpu`: the accelerator (`--gpu`: a
+    name of the hardware table, or its entry) an emulated cuda device is, its capability
+    followed by the virtual device's answers and the emulation's kernel choices alike; None,
+    or a device that is real or names no accelerator: the default (an H100 for cuda)."""
 
     def __init__(self, setting: Setting | None = None, *, predict: bool = False,
-                 device: str | None = None, virtual: bool | None = None) -> None:
+                 device: str | None = None, virtual: bool | None = None,
+                 gpu: str | Accelerator | None = None) -> None:
         self.setting = setting
         target = device if setting is None else setting.device
         if setting is not None:
@@ -80,7 +87,14 @@ class RunEnvironment:
         self.predict = predict  # decided later for a run that plans first (api/preparation.py)
         self._fake: FakeTensorMode | None = None
         # One virtual device for loading and running: a model built under it keeps its tags.
-        self.virtual = VirtualDevice(target) if emulated and target is not None else None
+        # Only a device type that reports an accelerator (cuda) takes the asked one.
+        self.virtual = VirtualDevice(
+            target, accelerator=gpu if device_type(target).accelerator is not None else None
+        ) if emulated and target is not None else None
+        # The GPU whose kernels the emulation chooses: the one the virtual device reports.
+        self.gpu = CudaTarget(self.virtual.accelerator.name.upper(), self.virtual.capability) \
+            if self.virtual is not None and self.virtual.accelerator is not None \
+            and self.virtual.capability is not None else None
         self.emulation: Emulation | None = None  # set while applied
 
     @property
@@ -106,7 +120,7 @@ class RunEnvironment:
         torch's global state and the model as they were afterwards, also on error) and the
         emulation in place."""
         assert self.setting is not None  # (a script run enters through its own contexts)
-        with applied(self.setting, model, fake=self.fake) as emulation:
+        with applied(self.setting, model, fake=self.fake, gpu=self.gpu) as emulation:
             self.emulation = emulation  # kept after the run: its notes read what it chose
             yield self
 
@@ -152,7 +166,7 @@ class RunEnvironment:
         if self.target is None:
             yield None
             return
-        with Emulation(self.target, target_default_dtype(self.target)) as emulation:
+        with Emulation(self.target, target_default_dtype(self.target), self.gpu) as emulation:
             self.emulation = emulation
             yield emulation
 

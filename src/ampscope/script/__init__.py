@@ -52,6 +52,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ampscope import hardware
 from ampscope.analysis.checks import judge
 from ampscope.analysis.diagnosis import FP16_GRADIENTS, diagnose, fp16_gradients_origin
 from ampscope.analysis.findings import plural
@@ -97,7 +98,8 @@ class _StopScript(BaseException):
 def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                device: str | None = None, steps: int = 1, predict: bool = False,
                virtual: bool | None = None, max_forwards: int | None = None,
-               in_process: bool = False, values: bool = False) -> Trace:
+               in_process: bool = False, values: bool = False,
+               gpu: str | hardware.Accelerator | None = None) -> Trace:
     """Run a script (`target` a path) or a module (`module=True`, `target` a dotted name) with
     `argv` as its arguments, stop it after `steps` optimizer steps (as its model's next
     forward pass begins, so the rest of the last step runs), and return what its model did. A
@@ -113,6 +115,9 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     Inside `ampscope.exact_path()` a predicted run takes no speed trick (`run --exact`).
     `values=True` also records what a real run's values say (Trace.values: inf/NaN, activations
     near the format's limit, 16-bit updates that round away); a predicted run has none.
+    `gpu` (a name of `hardware.table()` or an `Accelerator`, `--gpu`) is the GPU the virtual
+    cuda device is: its name, memory and compute capability, and the kernels chosen by it;
+    default: an H100.
 
     The script runs in a spawned child process, whose trace comes back as JSON; its output goes
     where the caller's goes. `in_process=True` runs it here, as the CLI does, and restores this
@@ -125,26 +130,33 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
         raise AmpscopeError("--max-forwards must be 0 (no bound) or more")
     if device is not None and device not in DEVICES:
         raise AmpscopeError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu)  # an unknown name is refused before anything runs
     label, run = runner(target, argv, module)  # a target that cannot run: refused here
     if not in_process:
         from ampscope.script.child import run_in_child
 
+        # The child finds the entry again by its name (the same table); figures given on a
+        # command line alone (`custom`) name no GPU to be.
+        named = gpu.name if gpu is not None and gpu.name in {a.name for a in hardware.table()} \
+            else None
         return run_in_child(target, list(argv), module=module, device=device, steps=steps,
                             predict=predict, virtual=virtual, max_forwards=max_forwards,
-                            exact=exact(), values=values)
+                            exact=exact(), values=values, gpu=named)
     saved = ProcessState.save()
     try:
         return _run_here(label, run, device=device, steps=steps, predict=predict,
-                         virtual=virtual, max_forwards=max_forwards, values=values)
+                         virtual=virtual, max_forwards=max_forwards, values=values, gpu=gpu)
     finally:
         saved.restore()
 
 
 def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
               predict: bool, virtual: bool | None, max_forwards: int | None,
-              values: bool = False) -> Trace:
+              values: bool = False, gpu: hardware.Accelerator | None = None) -> Trace:
     script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
-                        env=RunEnvironment(device=device, predict=predict, virtual=virtual),
+                        env=RunEnvironment(device=device, predict=predict, virtual=virtual,
+                                           gpu=gpu),
                         values=values)
     try:
         with contextlib.ExitStack() as stack:
