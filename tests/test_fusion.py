@@ -7,7 +7,9 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
+import ampscope
 from ampscope import hardware
 from ampscope.analysis.fusion import fuse, fused_runs, kernel_bytes
 from ampscope.analysis.op_time import op_time
@@ -153,3 +155,35 @@ def test_the_predicted_step_counts_the_compiled_kernels(traces):
     assert any(f"costed as {len(runs)} fused Inductor kernels" in n for n in compiled.notes)
     assert not any("Inductor" in n for n in eager.notes)
     assert compiled.seconds < eager.seconds
+
+
+def test_the_compile_setting_part_round_trips_and_marks_a_built_in_model():
+    from ampscope.precision.setting import parse_setting
+
+    s = parse_setting("cuda:fp32+compile+amp-bf16")
+    assert (s.name, s.compiled) == ("cuda:fp32+amp-bf16+compile", True)
+    assert parse_setting("fp32").compiled is False
+    trace = ampscope.trace("gpt2-tiny", setting="cuda:fp32+amp-bf16+compile", workload="train",
+                           batch=2, seq=16, predict=True)
+    step = [o for o in trace.ops if str(o.phase) in ("forward", "backward", "optimizer")]
+    # The model's forward and backward are compiled code; the optimizer's step is not.
+    assert all(o.compiled for o in step if str(o.phase) == "forward")
+    assert any(o.compiled for o in step if str(o.phase) == "backward")
+    assert not any(o.compiled for o in step if str(o.phase) == "optimizer")
+    eager = ampscope.trace("gpt2-tiny", setting="cuda:fp32+amp-bf16", workload="train",
+                           batch=2, seq=16, predict=True)
+    assert not any(o.compiled for o in eager.ops)
+    # The same ops in the same dtypes: compiling changes how they run, not what runs.
+    assert [(o.op, o.outputs) for o in eager.ops] == [(o.op, o.outputs) for o in trace.ops]
+    assert step_time(trace, A100).seconds < step_time(eager, A100).seconds
+
+
+def test_the_compile_setting_leaves_the_user_s_module_as_it_was():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    forward = model.forward
+    trace = ampscope.trace(model, setting="fp32+compile", workload="forward",
+                           inputs=torch.randn(4, 8))
+    assert all(o.compiled for o in trace.ops if str(o.phase) == "forward")
+    assert "forward" not in vars(model) and model.forward == forward

@@ -19,6 +19,7 @@ from torch import nn
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.precision import fp8, matmul
 from ampscope.precision.setting import Setting
+from ampscope.runtime.compiled import compiled_forward
 from ampscope.runtime.emulation import Emulation
 from ampscope.runtime.predict import fake_like, fake_parameter
 from ampscope.torchcompat import modules as module_state
@@ -252,6 +253,8 @@ def applied(setting: Setting, model: nn.Module | None = None, *, fake=None,
                     Emulation(setting.device, setting.autocast_dtype, gpu))
             if model is not None and setting.fp8 is not None:
                 _convert_to_fp8(stack, model, setting)
+            if model is not None and setting.compiled:
+                stack.enter_context(compiled_forward(model))
             matmul.set_matmul_precision(setting.matmul_precision)
             yield emulation
     finally:

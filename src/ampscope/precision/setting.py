@@ -2,12 +2,14 @@
 
 Grammar (see docs/settings.md)::
 
-    [DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]]
+    [DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]][+compile]
     DEVICE  cpu | cuda | mps | xpu      (default cpu); emulated when this machine has none
     PARAMS  fp32 | bf16 | fp16 | fp64   parameter dtype
     AMP     bf16 | fp16                 torch.autocast dtype ("+amp": the device's default)
     tf32    torch.set_float32_matmul_precision("high")
     fp8     torchao fp8 training; RECIPE one of torchao's (tensorwise, rowwise, ...; precision/fp8.py)
+    compile the model as `torch.compile(model)` runs it: eager, its ops marked compiled, so a
+            predicted step time costs them as Inductor's fused kernels (analysis/fusion.py)
 
 Applying a setting (and undoing it exactly) is `precision/apply.py`.
 
@@ -38,11 +40,11 @@ DTYPES: dict[str, torch.dtype] = {
 AUTOCAST_DTYPES = ("bf16", "fp16")
 DEVICES = tuple(DEVICE_TYPES)  # hardware/device_types.py: one entry a device
 GRAMMAR = (
-    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]] with DEVICE " + "|".join(DEVICE_TYPES)
+    "[DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]][+compile] with DEVICE " + "|".join(DEVICE_TYPES)
     + ", PARAMS "
     "fp32|bf16|fp16|fp64|native (native: every parameter as the model made it), AMP bf16|fp16, "
     "RECIPE a torchao float8 recipe; e.g. fp32, bf16, fp32+amp-bf16, native+amp-bf16, "
-    "fp32+tf32, cuda:fp32+amp-fp16, fp32+amp-bf16+fp8"
+    "fp32+tf32, cuda:fp32+amp-fp16, fp32+amp-bf16+fp8, fp32+amp-bf16+compile"
 )
 # The PARAMS part that converts nothing: each parameter keeps the dtype the model gave it.
 NATIVE = "native"
@@ -62,6 +64,7 @@ class Setting:
     matmul_precision: str  # "highest" or "high" (TF32)
     emulated: bool = False  # the device is absent: tensors live on the CPU, autocast is the device's
     fp8: str | None = None  # torchao float8 recipe ("tensorwise", "rowwise", ...); None: no fp8
+    compiled: bool = False  # the model runs as torch.compile (Inductor) would run it
 
     @property
     def run_device(self) -> str:
@@ -110,12 +113,15 @@ def parse_setting(text: str) -> Setting:
     autocast_dtype = None
     matmul_precision = "highest"
     fp8_recipe = None
+    compiled = False
     parts = [p for p in match["rest"].split("+") if p]
     if len(parts) != len(set(parts)):
         raise AmpscopeError(f"repeated part in setting {text!r}; the grammar is {GRAMMAR}")
     for part in parts:
         if part == "tf32":
             matmul_precision = "high"
+        elif part == "compile":
+            compiled = True
         elif part.startswith("amp") and autocast_dtype is not None:
             raise AmpscopeError(f"repeated part {part!r} in setting {text!r}; the grammar is {GRAMMAR}")
         elif part.startswith("amp-") and part[4:] in AUTOCAST_DTYPES:
@@ -135,10 +141,12 @@ def parse_setting(text: str) -> Setting:
         canonical += "+tf32"
     if fp8_recipe is not None:
         canonical += "+fp8-" + fp8.spelled(fp8_recipe)
+    if compiled:
+        canonical += "+compile"
     if device != "cpu":
         canonical = f"{device}:{canonical}"
     return Setting(canonical, device, DTYPES.get(params), autocast_dtype, matmul_precision,
-                   fp8=fp8_recipe)
+                   fp8=fp8_recipe, compiled=compiled)
 
 
 def _fp8_recipe(part: str, text: str) -> str:

@@ -63,6 +63,14 @@ def _marked(fn: Callable) -> Callable:
     return compiled
 
 
+@contextlib.contextmanager
+def compiled_forward(model: nn.Module) -> Iterator[None]:
+    """`model` run in the block as `torch.compile(model)` runs it under ampscope (eagerly, its
+    ops marked as compiled code's): the `+compile` part of a setting."""
+    with patched(model, "forward", _marked(model.forward)):
+        yield
+
+
 def _fuses(options: dict) -> bool:
     """Whether `torch.compile(..., **options)` compiles with Inductor, which fuses kernels."""
     return options.get("backend", "inductor") == "inductor"
