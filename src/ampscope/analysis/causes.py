@@ -1,29 +1,8 @@
 """Why a tensor changed dtype: every forward dtype change in a trace, with exactly one cause.
 
-A *dtype change* is a forward-phase aten op whose primary (first floating) output has another
-floating dtype than one of its floating inputs, or that turns non-floating activations (token
-ids) into floating ones with a floating parameter or buffer (an embedding lookup), or an
-explicit cast in user code to a floating dtype. Secondary outputs are statistics an op saves
-for backward (the logsumexp of CPU flash attention, the mean and rstd of layer_norm); they are
-float32 by the op's definition and carry no activation, so they are no change.
-
-The causes, tried in this order:
-
-- `autocast-policy`: a cast autocast inserted for the user-level function it ran under; cast to
-  the autocast dtype means the function is on autocast's lower-precision list, cast to float32
-  that it is on the float32 list (layer_norm, softmax on CUDA; cross_entropy on CPU).
-- `explicit-cast`: an op under a user call that casts on purpose (`x.float()`, `x.to(bf16)`).
-- `parameter-dtype` / `buffer-dtype`: a parameter or buffer's dtype decides the output, not the
-  activations' (an embedding whose weight is bf16 turns int ids into bf16).
-- `type-promotion`: floating inputs of different dtypes, and the output is the promoted one
-  (a bf16 branch added to a float32 residual gives float32).
-- `op-defined`: the function changes dtype by its own definition. The case met in real models:
-  a composite function that upcasts a reduced-precision input to float32, computes, and casts
-  the result back (`F.rms_norm` does this, on CPU with or without autocast). Its two casts run
-  while autocast is on and the capture marks them as autocast's, but autocast never casts an
-  op's *result*: the cast back gives it away, and both casts are the function's own. Two rarer
-  fallbacks: an in-place op keeps its destination's dtype, and an op may pick its output dtype
-  from an argument (`sum(dtype=...)`) that records do not keep.
+What counts as a dtype change, and the causes in the order they are tried, each with the
+reason it is told apart (autocast never casts a call's result; secondary outputs are float32 by
+the op's definition): docs/how-it-works.md, "Why a tensor changed dtype: causes".
 """
 
 from __future__ import annotations

@@ -2,15 +2,10 @@
 
 token ids → embedding → norm → q/k/v → attention → out proj → residual add → norm → MLP →
 residual add → … → lm_head → loss, each step with the dtypes in and out, and the casts
-autocast inserted under it. Drawn from the user-level calls of the trace's first step, for any
-model: a step is kept when it is one of the calls people draw (norms, linears, attention,
-activations, the loss), a residual add, or any call that changes a floating dtype. Identical
-consecutive blocks (`transformer.h.0` … `h.11`) are drawn once.
-
-A layer whose matmul ran in fp8 (torchao's Float8Linear) is drawn as one `linear` step, noted
-with the fp8 formats its operands held: they show a higher dtype outside, and autocast's cast of
-them to bf16 keeps their fp8 data. The recipe's own calls around it (scales from the amax, in
-float64; the casts into fp8; the bias's cast) are left out, as the findings sum them up.
+autocast inserted under it, drawn from the user-level calls of the trace's first step for any
+model. Which calls become steps: docs/how-it-works.md, "How the diagram chooses its steps"; a
+layer whose matmul ran in fp8 is one `linear` step noted with its operands' fp8 formats, the
+recipe's own calls around it left out (docs/fp8.md says why).
 
 Namesakes, the same concern at another layer: `render/diagram.py`."""
 

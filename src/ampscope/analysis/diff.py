@@ -18,33 +18,8 @@ How things are matched:
 - Tensors by name: parameters (dtype), gradients (`grad_dtype`), buffers, optimizer state
   (param, key), inputs, targets and outputs.
 
-JSON (`TraceDiff.to_dict()`, schema `ampscope.diff/1`); dtypes are torch names, a side that
-lacks a thing is `null`:
-
-    {"schema": "ampscope.diff/1",
-     "a": {"model": "gpt2", "setting": "fp32", "workload": "train"},   # likewise "b"
-     "summary": {"identical": false,
-                 "modules_changed": 24, "modules_only_a": 0, "modules_only_b": 0,
-                 "ops_changed": 60, "ops_only_a": 0, "ops_only_b": 12,
-                 "casts_a": 0, "casts_b": 23,          # autocast casts in each trace
-                 "casts_appeared": 23, "casts_disappeared": 0,
-                 "tensors_changed": 0, "tensors_only_a": 0, "tensors_only_b": 0},
-     "modules": [{"phase": "forward", "name": "transformer.h.0–11.attn.c_attn",
-                  "type": "Linear", "depth": 3, "repeats": 12, "note": "",
-                  "a": {"in": ["float32"], "out": ["float32"]},
-                  "b": {"in": ["float32"], "out": ["bfloat16"]}}],
-     "ops": [{"phase": "forward", "module": "transformer.h.0–11.attn.c_attn",
-              "op": "aten.addmm.default", "count": 12,
-              "a": {"in": [...], "out": [...]}, "b": {"in": [...], "out": [...]}}],
-     "casts": [{"phase": "forward", "module": "transformer.h.0–11.attn.c_attn",
-                "tensor": "transformer.h.0–11.attn.c_attn.weight",  # null: an activation
-                "from": "float32", "to": "bfloat16", "a": 0, "b": 12}],
-     "tensors": [{"category": "parameter", "name": "transformer.wte.weight",
-                  "a": "float32", "b": "bfloat16"}]}
-
-Tensor categories: "parameter", "gradient", "buffer", "optimizer state" (name
-"PARAM:KEY", e.g. "transformer.wte.weight:exp_avg"), "input", "target", "output".
-Counts in the summary are of calls, ops, casts and tensors, not of collapsed rows.
+JSON (`TraceDiff.to_dict()`, schema `ampscope.diff/1`): every field, with examples, in
+docs/json-schema.md.
 
 `timing` (None unless both steps were predicted on one GPU: `diff_traces(..., predicted=)`)
 says why one is faster (analysis/time_diff.py).

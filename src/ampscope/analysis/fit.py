@@ -6,15 +6,8 @@ what dominates the peak, and the report with its JSON (`ampscope.fit/1`).
 
 The search brackets the largest fitting batch between a batch that fits and one that does
 not, and only stops when they are neighbours, so its answer is two predicted runs, never an
-extrapolation. To get there in few runs it guesses: a storage's size is almost always affine
-in the batch (batch × sequence × width), so from two fitting probes the live bytes at every op
-are extrapolated to the largest batch whose every op stays within the budget; that guess and
-the batch after it are then probed. A wrong guess costs a probe and falls back on bisection.
-
-On a CUDA setting a batch fits when the caching allocator's reserved peak does (a GPU runs out
-of memory on what the allocator reserved, not on what tensors hold): every probe replays its
-own storages through the allocator, so the answer's reserved peak is always a replay, never an
-extrapolation; the guess only lowers the budget by the largest reserved gap a probe showed.
+extrapolation; how it guesses (live bytes affine in the batch) and why a CUDA setting holds the
+reserved peak to the budget: docs/fit.md, "The search".
 
 Namesakes, the same concern at another layer: `api/fit.py`, `cli/fit.py`, `render/fit.py`."""
 

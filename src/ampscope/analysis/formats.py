@@ -4,30 +4,12 @@
 - `store(text, name)` says how one format stores one decimal value: `Stored`.
 - `formats_report(values)` gathers both for `ampscope formats [VALUE ...]`.
 
-Where the facts come from:
-
-- max, smallest normal and eps come from `torch.finfo`; the layout (sign/exponent/mantissa
-  bits, bias, which of inf and NaN exist) is written down in `LAYOUTS` (format_table.py) from each format's
-  definition and checked against `torch.finfo` and torch's own bit decoding in the tests.
-  Where finfo contradicts the layout it is reported, not followed: torch's
-  `finfo(float8_e5m2fnuz).eps` is 0.125 (c10's `numeric_limits::epsilon()` returns the bit
-  pattern 0x34), but with 2 mantissa bits the gap after 1.0 is 0.25 (1.0 is 0x40, 1.25 is 0x41).
-- tf32 is not a torch dtype (tensor cores read float32 and keep 10 of its 23 mantissa bits), so
-  its facts follow from its definition, 1/8/10 bits with float32's bias, and its stored values
-  are float32 rounded to 10 mantissa bits, nearest-even (see `_round_to_tf32`).
-- Stored values are what torch stores, computed on the CPU: `torch.tensor(x,
-  dtype=torch.float64).to(dtype)`, the bits read back with `.view(torch.int16)` and the like.
-  c10's BFloat16, Half and Float8 types are constructed from a float, so a value that is not a
-  float32 number is rounded twice (decimal -> float64 -> float32 -> format); next to a tie the
-  result can be one step from the nearest value, which `Stored.nearest` flags. The error and
-  the status are measured against the exact decimal the user wrote (`Fraction`), not against
-  its float64. What torch does beyond a format's range is measured, not assumed
-  (`FormatFacts.overflow`, `.infinity`): in torch 2.13 float8_e4m3fn saturates to ±448, inf
-  included; the fnuz formats give NaN; float8_e8m0fnu drops the sign and has no zero.
-
-`digits` is mantissa_bits·log10(2) = -log10(eps): how many decimal digits the format resolves
-next to 1.0 (numpy's `finfo.precision` and torch's `finfo.resolution` = 10^-floor(digits) use the
-same measure). Counting the implicit leading bit, (mantissa_bits + 1)·log10(2), adds 0.3.
+The layout of each format is written down in `LAYOUTS` (format_table.py) and checked against
+`torch.finfo` and torch's own bit decoding in the tests; stored values are what torch's cast
+stores, computed on the CPU (`torch.tensor(x, dtype=torch.float64).to(dtype)`, the bits read
+back through an integer view). Where the facts come from and why (finfo's eps of
+float8_e5m2fnuz, tf32 from its definition, a value rounded twice through float32, what torch
+does beyond a format's range, `digits`): docs/formats.md.
 
 Namesakes, the same concern at another layer: `render/formats.py`."""
 
