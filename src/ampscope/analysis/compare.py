@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ampscope.analysis.flops import predicted_dict
-from ampscope.analysis.flow import collapse_blocks, dtypes
+from ampscope.analysis.flow import collapse_blocks, dtypes, first_step
 from ampscope.analysis.fp8 import fp8_module_notes
 from ampscope.analysis.step_time import StepTime
-from ampscope.records import ModuleCall, SettingRecord, Trace, module_label
+from ampscope.records import SettingRecord, Trace, module_label
 from ampscope.records.table import Table, table
 
 # (in dtypes, out dtypes, matmul): what a module did under one setting; None: not run. `matmul`
@@ -138,18 +138,6 @@ class Matrix:
         return self.table().to_dataframe()
 
 
-def _first_step(trace: Trace) -> list[ModuleCall]:
-    """Forward module calls of the first call of the model (sampling calls it once a token)."""
-    calls: list[ModuleCall] = []
-    for c in trace.modules:
-        if c.phase != "forward":
-            continue
-        if c.depth == 0 and calls:
-            break
-        calls.append(c)
-    return calls
-
-
 def _module_rows(traces: list[Trace]) -> list[MatrixRow]:
     """Rows in the first trace's call order; modules only some settings ran are appended."""
     per_trace: list[dict[tuple[str, int], Cell]] = []
@@ -159,7 +147,7 @@ def _module_rows(traces: list[Trace]) -> list[MatrixRow]:
         cells: dict[tuple[str, int], Cell] = {}
         occurrences: Counter = Counter()
         fp8 = fp8_module_notes(trace)
-        for c in _first_step(trace):
+        for c in first_step(trace.modules):
             key = (c.name, occurrences[c.name])  # a module called twice has two rows
             occurrences[c.name] += 1
             cells[key] = (dtypes(c.inputs), dtypes(c.outputs), fp8.get(c.name, ""))

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from typing import cast
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
-from ampscope.analysis.flow import FlowRow, collapse_blocks
+from ampscope.analysis.flow import FlowRow, collapse_blocks, first_step
 from ampscope.analysis.fp8 import fp8_findings, fp8_modules
 from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
@@ -283,7 +283,7 @@ def _where(cs: list[DtypeChange], limit: int = 2) -> str:
 def activation_findings(trace: Trace, changes: list[DtypeChange]) -> list[Finding]:
     """Where activations enter each floating dtype, from module outputs in dataflow order
     (a module's output exists when it returns: children before their parent)."""
-    flow = [(c, d) for c in _post_order(_first_step(trace.modules))
+    flow = [(c, d) for c in _post_order(first_step(trace.modules))
             if (d := next((m.dtype for m in c.outputs if m.dtype in FLOATS), None))]
     if not flow:
         return []
@@ -325,18 +325,6 @@ def activation_findings(trace: Trace, changes: list[DtypeChange]) -> list[Findin
         f"Activations are {runs[0][0][1]} out of {module_label(runs[0][0][0].name)}, enter "
         f"{first[0][1]} at {module_label(first[0][0].name)} and go back and forth: "
         f"{'; '.join(parts)}.", cause, source)]
-
-
-def _first_step(modules: list[ModuleCall]) -> list[ModuleCall]:
-    """Forward module calls up to the second call of the outermost module (sampling steps)."""
-    out: list[ModuleCall] = []
-    for m in modules:
-        if m.phase != "forward":
-            continue
-        if out and m.depth == 0:
-            break
-        out.append(m)
-    return out
 
 
 def _post_order(calls: list[ModuleCall]) -> list[ModuleCall]:

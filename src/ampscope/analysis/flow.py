@@ -87,6 +87,13 @@ def _steps(calls: Sequence[ModuleCall]) -> list[list[ModuleCall]]:
     return steps
 
 
+def first_step(calls: Sequence[ModuleCall]) -> list[ModuleCall]:
+    """Forward module calls of the first call of the outermost module (sampling calls the model
+    once a token)."""
+    steps = _steps([c for c in calls if c.phase == "forward"])
+    return steps[0] if steps else []
+
+
 # Workloads whose repeated forward passes are steps: a training run's (micro-)steps, generate's
 # decode steps. Any other (a script that never reached an optimizer step: "forward", a custom
 # callable) only ran passes of its model; "× 10000 steps" would claim steps that never ran.
