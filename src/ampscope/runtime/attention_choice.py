@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -95,6 +96,16 @@ class SdpFlags:
         )
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a size-0 dimension strides as size 1)."""
+    strides: list[int] = []
+    n = 1
+    for size in reversed(shape):
+        strides.insert(0, n)
+        n *= max(size, 1)
+    return tuple(strides)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What the selection rules look at in a tensor; `stride` None means contiguous."""
@@ -107,12 +118,7 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.stride is None:
-            strides: list[int] = []
-            n = 1
-            for size in reversed(self.shape):
-                strides.insert(0, n)
-                n *= max(size, 1)
-            object.__setattr__(self, "stride", tuple(strides))
+            object.__setattr__(self, "stride", contiguous_strides(self.shape))
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -140,9 +146,6 @@ class AttentionChoice:
     forward_op: str
     backward_op: str | None  # None for math: its backward is that of the decomposed ops
     reasons: tuple[str, ...]
-
-
-_OPS = SDPA_OP_NAMES  # forward and backward op of each backend
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def choose_backend(
         else:
             continue
         if reason is None:
-            forward, backward = _OPS[backend]
+            forward, backward = SDPA_OP_NAMES[backend]
             return AttentionChoice(backend, f"aten.{forward}.default",
                                    backward and f"aten.{backward}.default", tuple(reasons))
         reasons.append(f"{backend}: {reason}")

@@ -29,12 +29,9 @@ from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding
 aten = torch.ops.aten
 
 
-# -- CPU kernels for the CUDA-only ops: fp32 math, outputs laid out as the Meta kernels say
-
-def _no_autocast() -> contextlib.AbstractContextManager:
-    # Ops called from a kernel re-enter the dispatcher; they must not be autocast again.
-    return no_autocast("cpu")
-
+# -- CPU kernels for the CUDA-only ops: fp32 math, outputs laid out as the Meta kernels say.
+# Each runs under no_autocast("cpu"): ops called from a kernel re-enter the dispatcher, and
+# must not be autocast again.
 
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:  # GQA: query head h uses t[h // g]
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
@@ -103,7 +100,7 @@ def _matching_layout(q: torch.Tensor, shape) -> torch.Tensor:  # alloc_with_matc
 
 
 def _flash_fwd(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-    with _no_autocast():
+    with no_autocast("cpu"):
         out, lse, seed = _forward(q, k, v, None, dropout_p, is_causal, scale)
         rng_state = torch.tensor([seed, 0], dtype=torch.uint64)
         return (torch.empty_like(q).copy_(out), lse, None, None, q.shape[2], k.shape[2],
@@ -114,7 +111,7 @@ def _flash_bwd(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, i
                rng_state, unused, *, scale=None):
     if grad is None:  # an undefined grad_out, as the CUDA kernels handle it
         return None, None, None
-    with _no_autocast():
+    with no_autocast("cpu"):
         seed = int(rng_state[0].to(torch.int64))
         dq, dk, dv, _ = _backward(grad, q, k, v, out, lse, None, dropout_p, is_causal, scale, seed)
         return tuple(torch.empty_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))
@@ -122,7 +119,7 @@ def _flash_bwd(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, i
 
 def _efficient_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                    scale=None):
-    with _no_autocast():
+    with no_autocast("cpu"):
         out, lse, seed = _forward(q, k, v, attn_bias, dropout_p, is_causal, scale)
         b, h, seq_q, _ = q.shape
         padded = torch.zeros(b, h, -(-seq_q // 32) * 32 if compute_log_sumexp else 0,
@@ -137,7 +134,7 @@ def _efficient_bwd(grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, 
                    is_causal=False, *, scale=None):
     if grad is None:
         return None, None, None, None
-    with _no_autocast():
+    with no_autocast("cpu"):
         lse = lse[..., : q.shape[2]]
         dq, dk, dv, ds = _backward(grad, q, k, v, out, lse, attn_bias, dropout_p, is_causal, scale,
                                    int(seed))
@@ -152,7 +149,7 @@ def _efficient_bwd(grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, 
 
 def _cudnn_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                return_debug_mask=False, *, scale=None):
-    with _no_autocast():
+    with no_autocast("cpu"):
         out, lse, seed = _forward(q, k, v, attn_bias, dropout_p, is_causal, scale)
         res = _matching_layout(q, (*q.shape[:3], v.shape[-1]))
         return (res.copy_(out), lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2],
@@ -163,7 +160,7 @@ def _cudnn_bwd(grad, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, m
                dropout_p, is_causal, *, scale=None):
     if grad is None:
         return None, None, None
-    with _no_autocast():
+    with no_autocast("cpu"):
         dq, dk, dv, _ = _backward(grad, q, k, v, out, lse.squeeze(-1), attn_bias, dropout_p,
                                   is_causal, scale, int(seed))
         return tuple(torch.empty_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv)))

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 
 from ampscope.patches import patched
-from ampscope.runtime.attention_choice import H100, CudaTarget
+from ampscope.runtime.attention_choice import H100, CudaTarget, contiguous_strides
 from ampscope.runtime.autocast_key import cpu_key_enabled, eligible
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
@@ -277,18 +277,9 @@ def _flatten_weight(weight_arr, weight_stride0, input_size, mode, hidden_size, p
     for w in weight_arr:
         buf.narrow(0, offset, w.numel()).view(w.shape).copy_(w)
         # set_(storage, ...) as set_(Tensor) does in C++: storage shared, no view made
-        w.set_(buf.untyped_storage(), offset, w.shape, _contiguous_strides(w.shape))
+        w.set_(buf.untyped_storage(), offset, w.shape, contiguous_strides(w.shape))
         offset += w.numel()
     return buf
-
-
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    strides: list[int] = []
-    n = 1
-    for size in reversed(shape):
-        strides.insert(0, n)
-        n *= max(size, 1)
-    return strides
 
 
 def _is_acceptable(tensor: torch.Tensor) -> bool:
