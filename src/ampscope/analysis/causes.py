@@ -21,6 +21,7 @@ CAUSES = ("autocast-policy", "explicit-cast", "parameter-dtype", "buffer-dtype",
 _CAST_OP = TO_COPY_NAME
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,11 @@ def _cause(o: OpCall, out: str, call: FunctionCall | None, explicit: bool, round
     return "op-defined", f"{func} returns {out}"
 
 
-def group(changes: Iterable[DtypeChange], key: Callable[[DtypeChange], K]
-          ) -> dict[K, list[DtypeChange]]:
-    """Changes grouped by `key`, groups in order of first appearance."""
-    groups: dict[K, list[DtypeChange]] = {}
-    for c in changes:
-        groups.setdefault(key(c), []).append(c)
+def group(items: Iterable[T], key: Callable[[T], K]) -> dict[K, list[T]]:
+    """Items (changes, ops) grouped by `key`, groups in order of first appearance."""
+    groups: dict[K, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
     return groups
 
 

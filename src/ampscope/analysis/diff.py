@@ -29,10 +29,11 @@ Namesakes, the same concern at another layer: `render/diff.py`."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ampscope.analysis.causes import group
 from ampscope.analysis.flow import FlowRow, collapse_blocks, collapse_steps, dtypes, repeat_unit
 from ampscope.analysis.step_time import StepTime
 from ampscope.analysis.time_diff import TimeDiff, time_diff
@@ -268,20 +269,13 @@ def _module_changes(a: Sequence[ModuleCall], b: Sequence[ModuleCall],
     return tuple(out)
 
 
-def _group(ops: Sequence[OpCall], key: Callable[[OpCall], K]) -> dict[K, list[OpCall]]:
-    groups: dict[K, list[OpCall]] = defaultdict(list)
-    for o in ops:
-        groups[key(o)].append(o)
-    return groups
-
-
 def _op_changes(a: Sequence[OpCall], b: Sequence[OpCall]) -> tuple[OpChange, ...]:
     """Per (phase, module), the ops left over once what both ran alike cancels out."""
     def where(o: OpCall) -> tuple[str, str | None]:
         return o.phase, o.module
 
-    ga = _group([o for o in a if not o.autocast_cast], where)
-    gb = _group([o for o in b if not o.autocast_cast], where)
+    ga = group([o for o in a if not o.autocast_cast], where)
+    gb = group([o for o in b if not o.autocast_cast], where)
     rows: list[FlowRow] = []  # name: module, kind: op, inputs/outputs: packed sides, note: phase
     for phase, module in _merge_keys(list(ga), list(gb)):
         left_a = _leftover(ga.get((phase, module), []), gb.get((phase, module), []))
