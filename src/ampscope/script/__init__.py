@@ -145,29 +145,22 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
                             exact=exact(), values=values, gpu=named)
     saved = ProcessState.save()
     try:
-        return _run_here(label, run, device=device, steps=steps, predict=predict,
-                         virtual=virtual, max_forwards=max_forwards, values=values, gpu=gpu)
+        script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
+                            env=RunEnvironment(device=device, predict=predict, virtual=virtual,
+                                               gpu=gpu),
+                            values=values)
+        try:
+            with contextlib.ExitStack() as stack:
+                script.enter(stack)
+                script.run(run)
+        except (AmpscopeError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            raise _script_error(e, label, script.capture, script.env.target,
+                                script.values_read if predict else None) from e
+        return script.trace()
     finally:
         saved.restore()
-
-
-def _run_here(label: str, run: Callable[[], None], *, device: str | None, steps: int,
-              predict: bool, virtual: bool | None, max_forwards: int | None,
-              values: bool = False, gpu: hardware.Accelerator | None = None) -> Trace:
-    script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
-                        env=RunEnvironment(device=device, predict=predict, virtual=virtual,
-                                           gpu=gpu),
-                        values=values)
-    try:
-        with contextlib.ExitStack() as stack:
-            script.enter(stack)
-            script.run(run)
-    except (AmpscopeError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        raise _script_error(e, label, script.capture, script.env.target,
-                            script.values_read if predict else None) from e
-    return script.trace()
 
 
 class _ScriptRun:
@@ -177,9 +170,7 @@ class _ScriptRun:
     def __init__(self, label: str, *, steps: int, max_forwards: int | None,
                  env: RunEnvironment, values: bool = False) -> None:
         self.env = env  # the device it believes it has (virtual where missing), fake or real
-        device, predict = env.device, env.predict
-        self.label, self.steps, self.max_forwards, self.predict = label, steps, max_forwards, \
-            predict
+        self.label, self.steps, self.max_forwards = label, steps, max_forwards
         self.taken = self.forwards = 0
         self.grads: dict[int, str] = {}  # id(parameter): the dtype of its gradient at a step
         # "steps", "bound" (max_forwards), or how the script failed after its last step
@@ -188,20 +179,18 @@ class _ScriptRun:
         self.bound, self.had_optimizer = 0, False
         self.exited: int | None = None  # the status of an os._exit the script called
         self.status = 0  # the status the script ended with, as `python SCRIPT` would exit
-        self.device = device
         self.made = Instances()  # every module the script makes
         self.optimizers = Instances()  # and every optimizer
         # torch.compile: eager; its module wrapper is no model of the script's, what it wraps is
         self.compiled = EagerCompile(on_wrapper=self.made.discard)
         self.capture = env.capture(
-            None, workload="script", judge=judged, thin=predict,
+            None, workload="script", judge=judged, thin=env.predict,
             on_model_forward=self._count_forward, candidates=self.made,
-            optimizers=self.optimizers, device=device,
+            optimizers=self.optimizers, device=env.device,
             rank_roles=True, values=values)
-        self.target, self.fake = env.virtual, env.fake
         self.values_read: list[str] = []  # lines whose .item() of a fake tensor returned NaN
         self.values_answered: list[str] = []  # library lines whose truth tests were answered
-        self.files = ScriptFiles(predict)
+        self.files = ScriptFiles(env.predict)
         self.ending = Ending()
 
     def _count_step(self, optimizer, args, kwargs) -> None:
@@ -226,22 +215,18 @@ class _ScriptRun:
             self.stopped = "steps"
             raise _StopScript
         self.forwards += 1
-        bound = self._bound()
+        # The passes without a step allowed now: `max_forwards` as given, or by default fewer
+        # while the script has made no optimizer (it cannot be about to step).
+        bound = self.max_forwards if self.max_forwards is not None else (
+            MAX_FORWARDS if self.optimizers else MAX_FORWARDS_NO_OPTIMIZER)
         if bound and self.forwards > bound:
             self.stopped, self.bound = "bound", bound
             self.had_optimizer = bool(self.optimizers)  # (gone once the script's globals are)
             raise _StopScript
 
-    def _bound(self) -> int:
-        """The passes without a step allowed now: `max_forwards` as given, or by default fewer
-        while the script has made no optimizer (it cannot be about to step)."""
-        if self.max_forwards is not None:
-            return self.max_forwards
-        return MAX_FORWARDS if self.optimizers else MAX_FORWARDS_NO_OPTIMIZER
-
     def enter(self, stack: contextlib.ExitStack) -> None:
         """Everything the script runs under, innermost last."""
-        target, fake = self.target, self.fake
+        target, fake = self.env.virtual, self.env.fake
         stack.enter_context(leaving_workers())  # first: it records the state before the run
         stack.enter_context(self.env.emulated())
         if fake is not None:
@@ -261,7 +246,7 @@ class _ScriptRun:
     def run(self, run: Callable[[], None]) -> None:
         """The script, to its end or its stop; then its end as the interpreter would make it
         (os._exit skips it all)."""
-        handlers = _log_handlers()
+        handlers = {h for logger in _loggers() for h in logger.handlers}  # every one now
         try:
             self._guarded(run)
         except _StopScript:
@@ -317,7 +302,7 @@ class _ScriptRun:
                                 "package.module:factory`)")
         result = self.capture.finish()
         self._stepped_gradients(result)
-        result.mode = "predict" if self.predict else "run"
+        result.mode = "predict" if self.env.predict else "run"
         result.workload = "train" if self.taken else "forward"
         notes = self._notes(result)
         for note in notes:
@@ -343,11 +328,8 @@ class _ScriptRun:
             for r in result.parameters]
 
     def _notes(self, result: Trace) -> list[str]:
-        taken = self.taken
-        notes = [_ending(self.label, self.stopped, self.exited, taken, self.bound,
-                         defaulted=self.max_forwards is None, optimizer=self.had_optimizer)]
-        notes += pass_notes(result, taken)
-        if self.predict:
+        notes = [self._ending(), *pass_notes(result, self.taken)]
+        if self.env.predict:
             notes.append("Predicted: every parameter and buffer became a fake tensor as the "
                          "model was built, so no weight was kept in memory; the data stayed "
                          "real.")
@@ -359,42 +341,34 @@ class _ScriptRun:
                          "(nothing out of range, no inf or NaN), which changes no dtype or shape.")
         return notes + self.files.notes()
 
-
-def _ending(label: str, stopped: str | None, exited: int | None, taken: int, bound: int, *,
-            defaulted: bool = False, optimizer: bool = True) -> str:
-    """The note that says how the script's run ended (`bound`: the passes without a step it
-    was stopped after; `defaulted`: that bound was the default, `optimizer`: for a script that
-    had made an optimizer)."""
-    if stopped == "steps":
-        return (f"{label} was stopped after its {nth(taken)} optimizer step, as its model's "
-                "next forward pass began.")
-    if stopped == "bound":  # what was traced, why it stopped, and how to let it run on
-        since, held = ("without an optimizer step", f"those {bound:,} passes and no "
-                       "optimizer step") if not taken else (
-            f"since its {nth(taken)} optimizer step",
-            f"its {plural(taken, 'optimizer step')} and the {bound:,} passes after")
-        why = f"--max-forwards {bound}"
-        if defaulted:
-            why += (f", the default for a script that has made {'an' if optimizer else 'no'} "
-                    "optimizer")
-        return (f"{label} was stopped after {bound:,} forward passes of its model {since} "
-                f"({why}): the trace holds {held}; raise --max-forwards, or give 0 for no "
-                "bound, to let it run on.")
-    if stopped is not None:  # failed after its last step
-        return (f"After its {nth(taken)} optimizer step, {label} {stopped}; the trace holds "
-                "the run up to there.")
-    how = "ended with os._exit(0)" if exited is not None else "ran to its end"
-    return f"{label} {how} ({plural(taken, 'optimizer step')})."
+    def _ending(self) -> str:
+        """The note that says how the script's run ended."""
+        label, taken, bound, stopped = self.label, self.taken, self.bound, self.stopped
+        if stopped == "steps":
+            return (f"{label} was stopped after its {nth(taken)} optimizer step, as its model's "
+                    "next forward pass began.")
+        if stopped == "bound":  # what was traced, why it stopped, and how to let it run on
+            since, held = ("without an optimizer step", f"those {bound:,} passes and no "
+                           "optimizer step") if not taken else (
+                f"since its {nth(taken)} optimizer step",
+                f"its {plural(taken, 'optimizer step')} and the {bound:,} passes after")
+            why = f"--max-forwards {bound}"
+            if self.max_forwards is None:
+                why += (", the default for a script that has made "
+                        f"{'an' if self.had_optimizer else 'no'} optimizer")
+            return (f"{label} was stopped after {bound:,} forward passes of its model {since} "
+                    f"({why}): the trace holds {held}; raise --max-forwards, or give 0 for no "
+                    "bound, to let it run on.")
+        if stopped is not None:  # failed after its last step
+            return (f"After its {nth(taken)} optimizer step, {label} {stopped}; the trace holds "
+                    "the run up to there.")
+        how = "ended with os._exit(0)" if self.exited is not None else "ran to its end"
+        return f"{label} {how} ({plural(taken, 'optimizer step')})."
 
 
 def _loggers() -> list[logging.Logger]:
     return [logging.getLogger(), *(x for x in logging.root.manager.loggerDict.values()
                                    if isinstance(x, logging.Logger))]
-
-
-def _log_handlers() -> set[logging.Handler]:
-    """Every handler of every logger now."""
-    return {h for logger in _loggers() for h in logger.handlers}
 
 
 def _close_log_handlers(before: set[logging.Handler]) -> None:
