@@ -98,10 +98,10 @@ def test_numerics_refuses_other_workloads():
 
 
 def test_a_nan_divergence_is_written_as_nan_not_minus_inf():
-    from ampscope.analysis.numerics import _finite
+    from ampscope.analysis.numerics import Divergence, _div
 
-    assert _finite(float("nan")) == "nan"
-    assert (_finite(float("inf")), _finite(float("-inf")), _finite(0.5)) == ("inf", "-inf", 0.5)
+    written = _div(Divergence(float("nan"), float("inf"), 0.5, float("-inf")))
+    assert written == {"rel_l2": "nan", "max_abs": "inf", "cosine": 0.5, "sqnr_db": "-inf"}
 
 
 def test_an_emulated_numerics_setting_is_named_in_the_header():

@@ -88,7 +88,7 @@ class FormatFacts:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {k: _json_float(v) if isinstance(v, float) else v
+        return {k: json_float(v) if isinstance(v, float) else v
                 for k, v in asdict(self).items()} | {"notes": list(self.notes)}
 
 
@@ -104,7 +104,7 @@ class Stored:
     nearest: bool | None  # no value of the format is closer; None when either is inf or NaN
 
     def to_dict(self) -> dict:
-        return {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {k: json_float(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class ValueReport:
     stored: tuple[Stored, ...]
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "value": _json_float(self.value),
+        return {"text": self.text, "value": json_float(self.value),
                 "stored": [s.to_dict() for s in self.stored]}
 
 
@@ -132,7 +132,7 @@ class FormatsReport:
                 "values": [v.to_dict() for v in self.values]}
 
 
-def _json_float(x: float) -> float | str:
+def json_float(x: float) -> float | str:
     """JSON has no inf or NaN: write them as the strings "inf", "-inf", "nan"."""
     return x if math.isfinite(x) else str(x)
 

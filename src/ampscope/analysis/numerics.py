@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ampscope.analysis.flow import split_block
+from ampscope.analysis.format_table import json_float
 from ampscope.runs.values import CastValues, Values
 
 SCHEMA = "ampscope.numerics/1"
@@ -292,15 +293,8 @@ class NumericsReport:
         }
 
 
-def _finite(x: float) -> float | str:
-    """A number as strict JSON holds it: infinities and NaN as the strings "inf", "-inf", "nan"."""
-    if math.isnan(x):
-        return "nan"
-    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
 def _div(d: Divergence) -> dict:
-    return {k: _finite(v) for k, v in asdict(d).items()}
+    return {k: json_float(v) for k, v in asdict(d).items()}
 
 
 def _setting_dict(s: SettingNumerics) -> dict:
