@@ -31,8 +31,7 @@ from ampscope.distributed.report import DistributedReport, RankReport, summarize
 from ampscope.records import STORAGE_CATEGORIES, Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
-from ampscope.render.numerics import _err as divergence_text
-from ampscope.render.numerics import distinct_names
+from ampscope.render.numerics import depth_rows, distinct_names
 from ampscope.render.plots import (
     divergence_by_depth_svg,
     flops_by_module_svg,
@@ -168,16 +167,7 @@ def numerics_body(reports: Sequence[NumericsReport]) -> Markup:
 
 
 def _numerics(report: NumericsReport) -> Markup:
-    rows: list[list[str]] = []
-    if report.settings:
-        first = report.settings[0]
-        rows = [[f"{b.container}.{b.index}"] + [
-            divergence_text(s.blocks[i].divergence) if i < len(s.blocks) else "—"
-            for s in report.settings] for i, b in enumerate(first.blocks)]
-        roots = [next((m.divergence for m in s.modules if m.name == ""), None)
-                 for s in report.settings]
-        rows.append(["model output", *map(divergence_text, roots)])
-        rows.append(["loss", *(divergence_text(s.loss) for s in report.settings)])
+    rows = depth_rows(report) if report.settings else []
     columns = ("where", *(s.setting for s in report.settings))
     fp8 = compare_fp8_casts(report)
     fp8_names = distinct_names([t.setting for t in fp8.totals]) if fp8 else []

@@ -39,22 +39,15 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
                     "dtypes, the CPU's kernels and rounding)", style="dim")
     settings = [s.setting for s in report.settings]
     depth = titled_table("Divergence by depth", "where", *settings, right=settings)
-    first = report.settings[0]
-    for i, block in enumerate(first.blocks):
-        depth.add_row(f"{block.container}.{block.index}",
-                      *(_err(s.blocks[i].divergence) if i < len(s.blocks) else "—"
-                        for s in report.settings))
-    root = {s.setting: next((m.divergence for m in s.modules if m.name == ""), None)
-            for s in report.settings}
-    depth.add_row("model output", *(_err(root[s.setting]) for s in report.settings))
-    depth.add_row("loss", *(_err(s.loss) for s in report.settings))
+    for row in depth_rows(report):
+        depth.add_row(*row)
     parts: list[RenderableType] = [head, Text(), depth]
 
     if all_modules:
         table = titled_table("Every module", ("module", {"overflow": "fold"}), "type", *settings,
                              right=settings)
         by_setting = [{m.name: m.divergence for m in s.modules} for s in report.settings]
-        for m in first.modules:
+        for m in report.settings[0].modules:
             table.add_row(m.name or "(model)", m.type, *(_err(d.get(m.name)) for d in by_setting))
         parts += [Text(), table]
 
@@ -73,6 +66,19 @@ def render_numerics(report: NumericsReport, *, all_modules: bool = False) -> Ren
         parts += [Text(), _fp8_casts(fp8)]
     parts += [Text(), _ranges(report)]
     return Group(*parts)
+
+
+def depth_rows(report: NumericsReport) -> list[list[str]]:
+    """Divergence by depth, as the terminal and the HTML report show it: a row for each block
+    of the first setting, then the model output and the loss; each the place, then every
+    setting's error."""
+    rows = [[f"{b.container}.{b.index}", *(_err(s.blocks[i].divergence) if i < len(s.blocks)
+                                          else "—" for s in report.settings)]
+            for i, b in enumerate(report.settings[0].blocks)]
+    roots = [next((m.divergence for m in s.modules if m.name == ""), None)
+             for s in report.settings]
+    return [*rows, ["model output", *map(_err, roots)],
+            ["loss", *(_err(s.loss) for s in report.settings)]]
 
 
 def distinct_names(names: list[str]) -> list[str]:
