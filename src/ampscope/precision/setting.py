@@ -27,8 +27,7 @@ from ampscope.errors import AmpscopeError
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.precision import fp8
 from ampscope.records import SettingRecord, dtype_name
-from ampscope.runtime.autocast_policy import autocast_dtype_for as default_autocast_dtype
-from ampscope.runtime.autocast_policy import registered_ops
+from ampscope.runtime.autocast_policy import default_autocast_dtype, registered_ops
 from ampscope.runtime.emulation import autocast_region
 
 DTYPES: dict[str, torch.dtype] = {

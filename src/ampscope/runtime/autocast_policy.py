@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ampscope.errors import AmpscopeError, first_line
+from ampscope.nested import tensors_in
 from ampscope.runtime.autocast_key import key_state
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import policy as dispatcher
@@ -83,15 +84,6 @@ def default_autocast_dtype(device: str) -> torch.dtype:
     return result[0]
 
 
-def autocast_dtype_for(device: str) -> torch.dtype:
-    """`default_autocast_dtype`, or bfloat16 where this build cannot say (a device type it
-    does not know)."""
-    try:
-        return default_autocast_dtype(device)
-    except (RuntimeError, ValueError):
-        return torch.bfloat16
-
-
 # --- probing -----------------------------------------------------------------------------
 
 
@@ -146,16 +138,6 @@ def _dummy(kind: str, make_tensor: Callable[[], torch.Tensor], named: bool = Fal
     }.get(kind)
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    found = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(t for t in v if isinstance(t, torch.Tensor))
-    return found
-
-
 def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.dtype]) -> ProbeResult:
     """Call op `name` under `device`'s autocast on fake tensors whose dtypes are taken in turn
     from `input_dtypes` (the last repeats) and report what autocast handed to the op.
@@ -172,7 +154,7 @@ def probe(name: str, device: str, dtype: torch.dtype, input_dtypes: list[torch.d
         def kernel(*args, **kwargs):
             names = [a.name for a in op_schema(overload).arguments]
             bound = {**dict(zip(names, args, strict=False)), **kwargs}
-            reached.update(op=overload.name(), tensors=_tensors(bound.values()),
+            reached.update(op=overload.name(), tensors=tensors_in(bound),
                            dtype=bound.get("dtype"))
             raise _Stop
         return kernel

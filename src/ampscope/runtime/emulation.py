@@ -34,6 +34,7 @@ import torch
 
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.device_types import device_type
+from ampscope.nested import tensors_in
 from ampscope.runtime.autocast_key import (
     cpu_key_dtype,
     cpu_key_enabled,
@@ -59,25 +60,15 @@ aten = torch.ops.aten
 
 _active: TargetAutocast | None = None
 
-def _first_tensor(values) -> torch.Tensor | None:
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-        if isinstance(v, (list, tuple)):
-            for t in v:
-                if isinstance(t, torch.Tensor):
-                    return t
-    return None
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    tensors = tensors_in((args, kwargs))
+    return tensors[0] if tensors else None
 
 
-def _widest(values, start: torch.dtype) -> torch.dtype:
+def _widest(args: tuple, kwargs: dict, start: torch.dtype) -> torch.dtype:
     """autocast's promote_type: float64 > float32 > the lower-precision start dtype."""
-    widest = start
-    for v in values:
-        for t in v if isinstance(v, (list, tuple)) else [v]:
-            if eligible(t) and t.dtype == torch.float32:
-                widest = torch.float32
-    return widest
+    wide = any(eligible(t) and t.dtype == torch.float32 for t in tensors_in((args, kwargs)))
+    return torch.float32 if wide else start
 
 
 class TargetAutocast:
@@ -128,27 +119,20 @@ class TargetAutocast:
         redirect = cast_type(OpOverload, op_overload(rule.redirect) if rule.redirect else None)
         cast = self._cast
 
-        def cast_values(kwargs: dict, dtype: torch.dtype) -> dict:
-            return {k: cast(v, dtype) for k, v in kwargs.items()}
+        def casting(dtype_of: Callable[[tuple, dict], torch.dtype]) -> Callable:
+            """lower, fp32, promote: every argument cast to the dtype `dtype_of` picks."""
 
-        def lower(*args, **kwargs):
-            with no_autocast("cpu"):
-                dtype = cpu_key_dtype()
-                return op(*cast(args, dtype), **cast_values(kwargs, dtype))
+            def kernel(*args, **kwargs):
+                with no_autocast("cpu"):
+                    dtype = dtype_of(args, kwargs)
+                    return op(*cast(args, dtype), **{k: cast(v, dtype) for k, v in kwargs.items()})
 
-        def fp32(*args, **kwargs):
-            with no_autocast("cpu"):
-                return op(*cast(args, torch.float32), **cast_values(kwargs, torch.float32))
-
-        def promote(*args, **kwargs):
-            with no_autocast("cpu"):
-                dtype = _widest([*args, *kwargs.values()], cpu_key_dtype())
-                return op(*cast(args, dtype), **cast_values(kwargs, dtype))
+            return kernel
 
         def set_opt_dtype(*args, **kwargs):
             # Only when the first tensor is eligible, and never over a dtype the caller gave.
             with no_autocast("cpu"):
-                if eligible(_first_tensor([*args, *kwargs.values()])):
+                if eligible(_first_tensor(args, kwargs)):
                     if dtype_positional and dtype_index < len(args):
                         if args[dtype_index] is None:
                             args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1:])
@@ -158,7 +142,7 @@ class TargetAutocast:
 
         def append_dtype(*args, **kwargs):
             with no_autocast("cpu"):
-                if eligible(_first_tensor([*args, *kwargs.values()])):
+                if eligible(_first_tensor(args, kwargs)):
                     return redirect(*args, **kwargs, dtype=torch.float32)
                 return op(*args, **kwargs)
 
@@ -166,9 +150,9 @@ class TargetAutocast:
             raise RuntimeError(rule.message)
 
         return {
-            "lower": lower,
-            "fp32": fp32,
-            "promote": promote,
+            "lower": casting(lambda args, kwargs: cpu_key_dtype()),
+            "fp32": casting(lambda args, kwargs: torch.float32),
+            "promote": casting(lambda args, kwargs: _widest(args, kwargs, cpu_key_dtype())),
             "fp32_set_opt_dtype": set_opt_dtype,
             "fp32_append_dtype": append_dtype,
             "banned": banned,

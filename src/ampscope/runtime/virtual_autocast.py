@@ -31,7 +31,7 @@ import torch
 from ampscope.hardware.device_types import device_type
 from ampscope.runtime import emulation
 from ampscope.runtime.autocast_key import key_state, set_key_state
-from ampscope.runtime.autocast_policy import autocast_dtype_for
+from ampscope.runtime.autocast_policy import default_autocast_dtype
 from ampscope.torchcompat.autocast_regions import note_asked, retarget, retargetable
 
 # The dtypes torch's autocast accepts on the CPU (its `device_supported_dtypes`).
@@ -41,7 +41,7 @@ CPU_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 def target_default_dtype(target: str) -> torch.dtype:
     """The target's default autocast dtype: its table entry's, else the build's own."""
     name = device_type(target).autocast_dtype
-    return getattr(torch, name) if name is not None else autocast_dtype_for(target)
+    return getattr(torch, name) if name is not None else default_autocast_dtype(target)
 
 
 class AutocastSlots:
