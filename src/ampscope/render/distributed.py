@@ -12,10 +12,8 @@ from rich.text import Text
 from ampscope.analysis.step_time import StepTime
 from ampscope.distributed.report import DistributedReport, summarize
 from ampscope.render.predicted_step import predicted_line
-from ampscope.render.ranks import any_reserved, peak_cell, reserved_cell
+from ampscope.render.ranks import HELD_CATEGORIES, any_reserved, peak_cell, reserved_cell
 from ampscope.render.style import format_bytes, titled_table
-
-_CATEGORIES = ("parameter", "gradient", "optimizer_state")
 
 
 def _dtypes(by_dtype: dict[str, int]) -> str:
@@ -44,12 +42,12 @@ def render_distributed(report: DistributedReport,
     # caching allocator would reserve (cuda settings only).
     peaks = any(r.peak is not None for r in report.ranks)
     reserved = any_reserved(report)
-    columns = ["rank", *(c.replace("_", " ") for c in _CATEGORIES), "total",
+    columns = ["rank", *(c.replace("_", " ") for c in HELD_CATEGORIES), "total",
                *(["peak"] if peaks else []), *(["reserved"] if reserved else [])]
     held = titled_table("Held by each rank after the step", *columns, right=columns)
     for r in report.ranks:
         cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
-                 for c in _CATEGORIES]
+                 for c in HELD_CATEGORIES]
         held.add_row(str(r.rank), *cells, format_bytes(r.held_total),
                      *([peak_cell(r.peak, where=False)] if peaks else []),
                      *([reserved_cell(r.peak)] if reserved else []))

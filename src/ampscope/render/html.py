@@ -38,6 +38,7 @@ from ampscope.render.plots import (
     live_bytes_svg,
     memory_at_peak_svg,
 )
+from ampscope.render.ranks import HELD_CATEGORIES
 from ampscope.render.report_kinds import REPORTS, kind_of
 from ampscope.render.templating import environment, macros
 
@@ -106,24 +107,12 @@ def header(traces: Sequence[Trace]) -> Markup:
     return _sections().header(traces, notes)
 
 
-def findings_body(traces: Sequence[Trace]) -> Markup:
-    return _sections().findings(traces)
-
-
-def diagnostics_body(traces: Sequence[Trace]) -> Markup:
-    """What the checks found in each trace (render/diagnostics.py prints the same)."""
-    return _sections().diagnostics(traces)
-
-
 def _checked(traces: Sequence[Trace]) -> list[tuple[str, str, Markup]]:
-    """The Check section, where a trace has diagnostics: what is wrong comes first."""
+    """The Check section, where a trace has diagnostics (what render/diagnostics.py prints):
+    what is wrong comes first."""
     if not any(t.diagnostics for t in traces):
         return []
-    return [("check", "Check", diagnostics_body(traces))]
-
-
-def inventory_body(trace: Trace) -> Markup:
-    return _sections().inventory(dtype_inventory(trace))
+    return [("check", "Check", _sections().diagnostics(traces))]
 
 
 def flow_body(traces: Sequence[Trace]) -> Markup:
@@ -176,13 +165,6 @@ def _numerics(report: NumericsReport) -> Markup:
                                 fp8, fp8_names)
 
 
-_HELD = ("parameter", "gradient", "optimizer_state")
-
-
-def _by_dtype(by_dtype: Mapping[str, int]) -> list[tuple[str, int]]:
-    return sorted(by_dtype.items())
-
-
 def _peak(rank: RankReport) -> dict | None:
     """The rank's memory peak as its JSON has it (`"peak"`: bytes, rounded_bytes, phase, live
     by category and dtype), or None where the report carries none. Read off `to_dict()`, the
@@ -212,9 +194,9 @@ def _rank_rows(report: DistributedReport, same_as: Mapping[int, int | None] | No
         peak = _peak(r)
         live = (peak or {}).get("live") or {}
         rows.append({"first": k, "last": k, "report": r, "total": r.held_total,
-                     "held": [_by_dtype(r.held.get(c, {})) for c in _HELD],
+                     "held": [sorted(r.held.get(c, {}).items()) for c in HELD_CATEGORIES],
                      "collectives": summarize(r.collectives), "peak": peak,
-                     "live": {c: _by_dtype(d) for c, d in live.items()}})
+                     "live": {c: sorted(d.items()) for c, d in live.items()}})
     return rows
 
 
@@ -247,8 +229,9 @@ def fragment(*parts: Markup) -> str:
 def trace_html(trace: Trace) -> str:
     checked = [section(*c) for c in _checked([trace])]
     return fragment(header([trace]), *checked,
-                    section("tensors", "Tensors by dtype", inventory_body(trace)),
-                    section("findings", "Findings", findings_body([trace])),
+                    section("tensors", "Tensors by dtype",
+                            _sections().inventory(dtype_inventory(trace))),
+                    section("findings", "Findings", _sections().findings([trace])),
                     section("flow", "Dtype flow", flow_body([trace])))
 
 
@@ -280,7 +263,7 @@ def report_html(traces: Sequence[Trace], matrix: Matrix, *, reports: Sequence[ob
     out."""
     if not traces:
         raise ValueError("a report needs at least one trace")
-    sections = [*_checked(traces), ("findings", "Findings", findings_body(traces)),
+    sections = [*_checked(traces), ("findings", "Findings", _sections().findings(traces)),
                 ("flow", "Dtype flow", flow_body(traces)),
                 ("matrix", "Settings matrix", matrix_body(matrix))]
     for kind in REPORTS.values():

@@ -18,6 +18,8 @@ from ampscope.render.predicted_step import duration
 from ampscope.render.style import format_bytes, titled_table
 
 _SHAPES = 6  # parameter shapes listed per rank before "…"
+# What a rank holds after its step, in the order every view of it shows (distributed.py, html.py).
+HELD_CATEGORIES = ("parameter", "gradient", "optimizer_state")
 
 
 def _held(by_dtype: dict[str, int]) -> str:
@@ -105,8 +107,7 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
                          *([step_column] if timed else []),
                          right=("rank", "peak", "reserved"))
     for r in report.ranks:
-        cells = [str(r.rank), _held(r.held.get("parameter", {})),
-                 _held(r.held.get("gradient", {})), _held(r.held.get("optimizer_state", {}))]
+        cells = [str(r.rank), *(_held(r.held.get(c, {})) for c in HELD_CATEGORIES)]
         if traces is not None:
             cells.append(_shapes(traces[r.rank] if r.rank < len(traces) else None))
         held.add_row(*cells)
