@@ -250,7 +250,9 @@ class DeviceMode(TorchFunctionMode):
             if other is not None:  # .to(other): other's device and dtype, as the user sees it
                 device = self._virtual(other)
             if device is None:  # a dtype change only
-                return self._tagged_like(t, func(*args, **kwargs, copy=copy))
+                out = func(*args, **kwargs, copy=copy)
+                self.tag_like_value(out, t)
+                return out
             to_cpu = device.type == "cpu"
             forced_copy = copy
             rest_args = ()
@@ -303,7 +305,7 @@ class DeviceMode(TorchFunctionMode):
             with disabled():
                 real = getter(t)
             reader = sys._getframe(1).f_globals.get("__name__", "")
-            if real != mode.backing or _internal(reader):
+            if real != mode.backing or reader.startswith(_INTERNAL):
                 return real
             return mode._virtual(t)
 
@@ -335,11 +337,6 @@ class DeviceMode(TorchFunctionMode):
         else:
             self.on_cpu.discard(t)
 
-    def _tagged_like(self, t: torch.Tensor, out: Any) -> Any:
-        if t in self.on_cpu and isinstance(out, torch.Tensor):
-            self.on_cpu.add(out)
-        return out
-
 
 # Readers of a tensor's device that must see where it really is: ampscope's own code,
 # PyTorch's private internals, and functional collectives, whose AsyncCollectiveTensor wraps
@@ -348,10 +345,6 @@ class DeviceMode(TorchFunctionMode):
 # target's device guard, which a CPU build does not have). DTensor's and FSDP2's modules are
 # left to see the target: they move local tensors to their mesh's device when they differ.
 _INTERNAL = ("torch._", "ampscope.", devices.FUNCTIONAL_COLLECTIVES_MODULE)
-
-
-def _internal(reader: str) -> bool:
-    return reader.startswith(_INTERNAL)
 
 
 class BackingFactories(TorchDispatchMode):

@@ -16,25 +16,19 @@ from typing import Any
 
 import torch
 
+from ampscope.runtime.device_mode import DeviceMode
+
 # The state a CUDA generator saves: its seed (8 bytes) and Philox offset (8 bytes), as
 # CUDAGeneratorImpl::get_state writes it; a CPU generator's is its whole Mersenne Twister.
 _PHILOX_STATE_BYTES = 16
 
 
-def _is_device(device: Any, target: str) -> bool:
-    """Whether `device` ("cuda", "cuda:0", torch.device, a bare index) names the target."""
-    if isinstance(device, torch.device):
-        return device.type == target
-    if isinstance(device, str):
-        return device.split(":")[0] == target
-    return False
-
-
-def generator_type(target: str) -> type:
+def generator_type(mode: DeviceMode) -> type:
     """What `torch.Generator` is while the virtual device is in force: `Generator(device=target)`
     makes a CPU generator that reports the target as its device; any other device makes torch's
     own generator. `isinstance(g, torch.Generator)` stays true of every generator (torch's
     default ones included), so type checks in user code and libraries see no change."""
+    target = mode.target
     real: Any = torch.Generator  # Any: subclassed, and its metaclass extended, below
 
     class _Meta(type(real)):  # type: ignore[misc]
@@ -49,7 +43,7 @@ def generator_type(target: str) -> type:
         target's tensors live and its random ops run."""
 
         def __new__(cls, device: Any = None) -> Any:
-            if not _is_device(device, target):
+            if not mode.is_target(device):
                 return real() if device is None else real(device)
             return real.__new__(cls, device="cpu")
 
@@ -81,10 +75,11 @@ def _set_states(states: Iterable[torch.Tensor]) -> None:
         _set_state(state)
 
 
-def rng_patches(target: str) -> list[tuple[object, str, object]]:
-    """(owner, name, value) for the target's RNG API: `torch.Generator` and the seeding and
-    state functions of `torch.<target>` this release has (each reaching, on a build without
-    the device, a generator that does not exist)."""
+def rng_patches(mode: DeviceMode) -> list[tuple[object, str, object]]:
+    """(owner, name, value) for the RNG API of the mode's target: `torch.Generator` and the
+    seeding and state functions of `torch.<target>` this release has (each reaching, on a build
+    without the device, a generator that does not exist)."""
+    target = mode.target
     backend = getattr(torch, target)
     default = torch.default_generator
 
@@ -106,7 +101,7 @@ def rng_patches(target: str) -> list[tuple[object, str, object]]:
         "set_rng_state_all": _set_states,
         "default_generators": (default,),
     }
-    patches: list[tuple[object, str, object]] = [(torch, "Generator", generator_type(target))]
+    patches: list[tuple[object, str, object]] = [(torch, "Generator", generator_type(mode))]
     patches += [(backend, name, value) for name, value in answers.items()
                 if hasattr(backend, name)]
     return patches

@@ -31,10 +31,6 @@ aten = torch.ops.aten
 _HALF = torch.float16
 
 
-def _all_half(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == _HALF for t in tensors)
-
-
 def _kernel(out_op: Callable, shape: Callable[..., tuple[int, ...]],
             tensors: int) -> Callable:
     """A CPU kernel for an op whose first `tensors` arguments are tensors: float16 ones through
@@ -43,7 +39,7 @@ def _kernel(out_op: Callable, shape: Callable[..., tuple[int, ...]],
     def kernel(*args, **kwargs):
         inputs = args[:tensors]
         dtype = inputs[0].dtype
-        if not _all_half(*inputs):
+        if not all(t.dtype == _HALF for t in inputs):
             out = torch.empty(shape(*inputs), dtype=dtype, device=inputs[0].device)
             return out_op(*args, **kwargs, out=out)
         wide = tuple(t.float() for t in inputs)

@@ -304,7 +304,7 @@ class VirtualDevice:
         elif self.target == "mps":
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
-        return (patches + rng_patches(self.target) + load_patches(self.mode)
+        return (patches + rng_patches(self.mode) + load_patches(self.mode)
                 + self._accelerator_patches() + self._torch_internal_patches())
 
     def _accelerator_patches(self) -> list[tuple[object, str, object]]:
