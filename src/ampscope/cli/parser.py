@@ -80,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # --gpu of the commands that show a predicted step and nothing else of a GPU.
-_PREDICTED_GPU = ("the GPU a cuda setting's step is predicted on (time, tokens/s, MFU), e.g. "
-                  "a100, h100 (default: this machine's GPU; h100 for emulated cuda)")
+_PREDICTED_GPU = ("the GPU a cuda setting's step is predicted on (time, tokens/s, MFU) and, "
+                  "emulated, the device its code sees, e.g. a100, h100 (default: this "
+                  "machine's GPU; h100 for emulated cuda)")
 
 
 def _add_trace(sub) -> None:
@@ -151,9 +152,10 @@ def _add_run(sub) -> None:
                      help="measured wall time of the captured steps, for throughput and MFU "
                           "(implies --flops)")
     add_hardware_arguments(run, memory=False,
-                           gpu_help="the GPU a cuda run's step is predicted on, and with "
-                                    "--step-time the one whose peak FLOP/s MFU uses, e.g. h100 "
-                                    "(default: this machine's GPU; h100 for emulated cuda); "
+                           gpu_help="the GPU a cuda run's step is predicted on, the device "
+                                    "an emulated run's script sees, and with --step-time the "
+                                    "one whose peak FLOP/s MFU uses, e.g. h100 (default: this "
+                                    "machine's GPU; h100 for emulated cuda); "
                                     "with --nproc also the GPU whose memory each rank's peak "
                                     "is held against")
     add_exports(run, "report", "csv", "perfetto")
@@ -240,9 +242,10 @@ def flops_arguments(flops: argparse.ArgumentParser) -> None:
     timing.add_argument("--measure", action="store_true",
                         help="time the untraced step on this machine (a real device only)")
     add_hardware_arguments(flops, memory=False,
-                           gpu_help="the GPU a cuda setting's step is predicted on, and whose "
-                                    "peak FLOP/s MFU uses, e.g. h100, a100 (default: this "
-                                    "machine's GPU; h100 for emulated cuda)")
+                           gpu_help="the GPU a cuda setting's step is predicted on, whose "
+                                    "peak FLOP/s MFU uses and, emulated, the device its code "
+                                    "sees, e.g. h100, a100 (default: this machine's GPU; h100 "
+                                    "for emulated cuda)")
 
 
 def numerics_arguments(numerics: argparse.ArgumentParser) -> None:
