@@ -44,6 +44,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before it runs ampscope: SIGINT at its default action and not blocked, as
+    a shell starts a foreground command. A process inherits both across exec, and a process
+    started with SIGINT ignored never gets Python's KeyboardInterrupt: without this, the test
+    would depend on what earlier tests in the same worker left behind."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start(tmp_path: Path, how: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -55,7 +64,7 @@ def _start(tmp_path: Path, how: str, *extra: str) -> tuple[subprocess.Popen, Pat
     with open(tmp_path / "stdout.txt", "wb") as out, open(err, "wb") as error:
         process = subprocess.Popen(
             [sys.executable, "-m", "ampscope", "run", "--nproc", "2", *extra, str(script), how],
-            env=env, stdout=out, stderr=error, cwd=tmp_path)
+            env=env, stdout=out, stderr=error, cwd=tmp_path, preexec_fn=_as_from_a_terminal)
     return process, err
 
 
@@ -108,6 +117,26 @@ def _running(tmp_path: Path, how: str, *extra: str):
         _end(pids)
 
 
+def _exit_code(process: subprocess.Popen, err: Path, pids: list[int], timeout: float) -> int:
+    """ampscope's exit status; if it has not ended within `timeout` s, a failure that says
+    what it wrote and how it and the processes of the run stood (their state and, for
+    ampscope, whether SIGINT was ignored or blocked), for a hang that is hard to reproduce."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        states = []
+        for pid in [process.pid, *pids]:
+            try:
+                proc = psutil.Process(pid)
+                states.append(f"{pid} {proc.name()} {proc.status()}")
+            except psutil.NoSuchProcess:
+                states.append(f"{pid} gone")
+        masks = [line.strip() for line in Path(f"/proc/{process.pid}/status").read_text()
+                 .splitlines() if line.startswith(("SigBlk", "SigIgn"))]
+        raise AssertionError(f"ampscope did not end within {timeout} s; processes: "
+                             f"{states}; ampscope's {masks}; its stderr: {err.read_text()!r}") from None
+
+
 def _nothing_left(tmp_path: Path, pids: list[int]) -> None:
     assert _alive(pids) == []
     assert list((tmp_path / "tmp").iterdir()) == []  # no ampscope-ranks-* folder left
@@ -118,7 +147,7 @@ def test_a_signal_ends_every_rank_and_what_they_started(tmp_path, sig):
     with _running(tmp_path, "sleep") as (process, err, pids):
         time.sleep(0.5)  # in the sleep, past the group's start-up
         process.send_signal(sig)
-        code = process.wait(timeout=30)
+        code = _exit_code(process, err, pids, 30)
         assert code == 128 + sig, err.read_text()
         assert err.read_text().strip().splitlines() == [
             f"ampscope: received {sig.name}: ended the 2 ranks and the processes they started"]
@@ -131,7 +160,7 @@ def test_ctrl_c_reaches_the_ranks_in_their_own_groups(tmp_path):
     with _running(tmp_path, "sleep") as (process, err, pids):
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=30)
+        code = _exit_code(process, err, pids, 30)
         assert code == 130, err.read_text()
         assert err.read_text().strip().splitlines()[-1] == "ampscope: interrupted"
         _nothing_left(tmp_path, pids)
@@ -139,7 +168,7 @@ def test_ctrl_c_reaches_the_ranks_in_their_own_groups(tmp_path):
 
 def test_a_failed_rank_ends_what_every_rank_started(tmp_path):
     with _running(tmp_path, "raise") as (process, err, pids):
-        code = process.wait(timeout=60)
+        code = _exit_code(process, err, pids, 60)
         lines = err.read_text().strip().splitlines()
         assert code == 2
         assert lines[-1].startswith("ampscope: error: rank 1 of 2 failed: ") and \
@@ -150,7 +179,7 @@ def test_a_failed_rank_ends_what_every_rank_started(tmp_path):
 def test_the_deadline_ends_what_every_rank_started(tmp_path):
     # Long enough for both ranks to start on a busy 2-core machine, and write their pids.
     with _running(tmp_path, "sleep", "--timeout", "15") as (process, err, pids):
-        code = process.wait(timeout=60)
+        code = _exit_code(process, err, pids, 60)
         assert code == 2
         assert "did not finish in 15 s" in err.read_text()
         _nothing_left(tmp_path, pids)
