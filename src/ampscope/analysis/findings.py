@@ -14,7 +14,7 @@ from ampscope.analysis.flow import FlowRow, collapse_blocks, first_step
 from ampscope.analysis.fp8 import fp8_findings, fp8_modules
 from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
-from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, Trace, module_label
+from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, OpCall, Trace, module_label
 
 _FLOATS = tuple(FLOATS)
 
@@ -24,7 +24,8 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _names(names: list[str], limit: int = 4) -> str:
+def listed(names: list[str], limit: int = 4) -> str:
+    """"a, b, c, d and 3 more": at most `limit` names."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -55,7 +56,7 @@ def buffer_findings(trace: Trace) -> list[Finding]:
     for b in trace.buffers:
         groups[b.dtype].append(b.name.rsplit(".", 1)[-1])
     return [
-        Finding(f"Buffers {_names(list(dict.fromkeys(names)))} are {dtype}.", "buffer-dtype")
+        Finding(f"Buffers {listed(list(dict.fromkeys(names)))} are {dtype}.", "buffer-dtype")
         for dtype, names in groups.items()
     ]
 
@@ -194,10 +195,10 @@ _MOVES_DATA = frozenset({
 })
 
 
-def _op_name(op: str) -> str:
+def op_name(op: OpCall) -> str:
     """"aten.nll_loss_forward.default" -> "nll_loss_forward"."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 2 else op
+    parts = op.op.split(".")
+    return parts[1] if len(parts) > 2 else op.op
 
 
 def _compute_ops_by_call(trace: Trace) -> dict[int, list]:
@@ -205,7 +206,7 @@ def _compute_ops_by_call(trace: Trace) -> dict[int, list]:
     by_call: dict[int, list] = defaultdict(list)
     for o in trace.ops:
         if (o.phase == "forward" and o.caller is not None and not o.autocast_cast
-                and _op_name(o.op).lstrip("_") not in _MOVES_DATA):
+                and op_name(o).lstrip("_") not in _MOVES_DATA):
             by_call[o.caller].append(o)
     return by_call
 
@@ -224,11 +225,11 @@ def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace | None,
         computing = by_call.get(cast_op.caller, []) if cast_op.caller is not None else []
         after = next((o for o in computing if o.index > c.op_index), None)
         if after is not None:
-            targets[_op_name(after.op)] = None
+            targets[op_name(after)] = None
         for o in computing:
             ran = next((m.dtype for m in o.outputs if m.dtype in FLOATS), None)
             if ran is not None and ran != out:
-                others[ran][_op_name(o.op)] = None
+                others[ran][op_name(o)] = None
     return list(targets), {d: list(names) for d, names in others.items()}
 
 
@@ -264,7 +265,7 @@ def tensor_dtype_findings(changes: list[DtypeChange]) -> list[Finding]:
 
 def _collapsed(names) -> str:
     rows = collapse_blocks([FlowRow(n, "", (), ()) for n in dict.fromkeys(names)])
-    return _names([r.name for r in rows])
+    return listed([r.name for r in rows])
 
 
 def _modules(cs: list[DtypeChange]) -> str:

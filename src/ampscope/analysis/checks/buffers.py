@@ -7,14 +7,10 @@ from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
 from ampscope.analysis.checks.evidence import HALF, count
+from ampscope.analysis.findings import listed
 from ampscope.records import Trace
 
 _STATISTICS = ("running_mean", "running_var")
-
-
-def _names(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 @rule("AMP501", "norm-statistics-in-16-bit", "warning",
@@ -28,7 +24,7 @@ def statistics_in_16_bit(trace: Trace) -> Iterator[Hit]:
     bits = 8 if dtype == "bfloat16" else 11
     yield Hit(
         f"BatchNorm's running statistics are kept in {dtype}: "
-        f"{_names([b.name for b in low])}.",
+        f"{listed([b.name for b in low], 3)}.",
         (f"{count(len(low), 'buffer')} in {dtype}",),
         f"the running averages move by momentum × (batch value − average) per step; with "
         f"{bits} significant bits, a change below 2^-{bits} of the average rounds away, so "
@@ -61,7 +57,7 @@ def rotary_in_16_bit(trace: Trace) -> Iterator[Hit]:
                         f"0.1 rad for the fastest pair (θ = 1) from position "
                         f"{int(0.1 * 2 ** (bits + 1)) + 1}")
     yield Hit(
-        f"Rotary position tables are kept in {dtype}: {_names([b.name for b in low])}.",
+        f"Rotary position tables are kept in {dtype}: {listed([b.name for b in low], 3)}.",
         (f"{count(len(low), 'buffer')} in {dtype}",),
         consequence,
         "compute the tables in float32 and keep them there (cast the rotated q and k "

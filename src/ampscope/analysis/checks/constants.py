@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.evidence import HALF, count, where
+from ampscope.analysis.checks.evidence import HALF, count, op_name, where
 from ampscope.records import OpCall, Phase, Trace
 from ampscope.torchcompat.ops import FOREACH_PREFIX
 
@@ -67,13 +67,12 @@ def _constants(op: OpCall, *, scaling: bool) -> tuple[str, tuple[float, ...]]:
     none of its numbers is a value of its format) and those numbers."""
     if not op.scalars:
         return "", ()
-    parts = op.op.split(".")
-    name = parts[1] if len(parts) > 2 else op.op
+    name = op_name(op)
     if name in _STORED:
         return "clamps to" if name in _BOUNDS else "stores", op.scalars
     if name in _ADDITIVE and len(op.inputs) == 1:
         return "adds", op.scalars[:1]
-    if name in _FOREACH_ADDITIVE and parts[-1] == "Scalar":
+    if name in _FOREACH_ADDITIVE and op.op.endswith(".Scalar"):
         return "adds", op.scalars[:1]
     if scaling and name in _SCALING and len(op.inputs) == 1:
         return "scales by", op.scalars[:1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ampscope.analysis.findings import op_name
 from ampscope.records import FunctionCall, OpCall, Phase, Trace, module_label
 from ampscope.torchcompat.ops import AMP_UNSCALE_OP, AMP_UPDATE_SCALE_OP
 
@@ -12,12 +13,6 @@ HALF = ("float16", "bfloat16")
 # first, update() the second. Either one in a step says a GradScaler was there.
 UNSCALE = AMP_UNSCALE_OP
 UPDATE_SCALE = AMP_UPDATE_SCALE_OP
-
-
-def op_name(op: OpCall) -> str:
-    """"aten.mm.default" -> "mm"."""
-    parts = op.op.split(".")
-    return parts[1] if len(parts) > 2 else op.op
 
 
 def named(trace: Trace, *names: str) -> list[OpCall]:

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
-from ampscope.analysis.checks.evidence import count
+from ampscope.analysis.checks.evidence import count, op_name
 from ampscope.analysis.fp8 import fp8_modules
 from ampscope.analysis.summary import itemsize, numel
 from ampscope.records import OpCall, Phase, Trace
@@ -17,8 +17,7 @@ _REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 def _kind(op: OpCall) -> str | None:
-    parts = op.op.split(".")
-    return KINDS.get(parts[1] if len(parts) > 2 else op.op)
+    return KINDS.get(op_name(op))
 
 
 def _reduced(op: OpCall) -> str | None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from ampscope.analysis.checks import Hit, rule
 from ampscope.analysis.checks.evidence import UNSCALE, UPDATE_SCALE, count, named, where
+from ampscope.analysis.findings import listed
 from ampscope.records import Phase, Trace, module_label
 from ampscope.records.value_checks import ModuleMax, NonFinite, StuckUpdate
 
@@ -28,11 +29,6 @@ _NEAR = 0.5
 # neighbours, gradients many times smaller): a few percent at most. A tenth is no outlier
 # effect but the step size itself sitting below the weights' half-ulp.
 _STUCK = 0.10
-
-
-def _names(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _where(trace: Trace, found: NonFinite) -> str:
@@ -154,7 +150,7 @@ def updates_round_away(trace: Trace) -> Iterator[Hit]:
            f"{_STUCK:.0%}" if len(stuck) > 1 else "") + ".",
         (*(_stuck_line(s) for s in stuck[:5]),
          *((f"and {count(len(stuck) - 5, 'more parameter')}: "
-            f"{_names([s.parameter for s in stuck[5:]])}",) if len(stuck) > 5 else ()),
+            f"{listed([s.parameter for s in stuck[5:]], 3)}",) if len(stuck) > 5 else ()),
          *(f"{d} keeps {_BITS[d]} significant bits: an update below 2^-{_BITS[d] + 1} of the "
            f"weight (its relative half-ulp; 2^-{_BITS[d]} just below a power of 2) rounds back "
            "to the weight" for d in dtypes)),
