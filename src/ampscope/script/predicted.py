@@ -88,7 +88,7 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
     )
 
     def fake_parameter(module, name, param):
-        if param is None or isinstance(param, FakeTensor) or _fake_inside(param):
+        if param is None or _valueless(param):
             return None
         with no_torch_function():  # the conversion is ampscope's, not the script's
             data = placed(fake.from_tensor(param.detach()), param)
@@ -111,10 +111,8 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
     make_parameter = torch.nn.Parameter.__new__
 
     def parameter(cls, data=None, requires_grad=True):
-        if isinstance(data, FakeTensor):
-            with no_torch_function():
-                return make_parameter(cls, data, requires_grad)
-        return make_parameter(cls, data, requires_grad)
+        with no_torch_function() if isinstance(data, FakeTensor) else contextlib.nullcontext():
+            return make_parameter(cls, data, requires_grad)
 
     with contextlib.ExitStack() as stack:
         stack.callback(register_module_parameter_registration_hook(fake_parameter).remove)
@@ -126,16 +124,6 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
         stack.enter_context(norm_stats_as_real())
         stack.enter_context(DistributedBuffers(fake))  # below the recorders: they see its ops
         yield
-
-
-def _fake_inside(t) -> bool:
-    """A tensor subclass whose inner tensors are fake already: it wraps weights this mode
-    converted (torchao's float8 training wraps a Linear's weight, fake by then, in a subclass of
-    its own and registers the wrapper). Nothing in it is real; converting it again would fake
-    the fake inner tensors and fail on their metadata (requires_grad)."""
-    with no_torch_function():
-        inner = inner_tensors(t)
-    return bool(inner) and all(isinstance(i, FakeTensor) or _fake_inside(i) for i in inner)
 
 
 @contextlib.contextmanager
@@ -176,10 +164,18 @@ def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
         yield
 
 
-def _valueless(t: object) -> bool:
-    """A fake tensor, or a subclass that wraps only fake ones (a DTensor of a predicted rank,
-    whose `.item()` and truth reach its fake local shard below this mode)."""
-    return isinstance(t, FakeTensor) or _fake_inside(t)
+def _valueless(t) -> bool:
+    """A fake tensor, or a tensor subclass whose inner tensors are all fake, so that nothing in
+    it is real: a DTensor of a predicted rank, whose `.item()` and truth reach its fake local
+    shard below this mode; a wrapper of weights this mode converted (torchao's float8 training
+    wraps a Linear's weight, fake by then, in a subclass of its own and registers the wrapper),
+    which converted again would fake the fake inner tensors and fail on their metadata
+    (requires_grad)."""
+    if isinstance(t, FakeTensor):
+        return True
+    with no_torch_function():
+        inner = inner_tensors(t)
+    return bool(inner) and all(_valueless(i) for i in inner)
 
 
 @contextlib.contextmanager
@@ -201,9 +197,7 @@ def swappable(capture: Capture, virtual: VirtualDevice | None,
     def swap_tensors(t1, t2) -> None:
         # Names only: the popped weak references themselves must die before the swap.
         held = [(r, {i: r.pop(i)[1] for i in (id(t1), id(t2)) if i in r}) for r in registries]
-        tags = None
-        if on_cpu is not None:
-            tags = (on_cpu.discard(t1), on_cpu.discard(t2))
+        tags = (on_cpu.discard(t1), on_cpu.discard(t2)) if on_cpu is not None else None
         for memo in memos:  # the fake mode's memo of tensors it converted: weak values
             for key in [k for k, v in memo.items() if v is t1 or v is t2]:
                 del memo[key]
