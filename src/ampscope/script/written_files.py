@@ -57,7 +57,6 @@ class Written:
 
     path: str
     how: str  # "created", "replaced", "appended to", "modified"
-    by: str  # "open", or the saver's name
 
 
 @dataclass
@@ -82,14 +81,14 @@ class ScriptFiles:
     # Paths are shown relative to where the run started, whatever folder the script moved to.
     _cwd: str = field(default_factory=os.getcwd)
 
-    def wrote(self, path: object, how: str, by: str) -> None:
+    def wrote(self, path: object, how: str) -> None:
         if not isinstance(path, (str, bytes, os.PathLike)):
             return  # a file descriptor or a file object: no name to show
         name = os.path.abspath(os.fsdecode(os.fspath(path)))
         if name in self._seen or _not_the_users(name):
             return
         self._seen.add(name)
-        self.written.append(Written(name, how, by))
+        self.written.append(Written(name, how))
 
     def close_what_is_open(self) -> None:
         """Flush and close the files the script opened and left open, as the interpreter does at
@@ -205,7 +204,7 @@ def _watched_open(files: ScriptFiles) -> Iterator[None]:
         how = _how(file, mode) if isinstance(mode, str) else None
         f = original(file, mode, *args, **kwargs)
         if how is not None:
-            files.wrote(file, how, "open")
+            files.wrote(file, how)
         with contextlib.suppress(TypeError):  # a file type that takes no weak reference
             files.opened.add(f)
         return f
@@ -220,17 +219,16 @@ def _watched_saver(files: ScriptFiles, short: str, saver: Callable, obj_at: int,
         obj = args[obj_at] if len(args) > obj_at else kwargs.get(obj_kw)
         path = args[path_at] if len(args) > path_at else kwargs.get(path_kw)
         if files.predict:
-            fakes = [t for t in tensors_in([_tensors_of(obj)]) if isinstance(t, FakeTensor)]
-            if fakes:
+            tensors = tensors_in([_tensors_of(obj)])
+            if any(isinstance(t, FakeTensor) for t in tensors):
                 named = (f"{short}(..., {os.fspath(path)!r})"
                          if isinstance(path, (str, os.PathLike)) else f"{short}(...)")
-                files.skipped.append(Skipped(named, user_source(skip=2),
-                                             *_held(tensors_in([_tensors_of(obj)]))))
+                files.skipped.append(Skipped(named, user_source(skip=2), *_held(tensors)))
                 return None
         how = _how(path, "w") if isinstance(path, (str, os.PathLike)) else None
         result = saver(*args, **kwargs)
         if how is not None:
-            files.wrote(path, how, short)
+            files.wrote(path, how)
         return result
 
     return save
