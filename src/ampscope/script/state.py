@@ -35,12 +35,6 @@ def _flag(owner: object, name: str) -> tuple[Callable[[], object], Callable[[obj
     return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
 
 
-def _sdp(name: str) -> tuple[Callable[[], object], Callable[[object], None]]:
-    """One of torch.backends.cuda's scaled-dot-product kernel switches."""
-    cuda = torch.backends.cuda
-    return getattr(cuda, f"{name}_sdp_enabled"), getattr(cuda, f"enable_{name}_sdp")
-
-
 def _settings() -> dict[str, tuple[Callable[[], object], Callable[[object], None]]]:
     """Each of torch's process-wide settings a training script commonly changes, as a getter and
     a setter (the ones GlobalState keeps are not repeated here). Built at each save: a setting
@@ -74,9 +68,10 @@ def _settings() -> dict[str, tuple[Callable[[], object], Callable[[object], None
     mha = getattr(backends, "mha", None)
     if mha is not None and hasattr(mha, "set_fastpath_enabled"):
         found["mha_fastpath"] = (mha.get_fastpath_enabled, mha.set_fastpath_enabled)
-    for name in ("flash", "mem_efficient", "math", "cudnn"):
+    for name in ("flash", "mem_efficient", "math", "cudnn"):  # scaled-dot-product kernels
         if hasattr(backends.cuda, f"enable_{name}_sdp"):
-            found[f"sdp.{name}"] = _sdp(name)
+            found[f"sdp.{name}"] = (getattr(backends.cuda, f"{name}_sdp_enabled"),
+                                    getattr(backends.cuda, f"enable_{name}_sdp"))
     return found
 
 
