@@ -32,7 +32,7 @@ def runner(target: str, argv: Sequence[str], module: bool) -> tuple[str, Callabl
                                 "its package, or give a script's path)")
 
         def run_module() -> None:
-            with script_argv([target, *argv], folder):
+            with _first_on_path(folder), patched(sys, "argv", [target, *argv]):
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
 
         return f"python -m {target}", run_module
@@ -45,7 +45,7 @@ def runner(target: str, argv: Sequence[str], module: bool) -> tuple[str, Callabl
                             "package.module)")
 
     def run_path() -> None:
-        with script_argv([str(path), *argv], str(path.resolve().parent)):
+        with _first_on_path(str(path.resolve().parent)), patched(sys, "argv", [str(path), *argv]):
             runpy.run_path(str(path), run_name="__main__")
 
     return path.name, run_path
@@ -77,19 +77,12 @@ def _installed() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def script_argv(argv: list[str], first_path: str) -> Iterator[None]:
-    """`sys.argv` and `sys.path[0]` as `python script.py ARGS` sets them; both come back, and
-    the modules the script imported from its own folder are forgotten, so the next run
-    imports them again (their import-time device checks included)."""
-    with _first_on_path(first_path), patched(sys, "argv", argv):
-        yield
-
-
-@contextlib.contextmanager
 def _first_on_path(first_path: str) -> Iterator[None]:
-    """`first_path` first on `sys.path` for the block; afterwards the path as it was, and the
-    modules imported from that folder in the block forgotten (never installed code, nor
-    ampscope's own: torch's modules must not be imported twice in one process)."""
+    """`first_path` first on `sys.path` for the block, as `python` puts the script's folder (or,
+    with -m, the working folder); afterwards the path as it was, and the modules imported from
+    that folder in the block forgotten, so the next run imports them again, their import-time
+    device checks included (never installed code, nor ampscope's own: torch's modules must not
+    be imported twice in one process)."""
     saved_path, saved_modules = sys.path[:], set(sys.modules)
     folder = os.path.abspath(first_path) + os.sep
     kept = _installed() + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
