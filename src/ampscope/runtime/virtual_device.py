@@ -106,9 +106,6 @@ class _Event:
         return (end.time - self.time) * 1e3
 
 
-_TARGET_TYPE = "cuda"  # a stream made without a device is the emulated device's (CUDA's)
-
-
 class _Stream:
     """A CUDA stream on a device that runs everything in order."""
 
@@ -118,9 +115,8 @@ class _Stream:
         self.device_index = 0
         self.stream_id = 0  # the default stream's id on a real device
         # What `torch.Stream` says of itself (FSDP2 passes it to an op of its own): the
-        # emulated device's type, as the number c10 gives it (CUDA's 1).
-        kind = torch.device(device).type if isinstance(device, (str, torch.device)) \
-            else _TARGET_TYPE
+        # emulated device's type (CUDA's without a device), as the number c10 gives it (CUDA's 1).
+        kind = torch.device(device).type if isinstance(device, (str, torch.device)) else "cuda"
         types = torch.autograd.DeviceType
         self.device_type: int = (getattr(types, kind.upper(), None) or types.CUDA).value
 
@@ -208,7 +204,6 @@ class VirtualDevice:
         self.memory: Callable[[], tuple[int, int]] | None = None
         self.used: set[str] = set()  # which virtual answers the run asked for, for the notes
         self.graphs = GraphUse()  # CUDA graphs, run eagerly
-        self._stack: contextlib.ExitStack | None = None
         self._peak_base = 0
 
     @contextlib.contextmanager
@@ -245,19 +240,22 @@ class VirtualDevice:
     # -- what is patched
     def _patches(self) -> list[tuple[object, str, object]]:
         backend = getattr(torch, self.target)
+        # What torch.<target> and torch.accelerator answer alike.
+        shared: dict[str, object] = {
+            "is_available": lambda: True,
+            "device_count": lambda: self.count,
+            "synchronize": self._note("synchronize", lambda device=None: None),
+            "empty_cache": lambda: None,
+            "memory_allocated": self._note("memory", lambda device=None: self._live()),
+            "max_memory_allocated": self._note("memory", lambda device=None: self._peak()),
+            "memory_reserved": lambda device=None: self._live(),
+            "max_memory_reserved": lambda device=None: self._peak(),
+            "reset_peak_memory_stats": lambda device=None: self._reset_peak(),
+        }
         patches: list[tuple[object, str, object]] = [*self.autocast.patches(),
-            (backend, "is_available", lambda: True),
-            (backend, "device_count", lambda: self.count),
+            *((backend, name, value) for name, value in shared.items()),
             (backend, "is_initialized", lambda: True),
             (backend, "init", lambda: None),
-            (backend, "synchronize", self._note("synchronize", lambda device=None: None)),
-            (backend, "empty_cache", lambda: None),
-            (backend, "memory_allocated", self._note("memory", lambda device=None: self._live())),
-            (backend, "max_memory_allocated",
-             self._note("memory", lambda device=None: self._peak())),
-            (backend, "memory_reserved", lambda device=None: self._live()),
-            (backend, "max_memory_reserved", lambda device=None: self._peak()),
-            (backend, "reset_peak_memory_stats", lambda device=None: self._reset_peak()),
             (backend, "reset_max_memory_allocated", lambda device=None: self._reset_peak()),
             (torch, "compile", self._compile),
             (torch.nn.Parameter, "__new__", self.mode.parameter(torch.nn.Parameter.__new__)),
@@ -305,18 +303,17 @@ class VirtualDevice:
             patches += [(torch.backends.mps, "is_available", lambda: True),
                         (torch.backends.mps, "is_built", lambda: True)]
         return (patches + rng_patches(self.mode) + load_patches(self.mode)
-                + self._accelerator_patches() + self._torch_internal_patches())
+                + self._accelerator_patches(shared) + self._torch_internal_patches())
 
-    def _accelerator_patches(self) -> list[tuple[object, str, object]]:
+    def _accelerator_patches(self, shared: dict[str, object]) -> list[tuple[object, str, object]]:
         """`torch.accelerator.*`, which torch's own optimizers, DataLoader, checkpointing and
         serialization ask (a CPU build answers "no accelerator", a CUDA build without a GPU
-        fails in the driver): the answers of one target device. Only the functions this
-        release has are patched."""
+        fails in the driver): the answers of one target device, `shared` with torch.<target>
+        among them. Only the functions this release has are patched."""
         target = self.target
         answers: dict[str, object] = {
-            "is_available": lambda: True,
+            **shared,
             "current_accelerator": lambda check_available=False: torch.device(target),
-            "device_count": lambda: self.count,
             "current_device_index": lambda: self.mode.index,
             "current_device_idx": lambda: self.mode.index,  # the older, deprecated names
             "set_device_index": self._set_device,
@@ -324,13 +321,6 @@ class VirtualDevice:
             "device_index": _DeviceIndex,
             "current_stream": lambda device=None: _Stream(device),
             "set_stream": lambda stream: None,
-            "synchronize": self._note("synchronize", lambda device=None: None),
-            "empty_cache": lambda: None,
-            "memory_allocated": self._note("memory", lambda device=None: self._live()),
-            "max_memory_allocated": self._note("memory", lambda device=None: self._peak()),
-            "memory_reserved": lambda device=None: self._live(),
-            "max_memory_reserved": lambda device=None: self._peak(),
-            "reset_peak_memory_stats": lambda device=None: self._reset_peak(),
         }
         if self.accelerator is not None:
             memory = cast(int, self.accelerator.memory_bytes)  # by_name's: never None
@@ -343,8 +333,9 @@ class VirtualDevice:
         the accelerator and tensor subclasses (runtime/device_internals.py), and the pinning
         of DataLoader batches (done in a thread of its own, which the device
         mode does not reach)."""
-        patches: list[tuple[object, str, object]] = [
-            (torch, "get_device_module", _defaulting(torch.get_device_module, self.target))]
+        get_device_module = torch.get_device_module  # its default: the target's module
+        patches: list[tuple[object, str, object]] = [(torch, "get_device_module",
+            lambda device=None: get_device_module(self.target if device is None else device))]
         patches += internal_patches(self.mode, self.target)
         rng_op = dtensor_rng_op()
         if rng_op is not None:
@@ -471,12 +462,3 @@ def _refusing(backend: types.ModuleType, name: str) -> Callable:
 
     refused.__name__ = name
     return refused
-
-
-def _defaulting(original: Callable, target: str) -> Callable:
-    """`torch.get_device_module()` whose default is the target's module, as on the device."""
-
-    def get_device_module(device=None):
-        return original(target if device is None else device)
-
-    return get_device_module
