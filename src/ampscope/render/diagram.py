@@ -8,12 +8,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ampscope.analysis.diagram import Diagram, DiagramStep
-from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES
-
-
-def _dtype(d: str) -> Text:
-    return Text(SHORT_DTYPES.get(d, d), style=DTYPE_STYLES.get(d, "yellow"))
-
+from ampscope.render.style import SHORT_DTYPES, dtype_text
 
 # Short names people write in diagrams, for the calls whose torch names are long.
 SHORT_FUNCS = {"scaled_dot_product_attention": "sdpa"}
@@ -47,10 +42,10 @@ def _step_line(step: DiagramStep, block: str | None, indent: str) -> Text:
     for i, d in enumerate(step.inputs):
         if i:
             line.append(" + ")
-        line.append_text(_dtype(d))
+        line.append_text(dtype_text([d]))
     changed = step.output not in step.inputs
     line.append(" ⇒ " if changed else " → ")
-    line.append_text(_dtype(step.output))
+    line.append_text(dtype_text([step.output]))
     notes = step_notes(step)
     if notes:
         line.append(f"  [{notes}]", style="dim")

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.diff import DiffSummary, Side, TraceDiff, tensor_groups
-from ampscope.analysis.time_diff import Moved, TimeDiff
+from ampscope.analysis.time_diff import TimeDiff
 from ampscope.records import PHASES
 from ampscope.render.predicted_step import duration
 from ampscope.render.style import ColumnOptions, dtype_text, short_op, titled_table
@@ -117,13 +117,6 @@ def summary_text(s: DiffSummary) -> Text:
     return Text("Summary: " + "; ".join(parts) + ".", style="italic")
 
 
-def _moved_rows(table: Table, rows: tuple[Moved, ...]) -> None:
-    for m in rows:
-        if m.a or m.b:
-            table.add_row(m.name, f"{m.a * 1e3:,.2f}", f"{m.b * 1e3:,.2f}",
-                          f"{m.delta * 1e3:+,.2f}")
-
-
 def timing_section(t: TimeDiff, label_a: str, label_b: str) -> RenderableType:
     """"Why one is faster": both predicted steps, then the milliseconds moved by bound, by
     phase and in the modules that moved most."""
@@ -141,7 +134,10 @@ def timing_section(t: TimeDiff, label_a: str, label_b: str) -> RenderableType:
                                ("By phase", t.by_phase, "phase"),
                                ("Modules that moved most (own ops)", t.modules, "module")):
         table = titled_table(title, (first, {"overflow": "fold"}), *numbers, right=numbers)
-        _moved_rows(table, rows)
+        for m in rows:
+            if m.a or m.b:
+                table.add_row(m.name, f"{m.a * 1e3:,.2f}", f"{m.b * 1e3:,.2f}",
+                              f"{m.delta * 1e3:+,.2f}")
         if table.rows:
             parts += [Text(), table]
     return Group(*parts)

@@ -21,7 +21,7 @@ def human(flops: float, unit: str = "FLOP") -> str:
     return f"{flops:.0f} {unit}"
 
 
-def _share(part: float, whole: float) -> str:
+def share(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "—"
 
 
@@ -41,7 +41,7 @@ def render_flops(report: FlopReport) -> RenderableType:
 
     phases = titled_table("By phase", "phase", "FLOPs", "share", right=("FLOPs", "share"))
     for phase, n in report.by_phase.items():
-        phases.add_row(phase, human(n), _share(n, report.total))
+        phases.add_row(phase, human(n), share(n, report.total))
     if report.evaluation:  # not the step's: no share of it
         phases.add_row("evaluation (not in the step)", human(report.evaluation), "—")
 
@@ -49,7 +49,7 @@ def render_flops(report: FlopReport) -> RenderableType:
     dtypes = titled_table("By the dtype the matmuls ran in", "dtype", *numbers, right=numbers)
     for dtype, n in sorted(report.by_dtype.items(), key=lambda kv: -kv[1]):
         peak = used.peaks.get(dtype) if used else None
-        dtypes.add_row(dtype_text([dtype], short=False), human(n), _share(n, report.total),
+        dtypes.add_row(dtype_text([dtype], short=False), human(n), share(n, report.total),
                        human(peak, "FLOP/s") if peak else "n/a",
                        f"{1e3 * n / peak:.1f} ms" if peak else "n/a")
 

@@ -89,7 +89,3 @@ def predicted_section(predicted: StepTime, measured: float | None = None) -> Ren
         note.append(f"\n{duration(predicted.hidden_seconds)} of collectives hidden behind "
                     "compute (FSDP2/DDP overlap)", style="dim")
     return Group(head, Text(), bounds, Text(), phases, Text(), modules, note)
-
-
-__all__ = ["bound_shares", "duration", "gpu_title", "mfu_text", "predicted_line",
-           "predicted_section"]

@@ -9,13 +9,9 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from ampscope.records import module_label
 from ampscope.render.diagnostics import tally
-from ampscope.render.flops import human
+from ampscope.render.flops import human, share
 from ampscope.render.plots import dtype_color
 from ampscope.render.style import SHORT_DTYPES, format_bytes, short_op
-
-
-def share(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "—"
 
 
 @functools.cache

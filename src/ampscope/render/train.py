@@ -82,12 +82,13 @@ def train_summary(result: TrainResult) -> RenderableType:
     """After the run: losses, speed, memory, the checkpoint and the sample."""
     timed = result.steps[result.start_step:][1:] or result.steps[-1:]  # the first step warms up
     ms = statistics.median(s.seconds for s in timed) * 1e3
+    mfus = [s.mfu for s in timed if s.mfu is not None]
     first, last = result.evals[0], result.evals[-1]
     lines = [
         f"val loss {first.val_loss:.4f} (step {first.step}) → {last.val_loss:.4f} "
         f"(step {last.step})",
         f"median step {ms:.1f} ms, {result.tokens_per_step / ms * 1e3:,.0f} tokens/s, "
-        f"MFU {format_mfu(_median_mfu(timed))} "
+        f"MFU {format_mfu(statistics.median(mfus) if mfus else None)} "
         f"(FLOPs/token {result.flops_per_token:,}: {result.flops_formula})",
         f"peak memory {format_bytes(result.peak_memory)} ({result.memory_kind})",
     ]
@@ -97,11 +98,6 @@ def train_summary(result: TrainResult) -> RenderableType:
     if result.sample is not None:
         parts += [Text("\nSample", style="bold"), Text(result.sample)]
     return Group(*parts)
-
-
-def _median_mfu(steps: list[StepLog]) -> float | None:
-    values = [s.mfu for s in steps if s.mfu is not None]
-    return statistics.median(values) if values else None
 
 
 def bench_table(report: BenchReport) -> Table:
