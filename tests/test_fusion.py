@@ -187,3 +187,10 @@ def test_the_compile_setting_leaves_the_user_s_module_as_it_was():
                            inputs=torch.randn(4, 8))
     assert all(o.compiled for o in trace.ops if str(o.phase) == "forward")
     assert "forward" not in vars(model) and model.forward == forward
+
+
+def test_a_compiled_setting_s_trace_says_what_compile_means_here():
+    trace = ampscope.trace("gpt2-tiny", setting="fp32+compile", workload="forward", seq=8)
+    assert any(n.startswith("+compile: the model ran eagerly") for n in trace.notes)
+    plain = ampscope.trace("gpt2-tiny", setting="fp32", workload="forward", seq=8)
+    assert not any("+compile" in n for n in plain.notes)

@@ -32,6 +32,7 @@ from ampscope.render.style import format_bytes
 from ampscope.runs.environment import RunEnvironment, exact_retry
 from ampscope.runs.session import Capture
 from ampscope.runs.source import source_line
+from ampscope.runtime.compiled import SETTING_COMPILE_NOTE
 from ampscope.runtime.emulation import device_api_error
 from ampscope.runtime.predict import (
     data_dependent,
@@ -202,6 +203,8 @@ def _traced(model: str | nn.Module | LoadedModel, inputs: torch.Tensor | Batch |
         notes.append("GradScaler's check for inf/NaN gradients reads a value, which a fake "
                      "tensor has none of: the step was predicted as taken (finite gradients).")
         log.info("%s", notes[-1])
+    if setting.compiled:
+        notes.append(SETTING_COMPILE_NOTE)
     notes += env.emulation_notes(result, workload_name)
     result.notes = notes + result.notes  # what the capture itself noted comes last
     result.notes += env.device_notes()

@@ -76,6 +76,13 @@ def _fuses(options: dict) -> bool:
     return options.get("backend", "inductor") == "inductor"
 
 
+# The note of a run whose setting has +compile.
+SETTING_COMPILE_NOTE = ("+compile: the model ran eagerly as torch.compile(model) runs under "
+                        "ampscope, its ops marked compiled: a predicted step costs them as "
+                        "Inductor's fused kernels; values are eager's (inductor rounds a fused "
+                        "16-bit chain once).")
+
+
 class EagerCompile:
     """`torch.compile`, replaced for a run. `on_wrapper` is told of each module wrapper it
     makes (a script's run keeps it from being taken for the model: the model is what it
