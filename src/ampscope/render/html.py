@@ -27,7 +27,7 @@ from ampscope.analysis.flops import FlopReport
 from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport, compare_fp8_casts
 from ampscope.analysis.summary import dtype_inventory
-from ampscope.distributed.report import DistributedReport, RankReport, summarize
+from ampscope.distributed.report import DistributedReport, summarize
 from ampscope.records import STORAGE_CATEGORIES, Trace
 from ampscope.render.flowgraph import section_svg
 from ampscope.render.matrix import short_names
@@ -165,14 +165,6 @@ def _numerics(report: NumericsReport) -> Markup:
                                 fp8, fp8_names)
 
 
-def _peak(rank: RankReport) -> dict | None:
-    """The rank's memory peak as its JSON has it (`"peak"`: bytes, rounded_bytes, phase, live
-    by category and dtype), or None where the report carries none. Read off `to_dict()`, the
-    documented form, so that any report version renders: one without the field gives None."""
-    peak = rank.to_dict().get("peak")
-    return peak if isinstance(peak, dict) else None
-
-
 def _rank_rows(report: DistributedReport, same_as: Mapping[int, int | None] | None
                ) -> list[dict]:
     """One row per rank that ran, in rank order, and one per run of consecutive ranks that did
@@ -191,11 +183,10 @@ def _rank_rows(report: DistributedReport, same_as: Mapping[int, int | None] | No
                 rows.append({"first": k, "last": k, "report": None, "same_as": taken,
                              "peak": None})
             continue
-        peak = _peak(r)
-        live = (peak or {}).get("live") or {}
+        live = r.peak.live if r.peak is not None else {}
         rows.append({"first": k, "last": k, "report": r, "total": r.held_total,
                      "held": [sorted(r.held.get(c, {}).items()) for c in HELD_CATEGORIES],
-                     "collectives": summarize(r.collectives), "peak": peak,
+                     "collectives": summarize(r.collectives), "peak": r.peak,
                      "live": {c: sorted(d.items()) for c, d in live.items()}})
     return rows
 
