@@ -16,8 +16,6 @@ from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
 from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, OpCall, Trace, module_label
 
-_FLOATS = tuple(FLOATS)
-
 
 def plural(n: int, noun: str) -> str:
     """"1 cast", "2 casts"."""
@@ -80,7 +78,7 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
         if call.func not in EXPLICIT_CASTS:
             continue
         src, dst = call.inputs[0].dtype, call.outputs[0].dtype
-        if src != dst and src in _FLOATS and dst in _FLOATS:
+        if src != dst and src in FLOATS and dst in FLOATS:
             key = (call.func, src, dst, call.source)
             seen.setdefault(key, []).append(call.module or "")
     findings = []

@@ -19,13 +19,7 @@ from ampscope.analysis.summary import itemsize, numel
 from ampscope.hardware.cuda_allocator import AllocatorConfig, AllocatorReplay
 from ampscope.records import STORAGE_CATEGORIES, StorageRecord, Trace
 from ampscope.records.table import Table, table
-from ampscope.records.timeline import (  # noqa: F401 - re-exported: the memory report's own
-    CUDA_MIN_BLOCK,
-    argmax,
-    cuda_block_size,
-    live_at,
-    live_bytes,
-)
+from ampscope.records.timeline import argmax, cuda_block_size, live_at, live_bytes
 
 SCHEMA = "ampscope.memory/1"
 
@@ -139,7 +133,8 @@ class MemoryReport:
             "rounding": self.rounding,
             "at_peak": [asdict(r) for r in self.at_peak],
             "allocated": [asdict(r) for r in self.allocated],
-            "largest_at_peak": [_storage_dict(s) for s in self.largest_at_peak],
+            "largest_at_peak": [asdict(s) | {"shape": list(s.shape), "names": list(s.names)}
+                                for s in self.largest_at_peak],
             "shared": [asdict(s) | {"names": list(s.names)} for s in self.shared],
             "estimates": [asdict(e) for e in self.estimates],
             "timeline": {"live_bytes": list(self.live_bytes),
@@ -168,10 +163,6 @@ class MemoryReport:
         return self.table().to_dataframe()
 
 
-def _storage_dict(s: StorageRecord) -> dict:
-    return asdict(s) | {"shape": list(s.shape), "names": list(s.names)}
-
-
 # -- the timeline -----------------------------------------------------------------------------
 
 def breakdown(storages: Iterable[StorageRecord]) -> list[MemoryRow]:
@@ -197,11 +188,6 @@ def bucketed(live: list[int], phases: list[str], buckets: int) -> list[TimelineB
         top = max(range(first, last + 1), key=live.__getitem__)
         out.append(TimelineBucket(first, last, phases[top], live[top]))
     return out
-
-
-def shared_storages(storages: Iterable[StorageRecord]) -> list[SharedStorage]:
-    return [SharedStorage(s.names, s.category, s.dtype, s.nbytes)
-            for s in storages if len(s.names) > 1]
 
 
 # -- the formulas -----------------------------------------------------------------------------
@@ -401,7 +387,9 @@ def memory_report(trace: Trace, *, buckets: int = 48, largest: int = 5,
         end_bytes=live[-1] if live else before, peak=peak,
         at_peak=breakdown(at_peak), allocated=breakdown(storages),
         largest_at_peak=sorted(at_peak, key=lambda s: -s.nbytes)[:largest],
-        shared=shared_storages(storages), estimates=estimates, live_bytes=live,
+        shared=[SharedStorage(s.names, s.category, s.dtype, s.nbytes)
+                for s in storages if len(s.names) > 1],
+        estimates=estimates, live_bytes=live,
         timeline=bucketed(live, [o.phase for o in ops], buckets),
         rounding="cuda" if device == "cuda" else None, notes=notes, reserved=reserved,
     )

@@ -3,6 +3,7 @@ many tensors and elements of each category are in each dtype."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -21,10 +22,7 @@ def itemsize(dtype: str) -> int:
 
 
 def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 @dataclass(frozen=True)

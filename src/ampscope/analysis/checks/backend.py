@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from ampscope import hardware
 from ampscope.analysis.checks import Hit, rule
 from ampscope.analysis.checks.evidence import count
-from ampscope.analysis.summary import itemsize
+from ampscope.analysis.summary import itemsize, numel
 from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.records import Trace
 from ampscope.torchcompat.ops import FUSED_ATTENTION_NAMES
@@ -66,10 +66,7 @@ def attention_math_fallback(trace: Trace) -> Iterator[Hit]:
     first = math[0]
     q, k = first.inputs[0], first.inputs[1] if len(first.inputs) > 1 else first.inputs[0]
     # The math kernel materialises the scores: batch·heads·Lq·Lk values in the input's dtype.
-    scores = 1
-    for n in (*q.shape[:-1], k.shape[-2]):
-        scores *= n
-    size = scores * itemsize(q.dtype)
+    size = numel((*q.shape[:-1], k.shape[-2])) * itemsize(q.dtype)
     why = ("no fused kernel takes float64" if q.dtype == "float64"
            else "the fused kernels (flash, memory-efficient, cuDNN) refused these inputs' "
                 "shapes, strides or mask")
