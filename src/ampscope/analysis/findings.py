@@ -10,8 +10,8 @@ from collections import Counter, defaultdict
 from typing import cast
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
-from ampscope.analysis.flow import FlowRow, collapse_blocks, first_step
-from ampscope.analysis.fp8 import fp8_findings, fp8_modules
+from ampscope.analysis.flow import first_step
+from ampscope.analysis.fp8 import collapsed, fp8_findings, fp8_modules
 from ampscope.analysis.policy_versions import policy_version_findings
 from ampscope.analysis.summary import forward_passes, itemsize, numel
 from ampscope.records import EXPLICIT_CASTS, Finding, ModuleCall, OpCall, Trace, module_label
@@ -84,7 +84,7 @@ def explicit_cast_findings(trace: Trace) -> list[Finding]:
     findings = []
     for (func, src, dst, source), modules in seen.items():
         named = [m for m in modules if m]
-        where = f" in {_collapsed(named)}" if named else ""
+        where = f" in {collapsed(named)}" if named else ""
         count = len(modules)
         times = f" ({count}×)" if count > 1 else ""
         findings.append(Finding(
@@ -253,7 +253,7 @@ def tensor_dtype_findings(changes: list[DtypeChange]) -> list[Finding]:
             decided, lambda c: (c.function, c.cause, c.inputs, c.output, c.source)).items():
         kind = cause.removesuffix("-dtype")
         activations = [d for d, n in zip(ins, cs[0].input_names, strict=False) if n is None]
-        names = _collapsed(c.detail for c in cs)
+        names = collapsed(c.detail for c in cs)
         findings.append(Finding(
             f"{function} turns {'/'.join(dict.fromkeys(activations))} into {out}: {kind} "
             f"{names} is {out}{f' (at {source})' if source else ''}.",
@@ -261,14 +261,9 @@ def tensor_dtype_findings(changes: list[DtypeChange]) -> list[Finding]:
     return findings
 
 
-def _collapsed(names) -> str:
-    rows = collapse_blocks([FlowRow(n, "", (), ()) for n in dict.fromkeys(names)])
-    return listed([r.name for r in rows])
-
-
 def _modules(cs: list[DtypeChange]) -> str:
     modules = [module_label(c.module) for c in cs]
-    return f" in {_collapsed(modules)}" if modules else ""
+    return f" in {collapsed(modules)}" if modules else ""
 
 
 def _where(cs: list[DtypeChange], limit: int = 2) -> str:

@@ -11,6 +11,7 @@ Namesakes, the same concern at another layer: `precision/fp8.py`, `records/fp8.p
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ampscope.analysis.flow import FlowRow, collapse_blocks
@@ -107,9 +108,10 @@ def fp8_modules(trace: Trace) -> set[str]:
             if o.module is not None and o.flops and any(d is not None for d in o.input_data)}
 
 
-def _collapsed(names: list[str]) -> str:
-    """Repeated blocks on one name ("transformer.h.0–11.mlp.c_fc"), at most four names."""
-    rows = [r.name for r in collapse_blocks([FlowRow(n, "", (), ()) for n in names])]
+def collapsed(names: Iterable[str]) -> str:
+    """Distinct names, repeated blocks on one name ("transformer.h.0–11.mlp.c_fc"), at most
+    four names."""
+    rows = [r.name for r in collapse_blocks([FlowRow(n, "", (), ()) for n in dict.fromkeys(names)])]
     return ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
 
 
@@ -175,6 +177,6 @@ def fp8_findings(trace: Trace) -> list[Finding]:
                + ", ".join(f"{n} {'×'.join(map(str, s))}" for n, s in step.odd_dims.items()) + ")"
                if step.odd_dims else "")
         findings.append(Finding(
-            f"{_collapsed(step.linear)} stay{'s' if len(step.linear) == 1 else ''} in higher "
+            f"{collapsed(step.linear)} stay{'s' if len(step.linear) == 1 else ''} in higher "
             f"precision: left out by the module filter{why}.", FP8_CAUSE))
     return findings
