@@ -58,16 +58,14 @@ def render_diagram(diagram: Diagram) -> Text:
     text.append(f"  {inputs}\n")
     text.append("   │\n")
     for section in diagram.sections:
-        if section.block is None:
-            for step in section.steps:
-                text.append_text(_step_line(step, None, "   "))
-                text.append("\n")
-            continue
-        text.append(f"  ┌ {section.label}\n", style="bold")
+        indent = "   " if section.block is None else "  │"
+        if section.block is not None:
+            text.append(f"  ┌ {section.label}\n", style="bold")
         for step in section.steps:
-            text.append_text(_step_line(step, section.block, "  │"))
+            text.append_text(_step_line(step, section.block, indent))
             text.append("\n")
-        text.append("  └\n")
+        if section.block is not None:
+            text.append("  └\n")
     outputs = ", ".join(f"{n} {SHORT_DTYPES.get(d, d)}" for n, d in diagram.outputs)
     text.append("   │\n")
     text.append(f"  {outputs}\n")

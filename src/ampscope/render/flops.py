@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ampscope.analysis.flops import FlopReport
 from ampscope.render.predicted_step import predicted_section
-from ampscope.render.style import dtype_text, titled_table
+from ampscope.render.style import ColumnOptions, dtype_text, titled_table
 
 
 def human(flops: float, unit: str = "FLOP") -> str:
@@ -53,12 +53,9 @@ def render_flops(report: FlopReport) -> RenderableType:
                        human(peak, "FLOP/s") if peak else "n/a",
                        f"{1e3 * n / peak:.1f} ms" if peak else "n/a")
 
-    modules = titled_table("By module (own ops, per block)")
-    for col in ("module", "×", "forward", "backward", "dtype"):
-        # overflow None: the cell's text decides (rich's annotation leaves None out, its
-        # ConsoleOptions and Text take it).
-        modules.add_column(col, justify="left" if col in ("module", "dtype") else "right",
-                           overflow="fold" if col == "module" else None)  # type: ignore[arg-type]
+    counts = ("×", "forward", "backward")
+    modules = titled_table("By module (own ops, per block)", *(
+        (col, ColumnOptions(overflow="fold")) for col in ("module", *counts, "dtype")), right=counts)
     for r in report.rows:
         modules.add_row(r.name, str(r.repeats), human(r.forward), human(r.backward),
                         dtype_text([r.dtype], short=False))

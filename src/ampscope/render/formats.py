@@ -79,20 +79,13 @@ def _status(s: Stored) -> Text:
     return text
 
 
-def _error(s: Stored) -> str:
-    r = s.relative_error
-    if r is None:
-        return "—"
-    return "0" if r == 0 else _number(r)
-
-
 def value_table(report: ValueReport, formats: dict[str, FormatFacts]) -> Table:
     table = titled_table(f"Value {report.text}", "format", "stored", "rel. error", "status",
                          ("bits: sign exponent mantissa", {"overflow": "fold"}),
                          right=("stored", "rel. error"), pad_edge=False)
     for s in report.stored:
         table.add_row(format_name(s.format), _number(s.value, _shown_digits(formats[s.format])),
-                      _error(s), _status(s), s.bits)
+                      _number(s.relative_error), _status(s), s.bits)
     return table
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampscope.analysis.memory import MemoryReport, MemoryRow
+from ampscope.hardware.cuda_allocator import AllocatorReplay
 from ampscope.records import module_label
 from ampscope.render.style import dtype_text, format_bytes, short_op, titled_table
 
@@ -33,18 +34,15 @@ def peak_line(report: MemoryReport) -> Text:
             text.append(f" (at op {p.rounded_op})")
     if report.reserved is not None:
         text.append("\n")
-        text.append(reserved_text(report))
+        text.append(reserved_text(report.reserved))
     text.append(f"\nBefore the step {format_bytes(report.before_bytes)}, "
                 f"after it {format_bytes(report.end_bytes)}", style="dim")
     return text
 
 
-def reserved_text(report: MemoryReport) -> Text:
+def reserved_text(r: AllocatorReplay) -> Text:
     """The caching allocator replay's reserved peak beside the allocated one, and what the
     reserved bytes held beyond the requests where they peaked."""
-    r = report.reserved
-    if r is None:
-        return Text()
     allocated = r.allocated_peak
     gap = f", {100 * (r.reserved_peak - allocated) / allocated:+.1f}%" if allocated else ""
     text = Text("Reserved (allocator replay", style="bold")

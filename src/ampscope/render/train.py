@@ -133,15 +133,13 @@ def render_bench(report: BenchReport) -> RenderableType:
 
 def save_bench_plot(report: BenchReport, path: str | Path) -> Path | None:
     """tokens/s per rung (bars) and the training loss of every rung per step (lines), as PNG.
-    None when no rung ran or matplotlib is missing."""
+    None when no rung ran."""
     ran = [r for r in report.rungs if r.status == "ok"]
     if not ran:
         return None
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     speed, loss = fig.subplots(1, 2, width_ratios=(1.2, 1))
     bars = speed.barh([r.name for r in ran][::-1], [r.tokens_per_s for r in ran][::-1],
