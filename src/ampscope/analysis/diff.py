@@ -383,7 +383,5 @@ class TensorGroup:
 
 def tensor_groups(changes: Sequence[TensorChange]) -> list[TensorGroup]:
     """Changes grouped by (category, A dtype, B dtype), in first-seen order."""
-    groups: dict[tuple[str, str | None, str | None], list[str]] = {}
-    for t in changes:
-        groups.setdefault((t.category, t.a, t.b), []).append(t.name)
-    return [TensorGroup(*k, tuple(names)) for k, names in groups.items()]
+    return [TensorGroup(*k, tuple(t.name for t in ts))
+            for k, ts in group(changes, lambda t: (t.category, t.a, t.b)).items()]

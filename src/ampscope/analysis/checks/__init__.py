@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ampscope.analysis.findings import derive_findings
 from ampscope.records import SEVERITIES, Diagnostic, Trace
 
 
@@ -125,7 +126,5 @@ def check_trace(trace: Trace, *, ignore: Collection[str] = (),
 def judge(trace: Trace, *, line_of: Callable[[str], str | None] | None = None) -> None:
     """Fill `trace.findings` (the dtype facts) and `trace.diagnostics` (the checks), the two
     things a finished trace says of itself."""
-    from ampscope.analysis.findings import derive_findings
-
     trace.findings = derive_findings(trace)
     trace.diagnostics = check_trace(trace, line_of=line_of)
