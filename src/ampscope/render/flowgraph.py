@@ -42,12 +42,6 @@ def _edge(y0: float, y1: float, dtype: str, *, label: bool = True) -> tuple[str,
     return "edge", {"y0": y0, "y1": y1, "dtype": dtype, "label": label}
 
 
-def _residual(src_y: float, node_y: float, dtype: str) -> tuple[str, dict]:
-    """The residual stream: from the main edge at `src_y`, down the left lane, into the add."""
-    return "residual", {"src_y": src_y, "mid": node_y + NODE_H / 2, "lane": LANE - 10,
-                        "dtype": dtype}
-
-
 def _node(step: DiagramStep, block: str | None, y: float) -> tuple[str, dict]:
     module = relative_module(step, block)
     changed = step.output not in step.inputs
@@ -78,8 +72,9 @@ def section_svg(section: DiagramSection, *, last: bool = False) -> Markup:
     for i, step in enumerate(steps):
         y = GAP + i * (NODE_H + GAP)
         parts.append(_edge(y - GAP, y, previous))
-        if "residual add" in step.note:
-            parts.append(_residual(residual_from, y, step.inputs[0]))
+        if "residual add" in step.note:  # from the main line, down the left lane, into the add
+            parts.append(("residual", {"src_y": residual_from, "mid": y + NODE_H / 2,
+                                       "lane": LANE - 10, "dtype": step.inputs[0]}))
             residual_from = y + NODE_H + GAP / 2
         parts.append(_node(step, section.block, y))
         previous = step.output

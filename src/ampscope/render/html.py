@@ -94,7 +94,6 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
 def _sections():
-    """The macros of sections.html.j2, callable from here; each returns Markup."""
     return macros("sections.html.j2")
 
 

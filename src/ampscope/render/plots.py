@@ -5,9 +5,8 @@ through pyplot: no global figure state, and the user's backend (a notebook's inl
 say) is left alone. matplotlib is imported when a plot is drawn, not with ampscope.
 
 Text stays text in the SVG (`svg.fonttype: none`): smaller, searchable, and escaped by
-matplotlib's SVG writer like any XML text. The SVG prolog, metadata and namespace declarations
-(URLs, though never fetched) and matplotlib's page-wide style rule are dropped: the page
-carries the `<svg>` element only.
+matplotlib's SVG writer like any XML text. The page carries the `<svg>` element only, without
+the metadata and the URLs in it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from ampscope.analysis.memory import MemoryReport
 from ampscope.analysis.numerics import NumericsReport
 from ampscope.render.flops import human
 
-# The terminal's dtype colours (render/text.py DTYPE_STYLES), as colours that read on white.
+# The terminal's dtype colours (render/style.py DTYPE_STYLES), as colours that read on white.
 DTYPE_COLORS = {
     "float64": "#1f57a8", "float32": "#2e7d32", "bfloat16": "#00838f", "float16": "#ad1457",
     "float8_e4m3fn": "#c62828", "float8_e5m2": "#c62828",

@@ -1,8 +1,5 @@
-"""The per-rank section of `ampscope run --nproc N`: what each rank's parameters, gradients and
-optimizer state hold (of a sharded parameter, the rank's shard), and the collectives each rank
-ran (printed after rank 0's usual trace report), each rank's step predicted on a GPU (a cuda
-run), and the report's notes (with `--gpu`, whether each rank's peak fits:
-distributed/verdicts.py).
+"""The per-rank section of `ampscope run --nproc N`, printed after rank 0's usual trace report
+(`render_ranks` says what it shows).
 
 Namesakes, the same concern at another layer: `script/ranks.py`."""
 
@@ -81,10 +78,11 @@ def _step(predicted: StepTime | None) -> str:
 
 def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *,
                  predicted: list[StepTime | None] | None = None) -> RenderableType:
-    """One table of what each rank holds and its peak (and the caching allocator's reserved
-    peak, on cuda), one of each rank's collectives;
-    `traces` (every rank's, rank 0 first) adds the parameter shapes, `predicted` (every
-    rank's, by rank) its predicted step, collectives included."""
+    """What each rank's parameters, gradients and optimizer state hold (of a sharded parameter,
+    the rank's shard), its peak (and the caching allocator's reserved peak, on cuda), each
+    rank's collectives, and the report's notes (with `--gpu`, whether each rank's peak fits:
+    distributed/verdicts.py); `traces` (every rank's, rank 0 first) adds the parameter shapes,
+    `predicted` (every rank's, by rank) its predicted step on a GPU, collectives included."""
     timed = predicted is not None and any(p is not None for p in predicted)
     gpus = {p.accelerator for p in predicted or [] if p is not None}
     step_column = f"step on {gpus.pop().upper()} (predicted)" if len(gpus) == 1 else \
