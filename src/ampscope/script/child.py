@@ -138,11 +138,18 @@ def main(argv: list[str]) -> int:
 
     request, result = json.loads(argv[0]), argv[1]
     exact = request.pop("exact", False)
-    # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo, or
-    # on the fake process group when predicted (script/predicted_ranks.py).
-    groups = _rank_groups(request.get("predict", False)) if request.pop("rank", False) else None
-    # A real rank's state file: the collective it is in, read by the parent at the deadline.
-    watch = request.pop("watch", None)
+    groups = watching = None
+    if request.pop("rank", False):
+        # A rank of `ampscope run --nproc` (script/ranks.py): its process groups run on gloo,
+        # or on the fake process group when predicted (script/predicted_ranks.py).
+        from ampscope.runtime.process_group import FakeGroups, GlooGroups
+
+        groups = FakeGroups() if request.get("predict", False) else GlooGroups()
+    if watch := request.pop("watch", None):
+        # A real rank's state file: the collective it is in, read by the parent at the deadline.
+        from ampscope.runtime.collective_watch import watched
+
+        watching = watched(watch)
     # `python -m ampscope.script.child` put the caller's working folder first on this
     # process's path, where `python SCRIPT` puts none (the script's folder is put there by the
     # run, and `-m TARGET`'s working folder too): the script sees the path it would see.
@@ -153,7 +160,7 @@ def main(argv: list[str]) -> int:
     try:
         with exact_path() if exact else contextlib.nullcontext(), \
                 groups.active() if groups is not None else contextlib.nullcontext(), \
-                _watched(watch) if watch else contextlib.nullcontext():
+                watching or contextlib.nullcontext():
             carrier = trace = run_script(request.pop("target"), request.pop("argv"), **request,
                                          in_process=True)
         if groups is not None:
@@ -193,20 +200,6 @@ def traceback_of(path: str) -> str | None:
             return json.load(f).get("error", {}).get("traceback")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def _rank_groups(predict: bool):
-    """The substitution that runs a rank's process groups on gloo (fake when predicted)."""
-    from ampscope.runtime.process_group import FakeGroups, GlooGroups
-
-    return FakeGroups() if predict else GlooGroups()
-
-
-def _watched(path: str):
-    """Each collective the rank's script calls, written to `path` as it enters and leaves."""
-    from ampscope.runtime.collective_watch import watched
-
-    return watched(path)
 
 
 if __name__ == "__main__":
