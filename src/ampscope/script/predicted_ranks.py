@@ -33,28 +33,18 @@ from collections.abc import Callable, Sequence
 
 from ampscope.analysis.findings import plural
 from ampscope.distributed.parallel import Parallel
-from ampscope.distributed.report import DistributedReport, RankReport, collectives, rank_peak
+from ampscope.distributed.report import DistributedReport
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.cuda_allocator import config_for
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
 from ampscope.script.rank_groups import Signals, end_groups
-from ampscope.script.ranks import _held, _step_start, rank_environment
+from ampscope.script.ranks import DEFAULT_TIMEOUT, rank_environment, rank_report
 from ampscope.torchcompat.distributed import no_fake_collectives
 
 MAX_PREDICTED = 4096
 EVERY_RANK_UP_TO = 16  # ranks that differ: every rank runs up to this many
 PER_MACHINE = 8  # GPUs per machine, for LOCAL_RANK and LOCAL_WORLD_SIZE
-DEFAULT_TIMEOUT = 300.0
-
-
-def check_predicted_nproc(nproc: int) -> None:
-    if nproc < 1 or nproc > MAX_PREDICTED:
-        raise AmpscopeError(f"--nproc with --predict must be between 1 and {MAX_PREDICTED}; "
-                            f"got {nproc}")
-    why = no_fake_collectives("run --nproc --predict")
-    if why is not None:
-        raise AmpscopeError(why)
 
 
 def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[int], *,
@@ -90,7 +80,10 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
                     for copier in copiers:
                         copier.join(timeout=10)
                     del running[k]
-                    traces[k] = _answer(result, code, target, k, nproc)
+                    try:
+                        traces[k] = answer(result, code, target)
+                    except AmpscopeError as e:
+                        raise AmpscopeError(f"rank {k} of {nproc} failed: {e}") from None
                 if time.monotonic() > deadline:
                     raise AmpscopeError(f"the predicted ranks of {target} did not finish in "
                                         f"{timeout:.0f} s: give --timeout more")
@@ -100,24 +93,14 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
             raise
         finally:
             signals.hold()
-            _stop(running, signals.received or passed_on)
+            # The ranks still running after a failure or a signal (passed on to them): only
+            # those started here, each with the processes it started (script/rank_groups.py).
+            end_groups([process for process, _, _ in running.values()],
+                       signals.received or passed_on)
+            for _, copiers, _ in running.values():
+                for copier in copiers:
+                    copier.join(timeout=10)
     return traces
-
-
-def _answer(result: str, code: int, target: str, rank: int, nproc: int) -> Trace:
-    try:
-        return answer(result, code, target)
-    except AmpscopeError as e:
-        raise AmpscopeError(f"rank {rank} of {nproc} failed: {e}") from None
-
-
-def _stop(running: dict[int, tuple[subprocess.Popen, list, str]], signum: int | None) -> None:
-    """The ranks still running after a failure or a signal (`signum`, passed on to them):
-    only those started here, each with the processes it started (script/rank_groups.py)."""
-    end_groups([process for process, _, _ in running.values()], signum)
-    for _, copiers, _ in running.values():
-        for copier in copiers:
-            copier.join(timeout=10)
 
 
 def record(trace: Trace, nproc: int) -> tuple:
@@ -126,12 +109,12 @@ def record(trace: Trace, nproc: int) -> tuple:
     phase, module, dtype, payload) and the memory peak."""
     params = tuple((p.name, p.dtype, tuple(p.shape), getattr(p, "local_shape", None),
                     p.grad_dtype) for p in trace.parameters)
-    start = _step_start(trace)
+    rank = rank_report(0, trace, nproc)
     calls = tuple((c.kind, c.phase, c.module, c.dtype, c.payload_bytes)
-                  for c in collectives(trace.ops, nproc) if c.index >= start)
-    peak = rank_peak(trace)
+                  for c in rank.collectives)
+    peak = rank.peak
     return params, tuple(sorted((k, tuple(sorted(v.items())))
-                                for k, v in _held(trace).items())), calls, \
+                                for k, v in rank.held.items())), calls, \
         (peak.bytes, peak.rounded_bytes, peak.reserved_bytes) if peak is not None else None
 
 
@@ -139,7 +122,12 @@ def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bo
                   **options) -> tuple[DistributedReport, dict[int, Trace], dict[int, int | None]]:
     """The predicted report of an `nproc`-rank job, the traces of the ranks that ran, and for
     every other rank the run rank it is taken to be (None: not run, not known)."""
-    check_predicted_nproc(nproc)
+    if nproc < 1 or nproc > MAX_PREDICTED:
+        raise AmpscopeError(f"--nproc with --predict must be between 1 and {MAX_PREDICTED}; "
+                            f"got {nproc}")
+    why = no_fake_collectives("run --nproc --predict")
+    if why is not None:
+        raise AmpscopeError(why)
     config_for(options.get("device") or "")  # unreadable PYTORCH_CUDA_ALLOC_CONF: no cuda job
     first = sorted({0, nproc - 1}) if not all_ranks else list(range(nproc))
     traces = run_predicted(target, argv, nproc, first, **options)
@@ -168,23 +156,18 @@ def _roles_note(traces: dict[int, Trace], roles: list[int]) -> str:
     firsts = sorted(set(roles))
     stand = Counter(role for k, role in enumerate(roles) if k not in traces)
     parts = [f"rank {r} for {stand[r]}" for r in firsts if stand[r]]
-    head = (f"Every rank ran; each one's record equals that of the first rank of its role "
+    return (f"Every rank ran; each one's record equals that of the first rank of its role "
             f"({plural(len(firsts), 'role')}: ranks whose shard of every parameter has the same "
             "shape).") if len(ran) == len(roles) else (
         f"Ranks {', '.join(map(str, ran))} ran: the first of each of the "
         f"{len(firsts)} roles (ranks whose shard of every parameter has the same shape, as "
         "DTensor lays it out), and the last rank, whose record equals its role's. Each other "
         f"rank is taken to be the first of its role: {', '.join(parts)}.")
-    return head
 
 
 def _report(traces: dict[int, Trace], target: str, nproc: int, same: bool,
             roles_note: str | None = None) -> DistributedReport:
-    ranks = []
-    for k, t in sorted(traces.items()):
-        start = _step_start(t)
-        ranks.append(RankReport(k, _held(t), [c for c in collectives(t.ops, nproc)
-                                              if c.index >= start], rank_peak(t)))
+    ranks = [rank_report(k, t, nproc) for k, t in sorted(traces.items())]
     kinds = {c.kind for r in ranks for c in r.collectives}
     ran = sorted(traces)
     listed = " and ".join(map(str, ran)) if len(ran) == 2 else ", ".join(map(str, ran))

@@ -75,17 +75,13 @@ def rank_environment(rank: int, nproc: int, port: int, run_id: str, *,
     return env
 
 
-def check_nproc(nproc: int) -> None:
-    if nproc < 1 or nproc > MAX_NPROC:
-        raise AmpscopeError(f"--nproc must be between 1 and {MAX_NPROC} (ranks on this "
-                            f"machine); got {nproc}")
-
-
 def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = False,
               device: str | None = None, steps: int = 1, max_forwards: int | None = 0,
               timeout: float = DEFAULT_TIMEOUT) -> list[Trace]:
     """Every rank's trace of `target` run as `nproc` ranks, rank 0 first."""
-    check_nproc(nproc)
+    if nproc < 1 or nproc > MAX_NPROC:
+        raise AmpscopeError(f"--nproc must be between 1 and {MAX_NPROC} (ranks on this "
+                            f"machine); got {nproc}")
     # An unreadable PYTORCH_CUDA_ALLOC_CONF stops a cuda job before it runs (each rank's
     # reserved peak is replayed with it); a job on another device goes on without it.
     config_for(device or "")
@@ -145,7 +141,8 @@ def _wait(processes: list[subprocess.Popen], results: list[str], target: str,
                        and (code := p.poll()) is not None
                        and _failure(results[k], codes.setdefault(k, code), target)]
             errors = {k: _failure(results[k], codes[k], target) or "" for k in failed}
-            first = min(failed, key=lambda k: (_from_a_peer(errors[k]), _ended_at(results[k])))
+            first = min(failed, key=lambda k: (any(words in errors[k] for words in _PEER_GONE),
+                                               _ended_at(results[k])))
             failure = AmpscopeError(f"rank {first} of {nproc} failed: {errors[first]}")
             told = traceback_of(results[first])
             if told and hasattr(failure, "add_note"):  # Python >= 3.11; shown under --debug
@@ -208,10 +205,6 @@ def _failure(result: str, code: int, target: str) -> str | None:
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "remote worker")
 
 
-def _from_a_peer(error: str) -> bool:
-    return any(words in error for words in _PEER_GONE)
-
-
 def _ended_at(result: str) -> float:
     """When a rank wrote its answer (none written: last)."""
     try:
@@ -248,31 +241,33 @@ def _step_start(trace: Trace) -> int:
     return trace.passes[0].first_op if trace.passes else 0
 
 
+def rank_report(k: int, trace: Trace, nproc: int) -> RankReport:
+    """Rank `k` of `nproc`: what it holds, the collectives of its steps (from its model's first
+    forward pass on), its peak."""
+    start = _step_start(trace)
+    return RankReport(k, _held(trace), [c for c in collectives(trace.ops, nproc)
+                                        if c.index >= start], rank_peak(trace))
+
+
 def ranks_report(traces: list[Trace], target: str) -> DistributedReport:
     """The N ranks' traces as one distributed report (rank 0's trace kept in full). A rank's
     collectives are those of its steps, from its model's first forward pass on; those of the
     setup before it are summed in a note. The strategy is read off them: FSDP2 all-gathers
     parameters and reduce-scatters gradients, DDP only all-reduces."""
-    n = len(traces)
-    ranks, setup = [], []
-    for k, t in enumerate(traces):
-        calls = collectives(t.ops, n)
-        start = _step_start(t)
-        ranks.append(RankReport(k, _held(t), [c for c in calls if c.index >= start],
-                                rank_peak(t)))
-        setup.append([c for c in calls if c.index < start])
+    n, first = len(traces), traces[0]
+    ranks = [rank_report(k, t, n) for k, t in enumerate(traces)]
+    setup = [c for c in collectives(first.ops, n) if c.index < _step_start(first)]
     kinds = {c.kind for r in ranks for c in r.collectives}
     strategy = "fsdp" if kinds & {"all_gather", "reduce_scatter"} else "ddp"
-    first = traces[0]
     notes = [f"{target} ran as {plural(n, 'rank')} on this machine (real tensors, gloo); the strategy "
              "is read off the collectives of the ranks' steps."]
-    if setup[0]:
+    if setup:
         rows = ", ".join(f"{r.kind.replace('_', '-')} {r.dtype} {r.payload_bytes:,} B"
-                         + (f" ×{r.calls}" if r.calls > 1 else "") for r in summarize(setup[0]))
+                         + (f" ×{r.calls}" if r.calls > 1 else "") for r in summarize(setup))
         notes.append(f"Before its model's first forward pass, rank 0 also ran: {rows} (the "
                      "script's setup, such as DDP's parameter checks and broadcast; left out "
                      "of the step's collectives).")
-    if not any(calls for calls in setup) and not kinds:
+    if not any(collectives(t.ops, n) for t in traces):  # neither in the setup nor the steps
         notes.append("No rank ran a collective: the script made no process group, or used it "
                      "for nothing its run traced; each rank ran on its own.")
     return DistributedReport(
