@@ -16,10 +16,6 @@ from ampscope.render.ranks import HELD_CATEGORIES, any_reserved, peak_cell, rese
 from ampscope.render.style import format_bytes, titled_table
 
 
-def _dtypes(by_dtype: dict[str, int]) -> str:
-    return ", ".join(sorted(by_dtype)) or "—"
-
-
 def render_distributed(report: DistributedReport,
                        predicted: StepTime | None = None) -> RenderableType:
     p = report.parallel
@@ -46,7 +42,7 @@ def render_distributed(report: DistributedReport,
                *(["peak"] if peaks else []), *(["reserved"] if reserved else [])]
     held = titled_table("Held by each rank after the step", *columns, right=columns)
     for r in report.ranks:
-        cells = [f"{format_bytes(r.held_bytes(c))} {_dtypes(r.held.get(c, {}))}"
+        cells = [f"{format_bytes(r.held_bytes(c))} {', '.join(sorted(r.held.get(c, {}))) or '—'}"
                  for c in HELD_CATEGORIES]
         held.add_row(str(r.rank), *cells, format_bytes(r.held_total),
                      *([peak_cell(r.peak, where=False)] if peaks else []),

@@ -25,27 +25,6 @@ def probe_line(probe: Probe) -> Text:
     return text
 
 
-def _step_line(report: FitReport) -> Text | None:
-    """"At batch 16: predicted step 312 ms on h100, 52,500 tokens/s, MFU 41%, compute-bound."
-    (None with only --memory)."""
-    if report.step_seconds is None:
-        return None
-    mfu = f"MFU {100 * report.mfu:.0f}%" if report.mfu is not None else "MFU n/a"
-    return Text(f"At batch {report.batch:,}: predicted step {duration(report.step_seconds)} on "
-                f"{report.accelerator}, {report.tokens_per_second or 0:,.0f} tokens/s, {mfu}, "
-                f"{report.bound}-bound.")
-
-
-def _held(report: FitReport) -> str:
-    """The peaks at the answer and the margin left under the budget by the one held to it."""
-    peaks = f"predicted peak {format_bytes(report.peak_bytes)} allocated"
-    if report.reserved_bytes is not None:
-        peaks += (f", {format_bytes(report.reserved_bytes)} reserved by the caching allocator "
-                  "(the peak held to the budget)")
-    return (f"{peaks}: {format_bytes(report.margin_bytes)} under the "
-            f"{format_bytes(report.memory_bytes)} budget")
-
-
 def render_fit(report: FitReport) -> RenderableType:
     where = report.accelerator or "--memory"
     head = Text()
@@ -55,16 +34,28 @@ def render_fit(report: FitReport) -> RenderableType:
         head.append(f"Largest micro-batch: {report.batch}", style="bold")
     head.append(f" at seq {report.seq}" + (" (the longest power of two that fits)"
                                            if report.seq_auto else ""))
+    # The peaks at the answer, and the margin left under the budget by the one held to it.
+    peaks = f"predicted peak {format_bytes(report.peak_bytes)} allocated"
+    if report.reserved_bytes is not None:
+        peaks += (f", {format_bytes(report.reserved_bytes)} reserved by the caching allocator "
+                  "(the peak held to the budget)")
     head.append(f" for {report.model} under {report.setting}, train step with "
-                f"{report.optimizer}: {_held(report)} ({where}), in the {report.peak_phase} "
-                f"pass, {len(report.probes)} predicted runs.")
-    line = _step_line(report)
+                f"{report.optimizer}: {peaks}: {format_bytes(report.margin_bytes)} under the "
+                f"{format_bytes(report.memory_bytes)} budget ({where}), in the "
+                f"{report.peak_phase} pass, {len(report.probes)} predicted runs.")
+    parts: list[RenderableType] = [head]
+    if report.step_seconds is not None:  # not with only --memory
+        mfu = f"MFU {100 * report.mfu:.0f}%" if report.mfu is not None else "MFU n/a"
+        parts.append(Text(f"At batch {report.batch:,}: predicted step "
+                          f"{duration(report.step_seconds)} on {report.accelerator}, "
+                          f"{report.tokens_per_second or 0:,.0f} tokens/s, {mfu}, "
+                          f"{report.bound}-bound."))
     shares = titled_table(None, "what", "bytes", "share", right=("bytes", "share"))
     for s in report.at_limit:
         shares.add_row(s.label, format_bytes(s.bytes), f"{s.fraction:.0%}")
     title = Text(f"At the limit (batch {report.batch}): what is live at the peak",
                  style="italic")
-    parts: list[RenderableType] = [head, *([line] if line else []), Text(""), title, shares]
+    parts += [Text(""), title, shares]
     if report.variants:
         held = "reserved" if report.held == "reserved" else "peak"
         numbers = (f"{held} at {report.batch}", "saved", "largest batch", f"its {held}")
