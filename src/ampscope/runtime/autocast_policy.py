@@ -55,12 +55,9 @@ class OpPolicy:
     message: str | None = None  # banned: the error autocast raises
 
 
-autocast_key = dispatcher.autocast_key
-
-
 def registered_ops(device: str) -> tuple[str, ...]:
     """Ops with an autocast kernel for `device` in this build, sorted; empty if none."""
-    names = dispatcher.registrations(autocast_key(device))
+    names = dispatcher.registrations(dispatcher.autocast_key(device))
     return tuple(sorted(n for n in names if n.startswith("aten::")))
 
 

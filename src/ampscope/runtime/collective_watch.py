@@ -134,9 +134,7 @@ def _payload(position: int | None, parameter: str | None, args: tuple, kwargs: d
             "bytes": sum(t.numel() * t.element_size() for t in tensors)}
 
 
-@functools.lru_cache(maxsize=1024)
-def _script_file(filename: str) -> bool:
-    return _users(filename)
+_script_file = functools.lru_cache(maxsize=1024)(_users)  # asked per frame of every call
 
 
 def _script_line() -> str | None:

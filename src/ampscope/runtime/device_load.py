@@ -28,20 +28,16 @@ def load_patches(mode: DeviceMode) -> list[tuple[object, str, object]]:
     """(owner, name, value): `torch.load`, and `torch.serialization.load` where it is the same
     function (libraries call either)."""
     original = torch.load
-    load = _virtual_load(original, mode)
-    patches: list[tuple[object, str, object]] = [(torch, "load", load)]
-    if torch.serialization.load is original:
-        patches.append((torch.serialization, "load", load))
-    return patches
 
-
-def _virtual_load(original: Callable, mode: DeviceMode) -> Callable:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         with mode.restoring():
             return original(f, _restorer(map_location, mode), *args, **kwargs)
 
     load.__doc__ = original.__doc__
-    return load
+    patches: list[tuple[object, str, object]] = [(torch, "load", load)]
+    if torch.serialization.load is original:
+        patches.append((torch.serialization, "load", load))
+    return patches
 
 
 def _restorer(map_location: Any, mode: DeviceMode) -> Callable:

@@ -43,6 +43,7 @@ from ampscope.runtime.autocast_key import (
     set_key_state,
 )
 from ampscope.runtime.autocast_policy import OpPolicy, op_overload, read_policy, registered_ops
+from ampscope.runtime.user_frames import NOT_USERS
 from ampscope.torchcompat import ops as private_ops
 from ampscope.torchcompat import optim
 from ampscope.torchcompat import policy as dispatcher
@@ -400,10 +401,8 @@ def device_api_error(e: BaseException, device: str) -> AmpscopeError | None:
     api = frames[first].name
     # The line that made the call: the innermost frame before it outside torch and ampscope
     # (ampscope's function recorder sits between user code and `x.cuda()`).
-    package_dirs = (os.path.dirname(torch.__file__) + os.sep,
-                    os.path.dirname(os.path.dirname(__file__)) + os.sep)
     caller = next((f for f in reversed(frames[:first])
-                   if not f.filename.startswith(package_dirs)), None)
+                   if not f.filename.startswith(NOT_USERS)), None)
     public = api if not api.startswith("_") else None
     what = f"torch.{device}.{public}()" if public else f"a {device} tensor or torch.{device} call"
     where = f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else ""

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ampscope.runtime.user_frames import NOT_USERS
 from ampscope.torchcompat.dispatch import TorchDispatchMode, higher_order, run_decomposed
 from ampscope.torchcompat.fake import FakeTensorMode
 
@@ -29,7 +30,6 @@ _aten = torch.ops.aten
 # else tells them apart from the script's).
 FACTORIES = frozenset((_aten.empty, _aten.empty_strided, _aten.zeros, _aten.ones, _aten.full))
 
-_AMPSCOPE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # FSDP2 and DTensor: the parts of torch.distributed that hold weights. Not c10d itself, whose
 # object collectives (`all_gather_object`, DDP's parameter checks) read the values of the
@@ -46,7 +46,7 @@ def called_from_distributed(frame) -> bool:
         path = frame.f_code.co_filename
         if path.startswith(_WEIGHT_HOLDERS):
             return True
-        if not (path.startswith(_AMPSCOPE) or path.startswith(_TORCH)):
+        if not path.startswith(NOT_USERS):  # neither torch's nor ampscope's
             return False
         frame = frame.f_back
     return False

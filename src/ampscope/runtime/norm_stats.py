@@ -162,12 +162,6 @@ def _fake_args(signature, device: str):
     return signature
 
 
-def _converted(out, dtypes: tuple[torch.dtype, ...]):
-    converted = [t.to(d) if isinstance(t, torch.Tensor) and t.dtype != d else t
-                 for t, d in zip(out, dtypes, strict=True)]
-    return type(out)(converted)
-
-
 def _as_masked(out, mask) -> tuple:
     """A backward's gradients, None where the output mask asks for none: the kernels return an
     undefined tensor there, where PyTorch's fake batch-norm backward makes one anyway."""
@@ -201,7 +195,8 @@ class TargetNormStats(UncompiledDispatchMode):
         if func in NORMS:
             wanted = target_dtypes(func, args, self.device or args[0].device.type, kwargs)
             if wanted != tuple(t.dtype for t in out):
-                out = _converted(out, wanted)
+                out = type(out)(t.to(d) if isinstance(t, torch.Tensor) and t.dtype != d else t
+                                for t, d in zip(out, wanted, strict=True))
         return out
 
     def _stats_for_this_kernel(self, backward: _Backward, args: tuple) -> tuple:

@@ -63,7 +63,6 @@ class PredictMode(FakeTensorMode):
                 raise
             raise real from e
 
-
     def _complex_views_converted(self, args: tuple) -> tuple | None:
         """`args` with each real complex view of a real base (a rotary cache the model keeps
         outside its buffers) made fake by `fake.fake_complex_view`, which the converter fails

@@ -360,8 +360,6 @@ def cuda_rnn(target: CudaTarget = H100) -> Iterator[list[RnnChoice]]:
 
 def rnn_notes(choices: Sequence[RnnChoice], target: CudaTarget = H100) -> list[str]:
     """The trace's lines on the RNN calls of an emulated CUDA run (none without any)."""
-    if not choices:  # no RNN call (or a build cuda_rnn could not serve: see features())
-        return []
     ran = Counter(c.mode for c in choices if c.cudnn)
     kept = Counter(f"{c.mode} ({c.reason})" for c in choices if not c.cudnn)
     notes = []

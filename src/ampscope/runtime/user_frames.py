@@ -17,15 +17,15 @@ def _folder(path: str) -> str:
 # Frames that are never the user's: PyTorch's, ampscope's own and the standard library's (the
 # `with` blocks, runpy and importlib between the user's line and the error), but for the
 # installed packages a system Python keeps inside the standard library's folder.
-_NOT_USERS = (_folder(os.path.dirname(torch.__file__)),
-              _folder(os.path.dirname(os.path.dirname(__file__))))
+NOT_USERS = (_folder(os.path.dirname(torch.__file__)),
+             _folder(os.path.dirname(os.path.dirname(__file__))))
 _STDLIB = _folder(sysconfig.get_paths()["stdlib"])
 _INSTALLED = tuple(_folder(sysconfig.get_paths()[key]) for key in ("purelib", "platlib"))
 
 
 def _users(filename: str) -> bool:
     path = os.path.abspath(filename)
-    if path.startswith(_NOT_USERS) or filename.startswith("<frozen "):
+    if path.startswith(NOT_USERS) or filename.startswith("<frozen "):
         return False
     return not path.startswith(_STDLIB) or path.startswith(_INSTALLED)
 
