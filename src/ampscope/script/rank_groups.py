@@ -39,11 +39,6 @@ class Terminated(SystemExit):
 
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
-        self.signum = signum
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
 
 
 class Signals:
