@@ -13,7 +13,7 @@ from rich.text import Text
 from ampscope.analysis.format_table import FormatFacts, FormatsReport, Stored, ValueReport
 from ampscope.render.style import DTYPE_STYLES, SHORT_DTYPES, titled_table
 
-# The formats text.py has no short name for (yet), in the same spelling.
+# The formats style.py has no short name for (yet), in the same spelling.
 _MORE_SHORT = {"tf32": "tf32", "float8_e4m3fnuz": "fp8e4m3fnuz",
                "float8_e5m2fnuz": "fp8e5m2fnuz", "float8_e8m0fnu": "fp8e8m0"}
 STATUS_WORDS = {  # status -> (words, style)

@@ -89,7 +89,6 @@ CSS = f"""
 .ampscope td.rank {{ text-align: right; font-weight: 600; }}
 .ampscope tr.rank-total td {{ font-weight: 600; }}
 """
-# No source of any kind may be loaded: inline styles only, no script, no fetch, no image file.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 

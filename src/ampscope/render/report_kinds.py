@@ -1,14 +1,10 @@
 """The reports, each registered once and looked up by name (as torchtitan's `register_train_spec`).
 
-A `ReportKind` names all one kind of report has: the command `ampscope NAME`, its class
-(`to_dict()`: the JSON `--json` writes, `ampscope.NAME/1`, described by `schemas/NAME.schema.json`),
-the function that makes one (public as `ampscope.NAME` and `ampscope.api.NAME` unless
-`public=False`), its terminal view, the title and body of its section of the HTML report, which is
-also its notebook view, the command's arguments beyond its exports and the examples its `--help`
-ends with. Parts are named "module:attribute" and imported only when used, so the parser reads
-this module without torch, and each layer loads only what it may import (render: the class and
-the body; api and the package root: the function; cli: the function, the view and the
-arguments).
+A `ReportKind` names all one kind of report has, each field commented below; its class's
+`to_dict()` is the JSON `--json` writes, described by `schemas/NAME.schema.json`. Parts are named
+"module:attribute" and imported only when used, so the parser reads this module without torch,
+and each layer loads only what it may import (render: the class and the body; api and the
+package root: the function; cli: the function, the view and the arguments).
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-__all__ = ["REPORTS", "ReportKind", "kind_of", "register_report"]
 
 
 @dataclass(frozen=True)
