@@ -150,17 +150,15 @@ def render_diff(d: TraceDiff, label_a: str, label_b: str, *, ops: bool = False) 
     parts: list[RenderableType] = [diff_header(d, label_a, label_b), Text()]
     if d.identical:  # TF32 against fp32: the same dtypes, but not the same time
         parts.append(Text("no dtype differences", style="bold green"))
-        if d.timing is not None:
-            parts += [Text(), timing_section(d.timing, label_a, label_b)]
-        return Group(*parts)
-    tables = [module_table(d, phase) for phase in PHASES]
-    tables += [cast_table(d), tensor_table(d)]
-    if ops:
-        tables += [op_table(d, phase) for phase in PHASES]
-    for table in tables:
-        if table is not None:
-            parts += [table, Text()]
-    parts.append(summary_text(d.summary))
+    else:
+        tables = [module_table(d, phase) for phase in PHASES]
+        tables += [cast_table(d), tensor_table(d)]
+        if ops:
+            tables += [op_table(d, phase) for phase in PHASES]
+        for table in tables:
+            if table is not None:
+                parts += [table, Text()]
+        parts.append(summary_text(d.summary))
     if d.timing is not None:
         parts += [Text(), timing_section(d.timing, label_a, label_b)]
     return Group(*parts)

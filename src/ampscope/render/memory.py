@@ -76,13 +76,6 @@ def breakdown_table(report: MemoryReport) -> Table:
     return table
 
 
-def shared_text(report: MemoryReport) -> Text:
-    text = Text("Shared storages, counted once\n", style="italic")
-    for s in report.shared:
-        text.append(f"  {' = '.join(s.names)}: {format_bytes(s.bytes)} {s.dtype}\n")
-    return text
-
-
 def estimates_table(report: MemoryReport) -> Table:
     table = titled_table("Formulas beside the counted bytes",
                          ("formula", {"overflow": "fold", "ratio": 3}), "estimate",
@@ -148,7 +141,10 @@ def render_memory(report: MemoryReport) -> RenderableType:
         largest_table(report), Text(), estimates_table(report),
     ]
     if report.shared:
-        parts += [Text(), shared_text(report)]
+        shared = Text("Shared storages, counted once\n", style="italic")
+        for s in report.shared:
+            shared.append(f"  {' = '.join(s.names)}: {format_bytes(s.bytes)} {s.dtype}\n")
+        parts += [Text(), shared]
     for note in report.notes:
         parts.append(Text(note, style="dim"))
     if report.measured is not None:

@@ -132,11 +132,10 @@ def render_plans(report: PlansReport) -> RenderableType:
     took = Text(f"Searched in {report.seconds:.1f} s.", style="dim")
     parts: list[RenderableType] = [head, context, Text(""), table, Text(""), how, took]
     if any(not p.fits and p.searched_from > 1 for p in report.plans):
-        parts.append(Text(
-            "A plan that does not fit at micro-batch 2 was not traced at 1: its tokens/s at "
-            "batch 1 are at most its tokens/s at 2, no more than the best plan's." if timed
-            else "A plan that does not fit at micro-batch 2 was not traced at 1: its dp × seq "
-            "tokens at batch 1 are no more than the best plan's.", style="dim"))
+        parts.append(Text("A plan that does not fit at micro-batch 2 was not traced at 1: its " + (
+            "tokens/s at batch 1 are at most its tokens/s at 2, no more than the best plan's."
+            if timed else "dp × seq tokens at batch 1 are no more than the best plan's."),
+            style="dim"))
     limited = [p.name for p in report.plans if p.at_batch_limit]
     if limited:
         parts.append(Text(

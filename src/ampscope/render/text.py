@@ -9,7 +9,7 @@ from rich.text import Text
 from ampscope.analysis.flow import FlowRow
 from ampscope.analysis.step_time import StepTime
 from ampscope.analysis.summary import DtypeCount, TraceSummary
-from ampscope.records import Finding, SettingRecord
+from ampscope.records import SettingRecord
 from ampscope.render.diagnostics import diagnostics_text
 from ampscope.render.diagram import render_diagram
 from ampscope.render.predicted_step import predicted_line
@@ -70,16 +70,6 @@ def flow_table(rows: list[FlowRow], title: str, kind_column: str = "type") -> Ta
     return table
 
 
-def findings_list(findings: list[Finding]) -> Text:
-    text = Text()
-    text.append("Findings\n", style="italic")
-    for f in findings:
-        text.append("  • ")
-        text.append(f.text)
-        text.append(f"  [{f.cause}]\n", style="dim")
-    return text
-
-
 def render_trace(summary: TraceSummary, predicted: StepTime | None = None) -> RenderableType:
     """What `ampscope trace` prints (see analysis.summary.trace_summary for what is in it);
     with the step `predicted` on a GPU, its one line under the header."""
@@ -105,5 +95,11 @@ def render_trace(summary: TraceSummary, predicted: StepTime | None = None) -> Re
     if summary.diagram is not None:
         parts += [Text(), Text("Dtype flow of one forward pass", style="italic"),
                   render_diagram(summary.diagram)]
-    parts += [Text(), findings_list(summary.findings)]
+    findings = Text()
+    findings.append("Findings\n", style="italic")
+    for f in summary.findings:
+        findings.append("  • ")
+        findings.append(f.text)
+        findings.append(f"  [{f.cause}]\n", style="dim")
+    parts += [Text(), findings]
     return Group(*parts)
