@@ -246,23 +246,15 @@ def _register(lib: torch.library.Library) -> None:
 
 @contextlib.contextmanager
 def cuda_attention(target: CudaTarget = H100) -> Iterator[list[AttentionChoice]]:
-    """While active, SDPA on CPU (or fake CPU) tensors runs the ops `target` would run.
-
-    Yields the list of choices made, one per SDPA call. Registers, through a
-    `torch.library.Library("aten", "IMPL")` destroyed on exit (restoring PyTorch's own kernels,
-    also when the body raises), the CUDA composite at CompositeImplicitAutograd and CPU kernels
-    for the CUDA-only ops. Run backward inside too: outside, the backward ops have no CPU kernel.
-    Process-wide, like any dispatcher registration: not for concurrent threads.
-    """
+    """While active, SDPA on CPU (or fake CPU) tensors runs the ops `target` would run (as
+    the module docstring says), PyTorch's own kernels back on exit, also when the body raises.
+    Yields the list of choices made, one per SDPA call. Run backward inside too: outside, the
+    backward ops have no CPU kernel. Process-wide, like any dispatcher registration: not for
+    concurrent threads."""
     choices: list[AttentionChoice] = []
-    outermost = not _contexts
-    lib = overriding_library(_register) if outermost else None
-    try:
+    with contextlib.ExitStack() as stack:
+        if not _contexts:  # the outermost context registers the kernels
+            stack.callback(destroy_library, overriding_library(_register))
         _contexts.append((target, choices))
-        try:
-            yield choices
-        finally:
-            _contexts.pop()
-    finally:
-        if lib is not None:
-            destroy_library(lib)
+        stack.callback(_contexts.pop)
+        yield choices

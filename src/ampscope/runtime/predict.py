@@ -73,14 +73,12 @@ class PredictMode(FakeTensorMode):
         return tuple(a if c is None else c for a, c in zip(args, converted, strict=True))
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused() -> contextlib.AbstractContextManager[None]:
     """Pause the cyclic garbage collector for a fake run, and while ampscope builds a model or
     its records: tens of thousands of small records and fake tensors would otherwise trigger
     full collections that cost a fifth of the run, and none of it is memory worth reclaiming
     early. The collector's state comes back."""
-    with gc_enabled(False):
-        yield
+    return gc_enabled(False)
 
 
 @contextlib.contextmanager
@@ -231,12 +229,10 @@ def _elements(signature) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def quiet_fake_tensor_log() -> Iterator[None]:
+def quiet_fake_tensor_log() -> contextlib.AbstractContextManager[None]:
     """FakeTensor logs a traceback at ERROR before re-raising a failing meta kernel; ampscope
     reports the error itself, in one line."""
-    with loggers_quiet(FAKE_TENSOR_LOGGER, level=logging.CRITICAL):
-        yield
+    return loggers_quiet(FAKE_TENSOR_LOGGER, level=logging.CRITICAL)
 
 
 @contextlib.contextmanager

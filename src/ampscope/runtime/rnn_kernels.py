@@ -325,14 +325,10 @@ def _register(lib: torch.library.Library) -> None:
 
 @contextlib.contextmanager
 def cuda_rnn(target: CudaTarget = H100) -> Iterator[list[RnnChoice]]:
-    """While active, RNNs on CPU (or fake) tensors run the ops `target` would run.
-
-    Yields the list of choices made, one per RNN call. Registers, through a
-    `torch.library.Library("aten", "IMPL")` destroyed on exit, the CUDA branch of the RNN
-    composites and CPU kernels for the cuDNN ops, and makes `flatten_parameters()` flatten as
-    on a GPU. Without the private details it needs (`emulable()`), changes nothing and yields
-    an empty list. Run backward inside too. Process-wide: not for concurrent threads.
-    """
+    """While active, RNNs on CPU (or fake) tensors run the ops `target` would run (as the
+    module docstring says). Yields the list of choices made, one per RNN call; without the
+    private details it needs (`emulable()`), changes nothing and yields an empty list. Run
+    backward inside too. Process-wide: not for concurrent threads."""
     choices: list[RnnChoice] = []
     if not emulable():
         yield choices

@@ -7,20 +7,14 @@ init, `torch.cuda.is_available() and torch.cuda.is_bf16_supported()` in a script
 `torch.cuda.synchronize()` around a timer. `VirtualDevice` answers all of them as the target
 would, for the duration of a `with` block, and undoes every change on exit:
 
-- `DeviceMode` (device_mode.py), a TorchFunctionMode, puts the target's tensors on the
-  backing device and answers `tensor.device`, `.is_cuda`, `.get_device()` as the target;
-- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*`, which torch's own
-  optimizers, DataLoader and checkpointing ask, answer as one device of the emulated GPU:
-  available, its name, compute capability, memory and SM count those of the accelerator the
-  run asked for (`--gpu`), else of the default in `hardware/device_types.py` (an H100 for
-  cuda); `is_bf16_supported()` follows the capability as torch's own does; `synchronize` and events
+- tensors report the target device (`DeviceMode`, device_mode.py);
+- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*` answer as one
+  device of the emulated GPU (`VirtualDevice`'s `accelerator`); `synchronize` and events
   return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
   storage tracker when a capture gives one, in CUDA's 512-byte blocks;
-- `torch.autocast("cuda", ...)` and `torch.amp.autocast(device_type="cuda", ...)`, nested
-  `enabled=False` regions included, drive the CPU autocast whose kernels the emulation replaced
-  with the target's (runtime/emulation.py); each device type keeps its own autocast state, as
-  on the GPU: `torch.get_autocast_dtype("cuda")` is float16 outside any region, and
-  `torch.autocast("cpu")` casts no tensor on the target (runtime/virtual_autocast.py);
+- `torch.autocast("cuda", ...)`, nested `enabled=False` regions included, drives the CPU
+  autocast whose kernels the emulation replaced with the target's, each device type keeping its
+  own autocast state as on the GPU (runtime/virtual_autocast.py);
 - `torch.compile(fn)` returns `fn`: the run is eager, and says so.
 
 What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL, `torch.cuda.ipc_collect`)
@@ -186,19 +180,17 @@ class VirtualDevice:
     """
 
     def __init__(self, target: str, *, accelerator: str | hardware.Accelerator | None = None,
-                 capability: tuple[int, int] | None = None, count: int | None = None) -> None:
+                 count: int | None = None) -> None:
         self.target = target
         self.count = count if count is not None else _local_world_size()
         entry = device_type(target)  # what the device reports, unless the caller says
         asked = hardware.by_name(accelerator) if isinstance(accelerator, str) else accelerator
         self.declined: hardware.Accelerator | None = None  # asked, but with no capability
-        if asked is not None and capability is None and asked.capability is None \
-                and entry.capability is not None:
+        if asked is not None and asked.capability is None and entry.capability is not None:
             self.declined, asked = asked, None
         self.accelerator = asked or (hardware.by_name(entry.accelerator)
                                      if entry.accelerator is not None else None)
-        self.capability = capability or (asked.capability if asked is not None else None) \
-            or entry.capability
+        self.capability = (asked.capability if asked is not None else None) or entry.capability
         self.autocast = AutocastSlots(target)
         self.mode = DeviceMode(target)
         self.memory: Callable[[], tuple[int, int]] | None = None
@@ -210,8 +202,7 @@ class VirtualDevice:
     def active(self, backing: str = "cpu", *,
                memory: Callable[[], tuple[int, int]] | None = None) -> Iterator[VirtualDevice]:
         """The virtual device for the body, with tensors backed by `backing` (cpu, or meta
-        while a model for a predicted run is built); `memory` answers the memory calls (a
-        capture's `memory_now`)."""
+        while a model for a predicted run is built); `memory` as the class docstring says."""
         self.mode.backing = torch.device(backing)
         if memory is not None:
             self.memory = memory

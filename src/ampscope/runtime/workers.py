@@ -84,11 +84,9 @@ def leave_run() -> None:
     _run.pop("pid", None)  # once: the worker's own forks are not the run's
     gc_was_on = _run.pop("gc", gc.isenabled())
     patches.undo_all()
-    try:
+    with contextlib.suppress(Exception):  # a build whose stacks differ: the worker runs traced
         workers.drop_modes(_ours)
         workers.drop_global_hooks(_ours)
-    except Exception:  # noqa: BLE001 - a build whose stacks differ: the worker runs traced, as before
-        pass
     if gc_was_on:
         gc.enable()
 
