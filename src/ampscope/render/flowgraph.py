@@ -38,10 +38,6 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _edge(y0: float, y1: float, dtype: str, *, label: bool = True) -> tuple[str, dict]:
-    return "edge", {"y0": y0, "y1": y1, "dtype": dtype, "label": label}
-
-
 def _node(step: DiagramStep, block: str | None, y: float) -> tuple[str, dict]:
     module = relative_module(step, block)
     changed = step.output not in step.inputs
@@ -71,7 +67,7 @@ def section_svg(section: DiagramSection, *, last: bool = False) -> Markup:
     previous = steps[0].inputs[0] if steps[0].inputs else steps[0].output
     for i, step in enumerate(steps):
         y = GAP + i * (NODE_H + GAP)
-        parts.append(_edge(y - GAP, y, previous))
+        parts.append(("edge", {"y0": y - GAP, "y1": y, "dtype": previous, "label": True}))
         if "residual add" in step.note:  # from the main line, down the left lane, into the add
             parts.append(("residual", {"src_y": residual_from, "mid": y + NODE_H / 2,
                                        "lane": LANE - 10, "dtype": step.inputs[0]}))
@@ -79,5 +75,6 @@ def section_svg(section: DiagramSection, *, last: bool = False) -> Markup:
         parts.append(_node(step, section.block, y))
         previous = step.output
     if last:
-        parts.append(_edge(height - GAP, height, previous, label=False))
+        parts.append(("edge", {"y0": height - GAP, "y1": height, "dtype": previous,
+                               "label": False}))
     return macros("flowgraph.svg.j2").svg(GEOMETRY, section.label or "steps", height, parts)

@@ -46,26 +46,6 @@ def _memory(p, budget: str) -> str:
             f"reserved of {budget} per rank")
 
 
-def _head(report: PlansReport, budget: str) -> Text:
-    """"Best plan: …, micro-batch 3 — … tokens per step in …: … tokens/s …; … per rank …"."""
-    head = Text()
-    best = report.best
-    if best is None:
-        head.append("No plan fits", style="bold")
-        head.append(f" in {budget} per rank.")
-    elif best.at_batch_limit:  # not its largest batch: where the search stopped (the note)
-        head.append(f"Best plan: {best.name}, every micro-batch up to {best.batch:,} fits",
-                    style="bold")
-        head.append(f" — at least {best.tokens:,} tokens per step{_speed(best)}; "
-                    f"{_memory(best, budget)} at {best.batch:,}, its peak in the "
-                    f"{best.phase} pass.")
-    else:
-        head.append(f"Best plan: {best.name}, micro-batch {best.batch:,}", style="bold")
-        head.append(f" — {best.tokens:,} tokens per step{_speed(best)}; "
-                    f"{_memory(best, budget)}, its peak in the {best.phase} pass.")
-    return head
-
-
 def _table(report: PlansReport, timed: bool, reserved: bool) -> Table:
     """Every plan: its batch and tokens a step, its step (with a GPU), its peak and room."""
     speed = ("step", "tokens/s", "MFU") if timed else ()
@@ -101,7 +81,22 @@ def _table(report: PlansReport, timed: bool, reserved: bool) -> Table:
 def render_plans(report: PlansReport) -> RenderableType:
     budget = format_bytes(report.memory_bytes)
     where = report.accelerator or "--memory"
-    head = _head(report, budget)
+    # "Best plan: …, micro-batch 3 — … tokens per step in …: … tokens/s …; … per rank …".
+    head = Text()
+    best = report.best
+    if best is None:
+        head.append("No plan fits", style="bold")
+        head.append(f" in {budget} per rank.")
+    elif best.at_batch_limit:  # not its largest batch: where the search stopped (the note)
+        head.append(f"Best plan: {best.name}, every micro-batch up to {best.batch:,} fits",
+                    style="bold")
+        head.append(f" — at least {best.tokens:,} tokens per step{_speed(best)}; "
+                    f"{_memory(best, budget)} at {best.batch:,}, its peak in the "
+                    f"{best.phase} pass.")
+    else:
+        head.append(f"Best plan: {best.name}, micro-batch {best.batch:,}", style="bold")
+        head.append(f" — {best.tokens:,} tokens per step{_speed(best)}; "
+                    f"{_memory(best, budget)}, its peak in the {best.phase} pass.")
     policy = ", ".join(f"{k}={v}" for k, v in report.mp_policy.items() if v) or "none"
     context = Text(f"{report.model} ({report.depth} blocks) on {report.gpus} GPUs of {budget} "
                    f"({where}) · {report.setting} · FSDP2 mixed precision: {policy} · seq "
