@@ -5,8 +5,7 @@
   `distributed.py`, `ranks.py` (the per-rank section of `run --nproc`), `plans.py` (`fit --gpus N`),
   `diagnostics.py` (what the checks found: `ampscope check`, the top of a report),
   `predicted_step.py` (a step predicted on a GPU, in words: every report's line or section),
-  with `style.py`
-  (dtype names and colours, byte counts, `titled_table`: the form of every table);
+  with `style.py` (dtype names and colours, byte counts, `titled_table`: the form of every table);
 - HTML: `html.py` (the report page and notebook fragments), `plots.py` (matplotlib figures as
   SVG), `flowgraph.py` (the dtype flow as SVG), `templating.py` (the jinja2 environment of the
   templates in `templates/`);

@@ -32,12 +32,8 @@ def one_dtype(dtype: str | None) -> Text:
 
 
 def diff_header(d: TraceDiff, label_a: str, label_b: str) -> Text:
-    text = Text()
-    text.append("A: ", style="dim")
-    text.append(label_a, style="bold")
-    text.append("  vs  ")
-    text.append("B: ", style="dim")
-    text.append(label_b, style="bold")
+    text = Text.assemble(("A: ", "dim"), (label_a, "bold"), "  vs  ", ("B: ", "dim"),
+                         (label_b, "bold"))
     models = {d.a.get("model"), d.b.get("model")}
     workloads = {d.a.get("workload"), d.b.get("workload")}
     if len(models) == 1 and len(workloads) == 1:

@@ -104,6 +104,8 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
                          *(["reserved"] if reserved else []),
                          *([step_column] if timed else []),
                          right=("rank", "peak", "reserved"))
+    comms = titled_table("Collectives of each rank", "rank", "collective", "phase", "dtype",
+                         "calls", "payload", right=("rank", "calls", "payload"))
     for r in report.ranks:
         cells = [str(r.rank), *(_held(r.held.get(c, {})) for c in HELD_CATEGORIES)]
         if traces is not None:
@@ -115,9 +117,6 @@ def render_ranks(report: DistributedReport, traces: list[Trace] | None = None, *
             assert predicted is not None
             peak_cells.append(_step(predicted[r.rank] if r.rank < len(predicted) else None))
         peaks.add_row(*peak_cells)
-    comms = titled_table("Collectives of each rank", "rank", "collective", "phase", "dtype",
-                         "calls", "payload", right=("rank", "calls", "payload"))
-    for r in report.ranks:
         for row in summarize(r.collectives):
             comms.add_row(str(r.rank), row.kind.replace("_", "-"), row.phase, row.dtype,
                           str(row.calls), format_bytes(row.payload_bytes))
