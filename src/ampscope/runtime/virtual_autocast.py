@@ -17,8 +17,6 @@ active, the state functions torch's own `autocast` regions call (`is_autocast_en
   target's autocast off). This needs a region built for the CPU to enter as the target's
   (torchcompat/autocast_regions.py); on a build where it cannot, there is no shadow and
   `ampscope --version -v` says so.
-
-ampscope's own code reads the state that drives the kernels through autocast_key.py, never through the answers user code gets.
 """
 
 from __future__ import annotations
@@ -101,12 +99,20 @@ class AutocastSlots:
             else:
                 set_key_state(slot, dtype=dtype)
 
+        clear = torch.clear_autocast_cache
+
+        def clear_autocast_cache() -> None:
+            # What autocast calls when its outermost region ends: the emulated cast cache
+            # goes too (the target's kernels keep their own).
+            clear()
+            emulation.clear_active_cache()
+
         patches: list[tuple[object, str, object]] = [
             (torch, "is_autocast_enabled", is_autocast_enabled),
             (torch, "get_autocast_dtype", get_autocast_dtype),
             (torch, "set_autocast_enabled", set_autocast_enabled),
             (torch, "set_autocast_dtype", set_autocast_dtype),
-            (torch, "clear_autocast_cache", _clearing(torch.clear_autocast_cache)),
+            (torch, "clear_autocast_cache", clear_autocast_cache),
             (torch.amp.autocast_mode.autocast, "__init__", _autocast_init(target)),
         ]
         # The deprecated per-device forms (torchao's Float8Linear reads the GPU one).
@@ -146,14 +152,3 @@ def _autocast_init(target: str) -> Callable:
         note_asked(self, target, given, enabled)
 
     return __init__
-
-
-def _clearing(original: Callable) -> Callable:
-    """`torch.clear_autocast_cache`, which autocast calls when its outermost region ends, also
-    empties the emulated cast cache (the target's kernels keep their own)."""
-
-    def clear_autocast_cache() -> None:
-        original()
-        emulation.clear_active_cache()
-
-    return clear_autocast_cache

@@ -182,7 +182,12 @@ class VirtualDevice:
     def __init__(self, target: str, *, accelerator: str | hardware.Accelerator | None = None,
                  count: int | None = None) -> None:
         self.target = target
-        self.count = count if count is not None else _local_world_size()
+        if count is None:  # LOCAL_WORLD_SIZE, 1 outside a job (see the class docstring)
+            try:
+                count = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            except ValueError:
+                count = 1
+        self.count = count
         entry = device_type(target)  # what the device reports, unless the caller says
         asked = hardware.by_name(accelerator) if isinstance(accelerator, str) else accelerator
         self.declined: hardware.Accelerator | None = None  # asked, but with no capability
@@ -415,14 +420,6 @@ class VirtualDevice:
         for note in notes:
             log.info("%s", note)
         return notes
-
-
-def _local_world_size() -> int:
-    """The ranks of this job on this machine, as torchrun tells each rank; 1 outside one."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 # torch.cuda calls a virtual device cannot answer truthfully, which a CUDA build without a GPU
