@@ -40,11 +40,6 @@ def eligible(value: object) -> bool:
             and value.dtype != torch.float64)
 
 
-def cpu_key_enabled() -> bool:
-    """Whether autocast runs at the CPU's key: in an emulated run, the target's autocast."""
-    return _is_enabled("cpu")
-
-
 def cpu_key_dtype() -> torch.dtype:
     """The dtype autocast casts to at the CPU's key: in an emulated run, the target's."""
     return _get_dtype("cpu")

@@ -37,7 +37,6 @@ from ampscope.hardware.device_types import device_type
 from ampscope.nested import tensors_in
 from ampscope.runtime.autocast_key import (
     cpu_key_dtype,
-    cpu_key_enabled,
     eligible,
     key_state,
     set_key_state,
@@ -264,7 +263,7 @@ def autocast_region(dtype: torch.dtype) -> Iterator[None]:
             torch.clear_autocast_cache()
         set_key_state("cpu", *before)
         torch.set_autocast_cache_enabled(cache)
-        if _active is not None and not cpu_key_enabled():
+        if _active is not None and not before[0]:  # the key's state, as just set back
             _active.clear_cache()
 
 

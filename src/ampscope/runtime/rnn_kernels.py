@@ -30,7 +30,7 @@ import torch
 
 from ampscope.patches import patched
 from ampscope.runtime.attention_choice import H100, CudaTarget, contiguous_strides
-from ampscope.runtime.autocast_key import cpu_key_enabled, eligible
+from ampscope.runtime.autocast_key import eligible, key_state
 from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rnn, weight_shapes
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor
@@ -111,7 +111,7 @@ def _cudnn_impl(mode: str, input, hx, cx, params, has_biases: bool, num_layers: 
         hidden_size, proj_size = cx.size(2), hx.size(2)
     weight_buf = _weight_buf(params)
     stride0 = (4 if has_biases else 2) + (1 if proj_size else 0)
-    if cpu_key_enabled():  # the target's autocast, in an emulated run
+    if key_state("cpu")[0]:  # the target's autocast, in an emulated run
         with no_autocast("cpu"):  # the wrapper excludes autocast for what it calls
             ref = weight_buf if weight_buf is not None else params[0]
             if eligible(ref) and ref.dtype != AUTOCAST_RNN_DTYPE:
