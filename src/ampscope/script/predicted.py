@@ -33,30 +33,23 @@ class Instances:
     (a dataclass module with `eq=True`)."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref] = {}
+        self._by_id: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
     def add(self, obj: object) -> None:
-        key = id(obj)
-
-        def forget(_: weakref.ref) -> None:
-            self._refs.pop(key, None)
-
-        self._refs[key] = weakref.ref(obj, forget)
+        self._by_id[id(obj)] = obj
 
     def discard(self, obj: object) -> None:
-        ref = self._refs.get(id(obj))
-        if ref is not None and ref() is obj:
-            del self._refs[id(obj)]
+        if obj in self:
+            del self._by_id[id(obj)]
 
     def __contains__(self, obj: object) -> bool:
-        ref = self._refs.get(id(obj))
-        return ref is not None and ref() is obj
+        return self._by_id.get(id(obj)) is obj
 
     def __iter__(self) -> Iterator:
-        return iter([obj for ref in list(self._refs.values()) if (obj := ref()) is not None])
+        return iter(list(self._by_id.values()))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._by_id)
 
 
 @contextlib.contextmanager
@@ -140,9 +133,9 @@ def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
 
     item, boolean = torch.Tensor.item, torch.Tensor.__bool__
     # Fake tensors made by .all() (or torch.all), by id: their truth is True in the usual
-    # case. (By id, with a weak reference to tell a reused id: a tensor's == is elementwise.)
+    # case. (By id, held weakly to tell a reused id: a tensor's == is elementwise.)
     every = {torch.Tensor.all, torch.all}
-    made_by_all: dict[int, weakref.ref] = {}
+    made_by_all: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
     class FakeValues(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -153,11 +146,10 @@ def fake_values(read: list[str], answered: list[str]) -> Iterator[None]:
                 line = library_line(sys._getframe(1))
                 if line is not None:
                     answered.append(line)
-                    ref = made_by_all.get(id(args[0]))
-                    return ref is not None and ref() is args[0]
+                    return made_by_all.get(id(args[0])) is args[0]
             out = func(*args, **(kwargs or {}))
             if func in every and _valueless(out):
-                made_by_all[id(out)] = weakref.ref(out)
+                made_by_all[id(out)] = out
             return out
 
     with FakeValues():
