@@ -38,15 +38,15 @@ from ampscope.runs.source import user_source
 from ampscope.torchcompat.fake import FakeTensor
 
 # Savers that write tensors to a path from C or Rust, unseen by `open`: (module, function,
-# the argument index and keyword of the object saved, those of the path). Only modules already
-# importable are watched, and only while the script runs.
+# the keyword of the object saved, which each takes first, that of the path, which each takes
+# second). Only modules already importable are watched, and only while the script runs.
 # How each is named in the report comes last.
-_SAVERS: tuple[tuple[str, str, int, str, int, str, str], ...] = (
-    ("torch", "save", 0, "obj", 1, "f", "torch.save"),
-    ("safetensors.torch", "save_file", 0, "tensors", 1, "filename", "save_file"),
-    ("safetensors.torch", "save_model", 0, "model", 1, "filename", "save_model"),
-    ("torch.distributed.checkpoint", "save", 0, "state_dict", 1, "checkpoint_id", "dcp.save"),
-    ("torch.distributed.checkpoint", "save_state_dict", 0, "state_dict", 1, "storage_writer",
+_SAVERS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("torch", "save", "obj", "f", "torch.save"),
+    ("safetensors.torch", "save_file", "tensors", "filename", "save_file"),
+    ("safetensors.torch", "save_model", "model", "filename", "save_model"),
+    ("torch.distributed.checkpoint", "save", "state_dict", "checkpoint_id", "dcp.save"),
+    ("torch.distributed.checkpoint", "save_state_dict", "state_dict", "storage_writer",
      "dcp.save_state_dict"),
 )
 
@@ -91,9 +91,7 @@ class ScriptFiles:
         self.written.append(Written(name, how))
 
     def close_what_is_open(self) -> None:
-        """Flush and close the files the script opened and left open, as the interpreter does at
-        exit (a file object that is still open when a stopped script unwinds would otherwise
-        lose what it buffered)."""
+        """Flush and close the files the script left open, as the interpreter does at exit."""
         for f in list(self.opened):
             if f in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
                 continue
@@ -166,11 +164,10 @@ def watched(files: ScriptFiles) -> Iterator[None]:
     """While the script runs: its `open` calls and tensor savers are seen by `files`."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_watched_open(files))
-        for module_name, name, obj_at, obj_kw, path_at, path_kw, shown in _SAVERS:
+        for module_name, name, obj_kw, path_kw, shown in _SAVERS:
             module = _importable(module_name, files.predict)
             if module is not None and callable(getattr(module, name, None)):
-                saver = _watched_saver(files, shown, getattr(module, name),
-                                       obj_at, obj_kw, path_at, path_kw)
+                saver = _watched_saver(files, shown, getattr(module, name), obj_kw, path_kw)
                 stack.enter_context(patched(module, name, saver))
         yield
 
@@ -213,11 +210,11 @@ def _watched_open(files: ScriptFiles) -> Iterator[None]:
         yield
 
 
-def _watched_saver(files: ScriptFiles, short: str, saver: Callable, obj_at: int,
-                   obj_kw: str, path_at: int, path_kw: str) -> Callable:
+def _watched_saver(files: ScriptFiles, short: str, saver: Callable, obj_kw: str,
+                   path_kw: str) -> Callable:
     def save(*args, **kwargs):
-        obj = args[obj_at] if len(args) > obj_at else kwargs.get(obj_kw)
-        path = args[path_at] if len(args) > path_at else kwargs.get(path_kw)
+        obj = args[0] if args else kwargs.get(obj_kw)
+        path = args[1] if len(args) > 1 else kwargs.get(path_kw)
         if files.predict:
             tensors = tensors_in([_tensors_of(obj)])
             if any(isinstance(t, FakeTensor) for t in tensors):
