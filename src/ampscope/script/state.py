@@ -166,12 +166,11 @@ class ProcessState:
         sys.path[:] = self.path
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
-        if dict(os.environ) != self.environ:
-            for key in set(os.environ) - set(self.environ):
-                del os.environ[key]
-            for key, value in self.environ.items():
-                if os.environ.get(key) != value:
-                    os.environ[key] = value
+        for key in set(os.environ) - set(self.environ):
+            del os.environ[key]
+        for key, value in self.environ.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         sys.stdin, sys.stdout, sys.stderr = self.streams
         # warnings.filters is a list, which typeshed types as a Sequence (not to be mutated).
         cast(list, warnings.filters)[:] = self.warning_filters
