@@ -69,10 +69,9 @@ def _installed() -> tuple[str, ...]:
     """Folders of installed code: the interpreter's and its environment's packages. A module
     from one of them is never forgotten, even when the environment lies in the script's folder
     (a project's own .venv): torch's modules must not be imported twice in one process."""
-    folders = {sys.prefix, sys.base_prefix, sys.exec_prefix}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        with contextlib.suppress(KeyError):
-            folders.add(sysconfig.get_paths()[key])
+    paths = sysconfig.get_paths()
+    folders = {sys.prefix, sys.base_prefix, sys.exec_prefix,
+               *(paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib"))}
     return tuple(os.path.abspath(f) + os.sep for f in folders if f)
 
 
