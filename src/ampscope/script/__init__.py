@@ -7,20 +7,14 @@ of that step (`scaler.update()`, the LR scheduler, `zero_grad`, logging run and 
 is stopped as its model's next forward pass begins, by an exception the script's own
 `except Exception:` cannot catch, so its later code (more steps, evaluation, checkpointing)
 never runs; a script that never steps is stopped after `max_forwards` forward passes of its
-model (by default 100 while it has made no optimizer, 1,000 once it has). On a device this machine lacks, the script runs on
-the virtual device (runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
+model. On a device this machine lacks, the script runs on the virtual device
+(runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
 `torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
 tensors: its model is never materialised, whatever its size.
 
 A run ends as under `python`, stopped or not: the script's atexit handlers run, its log
 handlers and open files are flushed and closed (script/ending.py, script/written_files.py). The files
 it wrote are listed in the trace's notes; a predicted run writes no checkpoint of fake tensors.
-
-From Python, `run_script` runs the script in a child process by default (script/child.py), so
-nothing the script does to its process (os._exit, a fork, signal handlers, torch's global
-settings) reaches the caller. `in_process=True` runs it in the caller's process (the CLI does:
-its process is its own), and puts back everything a script may change there
-(script/state.py), also when the script raised.
 
 The package:
 
