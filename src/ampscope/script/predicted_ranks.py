@@ -110,8 +110,7 @@ def record(trace: Trace, nproc: int) -> tuple:
     params = tuple((p.name, p.dtype, tuple(p.shape), getattr(p, "local_shape", None),
                     p.grad_dtype) for p in trace.parameters)
     rank = rank_report(0, trace, nproc)
-    calls = tuple((c.kind, c.phase, c.module, c.dtype, c.payload_bytes)
-                  for c in rank.collectives)
+    calls = tuple((c.kind, c.phase, c.module, c.dtype, c.payload_bytes) for c in rank.collectives)
     peak = rank.peak
     return params, tuple(sorted((k, tuple(sorted(v.items())))
                                 for k, v in rank.held.items())), calls, \
@@ -150,8 +149,7 @@ def predict_ranks(target: str, argv: Sequence[str], nproc: int, *, all_ranks: bo
 
 
 def _roles_note(traces: dict[int, Trace], roles: list[int]) -> str:
-    """What the run ranks stand for, by role: the ranks whose shard of every parameter has
-    the same shape (as DTensor lays each one out) run alike."""
+    """The note that says which run rank each other rank is taken to be, by role."""
     ran = sorted(traces)
     firsts = sorted(set(roles))
     stand = Counter(role for k, role in enumerate(roles) if k not in traces)

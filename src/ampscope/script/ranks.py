@@ -18,10 +18,6 @@ still running, the collective it waits in (kind, dtype and bytes, the script's l
 last it left: each rank writes that state to a file of the job's folder as it enters and
 leaves a collective (runtime/collective_watch.py).
 
-`ranks_report` turns the N traces into an `ampscope.distributed/1` report with
-distributed/report.py's functions: per rank, what its parameters and gradients hold and every
-collective its trace recorded.
-
 Namesakes, the same concern at another layer: `render/ranks.py`."""
 
 from __future__ import annotations
@@ -194,8 +190,6 @@ def _failure(result: str, code: int, target: str) -> str | None:
             return None
     try:
         answer(result, code, target)
-    except KeyboardInterrupt:
-        raise
     except Exception as e:  # noqa: BLE001 - any rank's failure ends the job
         return first_line(e)
     return None
