@@ -387,8 +387,7 @@ def _script_error(e: Exception, label: str, capture: Capture, device: str | None
     tensors' values, the emulated device's limits) carries none: ampscope's own, 2.
     `values_read`: in a predicted run, the lines whose `.item()` was answered with NaN."""
     where = user_line(e)
-    predict = values_read is not None
-    if predict and data_dependent(e):
+    if values_read is not None and data_dependent(e):
         return AmpscopeError(
             f"predict mode cannot run {label}: the code at {where or 'an unknown line'} reads a "
             "tensor's value (.item(), a comparison, printing a tensor), and fake tensors have "
@@ -421,17 +420,14 @@ def _nan_hint(values_read: list[str] | None) -> str:
             "smaller size)")
 
 
-# What torchrun sets for each rank it starts; a script made for it reads them.
-TORCHRUN_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT")
-
-
 def _torchrun_hint(e: Exception) -> str:
     """Where the error names a variable of torchrun's environment that is not set (a
     `KeyError: 'LOCAL_RANK'`, torchtitan's "LOCAL_RANK must be set", init_process_group's
     "environment variable RANK expected"): how to run the script as torchrun would."""
     text = f"{e!r} {e}"
-    for name in TORCHRUN_VARIABLES:
+    # What torchrun sets for each rank it starts; a script made for it reads them.
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):
         if name not in os.environ and re.search(rf"\b{name}\b", text):
             return (f" (the script expects torchrun's environment, and {name} is not set: "
                     "run it as ranks with `ampscope run --nproc N`, --nproc 1 for one)")
