@@ -53,8 +53,7 @@ def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[
     """The trace of each of `ranks` of an `nproc`-rank job, predicted, as many at once as
     this machine has cores (the fake group needs no peer running)."""
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
-               "steps": steps, "predict": True, "virtual": None,
-               "max_forwards": max_forwards, "rank": True}
+               "steps": steps, "predict": True, "max_forwards": max_forwards, "rank": True}
     run_id, width = f"ampscope-{uuid.uuid4().hex[:12]}", max(1, os.cpu_count() or 1)
     waiting: list[int] = list(ranks)
     running: dict[int, tuple[subprocess.Popen, list, str]] = {}

@@ -82,8 +82,7 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
     # reserved peak is replayed with it); a job on another device goes on without it.
     config_for(device or "")
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
-               "steps": steps, "predict": False, "virtual": None,
-               "max_forwards": max_forwards, "rank": True}
+               "steps": steps, "predict": False, "max_forwards": max_forwards, "rank": True}
     port, run_id = free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
     signals = Signals()
     with signals.active(f"the {plural(nproc, 'rank')}"), \
