@@ -65,8 +65,7 @@ class Skipped:
 
     call: str  # "torch.save(..., 'ckpt.pt')"
     where: str | None  # the script's line
-    nbytes: int
-    by_dtype: dict[str, int]
+    by_dtype: dict[str, int]  # the bytes it held
 
 
 @dataclass
@@ -105,9 +104,10 @@ class ScriptFiles:
             dtypes = ", ".join(f"{d} {format_bytes(n)}" for d, n in
                                sorted(s.by_dtype.items(), key=lambda kv: -kv[1]))
             at = f" at {s.where}" if s.where else ""
-            lines.append(f"{s.call}{at} was not written: it held {format_bytes(s.nbytes)} of fake "
-                         f"tensors ({dtypes}), which have no values (predict mode); a file "
-                         "already there was left as it was.")
+            lines.append(f"{s.call}{at} was not written: it held "
+                         f"{format_bytes(sum(s.by_dtype.values()))} of fake tensors ({dtypes}), "
+                         "which have no values (predict mode); a file already there was left "
+                         "as it was.")
         # A temporary file the script (or a library) removed again is not listed.
         self.written = [w for w in self.written if os.path.exists(w.path)]
         if self.written:
@@ -220,7 +220,7 @@ def _watched_saver(files: ScriptFiles, short: str, saver: Callable, obj_kw: str,
             if any(isinstance(t, FakeTensor) for t in tensors):
                 named = (f"{short}(..., {os.fspath(path)!r})"
                          if isinstance(path, (str, os.PathLike)) else f"{short}(...)")
-                files.skipped.append(Skipped(named, user_source(skip=2), *_held(tensors)))
+                files.skipped.append(Skipped(named, user_source(skip=2), _held(tensors)))
                 return None
         how = _how(path, "w") if isinstance(path, (str, os.PathLike)) else None
         result = saver(*args, **kwargs)
@@ -240,11 +240,10 @@ def _tensors_of(obj: object) -> object:
     return obj
 
 
-def _held(tensors: list) -> tuple[int, dict[str, int]]:
-    """Bytes of the storages `tensors` hold, each storage once (tied weights share one), in
-    total and by dtype."""
+def _held(tensors: list) -> dict[str, int]:
+    """Bytes of the storages `tensors` hold, each storage once (tied weights share one), by
+    dtype."""
     seen: dict[int, object] = {}  # storage objects kept alive so their ids stay theirs
-    total = 0
     by_dtype: dict[str, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -252,7 +251,6 @@ def _held(tensors: list) -> tuple[int, dict[str, int]]:
             continue
         seen[id(storage)] = storage
         n = storage.nbytes()
-        total += n
         dtype = str(t.dtype).removeprefix("torch.")
         by_dtype[dtype] = by_dtype.get(dtype, 0) + n
-    return total, by_dtype
+    return by_dtype
