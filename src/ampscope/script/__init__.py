@@ -290,12 +290,21 @@ class _ScriptRun:
 
     def trace(self) -> Trace:
         """What the script's model did, with the notes that say how the run went."""
-        if self.capture.model is None:
+        model = self.capture.model
+        if model is None:
             raise AmpscopeError(f"nothing was captured: {self.label} ran no nn.Module (call "
                                 "your model in the script, or trace it with `ampscope trace "
                                 "package.module:factory`)")
         result = self.capture.finish()
-        self._stepped_gradients(result)
+        # A parameter whose gradient the script dropped after its last step (`zero_grad()`
+        # runs before the stop) is listed with the dtype its gradient had at the step.
+        if self.grads:
+            stepped = {name: self.grads[id(p)] for name, p in model.named_parameters()
+                       if id(p) in self.grads}
+            result.parameters = [
+                dataclasses.replace(r, grad_dtype=stepped[r.name])
+                if r.grad_dtype is None and r.name in stepped else r
+                for r in result.parameters]
         result.mode = "predict" if self.env.predict else "run"
         result.workload = "train" if self.taken else "forward"
         notes = self._notes(result)
@@ -307,19 +316,6 @@ class _ScriptRun:
         result.notes = notes + result.notes
         judged(result)
         return with_status(result, self.status) if self.status else result
-
-    def _stepped_gradients(self, result: Trace) -> None:
-        """A parameter whose gradient the script dropped after its last step (`zero_grad()`
-        runs before the stop) is listed with the dtype its gradient had at the step."""
-        model = self.capture.model
-        if not self.grads or model is None:
-            return
-        stepped = {name: self.grads[id(p)] for name, p in model.named_parameters()
-                   if id(p) in self.grads}
-        result.parameters = [
-            dataclasses.replace(r, grad_dtype=stepped[r.name])
-            if r.grad_dtype is None and r.name in stepped else r
-            for r in result.parameters]
 
     def _notes(self, result: Trace) -> list[str]:
         notes = [self._ending(), *pass_notes(result, self.taken)]
