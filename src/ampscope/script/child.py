@@ -33,8 +33,8 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def run_in_child(target: str, argv: list[str], **options) -> Trace:
-    """The trace of `run_script(target, argv, **options, in_process=True)` run in a spawned
-    child process (`options`: module, device, steps, predict, virtual, max_forwards, exact)."""
+    """The trace of `run_script(target, argv, **options, in_process=True)` in a spawned child
+    (with `exact=True`, inside `ampscope.exact_path()`)."""
     request = {"target": target, "argv": argv, **options}
     with tempfile.TemporaryDirectory(prefix="ampscope-run-") as folder:
         result = os.path.join(folder, "result.json")

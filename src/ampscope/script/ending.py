@@ -83,8 +83,7 @@ class Ending:
                 traceback.print_exc()
 
     def leave_if_forked(self, code: int) -> None:
-        """In a process the script forked (and that did not exit on its own): exit with `code`
-        now, its output flushed, instead of returning into the caller."""
+        """In a process the script forked: exit with `code` now, its output flushed."""
         if os.getpid() == self.pid:
             return
         for stream in (sys.stdout, sys.stderr):
