@@ -178,9 +178,11 @@ class RunEnvironment:
             return []
         phases = ("forward",) if workload is not None else ("forward", "evaluation")
         ops = [o.op for o in trace.ops if o.phase in phases]
+        calls = sum(1 for c in trace.calls if c.phase in phases
+                    and c.func == "torch.nn.functional.scaled_dot_product_attention")
         if workload is None:
-            return self.emulation.kernel_notes(ops)
-        return self.emulation.notes(workload, ops)
+            return self.emulation.kernel_notes(ops, calls)
+        return self.emulation.notes(workload, ops, calls)
 
     def device_notes(self) -> list[str]:
         """What the run's code asked of the virtual device, where it had one."""

@@ -335,7 +335,8 @@ class Emulation:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def notes(self, workload: str, forward_ops: Sequence[str]) -> list[str]:
+    def notes(self, workload: str, forward_ops: Sequence[str],
+              attention_calls: int | None = None) -> list[str]:
         """What the run assumed, in plain words, for the trace's notes. `forward_ops`, the names
         of the forward ops the trace recorded, count the attention calls: a replayed block's
         among them, which chose no kernel of its own (runs/repeats.py)."""
@@ -347,22 +348,28 @@ class Emulation:
             notes.append(
                 f"The optimizer ran its _foreach_ implementation, as PyTorch picks on {self.device}."
             )
-        notes += self.kernel_notes(forward_ops)
+        notes += self.kernel_notes(forward_ops, attention_calls)
         for note in notes:
             log.info("%s", note)
         return notes
 
-    def kernel_notes(self, forward_ops: Sequence[str]) -> list[str]:
+    def kernel_notes(self, forward_ops: Sequence[str],
+                     attention_calls: int | None = None) -> list[str]:
         """The kernels the emulation chose as the device would (attention, RNNs), or says it
-        could not; `forward_ops` as for `notes`."""
+        could not; `forward_ops` as for `notes`, `attention_calls` the trace's calls of
+        `scaled_dot_product_attention` in those phases."""
         gpu = self.gpu
         notes: list[str] = []
         ran_ops = Counter(forward_ops)
-        # The math path is a composite: its op is never recorded, only what it decomposes to,
-        # so its calls are the choices made (a replayed block's not among them).
+        # The math path is a composite: its op is never recorded, only what it decomposes to.
+        # Its calls are those of the trace the fused kernels do not account for (a replayed
+        # block's included), or else the choices made here (a replayed block's not among them).
+        fused = sum(ran_ops[op] for op in {c.forward_op for c in self.attention})
         chosen = Counter(c.forward_op for c in self.attention)
         kernels = {f"{c.backend} ({c.forward_op.removesuffix('.default')})":
-                   ran_ops[c.forward_op] or chosen[c.forward_op] for c in self.attention}
+                   ran_ops[c.forward_op] or (chosen[c.forward_op] if attention_calls is None
+                                             else attention_calls - fused)
+                   for c in self.attention}
         if kernels:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(
