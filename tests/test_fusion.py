@@ -11,7 +11,7 @@ import torch
 
 import ampscope
 from ampscope import hardware
-from ampscope.analysis.fusion import fuse, fused_runs, kernel_bytes
+from ampscope.analysis.fusion import fuse, fused_runs, kernel_bytes, made_by
 from ampscope.analysis.op_time import op_time
 from ampscope.analysis.step_time import step_time
 from ampscope.hardware import kernels
@@ -76,7 +76,10 @@ def test_a_fused_kernel_reads_its_inputs_once_and_writes_what_outlives_it():
     # Reads: x and r (the add's), the norm's weight and bias (its activation input is the
     # add's output, made inside). Writes: the mul's float32 result alone (read by the matmul).
     expected = 2 * x + 2 * 768 * 2 + 2 * x
-    assert kernel_bytes(CHAIN[:5], STORAGES) == expected
+    assert kernel_bytes(CHAIN[:5], made_by(STORAGES)) == expected
+    # Without the step's storages, every output counts: the add's, the norm's and the cast's
+    # too (x + x + 2x more).
+    assert kernel_bytes(CHAIN[:5], {}) == expected + x + x + 2 * x
     # Eager, the same ops move: add 3x, the norm 2x and its weights, the view nothing, the
     # cast 3x (reads 2 bytes an element, writes 4), the mul 4x: three times as much.
     eager = sum(op_time(o, A100, P).bytes for o in CHAIN[:5])

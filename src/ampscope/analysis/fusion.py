@@ -27,9 +27,9 @@ of them modelled; CUDA graphs (`mode="reduce-overhead"`) would remove the host's
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from ampscope.analysis.op_time import OpTime, memory_seconds, tensor_bytes
+from ampscope.analysis.op_time import OpTime, collective_kind, memory_seconds, tensor_bytes
 from ampscope.hardware.kernels import KernelParams
 from ampscope.hardware.known import Accelerator
 from ampscope.records import OpCall, StorageRecord
@@ -45,8 +45,8 @@ def fused_runs(ops: Sequence[OpCall]) -> list[list[int]]:
     current: list[int] = []
     phase = None
     for k, o in enumerate(ops):
-        fusible = (o.compiled and not o.flops and o.group is None
-                   and o.op not in _HOST_READS and not o.op.startswith("c10d"))
+        fusible = (o.compiled and not o.flops and o.op not in _HOST_READS
+                   and collective_kind(o) is None)
         if not fusible or o.phase != phase:
             _close(ops, current, runs)
             current = []
@@ -62,25 +62,35 @@ def _close(ops: Sequence[OpCall], run: list[int], runs: list[list[int]]) -> None
         runs.append(run)
 
 
-def kernel_bytes(run: Sequence[OpCall], storages: Sequence[StorageRecord]) -> int:
+def made_by(storages: Sequence[StorageRecord]) -> dict[int, list[StorageRecord]]:
+    """The storages by the index of the op that made them (those that existed before the
+    step left out)."""
+    out: dict[int, list[StorageRecord]] = {}
+    for s in storages:
+        if s.created is not None:
+            out.setdefault(s.created, []).append(s)
+    return out
+
+
+def kernel_bytes(run: Sequence[OpCall], made: Mapping[int, list[StorageRecord]]) -> int:
     """Bytes one fused kernel moves (module docstring): inputs from outside the run, outputs
-    whose storage lives past its last op (without `storages`, every output)."""
-    made: Counter = Counter()
+    whose storage lives past its last op (`made`: the step's storages, `made_by`; empty for a
+    trace without them, whose every output is counted)."""
+    inside: Counter = Counter()
     read = 0
     for o in run:
         if is_view_op(o.op):
             continue
         for m in o.inputs:
-            if not made[(m.dtype, m.shape)]:
+            if not inside[(m.dtype, m.shape)]:
                 read += tensor_bytes(m.shape, m.dtype)
-        made.update((m.dtype, m.shape) for m in o.outputs)
-    if not storages:  # a trace without its storages (memory not followed): every output
+        inside.update((m.dtype, m.shape) for m in o.outputs)
+    if not made:  # a trace without its storages (memory not followed): every output
         return read + sum(tensor_bytes(m.shape, m.dtype) for o in run if not is_view_op(o.op)
                           for m in o.outputs)
-    first, last = run[0].index, run[-1].index
-    written = sum(s.nbytes for s in storages
-                  if s.created is not None and first <= s.created <= last
-                  and (s.freed is None or s.freed > last))
+    last = run[-1].index
+    written = sum(s.nbytes for o in run for s in made.get(o.index, ())
+                  if s.freed is None or s.freed > last)
     return read + written
 
 
@@ -89,8 +99,9 @@ def fuse(timed: list[OpTime], ops: Sequence[OpCall], storages: Sequence[StorageR
     """Replace, in `timed` (aligned with `ops`), the times of each fused kernel's ops by their
     share of the kernel's time; the number of kernels made."""
     runs = fused_runs(ops)
+    made = made_by(storages)
     for run in runs:
-        nbytes = kernel_bytes([ops[k] for k in run], storages)
+        nbytes = kernel_bytes([ops[k] for k in run], made)
         memory = memory_seconds(nbytes, acc, params)
         seconds = max(memory, params["compiled_host_s"]) + params["launch_s"]
         bound = "launch" if seconds - memory > memory else "memory"
@@ -105,4 +116,4 @@ def fuse(timed: list[OpTime], ops: Sequence[OpCall], storages: Sequence[StorageR
     return len(runs)
 
 
-__all__ = ["fuse", "fused_runs", "kernel_bytes"]
+__all__ = ["fuse", "fused_runs", "kernel_bytes", "made_by"]
