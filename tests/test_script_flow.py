@@ -14,6 +14,7 @@ script/__init__.py, runtime/compiled.py):
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ import torch
 
 import ampscope
 from ampscope.errors import AmpscopeError
+from ampscope.runs.session import Capture
 from ampscope.script import run_script
 
 
@@ -284,6 +286,42 @@ def test_steps_lets_the_step_end_and_stops_at_the_next_forward_pass(tmp_path):
     # The code up to the second forward pass ran (the scheduler halved lr 0.001: StepLR's
     # gamma); the pass itself and what follows did not.
     assert (tmp_path / "stopped.txt").read_text() == "forward 0\nbackward 0\nlr 0.0005\nforward 1\n"
+
+
+def test_what_a_stopped_script_holds_is_alive_at_the_end_whenever_the_collector_runs(
+        tmp_path, monkeypatch):
+    """The stopped script's globals (`loss`, the batch) go when the garbage collector next runs
+    (its frames are a cycle with the exception that stopped it): after the trace is finished,
+    or while it is, as it happens. The truth: the same run with the collector off, whose
+    globals outlive the run. With a collection forced as the trace is being finished, the
+    record is the same: what the script held at the stop is alive at the end (freed None)."""
+    script = write(tmp_path / "train.py", "def helper():\n    return model\n"
+                   + textwrap.dedent(SCALER).replace("ITERATIONS", "3"))
+
+    def run():
+        return run_script(str(script), [str(tmp_path / "marks.txt")], device="cuda", steps=1,
+                          in_process=True)
+
+    gc.disable()
+    try:
+        never = run()
+    finally:
+        gc.enable()
+    finish = Capture.finish
+
+    def collected_first(self, *args, **kwargs):
+        gc.collect()
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Capture, "finish", collected_first)
+    collected = run()
+
+    def lives(t):
+        return [(s.op, s.created, s.freed) for s in t.storages]
+
+    assert lives(collected) == lives(never)
+    loss = [s for s in never.storages if s.op == "aten.mean.default" and s.phase == "forward"]
+    assert loss and all(s.freed is None for s in loss)
 
 
 def test_a_script_that_ends_after_its_last_step_ends_as_it_would(tmp_path):

@@ -348,6 +348,11 @@ class Capture:
         """The op records of the run up to now (a script that raised: up to where it did)."""
         return self._ops.records()
 
+    def hold_storages(self) -> None:
+        """The script's end: what is alive now is alive at the end of the record
+        (`StorageTracker.hold`)."""
+        self._storages.hold()
+
     @property
     def failure(self):
         """The user-level call that raised during the run, if one did (a `FailedCall`)."""

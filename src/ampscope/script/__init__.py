@@ -285,7 +285,10 @@ class _ScriptRun:
         except BaseException as e:
             leaving = e
             raise
-        finally:  # a process the script forked goes no further than its script
+        finally:
+            # Before the script's frames and globals go (its unwinding, the collector).
+            self.capture.hold_storages()
+            # A process the script forked goes no further than its script.
             self.ending.leave_if_forked(exit_code(leaving))
 
     def trace(self) -> Trace:
