@@ -203,6 +203,21 @@ def test_fp32_matmuls_without_tf32_on_a_gpu(tmp_path):
     assert "AMP701" not in _diagnostics(plain, device=None)  # the CPU has no TF32
 
 
+def test_fp32_matmuls_without_tf32_are_judged_on_the_gpu_the_run_stood_for(tmp_path):
+    """`--gpu a100`: the note gives the A100's ratio, whose published dense figures are
+    19.5 TFLOP/s float32 and 156 TFLOP/s TF32 (8.0×), not the default H100's 7.4×; the trace
+    records the GPU, so judging it again (`ampscope check saved.json`) says the same."""
+    plain = _script(tmp_path, forward="out = model(x)", loss=_MSE.strip(),
+                    step="loss.backward()\nopt.step()")
+    trace = run_script(str(plain), [], device="cuda", gpu="a100", in_process=True)
+    assert trace.setting.gpu == "a100"
+    d = {d.id: d for d in trace.diagnostics}["AMP701"]
+    assert "NVIDIA A100" in d.message and "8.0× faster" in d.message
+    again = Trace.from_dict(json.loads(trace.to_json()))
+    assert again.setting.gpu == "a100"
+    assert "8.0× faster" in {d.id: d for d in check_trace(again)}["AMP701"].message
+
+
 def test_a_comment_on_the_line_silences_one_rule(tmp_path):
     step = "loss.backward()  # ampscope: ignore[AMP201]\nopt.step()"
     quiet = _script(tmp_path, forward=_FP16 + "\n" + _MSE, step=step)

@@ -27,7 +27,8 @@ def accelerator_for(given: hardware.Accelerator | str | None,
                     setting: SettingRecord) -> hardware.Accelerator | None:
     """The accelerator whose figures a report uses: the one given (a name of
     `hardware.table()` or an `Accelerator`), this machine's GPU, or the H100 an emulated CUDA
-    run stands for; None when unknown (MFU n/a, no prediction)."""
+    run stands for (its setting's `gpu`, or an H100); None when unknown (MFU n/a, no
+    prediction)."""
     if isinstance(given, str):
         given = hardware.by_name(given) if given else None
     if given is not None:
@@ -35,7 +36,7 @@ def accelerator_for(given: hardware.Accelerator | str | None,
     if setting.device != "cuda":
         return None
     if setting.emulated or not torch.cuda.is_available():
-        return hardware.by_name("h100")
+        return hardware.known_by_name(setting.gpu) or hardware.by_name("h100")
     return hardware.lookup(torch.cuda.get_device_name())
 
 

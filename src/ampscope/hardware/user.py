@@ -277,3 +277,14 @@ def by_name(name: str) -> Accelerator:
     except KeyError:
         raise AmpscopeError(f"unknown accelerator {name!r}; known: {', '.join(sorted(known))} "
                             f"(add your own to {user_table_path()})") from None
+
+
+def known_by_name(name: str | None) -> Accelerator | None:
+    """`by_name`'s accelerator, or None for no name or one the table lacks (a trace recorded
+    where a hardware.toml named it, read where none does)."""
+    if not name:
+        return None
+    try:
+        return by_name(name)
+    except AmpscopeError:
+        return None

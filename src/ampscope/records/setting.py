@@ -27,6 +27,9 @@ class SettingRecord:
     # parameters compute in and its gradients are reduced in (None: no such policy).
     fsdp_param_dtype: str | None = None
     fsdp_reduce_dtype: str | None = None
+    # The GPU an emulated device stood for (`--gpu`, or the device type's default), by its
+    # name in ampscope's hardware table; None: a real device, or a device type without one.
+    gpu: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +47,7 @@ class SettingRecord:
             fp8=data.get("fp8"),
             fsdp_param_dtype=data.get("fsdp_param_dtype"),
             fsdp_reduce_dtype=data.get("fsdp_reduce_dtype"),
+            gpu=data.get("gpu"),
         )
 
 

@@ -137,6 +137,8 @@ class RunEnvironment:
         lack, and block replay where the speed tricks are on."""
         if self.setting is not None:
             options.setdefault("setting", self.setting.record())
+        if self.virtual is not None and self.virtual.accelerator is not None:
+            options.setdefault("gpu", self.virtual.accelerator.name)
         if self.fake is not None:
             options["values"] = False  # a fake tensor has none
             options.setdefault("op_check", check_matmul_dtypes)

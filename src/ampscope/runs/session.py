@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import inspect
 import logging
@@ -97,7 +98,8 @@ class CaptureOptions:
     first but does not train (a frozen encoder, a teacher) is not taken for the model;
     `on_model_forward`, called as each forward pass of the model begins
     (the runner bounds a run that never steps with it; it may raise to stop the run).
-    `device`: on a virtual device, the device the run is on. `rank_roles`: Trace.rank_roles.
+    `device`: on a virtual device, the device the run is on; `gpu`, the GPU it stands for
+    (SettingRecord.gpu). `rank_roles`: Trace.rank_roles.
     `values`: a real run also records what its values say (Trace.values, runs/value_checks.py)."""
 
     model_name: str | None = None
@@ -112,6 +114,7 @@ class CaptureOptions:
     candidates: Collection[nn.Module] | None = None
     optimizers: Collection[torch.optim.Optimizer] | None = None
     device: str | None = None
+    gpu: str | None = None
     rank_roles: bool = False
     values: bool = False
 
@@ -428,6 +431,8 @@ class Capture:
         if self.options.setting is None:  # known by now: `finish` runs on a model
             trace.setting = observed_setting(model, self.options.device, trace,
                                              self._matmul_precision)
+        if self.options.gpu is not None:
+            trace.setting = dataclasses.replace(trace.setting, gpu=self.options.gpu)
         trace.parameters = inventory.parameters(model, names, params)
         if self.options.rank_roles:
             trace.rank_roles = inventory.job_roles(params)

@@ -20,7 +20,7 @@ def fp32_without_tf32(trace: Trace) -> Iterator[Hit]:
     device = DEVICE_TYPES.get(trace.setting.device)
     if device is None or device.accelerator is None:
         return
-    accelerator = hardware.by_name(device.accelerator)
+    accelerator = hardware.known_by_name(trace.setting.gpu) or hardware.by_name(device.accelerator)
     fp32, tf32 = accelerator.peak_flops.get("float32"), accelerator.peak_flops.get("tf32")
     if not fp32 or not tf32 or tf32 <= fp32:
         return
