@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ampscope import hardware
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport, RankReport
 from ampscope.errors import AmpscopeError
+from ampscope.hardware import Accelerator
 from ampscope.hardware.cuda_allocator import config_for
 from ampscope.precision import Setting, parse_setting, resolve_device
 from ampscope.records import SettingRecord, Trace
@@ -144,9 +146,12 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
 
 
 def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", batch: int = 1,
-            seq: int = 64, optimizer: str = "adamw", seed: int = 0) -> DistributedReport:
+            seq: int = 64, optimizer: str = "adamw", seed: int = 0,
+            gpu: str | Accelerator | None = None) -> DistributedReport:
     """Predict rank 0 of `parallel.world_size` on fake tensors and a fake process group: what
-    it holds after one train step and every collective it issues, for any model size."""
+    it holds after one train step and every collective it issues, for any model size. `gpu`
+    (a name of `hardware.table()` or its entry, `--gpu`) is the GPU an emulated cuda rank's
+    virtual device is, whose capability picks its kernels (default: an H100)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ampscope.distributed.step import rank_step
@@ -161,6 +166,8 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
     why = no_fake_collectives("--distributed with --predict")
     if why is not None:
         raise AmpscopeError(why)
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu)  # an unknown name is refused before anything runs
     s = _setting(setting)
     config_for(s.device)  # an unreadable PYTORCH_CUDA_ALLOC_CONF stops a cuda run before it runs
     lm = registry.resolve(model, device="meta", seed=seed, target_device=s.device)
@@ -180,7 +187,7 @@ def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", 
             model_now = built.pop() if built else registry.resolve(
                 model, device="meta", seed=seed, target_device=s.device)
             return rank_step(model_now, parallel, s, data, optimizer=optimizer, predict=True,
-                             mesh=mesh)
+                             mesh=mesh, gpu=gpu)
 
         report = exact_retry(attempt, what="the rank is traced")
     finally:

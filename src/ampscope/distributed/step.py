@@ -20,6 +20,7 @@ from ampscope import workloads
 from ampscope.distributed.capture import DistributedCapture
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import Collective, DistributedReport
+from ampscope.hardware import Accelerator
 from ampscope.models.base import LoadedModel
 from ampscope.patches import patched
 from ampscope.precision import Setting
@@ -74,16 +75,18 @@ def wrap(model: nn.Module, parallel: Parallel, mesh=None, *, predicted: bool = F
 def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict, *,
               optimizer: str = "adamw", predict: bool = False, mesh=None,
               checkpoint: bool = False,
-              prepare: Callable[[nn.Module], None] | None = None) -> DistributedReport | None:
+              prepare: Callable[[nn.Module], None] | None = None,
+              gpu: str | Accelerator | None = None) -> DistributedReport | None:
     """Run and capture one train step on this rank; rank 0 gets the report (None elsewhere).
     With `predict` every tensor is fake and the process group is expected to be PyTorch's
     fake one: a prediction for rank 0. `checkpoint` recomputes each block in the
     backward pass; `prepare` changes the model in place before it is wrapped (tensor
-    parallelism, on the working copies of its weights)."""
+    parallelism, on the working copies of its weights). `gpu` (`--gpu`) is the GPU an
+    emulated cuda rank's virtual device is (RunEnvironment; default: an H100)."""
     # DDP's constructor reads parameter values (it checks and broadcasts them), which fake
     # tensors lack: a predicted DDP step runs unwrapped and its all-reduce is added from the
     # gradients (`ddp_allreduce`).
-    env = RunEnvironment(setting, predict=predict)
+    env = RunEnvironment(setting, predict=predict, gpu=gpu)
     fake = env.fake
     ddp_predicted = fake is not None and parallel.strategy == "ddp"
     with env.applied(lm.module), env.predicting(collecting=gc.isenabled()):
