@@ -53,7 +53,8 @@ def cmd_distributed(args: argparse.Namespace) -> int:
             f"{'Running' if args.predict is False else 'Predicting'} {args.model} under "
             f"{args.distributed.upper()} on {nproc} ranks…"):
         if args.predict is not False:  # predicted unless --real, as every other run
-            report = predict(args.model, parallel, **common)
+            # --gpu: the GPU the ranks' emulated cuda device is, as well as the one priced
+            report = predict(args.model, parallel, gpu=args.accelerator, **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
     trace = report.trace
@@ -180,7 +181,7 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
                             "--predict every rank runs)")
     traces = run_ranks(args.target, script_args, args.nproc, module=args.module,
                        device=args.device, steps=args.steps, max_forwards=args.max_forwards,
-                       timeout=args.job_timeout or DEFAULT_TIMEOUT)
+                       timeout=args.job_timeout or DEFAULT_TIMEOUT, gpu=args.accelerator)
     return ranks_report(traces, args.target), traces, None, None
 
 
@@ -195,7 +196,7 @@ def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     report, by_rank, taken = predict_ranks(
         args.target, script_args, args.nproc, all_ranks=args.all_ranks, module=args.module,
         device=args.device, steps=args.steps, max_forwards=args.max_forwards,
-        timeout=args.job_timeout or DEFAULT_TIMEOUT)
+        timeout=args.job_timeout or DEFAULT_TIMEOUT, gpu=args.accelerator)
     first = by_rank[min(by_rank)]
     traces = [by_rank.get(k) or by_rank.get(taken.get(k) or 0, first)
               for k in range(args.nproc)]

@@ -31,6 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from ampscope import hardware
 from ampscope.analysis.findings import plural
 from ampscope.distributed.parallel import Parallel
 from ampscope.distributed.report import DistributedReport
@@ -39,7 +40,7 @@ from ampscope.hardware.cuda_allocator import config_for
 from ampscope.records import Trace
 from ampscope.script.child import answer, spawn
 from ampscope.script.rank_groups import Signals, end_groups
-from ampscope.script.ranks import DEFAULT_TIMEOUT, rank_environment, rank_report
+from ampscope.script.ranks import DEFAULT_TIMEOUT, gpu_name, rank_environment, rank_report
 from ampscope.torchcompat.distributed import no_fake_collectives
 
 MAX_PREDICTED = 4096
@@ -49,11 +50,14 @@ PER_MACHINE = 8  # GPUs per machine, for LOCAL_RANK and LOCAL_WORLD_SIZE
 
 def run_predicted(target: str, argv: Sequence[str], nproc: int, ranks: Sequence[int], *,
                   module: bool = False, device: str | None = None, steps: int = 1,
-                  max_forwards: int | None = 0, timeout: float = DEFAULT_TIMEOUT) -> dict[int, Trace]:
+                  max_forwards: int | None = 0, timeout: float = DEFAULT_TIMEOUT,
+                  gpu: str | hardware.Accelerator | None = None) -> dict[int, Trace]:
     """The trace of each of `ranks` of an `nproc`-rank job, predicted, as many at once as
-    this machine has cores (the fake group needs no peer running)."""
+    this machine has cores (the fake group needs no peer running); `gpu` (`--gpu`) is the GPU
+    each rank's virtual cuda device is (default: an H100)."""
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
-               "steps": steps, "predict": True, "max_forwards": max_forwards, "rank": True}
+               "steps": steps, "predict": True, "max_forwards": max_forwards, "rank": True,
+               "gpu": gpu_name(gpu)}
     run_id, width = f"ampscope-{uuid.uuid4().hex[:12]}", max(1, os.cpu_count() or 1)
     waiting: list[int] = list(ranks)
     running: dict[int, tuple[subprocess.Popen, list, str]] = {}

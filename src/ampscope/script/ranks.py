@@ -6,7 +6,8 @@ one-machine job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROL
 ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, and OMP_NUM_THREADS=1 unless
 set). Its process groups run on gloo whatever backend the script names
 (runtime/process_group.py); on the virtual device `torch.cuda.device_count()` is N, so
-`torch.cuda.set_device(LOCAL_RANK)` works, and every "cuda:k" is the CPU.
+`torch.cuda.set_device(LOCAL_RANK)` works, and every "cuda:k" is the CPU. Every rank's virtual
+cuda device is the GPU asked for (`gpu`, `--gpu`), as a single-process run's is.
 
 The parent holds a deadline on the whole job, as `distributed.launch` does: when it passes, or
 as soon as one rank fails, every rank's process group is killed, with whatever the ranks
@@ -33,6 +34,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from ampscope import hardware
 from ampscope.analysis.findings import plural
 from ampscope.distributed.launch import free_port
 from ampscope.distributed.parallel import Parallel
@@ -71,10 +73,24 @@ def rank_environment(rank: int, nproc: int, port: int, run_id: str, *,
     return env
 
 
+def gpu_name(gpu: str | hardware.Accelerator | None) -> str | None:
+    """The name a rank's child finds `gpu` by in the hardware table (its virtual cuda device);
+    None where none was asked for, or for figures given on a command line alone (`custom`),
+    which name no GPU to be: the default then, as in a single-process run. An unknown name is
+    refused here, before any rank starts."""
+    if isinstance(gpu, str):
+        gpu = hardware.by_name(gpu)
+    return gpu.name if gpu is not None and gpu.name in {a.name for a in hardware.table()} \
+        else None
+
+
 def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = False,
               device: str | None = None, steps: int = 1, max_forwards: int | None = 0,
-              timeout: float = DEFAULT_TIMEOUT) -> list[Trace]:
-    """Every rank's trace of `target` run as `nproc` ranks, rank 0 first."""
+              timeout: float = DEFAULT_TIMEOUT,
+              gpu: str | hardware.Accelerator | None = None) -> list[Trace]:
+    """Every rank's trace of `target` run as `nproc` ranks, rank 0 first; `gpu` (a name of
+    `hardware.table()` or its entry, `--gpu`) is the GPU each rank's virtual cuda device is
+    (default: an H100)."""
     if nproc < 1 or nproc > MAX_NPROC:
         raise AmpscopeError(f"--nproc must be between 1 and {MAX_NPROC} (ranks on this "
                             f"machine); got {nproc}")
@@ -82,7 +98,8 @@ def run_ranks(target: str, argv: Sequence[str], nproc: int, *, module: bool = Fa
     # reserved peak is replayed with it); a job on another device goes on without it.
     config_for(device or "")
     request = {"target": target, "argv": list(argv), "module": module, "device": device,
-               "steps": steps, "predict": False, "max_forwards": max_forwards, "rank": True}
+               "steps": steps, "predict": False, "max_forwards": max_forwards, "rank": True,
+               "gpu": gpu_name(gpu)}
     port, run_id = free_port(), f"ampscope-{uuid.uuid4().hex[:12]}"
     signals = Signals()
     with signals.active(f"the {plural(nproc, 'rank')}"), \
