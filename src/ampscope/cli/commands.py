@@ -53,8 +53,10 @@ def cmd_distributed(args: argparse.Namespace) -> int:
             f"{'Running' if args.predict is False else 'Predicting'} {args.model} under "
             f"{args.distributed.upper()} on {nproc} ranks…"):
         if args.predict is not False:  # predicted unless --real, as every other run
-            # --gpu: the GPU the ranks' emulated cuda device is, as well as the one priced
-            report = predict(args.model, parallel, gpu=args.accelerator, **common)
+            # --gpu (`trace`'s; `memory` has none): the GPU the ranks' emulated cuda device
+            # is, as well as the one priced
+            report = predict(args.model, parallel, gpu=getattr(args, "accelerator", None),
+                             **common)
         else:
             report = launch(args.model, parallel, timeout=args.timeout or 120.0, **common)
     trace = report.trace
