@@ -22,7 +22,7 @@ pytestmark = pytest.mark.fast
 # Every detection the tests here make run again (each is cached once per process).
 _DETECTIONS = (dispatch._modes_work, autograd._engine_state_readable,
                policy._registrations_readable, fake._storage_length_found,
-               distributed.group_size_readers, tricks._missing)
+               distributed.group_size_readers, distributed.group_rank_reader, tricks._missing)
 
 
 @pytest.fixture
@@ -101,6 +101,19 @@ def test_a_hidden_group_reader_is_reported_with_what_it_costs(monkeypatch, detec
         "  no   collective group sizes: missing: torch.distributed's "
         "distributed_c10d._resolve_process_group (off: a collective's own group in the wire "
         "bytes (the world size is taken))")
+
+
+def test_a_hidden_rank_reader_is_reported_with_what_it_costs(monkeypatch, detect_again, capsys):
+    import torch.distributed as dist
+
+    assert _line(capsys, "collective group ranks") == (
+        "  yes  collective group ranks: torch.distributed.get_process_group_ranks")
+    distributed.group_rank_reader.cache_clear()
+    monkeypatch.delattr(dist, "get_process_group_ranks")
+    assert _line(capsys, "collective group ranks") == (
+        "  no   collective group ranks: missing: torch.distributed.get_process_group_ranks "
+        "(off: the link a collective crosses by the nodes its ranks are on (by its group's "
+        "size))")
 
 
 def test_a_hidden_storage_length_turns_the_foreach_trick_off_and_both_lines_say_why(

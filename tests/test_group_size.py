@@ -126,7 +126,7 @@ def _unreadable(dist_module, group):
 
 def test_a_group_that_cannot_be_read_is_noted_and_the_report_says_it_took_the_world(
         subgroup, monkeypatch):
-    monkeypatch.setattr(compat, "_unboxed_size", _unreadable)
+    monkeypatch.setattr(compat, "_unboxed_group", _unreadable)
     trace = ampscope.trace(_TwoGroups(subgroup), {"x": torch.randn(2, 4)}, predict=False)
     # Both taken to be the world: the subgroup's all-reduce is overstated (48, not 32 bytes).
     assert _all_reduces(trace) == [(None, 32, 48), (None, 32, 48)]
@@ -144,8 +144,48 @@ def test_a_group_that_cannot_be_read_is_noted_and_the_report_says_it_took_the_wo
     assert again.notes == report.notes
 
 
+def test_the_span_is_the_lowest_and_highest_global_rank_of_the_group(subgroup):
+    import torch.distributed._functional_collectives as functional
+
+    ends = dist.new_group([0, 3])  # ranks 0 and 3: 2 ranks that span the world
+
+    def run():
+        x = torch.ones(4)
+        dist.all_reduce(x)  # the world: ranks 0-3
+        dist.all_reduce(x, group=ends)
+        functional.wait_tensor(functional.all_reduce(x, "sum", subgroup))
+
+    groups = [(str(f), compat.collective_group(f, a, k)) for f, a, k in _collective_calls(run)]
+    assert [g for g in groups if g[1] is not None] == [
+        ("c10d.allreduce_.default", compat.CollectiveGroup(WORLD, (0, 3))),
+        ("c10d.allreduce_.default", compat.CollectiveGroup(2, (0, 3))),
+        ("_c10d_functional.all_reduce.default", compat.CollectiveGroup(2, (0, 1))),
+    ]
+    assert ("_c10d_functional.wait_tensor.default", None) in groups  # no group to read
+
+
+def _no_ranks(dist_module, group):
+    raise KeyError("not registered")
+
+
+def test_ranks_that_cannot_be_read_keep_the_size_and_say_the_link_goes_by_it(
+        subgroup, monkeypatch):
+    monkeypatch.setattr(compat, "_group_ranks", _no_ranks)
+    trace = ampscope.trace(_TwoGroups(subgroup), {"x": torch.randn(2, 4)}, predict=False)
+    assert [(o.group, o.group_span) for o in trace.ops if o.group] == [(2, None), (WORLD, None)]
+    assert [n for n in trace.notes if "process group" in n] == [
+        "The ranks of c10d.allreduce_.default's process group are not in its records: the "
+        "ranks of c10d.allreduce_.default's process_group could not be read (KeyError: "
+        "'not registered'); a step time places the group by its size (NVLink up to a node's "
+        "GPUs), which is wrong for a small group whose ranks lie on several nodes (FSDP's on "
+        "a 2-D mesh)."]
+    # The wire bytes need only the size: no note from the distributed report.
+    assert _all_reduces(trace) == [(2, 32, 32), (WORLD, 32, 48)]
+    assert _report(trace).notes == []
+
+
 def test_a_world_of_one_rank_needs_no_note(subgroup, monkeypatch):
-    monkeypatch.setattr(compat, "_unboxed_size", _unreadable)
+    monkeypatch.setattr(compat, "_unboxed_group", _unreadable)
     trace = ampscope.trace(_TwoGroups(subgroup), {"x": torch.randn(2, 4)}, predict=False)
     assert world_size_note(trace.ops, 4) is not None
     assert world_size_note(trace.ops, 1) is None  # every group is the world

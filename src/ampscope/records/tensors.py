@@ -175,6 +175,11 @@ class OpCall:
     # Ran inside code compiled with Inductor (`torch.compile`; runtime/compiled.py), forward or
     # the backward of a module whose forward did: on a GPU it would be part of a fused kernel.
     compiled: bool = False
+    # For a collective whose group's ranks were read: the lowest and highest global rank of its
+    # group, which tell the nodes it spans (every member lies on a node between theirs): a
+    # 2-D mesh's FSDP group of 8 is as small as its tensor-parallel one, but one rank a node.
+    # None for other ops, and where the ranks could not be read (the trace says so).
+    group_span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,7 +173,8 @@ class Trace:
                        o.get("source"), tuple(o.get("in_names") or [None] * len(o["in"])),
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
                        tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"),
-                       tuple(float(x) for x in o.get("scalars", ())), o.get("compiled", False))
+                       tuple(float(x) for x in o.get("scalars", ())), o.get("compiled", False),
+                       _span(o.get("group_span")))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -251,7 +252,12 @@ def _op(o: OpCall) -> dict:
             "fp32_precision": o.fp32_precision, "group": o.group,
             # JSON has no inf or NaN: "inf", "-inf", "nan", which float() reads back.
             "scalars": [x if math.isfinite(x) else str(x) for x in o.scalars],
-            "compiled": o.compiled}
+            "compiled": o.compiled,
+            "group_span": _list(o.group_span)}
+
+
+def _span(span: list[int] | None) -> tuple[int, int] | None:
+    return None if span is None else (span[0], span[1])
 
 
 def _call(c: FunctionCall) -> dict:

@@ -49,7 +49,7 @@ from ampscope.torchcompat.dispatch import (
     run_decomposed,
 )
 from ampscope.torchcompat.distributed import NAMESPACES as COLLECTIVE_NAMESPACES
-from ampscope.torchcompat.distributed import GroupSizeUnknown, collective_group_size
+from ampscope.torchcompat.distributed import CollectiveGroup, GroupSizeUnknown, collective_group
 from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
@@ -87,7 +87,7 @@ class _OpFacts:
         self.flops = flop_formula(func)
         # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
         self.precision = matmul.precision_kind(self.name)
-        # A collective, whose process group's size the record keeps.
+        # A collective, whose process group's size and span of ranks the record keeps.
         self.collective = func.namespace in COLLECTIVE_NAMESPACES
         # The arguments, by position and by name, that take a value: a Python int there is a
         # number the op computes with (`x * 2`, `masked_fill(mask, -10**9)`), elsewhere a dim
@@ -160,6 +160,9 @@ class OpRecorder(UncompiledDispatchMode):
         # Collectives whose process group's size could not be read: op name -> why (the first
         # reason of each op; its records keep `group` None, and the trace says so).
         self.unknown_groups: dict[str, str] = {}
+        # Collectives whose group's size was read but not its ranks: op name -> why (their
+        # records keep `group_span` None; a step time picks their link by the size).
+        self.unknown_spans: dict[str, str] = {}
         self._cached = fake_cache.CachedAnswers()
         # The modules whose forward ran compiled code (runtime/compiled.py): their backward did.
         self._compiled_modules: set[str] = set()
@@ -254,6 +257,7 @@ class OpRecorder(UncompiledDispatchMode):
             flops = flops_causal = 0
         results = results_of(seen_out)
         outputs = metas_of(results)
+        group = self._group(facts.name, func, args, kwargs) if facts.collective else None
         rows = self.rows
         index = len(rows)
         if self.storages is not None:
@@ -266,27 +270,37 @@ class OpRecorder(UncompiledDispatchMode):
                 else functions.source_now()),
             self._names_of(named), grad_fn, flops, flops_causal, data_dtypes(inputs),
             None if facts.precision is None else self._fp32_precision(facts.precision, inputs),
-            self._group(facts.name, func, args, kwargs) if facts.collective else None,
+            None if group is None else group.size,
             _scalars(args, kwargs, facts.values), compiled,
+            None if group is None else group.span,
         ))
         if self._progress is not None:
             self._progress.op(index + 1, phase)
 
     def notes(self) -> list[str]:
         """What the trace says of the run's ops: each trick that failed, each collective whose
-        process group's size is not known."""
+        process group's size is not known, and each whose group's ranks are not."""
         return [f"A speed trick was turned off: {note}." for note in self.fallbacks] + [
             f"The process group of {op} is not in its records: {why}; a distributed report "
-            "takes its group to be the world." for op, why in self.unknown_groups.items()]
+            "takes its group to be the world." for op, why in self.unknown_groups.items()] + [
+            f"The ranks of {op}'s process group are not in its records: {why}; a step time "
+            "places the group by its size (NVLink up to a node's GPUs), which is wrong for a "
+            "small group whose ranks lie on several nodes (FSDP's on a 2-D mesh)."
+            for op, why in self.unknown_spans.items()]
 
-    def _group(self, name: str, func: OpOverload, args: tuple, kwargs: dict) -> int | None:
-        """The size of the process group a collective ran over; None where it names none, or
-        where it cannot be read (kept in `unknown_groups`, for the trace's note)."""
+    def _group(self, name: str, func: OpOverload, args: tuple, kwargs: dict
+               ) -> CollectiveGroup | None:
+        """The process group a collective ran over; None where it names none, or where its
+        size cannot be read (kept in `unknown_groups`, for the trace's note). One whose ranks
+        cannot be read has no span (kept in `unknown_spans`)."""
         try:
-            return collective_group_size(func, args, kwargs)
+            group = collective_group(func, args, kwargs)
         except GroupSizeUnknown as e:
             self.unknown_groups.setdefault(name, str(e))
             return None
+        if group is not None and group.why is not None:
+            self.unknown_spans.setdefault(name, group.why)
+        return group
 
     def _fp32_precision(self, kind: str, inputs: list[torch.Tensor]) -> str | None:
         """The fp32 precision a matmul-class op on float32 inputs ran with, read when it ran:

@@ -10,6 +10,7 @@ import functools
 import itertools
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -94,25 +95,37 @@ class GroupSizeUnknown(Exception):
     why (the caller keeps the op's size unknown and says so in a note)."""
 
 
-# What reading a group's size raises on a build or a value it does not expect: an unboxing that
-# finds no ProcessGroup (RuntimeError), a name no group is registered under (RuntimeError), an
-# argument of another type (TypeError), a function that is not there (AttributeError).
-_GROUP_ERRORS = (AttributeError, RuntimeError, TypeError, ValueError)
+# What reading a group raises on a build or a value it does not expect: an unboxing that finds
+# no ProcessGroup (RuntimeError), a name no group is registered under (RuntimeError), an
+# argument of another type (TypeError), a function that is not there (AttributeError), a group
+# torch's registry of ranks does not hold (KeyError).
+_GROUP_ERRORS = (AttributeError, KeyError, RuntimeError, TypeError, ValueError)
 
 
-def collective_group_size(func, args: tuple, kwargs: dict) -> int | None:
-    """How many ranks a collective op runs over: its `process_group` argument's size (c10d's
-    in-place ops), or that of the group its `group_name` names (the functional ones). None for
+@dataclass(frozen=True, slots=True)
+class CollectiveGroup:
+    """The process group a collective runs over: how many ranks it holds, and the lowest and
+    highest global rank among them (which nodes it spans: every rank between lies on a node
+    between). `span` is None where the ranks could not be read; `why` then says why."""
+
+    size: int
+    span: tuple[int, int] | None
+    why: str | None = None
+
+
+def collective_group(func, args: tuple, kwargs: dict) -> CollectiveGroup | None:
+    """The group a collective op runs over: its `process_group` argument (c10d's in-place
+    ops, the group boxed), or the group its `group_name` names (the functional ones). None for
     an op that takes neither (`wait_tensor`, a barrier without a group): no group to read.
-    Raises `GroupSizeUnknown`, with the reason, where the op names a group that this build
-    cannot read the size of."""
+    Raises `GroupSizeUnknown`, with the reason, where the op names a group whose size this
+    build cannot read; a group whose size is read but whose ranks are not has `span` None."""
     import torch.distributed as dist
 
     try:
         names = [a.name for a in op_schema(func).arguments]
     except AttributeError as e:  # no schema: not an OpOverload as this build makes them
         raise GroupSizeUnknown(f"{func} has no schema to find its group in ({e})") from e
-    for name, read in (("process_group", _unboxed_size), ("group_name", _named_size)):
+    for name, read in (("process_group", _unboxed_group), ("group_name", _named_group)):
         if name not in names:
             continue
         at = names.index(name)
@@ -120,19 +133,40 @@ def collective_group_size(func, args: tuple, kwargs: dict) -> int | None:
         if value is None:
             return None
         try:
-            return read(dist, value)
+            group = read(dist, value)
+            size = group.size()
         except _GROUP_ERRORS as e:
             raise GroupSizeUnknown(f"the size of {func}'s {name} could not be read "
                                    f"({type(e).__name__}: {_first_line(e)})") from e
+        try:
+            ranks = _group_ranks(dist, group)
+        except _GROUP_ERRORS as e:
+            return CollectiveGroup(size, None, f"the ranks of {func}'s {name} could not be "
+                                   f"read ({type(e).__name__}: {_first_line(e)})")
+        if len(ranks) != size:  # a registry out of step with the group: no span to trust
+            return CollectiveGroup(size, None, f"{func}'s {name} holds {size} ranks, torch's "
+                                   f"registry lists {len(ranks)}")
+        return CollectiveGroup(size, (min(ranks), max(ranks)))
     return None
 
 
-def _unboxed_size(dist, group) -> int:
-    return dist.ProcessGroup.unbox(group).size()
+def collective_group_size(func, args: tuple, kwargs: dict) -> int | None:
+    """How many ranks a collective op runs over (`collective_group`'s size)."""
+    group = collective_group(func, args, kwargs)
+    return None if group is None else group.size
 
 
-def _named_size(dist, name: str) -> int:
-    return dist.distributed_c10d._resolve_process_group(name).size()
+def _unboxed_group(dist, group):
+    return dist.ProcessGroup.unbox(group)
+
+
+def _named_group(dist, name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _group_ranks(dist, group) -> list[int]:
+    """The global ranks of `group`, as torch's registry of groups lists them."""
+    return [int(r) for r in dist.get_process_group_ranks(group)]
 
 
 def _first_line(e: BaseException) -> str:
@@ -156,6 +190,19 @@ def group_size_readers() -> tuple[bool, str]:
     if missing:
         return False, f"missing: torch.distributed's {' and '.join(missing)}"
     return True, "ProcessGroup.unbox, distributed_c10d._resolve_process_group"
+
+
+@functools.cache
+def group_rank_reader() -> tuple[bool, str]:
+    """Whether this build lists a group's global ranks (`get_process_group_ranks`), which
+    `collective_group` reads a collective's span of nodes from."""
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        return False, f"no torch.distributed on this build ({e})"
+    if not callable(getattr(dist, "get_process_group_ranks", None)):
+        return False, "missing: torch.distributed.get_process_group_ranks"
+    return True, "torch.distributed.get_process_group_ranks"
 
 
 @functools.cache
@@ -389,6 +436,9 @@ def features() -> list[Feature]:
                     "trace --distributed --predict, fit --gpus)", "every predicted rank"),
             Feature("collective group sizes", sizes, sizes_why,
                     "a collective's own group in the wire bytes (the world size is taken)"),
+            Feature("collective group ranks", *group_rank_reader(),
+                    "the link a collective crosses by the nodes its ranks are on (by its "
+                    "group's size)"),
             Feature("DTensor shard shapes", shapes is not None, shapes_why,
                     "run --nproc --predict's roles (every rank runs)")]
 
