@@ -91,6 +91,7 @@ def _attention(gpu: str | None) -> set[str]:
     report = predict("gpt2-tiny", Parallel("fsdp", 2), setting="cuda:fp32+amp-bf16", seq=8,
                      gpu=gpu)
     assert report.trace is not None
+    assert report.trace.setting.gpu == (gpu or "h100")  # the rank's record says which
     return {o.op for o in report.trace.ops
             if o.phase == "forward" and "scaled_dot_product" in o.op}
 

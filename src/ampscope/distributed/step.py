@@ -101,7 +101,7 @@ def rank_step(lm: LoadedModel, parallel: Parallel, setting: Setting, batch: dict
         run_lm = dataclasses.replace(lm, module=model)
         data = fake_batch(batch, fake) if fake is not None else batch
         run = DistributedCapture(model, name=lm.name, parallel=parallel,
-                                 setting=setting.record(), workload="train",
+                                 setting=env.setting_record(), workload="train",
                                  op_check=check_matmul_dtypes if fake is not None else None,
                                  thin=fake is not None)
         if fake is not None:

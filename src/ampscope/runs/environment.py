@@ -31,6 +31,7 @@ real process group needs the real device).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -51,7 +52,7 @@ from ampscope.tricks import TrickFailed, exact, exact_path
 
 if TYPE_CHECKING:
     from ampscope.models.base import LoadedModel
-    from ampscope.records import Trace
+    from ampscope.records import SettingRecord, Trace
     from ampscope.torchcompat.fake import FakeTensorMode
 
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
@@ -104,6 +105,19 @@ class RunEnvironment:
             self._fake = fake_mode()
         return self._fake if self.predict else None
 
+    @property
+    def gpu_name(self) -> str | None:
+        """The GPU the run stands for, by its hardware-table name (SettingRecord.gpu): the
+        virtual device's; None on a real device or one without an accelerator."""
+        if self.virtual is None or self.virtual.accelerator is None:
+            return None
+        return self.virtual.accelerator.name
+
+    def setting_record(self) -> SettingRecord:
+        """The setting's record, with the GPU the run stands for."""
+        assert self.setting is not None
+        return dataclasses.replace(self.setting.record(), gpu=self.gpu_name)
+
     # -- loading
     def load(self, model, *, device: str | None = None, have_inputs: bool = False
              ) -> LoadedModel:
@@ -137,8 +151,7 @@ class RunEnvironment:
         lack, and block replay where the speed tricks are on."""
         if self.setting is not None:
             options.setdefault("setting", self.setting.record())
-        if self.virtual is not None and self.virtual.accelerator is not None:
-            options.setdefault("gpu", self.virtual.accelerator.name)
+        options.setdefault("gpu", self.gpu_name)
         if self.fake is not None:
             options["values"] = False  # a fake tensor has none
             options.setdefault("op_check", check_matmul_dtypes)
