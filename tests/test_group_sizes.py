@@ -16,6 +16,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import ampscope
+from ampscope import hardware
+from ampscope.analysis.op_time import Link, collective_seconds
+from ampscope.analysis.step_time import step_time
+from ampscope.hardware import kernels
 from ampscope.runtime.process_group import FakeGroups
 from ampscope.torchcompat import distributed as compat
 from ampscope.torchcompat.dispatch import TorchDispatchMode
@@ -89,3 +94,74 @@ def test_a_tp_all_reduce_in_a_second_world_reads_its_own_group(world):
     assert second == [(second_name, TP)]
     assert not dist.is_initialized()
 
+
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).sum()
+
+
+@contextlib.contextmanager
+def _world_of(how: str, size: int) -> Iterator[None]:
+    """A fake world of `size` ranks, as `run --nproc N --predict` or `fit --gpus` makes it."""
+    if how == "run-predict":
+        with FakeGroups().active():
+            dist.init_process_group("nccl", rank=0, world_size=size)
+            yield
+    else:
+        from ampscope.api.parallel_plans import _fake_group
+
+        with _fake_group(size):
+            yield
+
+
+def _link(name: str, figures) -> Link:
+    """The link called `name`, from the kernel figures by hand."""
+    return Link(name, figures[f"{name}_bytes_per_s"] * figures["link_efficiency"],
+                figures[f"{name}_step_s"], figures["collective_base_s"])
+
+
+@pytest.mark.parametrize("how", ["run-predict", "fit-probes"])
+def test_a_2d_mesh_records_the_nodes_each_group_spans(how):
+    """16 ranks as FSDP 2 x TP 8, TP innermost (as `fit --gpus 16 --tp 8` makes its mesh): rank
+    0's TP group is ranks 0-7, one node of 8 GPUs; its FSDP group is ranks 0 and 8, one on each
+    of two nodes. Both are small; only the FSDP group's collectives cross the network."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    with _world_of(how, 16):
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("dp", "tp"))
+        model = _Mlp()
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        trace = ampscope.trace(model, {"x": torch.randn(4, 16)}, predict=False)
+    recorded = {(o.op, o.group, o.group_span) for o in trace.ops if o.group is not None}
+    assert recorded == {
+        ("c10d._allgather_base_.default", 2, (0, 8)),  # FSDP's parameters, over dp
+        ("_c10d_functional.all_reduce.default", 8, (0, 7)),  # the row-parallel sums, over tp
+        ("c10d._reduce_scatter_base_.default", 2, (0, 8)),  # FSDP's gradients, over dp
+    }
+    assert not [n for n in trace.notes if "process group" in n]
+    # On an H100 (8 GPUs a node): the tp group's all-reduce on NVLink, the dp group's
+    # collectives on the network, though 2 ranks would fit a node.
+    acc = hardware.by_name("h100")
+    figures = kernels.params(acc)
+    assert figures["gpus_per_node"] == 8
+    timed = {t.op: t for t in step_time(trace, acc, world_size=16).ops if t.collective}
+    for op, ranks, link in (("c10d._allgather_base_.default", 2, "network"),
+                            ("_c10d_functional.all_reduce.default", 8, "nvlink"),
+                            ("c10d._reduce_scatter_base_.default", 2, "network")):
+        t = timed[op]
+        assert t.ranks == ranks
+        assert t.seconds == pytest.approx(
+            collective_seconds(str(t.collective), t.bytes, ranks, _link(link, figures)))

@@ -28,11 +28,12 @@ from __future__ import annotations
 import pytest
 
 from ampscope import hardware
-from ampscope.analysis.op_time import BOUNDS, OpTime, collective_seconds, link_for
+from ampscope.analysis.op_time import BOUNDS, collective_seconds, link_for, op_time
 from ampscope.analysis.plans import probe_time
 from ampscope.analysis.step_time import StepTime
 from ampscope.api.parallel_plans import derived_plan, traced_plan
 from ampscope.hardware.kernels import params
+from ampscope.records import OpCall, Phase, TensorMeta
 
 # (model, GPUs, tp, checkpointing, depth, micro-batch, seq): tensor parallelism within a machine
 # (FSDP 4 x TP 2), and across machines (FSDP 2 x TP 8: FSDP's group of 2 spans 16 GPUs, so its
@@ -80,19 +81,23 @@ def test_the_depth_rule_is_exact_at_a_probed_batch():
 def test_fsdp_across_machines_is_timed_on_the_network():
     """FSDP 2 x TP 8 on 16 GPUs: FSDP's all-gathers run over a group of 2 whose ranks are 8 apart
     (two machines), so they cross the network, not NVLink, though the group is small: the
-    derived communication time is the network's."""
+    probe's time is the network's. FSDP 2 x TP 4 (8 GPUs, ranks 0 and 4): one machine."""
     acc = hardware.by_name("h100")
     figures = params(acc)
     payload = 2**30
-    network = collective_seconds("all_gather", payload, 2, link_for(16, figures))
-    nvlink = collective_seconds("all_gather", payload, 2, link_for(2, figures))
-    assert link_for(16, figures).name == "network" and network > 2 * nvlink
+    network = collective_seconds("all_gather", payload, 2, link_for(2, figures, (0, 8)))
+    nvlink = collective_seconds("all_gather", payload, 2, link_for(2, figures, (0, 4)))
+    assert link_for(2, figures, (0, 8)).name == "network" and network > 2 * nvlink
 
-    gather = OpTime(0, "_c10d_functional.all_gather_into_tensor.default", "forward", None,
-                    nvlink, "communication", 0, payload, None, collective="all_gather", ranks=2)
-    step = StepTime("m", "cuda:bf16", "h100", nvlink, {}, {}, {}, [gather], 1, 1.0, None, 0.0,
-                    figures)
-    across = probe_time(step, {}, dp=2, tp=8).figures
-    within = probe_time(step, {}, dp=2, tp=4).figures  # 8 GPUs: one machine
-    assert across["ends", "forward"] == network
-    assert within["ends", "forward"] == nvlink
+    def probe(span: tuple[int, int]) -> dict:
+        gather = OpCall(0, "_c10d_functional.all_gather_into_tensor.default", None,
+                        Phase.FORWARD, (TensorMeta("bfloat16", (2**28,)),),
+                        (TensorMeta("bfloat16", (2**29,)),), False, None, None, (None,),
+                        group=2, group_span=span)
+        timed = op_time(gather, acc, figures, world_size=16)
+        step = StepTime("m", "cuda:bf16", "h100", timed.seconds, {}, {}, {}, [timed], 1, 1.0,
+                        None, 0.0, figures)
+        return probe_time(step, {}).figures
+
+    assert probe((0, 8))["ends", "forward"] == network
+    assert probe((0, 4))["ends", "forward"] == nvlink

@@ -27,12 +27,12 @@ P = kernels.params(A100)
 
 
 def _op(name, inputs, outputs, *, phase=Phase.FORWARD, index=0, flops=0, group=None,
-        fp32_precision=None):
+        fp32_precision=None, group_span=None):
     return OpCall(index=index, op=name, module="m", phase=phase,
                   inputs=tuple(TensorMeta(d, s) for d, s in inputs),
                   outputs=tuple(TensorMeta(d, s) for d, s in outputs), autocast_cast=False,
                   caller=None, source=None, input_names=(None,) * len(inputs), flops=flops,
-                  fp32_precision=fp32_precision, group=group)
+                  fp32_precision=fp32_precision, group=group, group_span=group_span)
 
 
 def test_a100_figures_are_the_published_ones():
@@ -110,6 +110,33 @@ def test_ring_all_reduce_by_hand():
     assert collective_seconds("all_gather", 10**9, 16, net) == pytest.approx(
         15 / 16 * 1e9 / 20e9 + 8.4e-6 + 15 * 6.6e-6)
     assert collective_seconds("all_reduce", 10**9, 1, link) == 0.0
+
+
+def test_the_link_is_chosen_by_the_nodes_the_group_spans_not_its_size():
+    # 64 GPUs as FSDP 8 x TP 8, TP innermost: a TP group is ranks 0-7 (one node of 8), an FSDP
+    # group ranks 0, 8, ..., 56 (one rank on each of 8 nodes). Both hold 8 ranks.
+    # An all-gather of a 64 MiB bfloat16 output: (8-1)/8 of it through each GPU's link in 7
+    # ring steps, plus NCCL's base latency once.
+    payload = 2 * 4096 * 8192
+    shard, whole = [("bfloat16", (512, 8192))], [("bfloat16", (4096, 8192))]
+    tp = op_time(_op("_c10d_functional.all_gather_into_tensor.default", shard, whole, group=8,
+                     group_span=(0, 7)), A100, P)
+    fsdp = op_time(_op("_c10d_functional.all_gather_into_tensor.default", shard, whole,
+                       group=8, group_span=(0, 56)), A100, P)
+    assert P["gpus_per_node"] == 8
+    # NVLink: 300 GB/s at 0.8, 3.4 us a step; the network: 25 GB/s at 0.8, 6.6 us a step.
+    assert tp.seconds == pytest.approx(7 / 8 * payload / 240e9 + 8.4e-6 + 7 * 3.4e-6)
+    assert fsdp.seconds == pytest.approx(7 / 8 * payload / 20e9 + 8.4e-6 + 7 * 6.6e-6)
+    assert (tp.bytes, tp.ranks, fsdp.bytes, fsdp.ranks) == (payload, 8, payload, 8)
+    # A group of 2 on the second node (ranks 8 and 15) stays on its NVLink; one of 2 that
+    # straddles a node's edge (ranks 7 and 8) does not.
+    assert link_for(2, P, (8, 15)).name == "nvlink"
+    assert link_for(2, P, (7, 8)).name == "network"
+    # Without its ranks (an older trace, a build that hides them) a group is placed by its
+    # size, as before: 8 ranks fit a node.
+    unknown = op_time(_op("_c10d_functional.all_gather_into_tensor.default", shard, whole,
+                          group=8), A100, P)
+    assert unknown.seconds == tp.seconds
 
 
 def test_fsdp_overlap_rule():

@@ -10,7 +10,10 @@ hand (tests/test_step_time.py works them out), and one op's time from its record
 - `collective_seconds`: a ring collective over a link: all-reduce moves 2(n−1)/n of the payload
   through each GPU's link in 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n in
   n−1 steps, broadcast the payload in n−1 pipelined steps; plus NCCL's base latency once and
-  the link's latency a step.
+  the link's latency a step. The link is NVLink where the group's ranks lie on one node
+  (global rank // `gpus_per_node` the same for its lowest and highest), the network where they
+  do not: a 2-D mesh's FSDP group, one rank a node, crosses it however few its ranks. A record
+  without its group's ranks (an older trace, a build that hides them) is placed by its size.
 - `op_time`: one op's seconds = max(compute, memory, host) + launch. Compute is its FLOPs at the
   rate of its math mode (a matmul: the dtype `flops.matmul_dtype` gives, TF32 when
   `fp32_precision` is "tf32"; a fused attention kernel: its kind's fraction of that rate; other
@@ -97,9 +100,15 @@ class Link:
     base_seconds: float  # latency once a collective
 
 
-def link_for(ranks: int, params: KernelParams) -> Link:
-    """NVLink when the group fits one node (`gpus_per_node`), else the network."""
-    inside = ranks <= params["gpus_per_node"]
+def link_for(ranks: int, params: KernelParams, span: tuple[int, int] | None = None) -> Link:
+    """The link a group of `ranks` GPUs crosses: NVLink when its lowest and highest global
+    rank (`span`) lie on one node of `gpus_per_node` GPUs (every rank between lies between),
+    else the network. Without a span, by its size: NVLink when it fits one node."""
+    per_node = params["gpus_per_node"]
+    if span is None:
+        inside = ranks <= per_node
+    else:
+        inside = span[0] // per_node == span[1] // per_node
     name = "nvlink" if inside else "network"
     return Link(name, params[f"{name}_bytes_per_s"] * params["link_efficiency"],
                 params[f"{name}_step_s"], params["collective_base_s"])
@@ -239,7 +248,7 @@ def op_time(op: OpCall, acc: Accelerator, params: KernelParams, *,
         ranks = op.group or world_size
         payload = max(sum(tensor_bytes(m.shape, m.dtype) for m in op.inputs),
                       sum(tensor_bytes(m.shape, m.dtype) for m in op.outputs))
-        seconds = collective_seconds(kind, payload, ranks, link_for(ranks, params))
+        seconds = collective_seconds(kind, payload, ranks, link_for(ranks, params, op.group_span))
         return OpTime(op.index, op.op, phase, op.module, seconds, "communication", 0, payload,
                       None, collective=kind, ranks=ranks)
     mode = None

@@ -32,16 +32,16 @@ tests/test_plans.py traces plans at their full depth and other micro-batches and
 the byte.
 
 **Step time, the same way.** Each probe's ops are timed where it is traced (analysis/step_time:
-every op of the step, collectives with their group's size), and only what the rules need comes
-back (`ProbeTime`): per phase, the seconds by bound of the ops outside FSDP2's overlapped
-collectives, those collectives' exposed ends and the rest, and the matmul FLOPs by dtype. Each
-figure is taken affine in the micro-batch (from the two batches) and in the depth (a block's
-time = t(3 blocks) − t(2 blocks)), and the overlap rule is applied at the plan's own depth and
-batch (`derived_time`). Depth is exact (each block adds the same ops); the micro-batch is an
-approximation: a matmul's tile and wave quantization is a step function of its rows, and an op
-crossing from launch-bound to compute- or memory-bound bends its line, so the derived time is
-not exact between or past the probes (tests/test_plans_time.py holds it to a tolerance it
-justifies).
+every op of the step, collectives with their group's size, on the link its ranks cross), and
+only what the rules need comes back (`ProbeTime`): per phase, the seconds by bound of the ops
+outside FSDP2's overlapped collectives, those collectives' exposed ends and the rest, and the
+matmul FLOPs by dtype. Each figure is taken affine in the micro-batch (from the two batches)
+and in the depth (a block's time = t(3 blocks) − t(2 blocks)), and the overlap rule is applied
+at the plan's own depth and batch (`derived_time`). Depth is exact (each block adds the same
+ops); the micro-batch is an approximation: a matmul's tile and wave quantization is a step
+function of its rows, and an op crossing from launch-bound to compute- or memory-bound bends
+its line, so the derived time is not exact between or past the probes
+(tests/test_plans_time.py holds it to a tolerance it justifies).
 
 Namesakes, the same concern at another layer: `render/plans.py`."""
 
@@ -55,7 +55,7 @@ from ampscope import hardware
 from ampscope.analysis.allocator import AllocatorConfig, replay_storages
 from ampscope.analysis.flops import PHASES, matmul_dtype
 from ampscope.analysis.memory import cuda_block_size, live_bytes
-from ampscope.analysis.op_time import BOUNDS, collective_seconds, link_for
+from ampscope.analysis.op_time import BOUNDS
 from ampscope.analysis.step_time import OVERLAPPED, StepTime, step_ops
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.known import Accelerator
@@ -97,22 +97,21 @@ class ProbeTime:
     figures: Figures
 
 
-def probe_time(st: StepTime, flops_by_dtype: dict[str, float], dp: int, tp: int) -> ProbeTime:
+def probe_time(st: StepTime, flops_by_dtype: dict[str, float]) -> ProbeTime:
     """`st` (one probe's step_time) as the rules need it. FSDP's collectives over the `dp`
-    group are timed on the link the group crosses: with tensor parallelism a dp group of
-    `dp` ranks spans dp × tp GPUs (its ranks are tp apart), so it leaves the machine where
-    dp × tp does, though its size alone would say NVLink (step_time picks the link by the
-    group's size)."""
+    group are timed on the link the group crosses where they were recorded: the probe is
+    traced on the plan's own (dp, tp) mesh, so a dp group, its ranks tp apart, records the
+    nodes it spans (op_time's link rule)."""
     figures: Figures = {("flops", d): float(f) for d, f in flops_by_dtype.items() if f}
     for phase in PHASES:
         ops = [t for t in st.ops if t.phase == phase]
         overlapped = [t for t in ops if t.collective in OVERLAPPED.get(phase, ())]
-        seconds = [_spanned(t, dp, tp, st) for t in overlapped]
+        seconds = [t.seconds for t in overlapped]
         for t in ops:
             if t.collective in OVERLAPPED.get(phase, ()) or t.bound == "none":
                 continue
             key = ("other", phase, t.bound)
-            figures[key] = figures.get(key, 0.0) + _spanned(t, dp, tp, st)
+            figures[key] = figures.get(key, 0.0) + t.seconds
         ends = seconds[:1] + (seconds[-1:] if phase == "backward" and len(seconds) > 1 else [])
         figures["ends", phase] = sum(ends)
         figures["rest", phase] = sum(seconds) - sum(ends)
@@ -126,12 +125,6 @@ def matmul_flops(trace: Trace) -> dict[str, float]:
         if o.flops:
             flops[matmul_dtype(o)] = flops.get(matmul_dtype(o), 0.0) + o.flops
     return flops
-
-
-def _spanned(t, dp: int, tp: int, st: StepTime) -> float:
-    if tp > 1 and dp > 1 and t.ranks == dp and t.collective in ("all_gather", "reduce_scatter"):
-        return collective_seconds(t.collective, t.bytes, dp, link_for(dp * tp, st.params))
-    return t.seconds
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def _timed(step: list[OpCall], accelerator: Accelerator, figures: KernelParams,
         # By identity, which is cheap: a replayed block's records share their shape tuples
         # (runs/windows.py), and every record lives while this runs, so no id is reused.
         key = (o.op, id(o.inputs), id(o.outputs), o.flops, o.fp32_precision, o.group,
-               id(o.input_data))
+               o.group_span, id(o.input_data))
         t = memo.get(key)
         if t is None:
             t = memo[key] = op_time(o, accelerator, figures, world_size=world_size)

@@ -356,7 +356,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
     trace = report.trace
     phases = [str(o.phase) for o in trace.ops]
     time = None if acc is None else probe_time(
-        step_time(trace, acc, world_size=dp * tp), matmul_flops(trace), dp, tp)
+        step_time(trace, acc, world_size=dp * tp), matmul_flops(trace))
     return Probe(depth, batch, trace.storages, phases,
                  places([o.module for o in trace.ops], phases, _blocks(lm.module)[0], depth),
                  time)
