@@ -260,7 +260,7 @@ def test_records_built_from_rows_are_the_records_their_init_builds():
     rows = {
         OpCall: (4, "aten.mm.default", "h.0.mlp", "forward", meta * 2, meta, False, 3,
                  "model.py:9", ("h.0.mlp.weight", None), None, 48, 48, (), "tf32", None,
-                 (0.5,), True),
+                 (0.5,), True, (0, 7)),
         FunctionCall: (3, "torch.nn.functional.linear", "h.0.mlp", "forward", meta, meta,
                        "model.py:9", "bfloat16", 1),
         StorageRecord: (0, 24, "float32", (2, 3), 4, 7, "activation", ("x",), "h.0", "forward",
@@ -315,7 +315,7 @@ def test_a_row_replacer_gives_what_replace_gives():
 
     meta = (TensorMeta("float32", (2, 3)),)
     row = (5, "aten.mm.default", "h.0.attn", "forward", meta, meta, False, 3, "m.py:1",
-           ("h.0.attn.weight",), None, 12, 12, (), "ieee", None, (), False)
+           ("h.0.attn.weight",), None, 12, 12, (), "ieee", None, (), False, None)
     assert len(row) == len(OP_ROW.fields)
     fast = OP_ROW.replacer("index", "module", "caller", "input_names")
     changed = fast(row, 9, "h.1.attn", None, ("h.1.attn.weight",))
