@@ -78,9 +78,10 @@ def fit(
     base = resolved(setting)
     # Built once, as `plan` builds a named model for a predicted run: on the meta device (an
     # emulated device's own code sees that device while it builds).
-    lm = RunEnvironment(base).load(model, device="meta" if isinstance(model, str) else None)
+    lm = RunEnvironment(base, gpu=gpu).load(model,
+                                            device="meta" if isinstance(model, str) else None)
     allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
-    probing = _Probing(lm, budget, optimizer, max_probes, on_probe, allocator)
+    probing = _Probing(lm, budget, optimizer, max_probes, on_probe, allocator, gpu)
     seq_auto = seq == "auto"
     if seq_auto:
         t = _longest_seq(lm, lambda t: compared_peak(probing.run(AS_GIVEN, base, 1, t)) <= budget)
@@ -129,8 +130,9 @@ class _Probing:
 
     def __init__(self, lm: LoadedModel, budget: int, optimizer: str, max_probes: int,
                  on_probe: Callable[[Probe], None] | None,
-                 allocator: AllocatorConfig | None = None) -> None:
+                 allocator: AllocatorConfig | None = None, gpu: str | None = None) -> None:
         self.lm, self.budget, self.optimizer, self.allocator = lm, budget, optimizer, allocator
+        self.gpu = gpu  # the GPU an emulated run's device is (its kernels, its answers)
         self.max_probes, self.on_probe = max_probes, on_probe
         self.probes: list[Probe] = []
         self.notes: list[str] = []
@@ -145,7 +147,7 @@ class _Probing:
         key = (variant, batch, t)
         if key not in self._reports:
             result = trace(self.lm, setting=s, batch=batch, seq=t, optimizer=self.optimizer,
-                           predict=True, **options)
+                           predict=True, gpu=self.gpu, **options)
             report = memory_report(result, allocator=self.allocator)
             probe = Probe(variant, batch, t, allocated_peak(report),
                           compared_peak(report) <= self.budget, report.peak.phase,

@@ -349,7 +349,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp
         data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
         return lm, rank_step(lm, parallel, setting, data, optimizer=optimizer, predict=True,
                              mesh=mesh["dp"], checkpoint=checkpoint,
-                             prepare=parallelize if tp > 1 else None)
+                             prepare=parallelize if tp > 1 else None, gpu=acc)
 
     lm, report = exact_retry(attempt, what="the rank is traced")
     assert report is not None and report.trace is not None
