@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from ampscope import hardware
 from ampscope.analysis.allocator import AllocatorConfig, replay_storages
 from ampscope.analysis.flops import PHASES, matmul_dtype
-from ampscope.analysis.memory import cuda_block_size, live_bytes
+from ampscope.analysis.memory import cuda_block_size
 from ampscope.analysis.op_time import BOUNDS
 from ampscope.analysis.step_time import OVERLAPPED, StepTime, step_ops
 from ampscope.errors import AmpscopeError
@@ -195,23 +195,39 @@ class Rule:
         """`probes`: at each depth, two micro-batches (any batch derived) or one (that batch
         only); `allocator`: the caching allocator's options for `reserved`."""
         self.rounded, self.allocator = rounded, allocator
-        self._reserved: dict[tuple[int, int], int] = {}  # (depth, batch): two replays each
+        # Memos by (depth, batch): the search asks the same ones again (its bisections, the
+        # plan's figures, the reserved peak over the allocated one).
+        self._reserved: dict[tuple[int, int], int] = {}  # two replays each
+        self._peaks: dict[tuple[int, int], dict[str, int]] = {}
+        self._places: dict[tuple[int, int], dict[tuple[str, str], int]] = {}
+        self._sizes: dict[tuple[int, int], list[int]] = {}
         self.depths = sorted({p.depth for p in probes})
         self._pairs: dict[int, tuple[Probe, Probe]] = {}
+        # Each depth's storages as the live sweep needs them, read once: the low probe's
+        # sizes, their growth to the high probe, and when each is made and freed (the same
+        # in both: `_check_paired`).
+        self._lines: dict[int, tuple[list[int], list[int], list[int | None], list[int | None]]] \
+            = {}
         for d in self.depths:
             at = sorted((p for p in probes if p.depth == d), key=lambda p: p.batch)
-            self._pairs[d] = at[0], at[-1]
-            _check_paired(*self._pairs[d])
+            low, high = self._pairs[d] = at[0], at[-1]
+            _check_paired(low, high)
+            self._lines[d] = ([s.nbytes for s in low.storages],
+                              [b.nbytes - a.nbytes for a, b in zip(low.storages, high.storages,
+                                                                   strict=True)],
+                              [s.created for s in low.storages], [s.freed for s in low.storages])
 
     def phase_peaks(self, depth: int, batch: int) -> dict[str, int]:
         """Each phase's most bytes live at once at `depth` blocks and micro-batch `batch`."""
-        at = {d: self._at_batch(d, batch) for d in self.depths}
-        peaks: dict[str, int] = {}
-        for key in at[self.depths[0]]:
-            if key in at[self.depths[-1]]:  # (a place of both depths)
-                value = self._at_depth({d: at[d][key] for d in self.depths}, depth)
-                peaks[key[0]] = max(peaks.get(key[0], 0), value)
-        return peaks
+        if (depth, batch) not in self._peaks:
+            at = {d: self._at_batch(d, batch) for d in self.depths}
+            peaks: dict[str, int] = {}
+            for key in at[self.depths[0]]:
+                if key in at[self.depths[-1]]:  # (a place of both depths)
+                    value = self._at_depth({d: at[d][key] for d in self.depths}, depth)
+                    peaks[key[0]] = max(peaks.get(key[0], 0), value)
+            self._peaks[depth, batch] = peaks
+        return dict(self._peaks[depth, batch])  # (a copy: the caller's to change)
 
     def peak(self, depth: int, batch: int) -> tuple[int, str]:
         """The step's peak and the phase it is in."""
@@ -245,35 +261,63 @@ class Rule:
         l1, l2 = self.depths
         return by_depth[l1] + (depth - l1) * (by_depth[l2] - by_depth[l1]) // (l2 - l1)
 
-    def _storages(self, depth: int, batch: int) -> list[StorageRecord]:
-        """The probe at `depth` blocks' storages at micro-batch `batch`."""
+    def _storage_sizes(self, depth: int, batch: int) -> list[int]:
+        """The bytes of each storage of the probe at `depth` blocks at micro-batch `batch`."""
+        if (depth, batch) in self._sizes:
+            return self._sizes[depth, batch]
         low, high = self._pairs[depth]
         step = high.batch - low.batch
         if step == 0 and batch != low.batch:
             raise ValueError(f"probed at micro-batch {low.batch} only, not {batch}")
         step = step or 1
-        storages = []
-        for a, b in zip(low.storages, high.storages, strict=True):
-            grow, rest = divmod((b.nbytes - a.nbytes) * (batch - low.batch), step)
+        sizes = []
+        base, growth, _, _ = self._lines[depth]
+        for a, g in zip(base, growth, strict=True):
+            grow, rest = divmod(g * (batch - low.batch), step)
             if rest:
                 raise AmpscopeError("a storage's size is not affine in the micro-batch; this "
                                     "plan cannot be derived")
-            storages.append(dataclasses.replace(a, nbytes=a.nbytes + grow))
-        return storages
+            sizes.append(a + grow)
+        self._sizes[depth, batch] = sizes
+        return sizes
+
+    def _storages(self, depth: int, batch: int) -> list[StorageRecord]:
+        """The probe at `depth` blocks' storages at micro-batch `batch`."""
+        sizes = self._storage_sizes(depth, batch)
+        return [dataclasses.replace(s, nbytes=n)
+                for s, n in zip(self._pairs[depth][0].storages, sizes, strict=True)]
 
     def _at_batch(self, depth: int, batch: int) -> dict[tuple[str, str], int]:
+        """Each place's most bytes live at once in the probe at `depth` blocks at `batch`."""
+        if (depth, batch) in self._places:
+            return self._places[depth, batch]
         low = self._pairs[depth][0]
-        storages = self._storages(depth, batch)
-        _, live = live_bytes(storages, len(low.phases),
-                             cuda_block_size if self.rounded else None)
+        sizes = self._storage_sizes(depth, batch)
+        _, _, made, freed = self._lines[depth]
+        # live_bytes (records/timeline.py) over the sizes alone: a record each is most of
+        # its cost.
+        block = cuda_block_size if self.rounded else None
+        n_ops = len(low.phases)
+        delta = [0] * (n_ops + 1)
+        now = 0  # (the bytes live before the first op, to start from)
+        for size, m, f in zip(sizes, made, freed, strict=True):
+            b = block(size) if block is not None else size
+            if m is None:
+                now += b
+            else:
+                delta[m] += b
+            if f is not None:
+                delta[f + 1] -= b
         # A middle block's ops are never above the first's and the last's (see above) where
         # the blocks run alike and the rule extends the depth; traced at one depth (the
         # model's own, as when its blocks are unlike) every op counts.
         middle = len(self.depths) == 1
         peaks: dict[tuple[str, str], int] = {}
-        for key, value in zip(zip(low.phases, low.places, strict=True), live, strict=True):
+        for k, key in enumerate(zip(low.phases, low.places, strict=True)):
+            now += delta[k]
             if middle or key[1] != "middle":
-                peaks[key] = max(peaks.get(key, 0), value)
+                peaks[key] = max(peaks.get(key, 0), now)
+        self._places[depth, batch] = peaks
         return peaks
 
 
