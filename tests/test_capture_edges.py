@@ -52,7 +52,8 @@ def test_capture_names_the_users_lines_and_the_setting_it_saw():
                          "param_dtype": "float32", "autocast_dtype": "bfloat16",
                          "matmul_precision": "highest",
                          "torch": torch.__version__, "fp8": None,
-                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None}
+                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,
+                         "gpu": None}  # a real device: no GPU stood for
 
 
 @pytest.fixture

@@ -52,7 +52,8 @@ def test_json_follows_the_contract(tmp_path, capsys):
                                "param_dtype": "float32", "autocast_dtype": "bfloat16",
                                "matmul_precision": "highest",
                          "torch": torch.__version__, "fp8": None,
-                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None}
+                         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,
+                         "gpu": None}  # a cpu setting stands for no GPU
     assert data["workload"] == "train"
     m = data["modules"][1]
     assert {"name", "type", "phase", "in", "out"} <= m.keys()

@@ -53,6 +53,7 @@ def test_to_dict_matches_the_json_contract():
         "torch": torch.__version__,  # the build whose autocast policy a run follows
         "fp8": None,
         "fsdp_param_dtype": None, "fsdp_reduce_dtype": None,  # an FSDP2 policy's, as run
+        "gpu": None,  # the GPU a run that emulates one stood for
     }
 
 
