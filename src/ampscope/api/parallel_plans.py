@@ -217,11 +217,18 @@ class _Search:
         say(f"  {sum(n for _, _, n, _ in found)} ranks traced at micro-batches 2 and 3")
         again = [f for f in families if not plans[f].fits and could_win(
             self.gpus // f[0] * self.seq, ceiling[f], list(plans.values()))]
-        third = self._map(_probe_job, [(f, d, 1) for f in again for d in self.depths])
+        # One job per family where there are as many as workers: its shallower probe runs
+        # on the ops and shapes its deeper one left in the worker's caches (a tenth to a
+        # third of a probe); else one per probe, on as many workers.
+        jobs = [[(f, d, 1) for d in self.depths] for f in again]
+        if len(again) < self.workers:
+            jobs = [[job] for family in jobs for job in family]
+        third = self._map(_probes_job, jobs)
         assert third is not None  # (no `meanwhile` to stop it)
+        probes = [probe for job in third for probe in job]
         n = len(self.depths)
         for k, f in enumerate(again):
-            plans[f] = self.plan(f, third[k * n:(k + 1) * n], 1)
+            plans[f] = self.plan(f, probes[k * n:(k + 1) * n], 1)
         for f in families:
             say(plan_line(plans[f]))
         return [plans[f] for f in families]
@@ -317,8 +324,8 @@ def _families_job(families: list[Family]) -> list[tuple[Family, Plan, int, float
     return [_SEARCH[0].family_plan(f) for f in families]
 
 
-def _probe_job(job: tuple[Family, int, int]) -> Probe:
-    return _SEARCH[0].probe(*job)
+def _probes_job(jobs: list[tuple[Family, int, int]]) -> list[Probe]:
+    return [_SEARCH[0].probe(*job) for job in jobs]
 
 
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
