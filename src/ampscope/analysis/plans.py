@@ -60,6 +60,7 @@ from ampscope.analysis.step_time import OVERLAPPED, StepTime, step_ops
 from ampscope.errors import AmpscopeError
 from ampscope.hardware.known import Accelerator
 from ampscope.records import StorageRecord, Trace
+from ampscope.records.timeline import lives_bytes
 
 SCHEMA = "ampscope.plans/1"
 # The probes of a plan family: depths (repeated blocks kept) and micro-batches.
@@ -294,29 +295,17 @@ class Rule:
         low = self._pairs[depth][0]
         sizes = self._storage_sizes(depth, batch)
         _, _, made, freed = self._lines[depth]
-        # live_bytes (records/timeline.py) over the sizes alone: a record each is most of
-        # its cost.
-        block = cuda_block_size if self.rounded else None
-        n_ops = len(low.phases)
-        delta = [0] * (n_ops + 1)
-        now = 0  # (the bytes live before the first op, to start from)
-        for size, m, f in zip(sizes, made, freed, strict=True):
-            b = block(size) if block is not None else size
-            if m is None:
-                now += b
-            else:
-                delta[m] += b
-            if f is not None:
-                delta[f + 1] -= b
+        # Over the sizes alone: a record each would be most of the cost.
+        _, live = lives_bytes(zip(sizes, made, freed, strict=True), len(low.phases),
+                              cuda_block_size if self.rounded else None)
         # A middle block's ops are never above the first's and the last's (see above) where
         # the blocks run alike and the rule extends the depth; traced at one depth (the
         # model's own, as when its blocks are unlike) every op counts.
         middle = len(self.depths) == 1
         peaks: dict[tuple[str, str], int] = {}
-        for k, key in enumerate(zip(low.phases, low.places, strict=True)):
-            now += delta[k]
+        for key, value in zip(zip(low.phases, low.places, strict=True), live, strict=True):
             if middle or key[1] != "middle":
-                peaks[key] = max(peaks.get(key, 0), now)
+                peaks[key] = max(peaks.get(key, 0), value)
         self._places[depth, batch] = peaks
         return peaks
 

@@ -28,16 +28,23 @@ def live_bytes(storages: Iterable[StorageRecord], n_ops: int,
                size: Callable[[int], int] | None = None) -> tuple[int, list[int]]:
     """(bytes live before the first op, bytes live through each op 0..n_ops-1). `size` maps a
     storage's bytes to what it occupies (`cuda_block_size`); exact bytes without it."""
+    return lives_bytes(((s.nbytes, s.created, s.freed) for s in storages), n_ops, size)
+
+
+def lives_bytes(lives: Iterable[tuple[int, int | None, int | None]], n_ops: int,
+                size: Callable[[int], int] | None = None) -> tuple[int, list[int]]:
+    """`live_bytes` of storages given as (bytes, created, freed) alone: a caller that derives
+    many sizes of the same storages (analysis/plans.py) makes no record for each."""
     before = 0
     delta = [0] * (n_ops + 1)
-    for s in storages:
-        b = size(s.nbytes) if size is not None else s.nbytes
-        if s.created is None:
+    for nbytes, created, freed in lives:
+        b = size(nbytes) if size is not None else nbytes
+        if created is None:
             before += b
         else:
-            delta[s.created] += b
-        if s.freed is not None:
-            delta[s.freed + 1] -= b
+            delta[created] += b
+        if freed is not None:
+            delta[freed + 1] -= b
     live, now = [], before
     for k in range(n_ops):
         now += delta[k]
