@@ -17,15 +17,21 @@ def _attention(trace) -> set[str]:
     return {o.op for o in trace.ops if o.phase == "forward" and "scaled_dot_product" in o.op}
 
 
-def test_fit_traces_its_probes_on_the_gpu_named(monkeypatch):
-    traces = []
-    traced = api_fit.trace
+def _kept(monkeypatch, module, name: str) -> list:
+    """What each call of `module.name` returns, from now on, in this process."""
+    results: list = []
+    original = getattr(module, name)
 
     def kept(*args, **kwargs):
-        traces.append(traced(*args, **kwargs))
-        return traces[-1]
+        results.append(original(*args, **kwargs))
+        return results[-1]
 
-    monkeypatch.setattr(api_fit, "trace", kept)
+    monkeypatch.setattr(module, name, kept)
+    return results
+
+
+def test_fit_traces_its_probes_on_the_gpu_named(monkeypatch):
+    traces = _kept(monkeypatch, api_fit, "trace")
     api_fit.fit("gpt2-tiny", gpu="a100", setting="cuda:fp32+amp-bf16", seq=32, variants=False)
     assert traces
     assert {t.setting.gpu for t in traces} == {"a100"}
@@ -34,14 +40,7 @@ def test_fit_traces_its_probes_on_the_gpu_named(monkeypatch):
 
 
 def test_fit_gpus_traces_each_rank_on_the_gpu_named(monkeypatch):
-    reports = []
-    rank_step = distributed_step.rank_step
-
-    def kept(*args, **kwargs):
-        reports.append(rank_step(*args, **kwargs))
-        return reports[-1]
-
-    monkeypatch.setattr(distributed_step, "rank_step", kept)
+    reports = _kept(monkeypatch, distributed_step, "rank_step")
     monkeypatch.setattr(parallel_plans, "MAX_WORKERS", 1)  # the probes here, where it is kept
     parallel_plans.plans("gpt2-tiny", 2, gpu="a100", setting="cuda:fp32+amp-bf16", seq=16)
     traces = [r.trace for r in reports if r is not None and r.trace is not None]
