@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import inspect
 import logging
 import sys
