@@ -136,7 +136,7 @@ class StorageTracker:
         self._logging = 0
         # Storages alive but resized to 0 bytes (a life ended by `on_resize`): what they were.
         self._shrunk: dict[int, TensorMeta] = {}
-        self._held = False  # see `hold`
+        self._held_at: int | None = None  # the op count at `hold`
 
     # -- collecting
     def _entry(self, storage: torch.UntypedStorage, meta: TensorMeta,
@@ -155,11 +155,17 @@ class StorageTracker:
         """The run's end: a storage alive now stays alive in the record, whatever goes later. A
         stopped script's frames and globals go while it unwinds, and the garbage collector frees
         them whenever it next runs (the globals dict is a cycle with the script's functions):
-        dating those frees would make the record depend on when the collector ran."""
-        self._held = True
+        dating those frees would make the record depend on when the collector ran. A storage
+        made later (by an exit handler's ops) is followed as before."""
+        self._held_at = len(self._ops)
+
+    def _held(self, entry: _Storage | None) -> bool:
+        """Whether `entry` (None: a storage not followed now) was alive at `hold`."""
+        return self._held_at is not None and (
+            entry is None or entry.created is None or entry.created < self._held_at)
 
     def _on_free(self, entry: _Storage) -> None:
-        if self._held:
+        if self._held(entry):
             return
         if entry.freed is not None and self._live.get(entry.key) is not entry:
             # A life `on_resize` ended: its free is dated, and the storage it was is going now.
@@ -196,10 +202,10 @@ class StorageTracker:
         """`storage` was just resized: its life at the old size ends after the last op
         recorded, and one at the new size (none at 0 bytes) starts at the next op. A storage
         never seen is left unseen, as one made without an op."""
-        if self._held:
-            return
         key, nbytes = id(storage), storage.nbytes()
         entry = self._live.get(key)
+        if self._held(entry):
+            return
         if entry is not None:
             if entry.nbytes == nbytes:
                 return
