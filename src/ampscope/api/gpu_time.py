@@ -36,7 +36,7 @@ def accelerator_for(given: hardware.Accelerator | str | None,
     if setting.device != "cuda":
         return None
     if setting.emulated or not torch.cuda.is_available():
-        return hardware.known_by_name(setting.gpu) or hardware.by_name("h100")
+        return hardware.stood_for("cuda", setting.gpu)
     return hardware.lookup(torch.cuda.get_device_name())
 
 

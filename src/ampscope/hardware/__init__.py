@@ -3,7 +3,7 @@
 - `known.py`: the built-in table `KNOWN` (and its conventions), `peak_flops`, `mfu`,
   `describe`;
 - `user.py`: the user's own figures (a TOML table merged over `KNOWN`: `table()`;
-  `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name`/`known_by_name` in the merged table;
+  `--peak-flops`/`--memory`: `with_figures`), and `lookup`/`by_name` in the merged table, `stood_for` (a run's GPU);
 - `kernels.py`: the step-time model's figures (achievable fractions of peak, GEMM tiles, launch
   and host overhead, attention kernels, interconnect), each with its source, `params(acc)`;
 - `device_types.py`: the device types a run can target (cpu, cuda, mps, xpu) and what each
@@ -19,14 +19,14 @@ from ampscope.hardware.known import __all__ as _known
 from ampscope.hardware.user import (
     DTYPE_ALIASES,
     by_name,
-    known_by_name,
     lookup,
     parse_peak_flops,
     parse_size,
+    stood_for,
     table,
     user_table_path,
     with_figures,
 )
 
-__all__ = [*_known, "DTYPE_ALIASES", "by_name", "known_by_name", "lookup", "parse_peak_flops", "parse_size",
-           "table", "user_table_path", "with_figures"]
+__all__ = [*_known, "DTYPE_ALIASES", "by_name", "lookup", "parse_peak_flops", "parse_size",
+           "stood_for", "table", "user_table_path", "with_figures"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from ampscope.errors import AmpscopeError
+from ampscope.hardware.device_types import DEVICE_TYPES
 from ampscope.hardware.kernels import check_overrides
 from ampscope.hardware.known import DTYPES, KNOWN, Accelerator
 
@@ -279,12 +280,14 @@ def by_name(name: str) -> Accelerator:
                             f"(add your own to {user_table_path()})") from None
 
 
-def known_by_name(name: str | None) -> Accelerator | None:
-    """`by_name`'s accelerator, or None for no name or one the table lacks (a trace recorded
-    where a hardware.toml named it, read where none does)."""
-    if not name:
-        return None
-    try:
-        return by_name(name)
-    except AmpscopeError:
-        return None
+def stood_for(device: str, gpu: str | None) -> Accelerator | None:
+    """The accelerator a run on `device` stood for: `gpu` (a setting's record of it) where the
+    table has it, else the device type's default (a trace recorded where a hardware.toml named
+    one, read where none does); None for a device type without one."""
+    if gpu:
+        try:
+            return by_name(gpu)
+        except AmpscopeError:
+            pass
+    kind = DEVICE_TYPES.get(device.partition(":")[0])
+    return by_name(kind.accelerator) if kind is not None and kind.accelerator else None

@@ -150,8 +150,9 @@ class RunEnvironment:
         this run decides: the setting's record, the dtype check a fake run's meta kernels
         lack, and block replay where the speed tricks are on."""
         if self.setting is not None:
-            options.setdefault("setting", self.setting.record())
-        options.setdefault("gpu", self.gpu_name)
+            options.setdefault("setting", self.setting_record())
+        else:  # the setting is observed (runs/observed.py)
+            options.setdefault("gpu", self.gpu_name)
         if self.fake is not None:
             options["values"] = False  # a fake tensor has none
             options.setdefault("op_check", check_matmul_dtypes)

@@ -165,7 +165,7 @@ class StorageTracker:
             entry is None or entry.created is None or entry.created < self._held_at)
 
     def _on_free(self, entry: _Storage) -> None:
-        if self._held(entry):
+        if self._held_at is not None and self._held(entry):  # (every free: no call before)
             return
         if entry.freed is not None and self._live.get(entry.key) is not entry:
             # A life `on_resize` ended: its free is dated, and the storage it was is going now.

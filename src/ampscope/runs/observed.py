@@ -12,14 +12,15 @@ from ampscope.torchcompat.distributed import fsdp_mixed_precision
 
 
 def observed_setting(model: nn.Module, device: str | None, trace: Trace,
-                     matmul_left: str) -> SettingRecord:
+                     matmul_left: str, gpu: str | None = None) -> SettingRecord:
     """The setting of `trace` (its calls and ops recorded) as the run showed it: the dtype
     most parameter elements of `model` have, the autocast dtype of the step's first call under
     autocast (an evaluation pass's only where the step had none), the float32 matmul precision
     its matmuls ran with (`matmul_left`, as the run left it, where none ran in float32), and
     the dtypes FSDP2's MixedPrecisionPolicy computes and reduces in where the model (or its
     first module that has one) is sharded with one.
-    `device`: the device the run stood for (a virtual one), else that of the parameters."""
+    `device`: the device the run stood for (a virtual one), else that of the parameters;
+    `gpu`, the GPU a virtual one was (SettingRecord.gpu)."""
     counts: dict[torch.dtype, int] = {}
     found = "cpu"
     for p in model.parameters():
@@ -38,7 +39,8 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
                          matmul_precision=ran_with(trace.ops, matmul_left),
                          torch=torch.__version__,
                          fsdp_param_dtype=dtype_name(compute) if compute else None,
-                         fsdp_reduce_dtype=dtype_name(reduce) if compute and reduce else None)
+                         fsdp_reduce_dtype=dtype_name(reduce) if compute and reduce else None,
+                         gpu=gpu)
 
 
 def _fsdp_policy(model: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:

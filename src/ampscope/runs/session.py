@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import sys
@@ -99,7 +98,7 @@ class CaptureOptions:
     `on_model_forward`, called as each forward pass of the model begins
     (the runner bounds a run that never steps with it; it may raise to stop the run).
     `device`: on a virtual device, the device the run is on; `gpu`, the GPU it stands for
-    (SettingRecord.gpu). `rank_roles`: Trace.rank_roles.
+    (the observed setting's SettingRecord.gpu; a given `setting` carries its own). `rank_roles`: Trace.rank_roles.
     `values`: a real run also records what its values say (Trace.values, runs/value_checks.py)."""
 
     model_name: str | None = None
@@ -430,9 +429,7 @@ class Capture:
             trace.values, self._values = self._values.records(trace.ops, trace.modules), None
         if self.options.setting is None:  # known by now: `finish` runs on a model
             trace.setting = observed_setting(model, self.options.device, trace,
-                                             self._matmul_precision)
-        if self.options.gpu is not None:
-            trace.setting = dataclasses.replace(trace.setting, gpu=self.options.gpu)
+                                             self._matmul_precision, self.options.gpu)
         trace.parameters = inventory.parameters(model, names, params)
         if self.options.rank_roles:
             trace.rank_roles = inventory.job_roles(params)

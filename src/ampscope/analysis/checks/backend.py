@@ -17,10 +17,9 @@ from ampscope.torchcompat.ops import FUSED_ATTENTION_NAMES
 @rule("AMP701", "fp32-matmuls-without-tf32", "note",
       "float32 matmuls in full float32 on a GPU with TF32 tensor cores")
 def fp32_without_tf32(trace: Trace) -> Iterator[Hit]:
-    device = DEVICE_TYPES.get(trace.setting.device)
-    if device is None or device.accelerator is None:
+    accelerator = hardware.stood_for(trace.setting.device, trace.setting.gpu)
+    if accelerator is None:  # a device type without one (the CPU)
         return
-    accelerator = hardware.known_by_name(trace.setting.gpu) or hardware.by_name(device.accelerator)
     fp32, tf32 = accelerator.peak_flops.get("float32"), accelerator.peak_flops.get("tf32")
     if not fp32 or not tf32 or tf32 <= fp32:
         return
