@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ampscope.records.tensors import OpCall, TensorMeta
 from ampscope.torchcompat.ops import TO_COPY_NAME
 
-# The hardware requirement of fp8 matmuls (`torch._scaled_mm`): both dims a multiple of 16.
+# The hardware requirement of fp8 matmuls (torch's scaled-matmul op): both dims a multiple of 16.
 DIM_MULTIPLE = 16
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 _CAST = TO_COPY_NAME

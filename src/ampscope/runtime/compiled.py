@@ -5,7 +5,7 @@ ampscope records every op as it runs; compiled code would run as fused kernels i
 `torch.compile` returns what it wraps, run as it is, in every form a script writes it: the
 decorator (`@torch.compile`, `@torch.compile(fullgraph=True, mode="max-autotune")`), a
 function (`torch.compile(fn, dynamic=True)`), a module (`torch.compile(model)`, whose result is
-torch's own module wrapper, so `_orig_mod` and its state_dict keys are as the script expects),
+torch's own module wrapper, so its wrapped module and state_dict keys are as the script expects),
 and `model.compile()` (which calls `torch.compile` on the module's call). Every option,
 `fullgraph=True` and `backend=` included, is accepted and has no effect: nothing is compiled.
 Code compiled before the run (a library's `@torch.compile` at import) runs eagerly through the

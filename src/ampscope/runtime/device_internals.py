@@ -1,22 +1,23 @@
 """What torch asks below its public device API, answered for the virtual device: which
 accelerator the build has, and on which device a tensor subclass that wraps others is made.
 
-- **The accelerator.** torch's own code asks `torch._C._get_accelerator()` where it does not
-  go through `torch.accelerator` (which virtual_device.py answers): FSDP2's `fully_shard`
-  without a mesh builds its default mesh on that device type, and a CPU build answers "cpu",
-  so a script that moved its model to "cuda" would be refused ("Expects the parameter to
-  already be moved to device cpu"). It answers the target here. One caller keeps the real
-  answer: a process group made without a backend (`init_device_mesh` before any
-  `init_process_group`) picks the accelerator's default backend and binds it to that device
-  type only; the ranks' tensors live on the CPU, so its choice (`BackendConfig`) still sees
-  the CPU and picks gloo for it, as it did before.
+- **The accelerator.** torch's own code asks its private accelerator query (devices.py's
+  `accelerator_query`) where it does not go through `torch.accelerator` (which
+  virtual_device.py answers): FSDP2's `fully_shard` without a mesh builds its default mesh
+  on that device type, and a CPU build answers "cpu", so a script that moved its model to
+  "cuda" would be refused ("Expects the parameter to already be moved to device cpu"). It
+  answers the target here. One caller keeps the real answer: a process group made without a
+  backend (`init_device_mesh` before any `init_process_group`) picks the accelerator's
+  default backend and binds it to that device type only; the ranks' tensors live on the CPU,
+  so its choice (`BackendConfig`) still sees the CPU and picks gloo for it, as it did before.
 - **Tensor subclasses.** A subclass that wraps tensors (DTensor, torchao's float8 weight) is
-  made with `torch.Tensor._make_wrapper_subclass(cls, ..., device=inner.device)`, and the
-  device mode answers `inner.device` with the target: the wrapper would claim a CUDA device
-  on a build without CUDA, and `copy_` into it fails ("PyTorch is not linked with support for
-  cuda devices": it asks for CUDA's device guard before the subclass's own dispatch runs). It
-  is made on the backing device, as its inner tensors are; the device mode reports the target
-  for it as for any tensor.
+  made with Tensor's private wrapper-subclass constructor (devices.py's
+  `wrapper_subclass_maker`) and `device=inner.device`, and the device mode answers
+  `inner.device` with the target: the wrapper would claim a CUDA device on a build without
+  CUDA, and `copy_` into it fails ("PyTorch is not linked with support for cuda devices": it
+  asks for CUDA's device guard before the subclass's own dispatch runs). It is made on the
+  backing device, as its inner tensors are; the device mode reports the target for it as for
+  any tensor.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _accelerator(query: tuple[object, str], target: str) -> Patches:
 
 
 def _on_backing(mode: DeviceMode, make: Callable) -> Callable:
-    """`torch.Tensor._make_wrapper_subclass` with a target `device=` made on the backing
+    """The wrapper-subclass constructor `make`, with a target `device=` made on the backing
     device instead."""
 
     def make_wrapper(cls, *args, **kwargs):

@@ -41,8 +41,8 @@ def load_patches(mode: DeviceMode) -> list[tuple[object, str, object]]:
 
 
 def _restorer(map_location: Any, mode: DeviceMode) -> Callable:
-    """torch.load's restore of one storage (torch.serialization's `_get_restore_location` and
-    `default_restore_location`), with the target's locations restored on the backing device."""
+    """torch.load's restore of one storage (torch.serialization's private restore-location
+    helper and `default_restore_location`), with the target's locations restored on the backing device."""
 
     def restore(storage: torch.UntypedStorage, location: str) -> Any:
         where: Any = location

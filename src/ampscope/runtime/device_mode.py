@@ -292,8 +292,8 @@ class DeviceMode(TorchFunctionMode):
 
     def tensor_device(self) -> property:
         """`Tensor.device`, answered from the tag for every reader but PyTorch's private
-        internals (`torch._*`, whose kernels must see where the tensor really is) and ampscope's
-        own code. A property rather than the mode's getter alone: PyTorch's own Python
+        internals (its underscored modules, whose kernels must see where the tensor really
+        is) and ampscope's own code. A property rather than the mode's getter alone: PyTorch's own Python
         functions (`torch.norm` takes another path on MPS) read the device inside a torch
         function the mode handed on, with the mode off its stack, and must still see the
         target, as on the device."""

@@ -71,7 +71,7 @@ def choose_rnn(mode: str, input: torch.Tensor, *, dropout: float = 0.0, train: b
 
 def weight_shapes(mode: str, input_size: int, hidden_size: int, proj_size: int,
                   num_layers: int, bidirectional: bool, has_biases: bool) -> list[tuple[int, ...]]:
-    """The shapes of nn.RNNBase's `_flat_weights`, in its order (per layer and direction:
+    """The shapes of nn.RNNBase's flat weight list, in its order (per layer and direction:
     w_ih, w_hh, b_ih, b_hh, w_hr), which is also the order of cuDNN's flat buffer."""
     gates = {"lstm": 4, "gru": 3}.get(mode, 1) * hidden_size
     out = proj_size or hidden_size
