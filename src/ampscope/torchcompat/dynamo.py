@@ -54,21 +54,6 @@ def _strategy() -> tuple[Callable | None, str]:
     return mark, "TorchDynamo's per-code execution strategy"
 
 
-def can_skip_frames() -> bool:
-    """Can a handler's code be marked never to be compiled (`skip_frames_of`)?"""
-    return _strategy()[0] is not None
-
-
-def skip_frames_of(handler: Callable) -> bool:
-    """Mark `handler`'s code, and every frame it calls, never to be compiled; False where this
-    build cannot (the caller then keeps PyTorch's per-call wrapper)."""
-    mark = _strategy()[0]
-    if mark is None:
-        return False
-    mark(handler.__code__)
-    return True
-
-
 class UncompiledDispatchMode(TorchDispatchMode):
     """A TorchDispatchMode whose subclasses' handlers TorchDynamo skips (see the module)."""
 
@@ -76,13 +61,14 @@ class UncompiledDispatchMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # True makes PyTorch wrap the handler in torch._dynamo.disable; not needed when the
         # handler's code is marked below.
-        return not can_skip_frames()
+        return _strategy()[0] is None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         handler = cls.__dict__.get("__torch_dispatch__")
-        if handler is not None:
-            skip_frames_of(handler)
+        mark = _strategy()[0]
+        if handler is not None and mark is not None:  # else PyTorch's per-call wrapper stays
+            mark(handler.__code__)  # the handler and every frame it calls: never compiled
 
 
 def eager_stance() -> contextlib.AbstractContextManager:
