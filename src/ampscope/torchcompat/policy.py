@@ -29,24 +29,20 @@ __all__ = ["argument_kind", "destroy_library", "has_kernel",
 _C = torch._C
 
 
-def _key_suffix(device: str) -> str:
-    """The device part of a per-device dispatch key: "cuda" -> "CUDA"."""
+def backend_key(device: str) -> str:
+    """"cuda" -> "CUDA": the key a device's own kernels are registered at, and the device part
+    of its per-device keys."""
     return "PrivateUse1" if device == "privateuseone" else device.upper()
 
 
 def autocast_key(device: str) -> str:
     """"cuda" -> "AutocastCUDA"."""
-    return "Autocast" + _key_suffix(device)
+    return "Autocast" + backend_key(device)
 
 
 def autograd_key(device: str) -> str:
     """"cuda" -> "AutogradCUDA"."""
-    return "Autograd" + _key_suffix(device)
-
-
-def backend_key(device: str) -> str:
-    """"cuda" -> "CUDA" (the key a device's own kernels are registered at)."""
-    return _key_suffix(device)
+    return "Autograd" + backend_key(device)
 
 
 # --- what is registered where -------------------------------------------------------------
