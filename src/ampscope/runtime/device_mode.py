@@ -45,9 +45,10 @@ _DATA_SET = _TensorBase.data.__set__
 _MOVES = {getattr(_TensorBase, name) for name in ("to", "cuda", "cpu", "mps", "xpu")
           if hasattr(_TensorBase, name)}
 _NO_OPS = {_TensorBase.pin_memory, _TensorBase.is_pinned}
+_PARSE_TO = devices.parse_to()
 # Calls that only name a device: handed on with the target's name unchanged (`module.to(
 # torch.device("cuda"))` reads its arguments with the parser, then moves each tensor there).
-_NAMING = frozenset({torch.device, devices.parse_to_function()})
+_NAMING = frozenset({torch.device, _PARSE_TO})
 # Every call DeviceMode answers itself rather than handing on as is.
 _SPECIAL = frozenset({*_GETTERS, _DATA_SET, _TensorBase.get_device, *_NO_OPS, *_MOVES,
                       *_NAMING})
@@ -245,7 +246,7 @@ class DeviceMode(TorchFunctionMode):
         elif func is _TensorBase.to:
             kwargs = dict(kwargs)
             copy = kwargs.pop("copy", False)
-            device, dtype, non_blocking, memory_format = devices.parse_to(*args[1:], **kwargs)
+            device, dtype, non_blocking, memory_format = _PARSE_TO(*args[1:], **kwargs)
             other = next((a for a in args[1:] if isinstance(a, torch.Tensor)), None)
             if other is not None:  # .to(other): other's device and dtype, as the user sees it
                 device = self._virtual(other)

@@ -14,7 +14,6 @@ import functools
 import importlib
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
@@ -32,22 +31,13 @@ def tensor_base() -> type:
     return found
 
 
-@functools.cache
-def _parser() -> Callable[..., tuple]:
+def parse_to() -> Callable[..., tuple[torch.device | None, torch.dtype | None, bool,
+                                      torch.memory_format | None]]:
+    """The function that reads `Tensor.to`'s arguments as torch does: called with them, it
+    returns (device, dtype, non_blocking, memory_format), each None where not given. Torch
+    functions see it too: `nn.Module.to` calls it with the user's arguments and moves each
+    tensor to the device it returns."""
     return torch._C._nn._parse_to
-
-
-def parse_to(*args: Any, **kwargs: Any) -> tuple[torch.device | None, torch.dtype | None,
-                                                  bool, torch.memory_format | None]:
-    """`Tensor.to`'s arguments as torch reads them: (device, dtype, non_blocking,
-    memory_format), each None where not given."""
-    return _parser()(*args, **kwargs)
-
-
-def parse_to_function() -> Callable[..., tuple]:
-    """The function `parse_to` calls, as torch functions see it (`nn.Module.to` calls it with
-    the user's arguments and moves each tensor to the device it returns)."""
-    return _parser()
 
 
 @functools.cache
