@@ -97,10 +97,8 @@ def checkpoint_cache_kept() -> Iterator[None]:
 @functools.cache
 def accelerator_query() -> tuple[types.ModuleType, str] | None:
     """(module, name) of the function torch's own code calls to learn this build's
-    accelerator, `torch._C._get_accelerator(check=False)`: FSDP2's `fully_shard` without a
-    mesh builds its default mesh on the device type it returns, and a CPU build answers "cpu".
-    The virtual device answers it as it answers `torch.accelerator.current_accelerator`. None
-    where this build has none."""
+    accelerator, `torch._C._get_accelerator(check=False)`, which the virtual device answers
+    (runtime/device_internals.py says why); None where this build has none."""
     name = "_get_accelerator"
     return (torch._C, name) if callable(getattr(torch._C, name, None)) else None
 
@@ -109,9 +107,8 @@ def accelerator_query() -> tuple[types.ModuleType, str] | None:
 def wrapper_subclass_maker() -> tuple[type, str, Callable] | None:
     """(owner, name, original) of the constructor every tensor subclass that wraps other
     tensors calls, `torch.Tensor._make_wrapper_subclass(cls, size, ..., device=...)` (DTensor,
-    torchao's float8 weight); None where this build has none. A wrapper made with a CUDA
-    device on a build without CUDA fails later in `copy_`, which asks for CUDA's device guard
-    before the subclass's own dispatch sees the call."""
+    torchao's float8 weight; runtime/device_internals.py says why the virtual device replaces
+    it); None where this build has none."""
     name = "_make_wrapper_subclass"
     original = getattr(torch.Tensor, name, None)
     return (torch.Tensor, name, original) if callable(original) else None
