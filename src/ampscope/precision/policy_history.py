@@ -54,13 +54,9 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def build_version() -> str:
-    return torch.__version__
-
-
 def applies(change: PolicyChange, version: str | None = None) -> bool:
     """Whether build `version` (default: this one) has the change."""
-    return _release(version or build_version()) >= _release(change.version)
+    return _release(version or torch.__version__) >= _release(change.version)
 
 
 def for_device(device: str, op_filter: str | None = None) -> list[PolicyChange]:

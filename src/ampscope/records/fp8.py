@@ -12,6 +12,7 @@ Namesakes, the same concern at another layer: `analysis/fp8.py`, `precision/fp8.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ampscope.records.tensors import OpCall, TensorMeta
@@ -38,10 +39,7 @@ class Fp8Cast:
         """"tensorwise" (one scale), "rowwise" (one per row or column), "unscaled"."""
         if self.scale is None:
             return "unscaled"
-        n = 1
-        for d in self.scale.shape:
-            n *= d
-        return "tensorwise" if n == 1 else "rowwise"
+        return "tensorwise" if math.prod(self.scale.shape) == 1 else "rowwise"
 
 
 def short_fp8(dtype: str) -> str:

@@ -4,6 +4,7 @@ the record lists it reads, so this module needs no `Trace`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -52,9 +53,7 @@ def modules_table(modules: Sequence[ModuleCall]) -> Table:
 
 
 def _row(role: str, name: str, dtype: str, shape: tuple[int, ...], detail: str | None) -> tuple:
-    elements = 1
-    for s in shape:
-        elements *= s
+    elements = math.prod(shape)
     return (role, name, dtype, shape_text(shape), elements,
             elements * getattr(torch, dtype).itemsize, detail)
 
