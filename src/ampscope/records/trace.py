@@ -7,7 +7,6 @@ Fields may be added; the names and meanings of the existing ones do not change.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from ampscope.records.tensors import (
     TensorMeta,
 )
 from ampscope.records.trace_table import KINDS, modules_table, ops_table, tensors_table
-from ampscope.records.value_checks import ValueChecks
+from ampscope.records.value_checks import ValueChecks, json_number
 
 SCHEMA = "ampscope.trace/1"
 
@@ -174,7 +173,7 @@ class Trace:
                        o.get("grad_fn"), o.get("flops", 0), o.get("flops_causal", o.get("flops", 0)),
                        tuple(o.get("in_data", ())), o.get("fp32_precision"), o.get("group"),
                        tuple(float(x) for x in o.get("scalars", ())), o.get("compiled", False),
-                       _span(o.get("group_span")))
+                       _tuple(o.get("group_span")))
                 for i, o in enumerate(data["ops"])
             ],
             calls=[
@@ -186,14 +185,15 @@ class Trace:
             parameters=[
                 ParameterRecord(p["name"], p["dtype"], tuple(p["shape"]),
                                 p.get("requires_grad", True), p.get("grad_dtype"),
-                                tuple(p.get("tied_to", ())), _local(p))
+                                tuple(p.get("tied_to", ())), _tuple(p.get("local_shape")))
                 for p in tensors["parameters"]
             ],
             # Fields beyond the core of docs/json-schema.md are optional on reading.
             buffers=[BufferRecord(b["name"], b["dtype"], tuple(b["shape"]), b.get("persistent", True))
                      for b in tensors.get("buffers", [])],
             optimizer_state=[OptimizerStateRecord(s["param"], s["key"], s["dtype"],
-                                                  tuple(s.get("shape", ())), _local(s))
+                                                  tuple(s.get("shape", ())),
+                                                  _tuple(s.get("local_shape")))
                              for s in tensors.get("optimizer_state", [])],
             inputs=[InputRecord(i["name"], i.get("role") or ("target" if i["name"] in TARGET_NAMES
                                                             else "input"),
@@ -250,14 +250,9 @@ def _op(o: OpCall) -> dict:
             "in_names": list(o.input_names), "caller": o.caller, "grad_fn": o.grad_fn,
             "flops": o.flops, "flops_causal": o.flops_causal, "in_data": list(o.input_data),
             "fp32_precision": o.fp32_precision, "group": o.group,
-            # JSON has no inf or NaN: "inf", "-inf", "nan", which float() reads back.
-            "scalars": [x if math.isfinite(x) else str(x) for x in o.scalars],
+            "scalars": [json_number(x) for x in o.scalars],
             "compiled": o.compiled,
             "group_span": _list(o.group_span)}
-
-
-def _span(span: list[int] | None) -> tuple[int, int] | None:
-    return None if span is None else (span[0], span[1])
 
 
 def _call(c: FunctionCall) -> dict:
@@ -281,9 +276,8 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
     return list(shape) if shape is not None else None
 
 
-def _local(record: dict) -> tuple[int, ...] | None:
-    local = record.get("local_shape")
-    return tuple(local) if local is not None else None
+def _tuple(values: list | None) -> tuple | None:
+    return tuple(values) if values is not None else None
 
 
 def _storage(s: StorageRecord) -> dict:

@@ -72,7 +72,7 @@ class ValueChecks:
             "nonfinite_ops": self.nonfinite_ops,
             "checked_ops": self.checked_ops,
             # inf and NaN are no JSON numbers: a string then
-            "module_max": [{**asdict(m), "max_abs": _number(m.max_abs)}
+            "module_max": [{**asdict(m), "max_abs": json_number(m.max_abs)}
                            for m in self.module_max],
             "stuck_updates": [asdict(s) for s in self.stuck_updates],
             "optimizer_steps": self.optimizer_steps,
@@ -92,6 +92,6 @@ class ValueChecks:
         )
 
 
-def _number(x: float) -> float | str:
+def json_number(x: float) -> float | str:
     """`x`, or "inf"/"-inf"/"nan" (what float() reads back) where JSON has no number."""
     return x if x == x and abs(x) != float("inf") else str(x)
