@@ -113,7 +113,7 @@ def _target_dtypes(op: OpOverload, signature: tuple, kw_signature: tuple,
     for where in (device, "meta"):
         try:
             with FakeTensorMode():
-                out = op(*_fake_args(signature, where), **dict(_fake_args(kw_signature, where)))
+                out = op(*zeros_of(signature, where), **dict(zeros_of(kw_signature, where)))
         except Exception:  # noqa: BLE001 - this build cannot take the device: ask meta
             continue
         return tuple(t.dtype for t in out if isinstance(t, torch.Tensor))
@@ -125,8 +125,8 @@ def _cpu_kernel_dtypes(op: OpOverload, signature: tuple,
     """What the CPU kernel itself returns for these dtypes: it runs on tiny real tensors, seen
     by no mode (the fake mode of a predicted run, ampscope's recorders) and by no autocast."""
     with modes_off(), no_autocast("cpu"), torch.no_grad():
-        args = _fake_args(_tiny_args(op, signature), "cpu")
-        out = op(*args, **dict(_fake_args(kw_signature, "cpu")))
+        args = zeros_of(_tiny_args(op, signature), "cpu")
+        out = op(*args, **dict(zeros_of(kw_signature, "cpu")))
     return tuple(t.dtype for t in out if isinstance(t, torch.Tensor))
 
 
@@ -152,13 +152,15 @@ def _tiny_args(op: OpOverload, signature: tuple) -> tuple:
     return ((kind, dtype, tiny), *rest)
 
 
-def _fake_args(signature, device: str):
+def zeros_of(signature, device: str, *, tiny: bool = False):
+    """The arguments a signature (`_signature`, predict.py's) describes, each tensor as zeros
+    of its dtype on `device`, of its shape or (`tiny`) of one element. Zeros, not empty: a CPU
+    kernel reads the values (a variance of garbage may warn)."""
     if isinstance(signature, tuple) and signature[:1] == ("tensor",):
         _, dtype, shape = signature
-        # zeros, not empty: the CPU kernel reads the values (a variance of garbage may warn)
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros((1,) * len(shape) if tiny else shape, dtype=dtype, device=device)
     if isinstance(signature, tuple):
-        return tuple(_fake_args(s, device) for s in signature)
+        return tuple(zeros_of(s, device, tiny=tiny) for s in signature)
     return signature
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ampscope.errors import AmpscopeError, first_line
 from ampscope.quiet import loggers_quiet
-from ampscope.runtime.norm_stats import TargetNormStats
+from ampscope.runtime.norm_stats import TargetNormStats, zeros_of
 from ampscope.torchcompat import fake, optim
 from ampscope.torchcompat.dispatch import (
     OpOverload,
@@ -203,22 +203,13 @@ def _real_error(func: OpOverload, args: tuple, kwargs: tuple) -> str | None:
 
 def _run_real(func: OpOverload, args: tuple, kwargs: tuple, *, tiny: bool) -> str | None:
     with modes_off(), no_autocast("cpu"), torch.no_grad():
-        real_args = _real(args, tiny)
-        real_kwargs = dict(_real(kwargs, tiny))
+        real_args = zeros_of(args, "cpu", tiny=tiny)
+        real_kwargs = dict(zeros_of(kwargs, "cpu", tiny=tiny))
         try:
             func(*real_args, **real_kwargs)
         except Exception as e:  # noqa: BLE001 - the kernel's refusal is the answer
             return first_line(e)
     return None
-
-
-def _real(signature, tiny: bool):
-    if isinstance(signature, tuple) and signature[:1] == ("tensor",):
-        _, dtype, shape = signature
-        return torch.zeros((1,) * len(shape) if tiny else shape, dtype=dtype)
-    if isinstance(signature, tuple):
-        return tuple(_real(s, tiny) for s in signature)
-    return signature
 
 
 def _elements(signature) -> int:
