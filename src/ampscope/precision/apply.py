@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 # Decisions (predicted or real, emulated, fallbacks) for `ampscope -v` and callers' logging.
 log = logging.getLogger(__name__)
 
-# --- global state -------------------------------------------------------------------------
 
 def _autocast_devices() -> tuple[str, ...]:
     """Device types whose autocast state this build can read (cpu and cuda always; mps, xpu
@@ -89,9 +88,6 @@ class GlobalState:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
-# --- model state --------------------------------------------------------------------------
 
 
 @dataclass

@@ -14,7 +14,6 @@ import torch
 from ampscope.records import dtype_name
 from ampscope.runtime.emulation import TargetAutocast, autocast_region
 
-# --- quiz ---------------------------------------------------------------------------------
 QUIZ: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "x.max()": lambda x: x.max(),
     "x.min()": lambda x: x.min(),

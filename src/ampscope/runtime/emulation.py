@@ -81,8 +81,6 @@ class TargetAutocast:
         # id(weight) -> (weakref to it, its cast copy): autocast's cast cache
         self._cache: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
-    # --- casting -----------------------------------------------------------------------
-
     def _cast(self, value, dtype: torch.dtype):
         if isinstance(value, (list, tuple)):
             return type(value)(self._cast(v, dtype) for v in value)
@@ -107,8 +105,6 @@ class TargetAutocast:
 
     def clear_cache(self) -> None:
         self._cache.clear()
-
-    # --- kernels -------------------------------------------------------------------------
 
     def _kernel(self, rule: OpPolicy, op: OpOverload) -> Callable:
         schema_names = [a.name for a in op_schema(op).arguments]

@@ -1,24 +1,12 @@
 """The virtual device: during an emulated run, user code that asks which device it is on gets the
 target's answer, while its tensors really live on the CPU (or on meta, or are fake).
 
-Real training code asks all the time: `if self.wte.weight.device.type == "cuda"` in a model's
-init, `torch.cuda.is_available() and torch.cuda.is_bf16_supported()` in a script,
-`torch.autocast("cuda", enabled=False)` around a rotary embedding, `x.cuda()`,
-`torch.cuda.synchronize()` around a timer. `VirtualDevice` answers all of them as the target
-would, for the duration of a `with` block, and undoes every change on exit:
-
-- tensors report the target device (`DeviceMode`, device_mode.py);
-- `torch.cuda.*` (or `torch.mps.*`, `torch.xpu.*`) and `torch.accelerator.*` answer as one
-  device of the emulated GPU (`VirtualDevice`'s `accelerator`); `synchronize` and events
-  return at once (timings are the CPU's wall time); the memory calls answer from ampscope's
-  storage tracker when a capture gives one, in CUDA's 512-byte blocks;
-- `torch.autocast("cuda", ...)`, nested `enabled=False` regions included, drives the CPU
-  autocast whose kernels the emulation replaced with the target's, each device type keeping its
-  own autocast state as on the GPU (runtime/virtual_autocast.py);
-- `torch.compile(fn)` returns `fn`: the run is eager, and says so.
-
-What cannot be virtual (a custom CUDA extension, Triton kernels, NCCL, `torch.cuda.ipc_collect`)
-still fails, and the API turns the failure into one line naming the call and the user's line
+`VirtualDevice` gives, for the duration of a `with` block, the answers docs/emulation.md lists
+("The virtual device": `x.device`, `torch.cuda.*` or `torch.mps.*`, `torch.xpu.*`,
+`torch.accelerator.*`, autocast, `torch.compile`, ...) and undoes every change on exit: tensors
+report the target through `DeviceMode` (device_mode.py), each device type keeps its own autocast
+state (virtual_autocast.py), and the rest is patched here. What cannot be virtual still fails,
+and the API turns the failure into one line naming the call and the user's line
 (`device_api_error`).
 """
 
