@@ -16,10 +16,6 @@ Python side is the installed `torch/nn/modules/rnn.py` and `torch/backends/cudnn
   CPU-only build does not compile it, so no policy read from the build can hold it.
 - `flatten_parameters()` (Python) packs the weights only when all are CUDA tensors of one dtype
   in `torch.backends.cudnn.CUDNN_TENSOR_DTYPES` (no bfloat16 in 2.13) that share no memory.
-
-Not emulated, each kept on the CPU's kernel with a note: packed sequences (`lstm.data`),
-inter-layer dropout in training (cuDNN draws its own dropout masks), and a build without the
-private details of `torchcompat.rnn`.
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@ autograd formula is the build's own, so backward calls `_cudnn_rnn_backward`, wh
 recomputes the forward with autograd in a fresh thread (dispatcher state is per thread, and a
 kernel runs with autograd switched off). `flatten_parameters()` packs the weights with
 `_cudnn_rnn_flatten_weight`, as it does on a GPU, and no longer warns that this build lacks
-cuDNN: the emulated GPU has it. Sources are listed in `rnn_choice`.
-
-Not reproduced: the size of cuDNN's reserve space (the Meta kernel's empty uint8 tensor
-stands for it) and cuDNN's numerics bit for bit.
+cuDNN: the emulated GPU has it. Sources are listed in `rnn_choice`; what is not reproduced,
+in docs/emulation.md ("RNN kernels").
 """
 
 from __future__ import annotations
