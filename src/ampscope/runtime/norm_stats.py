@@ -1,18 +1,15 @@
 """Normalization statistics in the dtypes the target device keeps them.
 
-`native_layer_norm` returns the output and the mean and 1/std it saves for backward. With bf16
-or fp16 inputs and weights of the same dtype (or none) the CPU kernel returns those statistics
-in the input's dtype; with float32 weights (a bf16 activation through an fp32 LayerNorm, no
-autocast) it keeps them in float32, as CUDA and MPS always do. The batch-norm kernels differ the
-same way. Nothing here states which device does what. For the CPU, the kernel itself answers:
-`target_dtypes` calls it on tiny real tensors of the same dtypes (`_tiny_args` keeps only the
-dimensions the weights tie to), because PyTorch's fake implementations of these ops give the
-input's dtype on the CPU whatever the weights are. For the other devices, those fake
-implementations (the reference `native_layer_norm` in PyTorch's Python references, the Meta
-kernels of the others) branch on the input's device, and `target_dtypes` reads the answer by
-calling them on fake tensors of the target device. When a fake implementation cannot take that
-device on this build, it is asked with `meta` tensors, which those implementations treat as any
-device that is not the CPU.
+Which device keeps them in which dtype (the mean and 1/std `native_layer_norm` saves for
+backward: float32 on CUDA and MPS, the input's dtype or float32 on the CPU by the weights'
+dtype) is docs/emulation.md's ("What an emulated run does"); nothing here states it.
+`target_dtypes` reads it: for the CPU, from the kernel itself, run on tiny real tensors of the
+same dtypes (`_tiny_args` keeps only the dimensions the weights tie to), because PyTorch's fake
+implementations give the input's dtype there whatever the weights are; for the other devices,
+from those fake implementations (the reference `native_layer_norm`, the Meta kernels of the
+others), which branch on the input's device, called on fake tensors of the target device, or
+on `meta` tensors (any device that is not the CPU, to them) where one cannot take that device
+on this build.
 
 While an emulated or a predicted run is active, `TargetNormStats` (a TorchDispatchMode below
 ampscope's recorders) converts the statistics the kernel returned (the CPU kernel's, or a fake
