@@ -1,8 +1,5 @@
-"""The plain records a capture emits.
-
-Records are frozen dataclasses of names, dtypes, shapes and source locations — never live
-tensors or modules — so a trace keeps no activation alive and can be saved, compared and
-analysed without the model. Dtypes are torch names without the `torch.` prefix.
+"""The plain records a capture emits (what a record is: records/__init__.py). Dtypes are torch
+names without the `torch.` prefix.
 """
 
 from __future__ import annotations
