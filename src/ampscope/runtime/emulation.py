@@ -12,10 +12,8 @@ rules follow PyTorch's autocast_mode.h (`cached_cast`, `promote_type`, `set_opt_
   until the outermost autocast region ends, so a weight used twice is cast once;
 - ops the CPU lists and the target does not (`cat`, `cross_entropy_loss`, ...) pass through.
 
-Where the build has a fused kernel for the target that the CPU runs as its composite
-(`_fused_rms_norm`: on a CUDA build, `F.rms_norm` on a CUDA tensor is that one op; on the CPU it
-decomposes), `TargetKernels` gives the op a CPU kernel for the duration, so the emulated run
-calls the same op the device does (what the build registers decides, not its version).
+`TargetKernels` gives an op the target runs as one kernel and the CPU decomposes a CPU kernel
+for the duration (docs/emulation.md: `_fused_rms_norm` on a CUDA-built wheel).
 
 Backward runs without autocast, on the dtypes forward produced, exactly as on the target.
 """

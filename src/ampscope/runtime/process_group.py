@@ -1,22 +1,14 @@
-"""A script's process group on gloo, whatever backend it names: the ranks of `ampscope run
---nproc` are CPU processes (their tensors live on the CPU, also on the virtual device), and
-gloo is the backend that runs collectives on CPU tensors in every PyTorch build.
+"""A script's process groups on gloo (`ampscope run --nproc`), or on PyTorch's fake process group
+for a predicted rank: docs/distributed.md says what a script gets ("The backend", "The process
+group") and why PREMUL_SUM needs more on gloo.
 
-`dist.init_process_group("nccl")`, `("cuda:nccl,cpu:gloo")` or with no backend at all becomes
-`init_process_group("gloo")`: every device type of the group maps to gloo, so a collective on a
-tensor the script believes is on "cuda:k" (really on the CPU) runs, with its dtype and shape
-as the script made them. A `device_id=` argument is dropped: it binds the group to a CUDA
-device (eager NCCL initialisation) that does not exist here. `new_group(backend=...)`, which
-`init_device_mesh` and user code call for sub-groups, is substituted the same way. Gloo has no
-`ReduceOp.PREMUL_SUM`, NCCL's sum of inputs each multiplied by a factor (FSDP2 reduce-scatters
-gradients with it on CUDA when a script sets a gradient divide factor, as torchtitan does): a
-reducing collective given one runs as SUM over its inputs multiplied by the factor first, the
-multiplication outside the trace, as NCCL does it inside its kernel.
-
-`FakeGroups` does the same for a predicted rank (`ampscope run --nproc N --predict`): every
-group is PyTorch's fake process group, made with the fake store
-(torchcompat/distributed.py) and the rank and world size torchrun's environment gives, so a
-collective returns at once with its real shapes and dtypes and no peer needs to exist.
+`GlooGroups`: `init_process_group` and `new_group` (which `init_device_mesh` and user code call
+for sub-groups) get gloo for every device type whatever backend they name, so a collective on a
+tensor the script believes is on "cuda:k" (really on the CPU) runs, and `device_id=` is dropped (it binds the group to a CUDA device, eager NCCL initialisation, that
+does not exist here). Gloo has no `ReduceOp.PREMUL_SUM`: a reducing collective given one runs as
+SUM over its inputs multiplied by the factor first, outside the trace, as NCCL multiplies inside
+its kernel. `FakeGroups` substitutes the same calls with the fake process group, made with the
+fake store (torchcompat/distributed.py) and the rank and world size torchrun's environment gives.
 """
 
 from __future__ import annotations
