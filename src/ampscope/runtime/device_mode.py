@@ -333,6 +333,8 @@ class DeviceMode(TorchFunctionMode):
         return property(device, original.fset)
 
     def tag_like_value(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        """`t` is where `value` is, as user code sees it (also for a stand-in ampscope made for
+        `value` without a torch function call: a predicted script's fake weight for a real one)."""
         if value in self.on_cpu:
             self.on_cpu.add(t)
         else:

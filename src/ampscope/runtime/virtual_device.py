@@ -216,11 +216,6 @@ class VirtualDevice:
             stack.enter_context(BackingFactories(self.mode))
             yield self
 
-    def place_like(self, t: torch.Tensor, like: torch.Tensor) -> None:
-        """`t` is where `like` is, as user code sees it: a stand-in ampscope made for `like`
-        without a torch function call (a predicted script's fake weight for a real one)."""
-        self.mode.tag_like_value(t, like)
-
     # -- what is patched
     def _patches(self) -> list[tuple[object, str, object]]:
         backend = getattr(torch, self.target)

@@ -95,7 +95,7 @@ def fake_model(fake: FakeTensorMode, virtual: VirtualDevice | None) -> Iterator[
 
     def placed(stand_in, real):
         if virtual is not None:
-            virtual.place_like(stand_in, real)
+            virtual.mode.tag_like_value(stand_in, real)
         return stand_in
 
     # `nn.Parameter(data)` makes a plain tensor a parameter in C++, unseen by function modes,
