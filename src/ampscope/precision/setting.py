@@ -1,17 +1,7 @@
 """Precision settings: parse "cuda:fp32+amp-bf16" into a `Setting`; apply it and undo it exactly.
 
-Grammar (see docs/settings.md)::
-
-    [DEVICE:]PARAMS[+amp[-AMP]][+tf32][+fp8[-RECIPE]][+compile]
-    DEVICE  cpu | cuda | mps | xpu      (default cpu); emulated when this machine has none
-    PARAMS  fp32 | bf16 | fp16 | fp64   parameter dtype
-    AMP     bf16 | fp16                 torch.autocast dtype ("+amp": the device's default)
-    tf32    torch.set_float32_matmul_precision("high")
-    fp8     torchao fp8 training; RECIPE one of torchao's (tensorwise, rowwise, ...; precision/fp8.py)
-    compile the model as `torch.compile(model)` runs it: eager, its ops marked compiled, so a
-            predicted step time costs them as Inductor's fused kernels (analysis/fusion.py)
-
-Applying a setting (and undoing it exactly) is `precision/apply.py`.
+The grammar is docs/settings.md's, and `GRAMMAR`'s, which the parse errors quote. Applying a
+setting (and undoing it exactly) is `precision/apply.py`.
 
 Namesakes, the same concern at another layer: `records/setting.py`."""
 
