@@ -1,19 +1,15 @@
 """Autocast policies read from the installed PyTorch build, for any device it has kernels for.
 
-Which ops autocast touches on a device is the dispatcher's list of kernels registered for that
-device's Autocast key (`AutocastCUDA`, `AutocastMPS`, ...). What each kernel does is found by
-calling it: the op runs on fake tensors of the target device (no memory, no device needed) under
-that device's autocast, and a dispatch mode below autocast watches what comes out of it — which
-`_to_copy` casts it made and with what dtype argument it called the op — then stops the op
-before any real work. Three calls per op tell the categories of PyTorch's autocast_mode.h apart:
+The op list is the dispatcher's registrations at the device's Autocast key (`AutocastCUDA`, ...);
+what autocast does to each op is found by calling it on fake tensors of the target device under
+its autocast (`probe`; docs/emulation.md, "The policy is read from the build", says how). Three
+calls per op tell the categories of PyTorch's autocast_mode.h apart:
 
     all inputs fp32        → cast to the autocast dtype       lower (runs in lower precision)
     all inputs low         → cast to fp32                     fp32
                            → op called with dtype=float32     fp32_set_opt_dtype
                            → another overload with a dtype    fp32_append_dtype
     low + fp32 inputs      → the low input cast to fp32       promote (to the widest input)
-
-Nothing here is copied from documentation, so the answers follow whatever build is installed.
 """
 
 from __future__ import annotations
