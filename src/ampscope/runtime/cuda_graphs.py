@@ -1,12 +1,8 @@
 """CUDA graphs on the virtual device, run eagerly: what `torch.cuda.graph`, `CUDAGraph`,
-`graph_pool_handle` and `make_graphed_callables` become while a run emulates CUDA.
-
-A CUDA graph records the kernels its capture launches and replays them on the same buffers.
-Here there are no kernels to record: the captured block runs once, eagerly, as it does on a
-GPU during capture (so its ops, dtypes and memory are recorded), and each `replay()` runs
-nothing, so the static outputs keep the values of the capture. `make_graphed_callables` hands
-the callables back as they are: each call runs eagerly, with its own values. The run's notes
-say which of these happened (`GraphUse`)."""
+`graph_pool_handle` and `make_graphed_callables` become while a run emulates CUDA (what each
+does is docs/emulation.md's, in the virtual device's table, and `GraphUse.notes`' words). There
+are no kernels to record: the captured block runs once, eagerly, as it does on a GPU during
+capture, so its ops, dtypes and memory are recorded."""
 
 from __future__ import annotations
 
