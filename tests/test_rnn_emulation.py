@@ -133,3 +133,17 @@ def test_flatten_parameters_packs_the_weights_without_the_warning():
     # the flat buffer is handed to _cudnn_rnn as its weight_buf
     (_, args, _), = [c for c in ops.calls if "_cudnn_rnn.default" in str(c[0])]
     assert args[3] is not None and args[3].numel() == sum(w.numel() for w in weights)
+
+
+def test_the_rnn_note_names_the_gpu_the_run_stands_for():
+    """An emulated run on an A100 says cuDNN's RNN ran as on an A100 (it said "H100" whatever
+    the GPU): the note names `Emulation`'s own target."""
+    from ampscope.runtime.attention_choice import A100
+    from ampscope.runtime.emulation import Emulation
+    from ampscope.runtime.virtual_device import VirtualDevice
+
+    with Emulation("cuda", None, A100) as emulation:
+        with VirtualDevice("cuda").active():
+            torch.nn.LSTM(4, 6).to("cuda")(torch.randn(3, 2, 4, device="cuda"))
+    rnn_notes = [n for n in emulation.notes("forward", []) if "RNNs ran cuDNN" in n]
+    assert len(rnn_notes) == 1 and "on an A100:" in rnn_notes[0]

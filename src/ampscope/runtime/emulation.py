@@ -322,7 +322,7 @@ class Emulation:
             if entry.rnn == "cudnn":
                 from ampscope.runtime.rnn_kernels import cuda_rnn
 
-                self.rnn = stack.enter_context(cuda_rnn())
+                self.rnn = stack.enter_context(cuda_rnn(self.gpu))
             self._stack = stack.pop_all()
         return self
 
@@ -381,7 +381,7 @@ class Emulation:
         if self.rnn:
             from ampscope.runtime.rnn_kernels import rnn_notes
 
-            notes += rnn_notes(self.rnn)
+            notes += rnn_notes(self.rnn, self.gpu)
         return notes
 
 
