@@ -137,13 +137,16 @@ def test_flatten_parameters_packs_the_weights_without_the_warning():
 
 def test_the_rnn_note_names_the_gpu_the_run_stands_for():
     """An emulated run on an A100 says cuDNN's RNN ran as on an A100 (it said "H100" whatever
-    the GPU): the note names `Emulation`'s own target."""
+    the GPU), and a B200 run "on a B200": the note names `Emulation`'s own target."""
     from ampscope.runtime.attention_choice import A100
     from ampscope.runtime.emulation import Emulation
     from ampscope.runtime.virtual_device import VirtualDevice
 
-    with Emulation("cuda", None, A100) as emulation:
-        with VirtualDevice("cuda").active():
-            torch.nn.LSTM(4, 6).to("cuda")(torch.randn(3, 2, 4, device="cuda"))
+    with Emulation("cuda", None, A100) as emulation, VirtualDevice("cuda").active():
+        torch.nn.LSTM(4, 6).to("cuda")(torch.randn(3, 2, 4, device="cuda"))
     rnn_notes = [n for n in emulation.notes("forward", []) if "RNNs ran cuDNN" in n]
     assert len(rnn_notes) == 1 and "on an A100:" in rnn_notes[0]
+    b200 = CudaTarget("B200", (10, 0))
+    with Emulation("cuda", None, b200) as emulation, VirtualDevice("cuda").active():
+        torch.nn.GRU(4, 6).to("cuda")(torch.randn(3, 2, 4, device="cuda"))
+    assert any("on a B200:" in n for n in emulation.notes("forward", []))

@@ -1,4 +1,4 @@
-"""How ampscope words a byte count and an op's name, in every layer.
+"""How ampscope words a byte count, an op's name and a GPU's article, in every layer.
 
 A report's notes (distributed/verdicts.py: a rank's peak against a GPU's memory), the Trace
 Event timeline's slice names (records/perfetto.py) and every view (render/style.py re-exports
@@ -23,3 +23,9 @@ def format_bytes(n: int | None) -> str:
             value = n / size
             return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
     return f"{n} B"
+
+
+def article(name: str) -> str:
+    """"an" before a name read letter by letter from a vowel sound (an H100, an L4), else "a"
+    (a B200)."""
+    return "an" if name[:1].upper() in "AEFHILMNORSX" else "a"

@@ -47,6 +47,7 @@ from ampscope.torchcompat import policy as dispatcher
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.ops import FUSED_RMS_NORM_NAMES
 from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
+from ampscope.wording import article
 
 if TYPE_CHECKING:
     from ampscope.runtime.attention_choice import CudaTarget
@@ -280,11 +281,6 @@ def _cudnn(version: int | None) -> str:
     return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
 
 
-def _article(name: str) -> str:
-    """"an" before a name read letter by letter from a vowel sound (an H100, an L4), else "a"."""
-    return "an" if name[:1].upper() in "AEFHILMNORSX" else "a"
-
-
 class Emulation:
     """Everything an emulated run changes, for its duration: the target's autocast policy, the
     dtypes its norm kernels keep their statistics in (`runtime/norm_stats.py`) and, where the
@@ -368,7 +364,7 @@ class Emulation:
             ran = ", ".join(f"{k} × {n}" for k, n in kernels.items())
             notes.append(
                 "scaled_dot_product_attention ran the kernels PyTorch "
-                f"{torch.__version__.split('+')[0]} picks on {_article(gpu.name)} {gpu.name} "
+                f"{torch.__version__.split('+')[0]} picks on {article(gpu.name)} {gpu.name} "
                 f"(sm{gpu.capability[0]}{gpu.capability[1]}, CUDA {gpu.cuda_version[0]}."
                 f"{gpu.cuda_version[1]}, cuDNN {_cudnn(gpu.cudnn_version)}) for these dtypes and "
                 f"shapes: {ran}."

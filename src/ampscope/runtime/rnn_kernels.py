@@ -33,6 +33,7 @@ from ampscope.runtime.rnn_choice import AUTOCAST_RNN_DTYPE, RnnChoice, choose_rn
 from ampscope.torchcompat import rnn as private_rnn
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.torchcompat.policy import destroy_library, no_autocast, overriding_library
+from ampscope.wording import article
 
 aten = torch.ops.aten
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -360,7 +361,8 @@ def rnn_notes(choices: Sequence[RnnChoice], target: CudaTarget = H100) -> list[s
     if ran:
         calls = ", ".join(f"{mode} × {n}" for mode, n in ran.items())
         op = private_rnn.CUDNN_RNN_NAME
-        notes.append(f"RNNs ran cuDNN's kernels ({op}) as PyTorch does on an {target.name}: "
+        notes.append(f"RNNs ran cuDNN's kernels ({op}) as PyTorch does on "
+                     f"{article(target.name)} {target.name}: "
                      f"{calls}; under autocast in float16, as {op}'s autocast wrapper "
                      "casts whatever the autocast dtype.")
     if kept:
