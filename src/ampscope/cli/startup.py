@@ -1,7 +1,7 @@
 """A command's heavy imports, made first with the garbage collector paused.
 
 A command that runs a model imports torch and ampscope's API and, for a Hugging Face model,
-transformers (which imports torchao, and with it torch._dynamo and sympy, when torchao is
+transformers (which imports torchao, and with it torch's dynamo compiler and sympy, when torchao is
 installed): some 350,000 objects that live as long as the process. While they are imported,
 the cyclic collector keeps running full collections over everything imported so far; six of
 them cost about half a second of `ampscope memory llama-3-8b` on a 2-core machine, as much as
