@@ -15,6 +15,7 @@ Two byte counts per collective:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -43,21 +44,12 @@ def _wire_factor(kind: str, n: int) -> Fraction:
     return Fraction(1)
 
 
-_itemsizes: dict[str, int] = {}
-
-
 def itemsize(dtype: str) -> int:
-    size = _itemsizes.get(dtype)
-    if size is None:
-        size = _itemsizes[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return size
+    return getattr(torch, dtype).itemsize
 
 
 def _nbytes(meta) -> int:
-    n = 1
-    for s in meta.shape:
-        n *= s
-    return n * itemsize(meta.dtype)
+    return math.prod(meta.shape) * itemsize(meta.dtype)
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,7 @@ def ddp_allreduce(model: nn.Module, parallel: Parallel) -> Collective:
     every gradient, in the hook's dtype when a compress hook is set."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dtype = parallel.reduce_dtype or (grads[0].dtype if grads else torch.float32)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    payload = sum(g.numel() for g in grads) * itemsize
+    payload = sum(g.numel() for g in grads) * dtype.itemsize
     n = parallel.world_size
     return Collective(-1, "c10d.allreduce_.default", "all_reduce", "backward", None,
                       dtype_name(dtype), payload, payload * 2 * (n - 1) // n)
