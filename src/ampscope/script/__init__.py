@@ -129,11 +129,14 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
     label, run = runner(target, argv, module)  # a target that cannot run: refused here
     if not in_process:
         from ampscope.script.child import run_in_child
-        from ampscope.script.ranks import gpu_name
 
+        # The child finds the entry again by its name (the same table); figures given on a
+        # command line alone (`custom`) name no GPU to be.
+        named = gpu.name if gpu is not None and gpu.name in {a.name for a in hardware.table()} \
+            else None
         return run_in_child(target, list(argv), module=module, device=device, steps=steps,
                             predict=predict, virtual=virtual, max_forwards=max_forwards,
-                            exact=exact(), values=values, gpu=gpu_name(gpu))
+                            exact=exact(), values=values, gpu=named)
     saved = ProcessState.save()
     try:
         script = _ScriptRun(label, steps=steps, max_forwards=max_forwards,
