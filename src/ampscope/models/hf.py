@@ -1,13 +1,9 @@
 """Hugging Face causal LMs: a zoo of published architectures, local checkpoints, and the adapter.
 
 Every zoo entry is the published configuration of a real model, built from its config with
-random weights: nothing is downloaded, and on the meta device nothing is allocated, so even
-llama-3-70b can be counted on a laptop (on the meta device). Weights do not change which dtype
-an op runs in, so random weights answer the precision and cost questions as well as real ones.
-
-Every model is built with `attn_implementation="sdpa"` and in float32 whatever the config says
-(transformers 5 honours a config's `dtype`, often bfloat16, in `from_config`): the parameter
-dtype is the setting's choice, not the checkpoint's.
+random weights, and every model in float32 with SDPA attention: why, in docs/models.md ("The
+Hugging Face zoo"). On the meta device nothing is allocated, so even llama-3-70b can be counted
+on a laptop.
 
 `transformers` is imported only here and only when an HF spec is resolved (it takes seconds).
 
