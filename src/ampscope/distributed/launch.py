@@ -1,15 +1,9 @@
 """Run one step on N real processes (`launch`) or predict rank 0 of N (`predict`).
 
-`launch` starts the ranks with `torch.multiprocessing` (spawn) and `env://` initialisation
-rather than shelling out to `torchrun`: the parent keeps control of every child (a deadline on
-the whole job, the children killed by their pid when it passes, a child's traceback re-raised
-here), nothing depends on a `torchrun` executable on PATH, and the result comes back as a file
-rank 0 writes. Spawn rather than fork: a forked child inherits torch's thread pools and CUDA
-state, which deadlocks or fails; a spawned one starts clean, on every platform.
-
-`predict` runs in this process on fake tensors under PyTorch's fake process group
-(`torch.testing._internal.distributed.fake_pg`): every collective is dispatched with its real
-shapes and dtypes and returns at once, so rank 0 of 512 runs as fast as rank 0 of 2.
+Why `launch` spawns its ranks with `torch.multiprocessing` rather than `torchrun`, and how
+`predict` runs rank 0 of any N in this process on PyTorch's fake process group:
+docs/distributed.md ("Launching: why `torch.multiprocessing` and not `torchrun`", "Predicting
+at scale").
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@ Pure functions over plain records, like everything under analysis/: the collecti
 off the trace's ops (the c10d ops the dispatcher saw: `c10d._allgather_base_`,
 `c10d._reduce_scatter_base_`, `c10d.allreduce_`, and the `_c10d_functional.*` ones).
 
-Two byte counts per collective:
-- `payload_bytes`: the unsharded buffer — an all-gather's output, a reduce-scatter's input, an
-  all-reduce's tensor. This is the figure FSDP and DDP sizes are quoted in.
-- `wire_bytes`: what one rank sends with the ring algorithms, the usual bus-bandwidth factors
-  for a group of N: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N, all-to-all
-  (N-1)/N, broadcast 1 of the payload. Tree or NVLS algorithms send differently; the payload
-  is exact, the wire figure is the textbook estimate.
+Two byte counts per collective, `payload_bytes` (the unsharded buffer: the figure FSDP and
+DDP sizes are quoted in) and `wire_bytes` (what one rank sends with the ring algorithms, the
+textbook estimate), each defined in docs/distributed.md ("What is counted"); all-to-all sends
+(N-1)/N of its payload, broadcast all of it.
 """
 
 from __future__ import annotations
