@@ -103,8 +103,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
 
     The script runs in a spawned child process, whose trace comes back as JSON; its output goes
     where the caller's goes. `in_process=True` runs it here, as the CLI does, and restores this
-    process's state afterwards (torch's global settings, `sys.argv`, `sys.path`, the working
-    folder, environment, streams, signal handlers, the root logger), also when it raised."""
+    process's state afterwards, also when it raised (what is restored: docs/api.md)."""
     if steps < 1:
         raise AmpscopeError("--steps must be at least 1: the run stops after that many "
                             "optimizer steps")
