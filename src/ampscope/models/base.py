@@ -93,11 +93,6 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        """Parameters counted once per storage: tied weights (wte/lm_head) count once."""
-        seen: set[int] = set()
-        total = 0
-        for p in self.module.parameters():  # parameters() already skips tied duplicates
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        return total
+        """Parameters counted once per storage: tied weights (wte/lm_head) count once, as
+        `parameters()` yields each Parameter once."""
+        return sum(p.numel() for p in self.module.parameters())
