@@ -76,10 +76,6 @@ def _zoo_config(model_type: str, **fields: Any) -> PretrainedConfig:
 ZOO: Presets[PretrainedConfig] = Presets("hf", _zoo_config)
 
 
-def zoo_config(name: str) -> PretrainedConfig:
-    return ZOO[name]
-
-
 def build_from_config(config: PretrainedConfig, *, device: str | torch.device,
                       attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
     """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
@@ -118,7 +114,7 @@ def load(name: str, *, device: str | torch.device = "cpu",
     """Build zoo entry `name` with random weights (no device-dependent choice to make for
     `target_device`)."""
     attention = split_spec(name)[1].get("attn_implementation", ATTN_IMPLEMENTATION)
-    return hf_loaded_model(build_from_config(zoo_config(name), device=device,
+    return hf_loaded_model(build_from_config(ZOO[name], device=device,
                                              attn_implementation=attention), name=name)
 
 
