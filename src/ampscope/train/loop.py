@@ -317,7 +317,7 @@ class _Run:
         path = checkpoint.save(
             checkpoint.checkpoint_dir(config.out, step), model=self.model,
             optimizer=self.optimizer, scaler=self.scaler, step=step,
-            loader=self.train_loader.state(), config=config.to_dict(),
+            loader=self.train_loader.state(), config=dataclasses.asdict(config),
             history={"steps": [dataclasses.asdict(s) for s in result.steps],
                      "evals": [dataclasses.asdict(e) for e in result.evals]})
         result.checkpoint = str(path)
