@@ -119,13 +119,9 @@ def load(name: str, *, device: str | torch.device = "cpu",
 
 
 def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedModel:
-    """`hf:PATH`: a config.json file, or a folder with config.json and optionally weights.
-
-    Weights are loaded from safetensors files if the folder has any (through `from_pretrained`
-    with `local_files_only=True`), else from a single `.bin`/`.pt`/`.pth` checkpoint (or a
-    sharded `pytorch_model.bin.index.json`) with `torch.load(weights_only=True)`, which cannot
-    run code from the file. Without weight files, or on the meta device, weights are random.
-    """
+    """`hf:PATH`: a config.json file, or a folder with config.json and optionally weights,
+    loaded as docs/models.md's table ("Local Hugging Face checkpoints") says; random on the meta
+    device."""
     path = Path(path).expanduser()
     if not path.exists():
         raise AmpscopeError(
