@@ -46,14 +46,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _report_from(data: dict, trace: dict) -> DistributedReport:
-    return DistributedReport(
-        model=data["model"]["name"], parameters=data["model"]["parameters"],
-        setting=SettingRecord.from_dict(data["setting"]), parallel=Parallel.from_dict(data["parallel"]),
-        backend=data["backend"], mode=data["mode"], notes=data["notes"],
-        ranks=[RankReport.from_dict(r) for r in data["ranks"]], trace=Trace.from_dict(trace))
-
-
 def _worker(rank: int, job: dict, port: int, result: str) -> None:
     """One rank: join the group, run the step, rank 0 writes the report. Always leaves the
     group, so a failing rank cannot leave the others waiting past the group's timeout."""
@@ -135,8 +127,14 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
                 if process.is_alive():
                     process.kill()
                     process.join(5)
-        data = json.loads(result.read_text())
-    return _report_from(data["report"], data["trace"])
+        written = json.loads(result.read_text())
+    data = written["report"]  # rank 0's report and trace, as its to_dict()s wrote them
+    return DistributedReport(
+        model=data["model"]["name"], parameters=data["model"]["parameters"],
+        setting=SettingRecord.from_dict(data["setting"]), parallel=Parallel.from_dict(data["parallel"]),
+        backend=data["backend"], mode=data["mode"], notes=data["notes"],
+        ranks=[RankReport.from_dict(r) for r in data["ranks"]],
+        trace=Trace.from_dict(written["trace"]))
 
 
 def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", batch: int = 1,
