@@ -79,7 +79,7 @@ def test_header_reader_agrees_with_gguf_and_names_the_quantization():
 
 @needs_real
 def test_config_from_the_gguf_is_the_published_architecture():
-    real, zoo = smollm2.gguf_config(smollm2.gguf_path()), hf.zoo_config("smollm2-135m")
+    real, zoo = smollm2.gguf_config(smollm2.gguf_path()), hf.ZOO["smollm2-135m"]
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
                 "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_parameters"):
@@ -133,7 +133,7 @@ def test_weights_lie_on_the_q4_1_grid(real):
 def test_weights_are_trained_not_random(real):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        random = hf.build_from_config(hf.zoo_config("smollm2-135m"), device="cpu")
+        random = hf.build_from_config(hf.ZOO["smollm2-135m"], device="cpu")
     norms = {name: lm.model.embed_tokens.weight.detach().norm(dim=1).mean().item()
              for name, lm in (("random", random), ("real", real.module))}
     assert norms["random"] == pytest.approx(0.02 * 576**0.5, rel=0.05)  # initializer_range 0.02

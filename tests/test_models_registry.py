@@ -95,7 +95,7 @@ def test_zoo_is_fully_covered_by_published_counts():
 
 @pytest.mark.parametrize("name", sorted(hf.ZOO))
 def test_every_zoo_architecture_trains_and_samples_at_tiny_size(name):
-    config = hf.zoo_config(name)
+    config = hf.ZOO[name]
     shrink = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
     shrink |= dict(num_key_value_heads=2, intermediate_size=128, head_dim=16)  # Llama family
     shrink |= dict(ffn_dim=128, word_embed_proj_dim=64)  # OPT
@@ -116,7 +116,7 @@ def test_every_zoo_architecture_trains_and_samples_at_tiny_size(name):
 def test_tied_weights_counted_once():
     tied = resolve("llama-3.2-1b", device="meta").module
     assert tied.lm_head.weight is tied.get_input_embeddings().weight
-    untied_config = hf.zoo_config("llama-3.2-1b")
+    untied_config = hf.ZOO["llama-3.2-1b"]
     untied_config.tie_word_embeddings = False
     untied = hf.hf_loaded_model(hf.build_from_config(untied_config, device="meta"), name="x")
     assert untied.num_parameters - PUBLISHED["llama-3.2-1b"] == 128256 * 2048

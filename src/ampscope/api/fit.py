@@ -1,10 +1,8 @@
 """`fit`: the largest micro-batch (and sequence) whose predicted train step fits a GPU.
 
-Every figure comes from a predicted run (`memory(..., predict=True)`: a trace on fake
-tensors and its memory report); the
-search that picks the runs is in analysis/fit.py. The model is built once on the meta device
-and every probe runs on it: each run makes its own fake working copies of the weights
-(`precision.applied`), so nothing carries over from one probe to the next.
+Every figure comes from a predicted run (`memory(..., predict=True)`: a trace on fake tensors
+and its memory report), each on the one model built on the meta device, of which it makes its
+own fake working copies (docs/fit.md); the search that picks the runs is in analysis/fit.py.
 
 Namesakes, the same concern at another layer: `analysis/fit.py`, `cli/fit.py`, `render/fit.py`."""
 

@@ -36,10 +36,9 @@ def run_shortfall(lm: LoadedModel, setting: Setting, workload: str, optimizer: s
     if workload not in ("forward", "generate"):  # a custom step may train: count as one
         per_param += 1 + {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
     dtype = setting.param_dtype or main_dtype(lm.module) or torch.float32  # native: the model's
-    itemsize = torch.empty((), dtype=dtype).element_size()
     what = (f"as {per_param} {dtype_name(dtype)} copies of the weights "
             f"for a {workload} run")
-    bytes_per_parameter = per_param * itemsize
+    bytes_per_parameter = per_param * dtype.itemsize
     if built_on_meta:
         bytes_per_parameter += 4
         what = "built in float32 and " + what

@@ -161,36 +161,30 @@ def numerics(
     gradients; and report the range of the reference's activations, gradients and weights
     against fp16, bf16 and fp8. Real runs only: values are the point."""
     with torch.inference_mode(False):  # as trace_run: the caller's modes stay outside
-        return _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer,
-                         seed, on_setting)
-
-
-def _numerics(model, inputs, settings, reference, workload, batch, seq, optimizer, seed,
-              on_setting) -> NumericsReport:
-    options = RunOptions(workload, batch, seq, optimizer, seed=seed, predict=False)
-    if workload not in ("forward", "train"):
-        raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
-    if reference not in ("fp64", "fp32"):
-        raise AmpscopeError(f"the reference is fp64 or fp32, not {reference!r}")
-    parsed = [resolved(s) for s in settings]
-    if not parsed:
-        raise AmpscopeError("give at least one setting")
-    ref_setting = resolved(reference)
-    lm = load(model, device="cpu", have_inputs=inputs is not None)
-    shortfall = run_shortfall(lm, ref_setting, workload, optimizer, built_on_meta=False)
-    if shortfall is not None:
-        raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
-    data = batch_for(lm, inputs, options)
-    if on_setting is not None:
-        on_setting(0, f"{reference} (reference)")
-    ref = _values_of(lm, data, ref_setting, options)
-    report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref),
-                            emulated=[s.name for s in parsed if s.emulated])
-    for i, s in enumerate(parsed):
+        options = RunOptions(workload, batch, seq, optimizer, seed=seed, predict=False)
+        if workload not in ("forward", "train"):
+            raise AmpscopeError(f"numerics runs the forward or train workload, not {workload!r}")
+        if reference not in ("fp64", "fp32"):
+            raise AmpscopeError(f"the reference is fp64 or fp32, not {reference!r}")
+        parsed = [resolved(s) for s in settings]
+        if not parsed:
+            raise AmpscopeError("give at least one setting")
+        ref_setting = resolved(reference)
+        lm = load(model, device="cpu", have_inputs=inputs is not None)
+        shortfall = run_shortfall(lm, ref_setting, workload, optimizer, built_on_meta=False)
+        if shortfall is not None:
+            raise AmpscopeError(f"{shortfall}; numerics needs real values (no predict mode)")
+        data = batch_for(lm, inputs, options)
         if on_setting is not None:
-            on_setting(i + 1, s.name)
-        report.settings.append(compare_runs(s.name, _values_of(lm, data, s, options), ref))
-    return report
+            on_setting(0, f"{reference} (reference)")
+        ref = _values_of(lm, data, ref_setting, options)
+        report = NumericsReport(lm.name, workload, reference, ranges=ranges(ref),
+                                emulated=[s.name for s in parsed if s.emulated])
+        for i, s in enumerate(parsed):
+            if on_setting is not None:
+                on_setting(i + 1, s.name)
+            report.settings.append(compare_runs(s.name, _values_of(lm, data, s, options), ref))
+        return report
 
 
 def _values_of(lm: LoadedModel, data: Batch, setting: Setting, options: RunOptions) -> Values:

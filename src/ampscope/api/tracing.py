@@ -79,17 +79,15 @@ def trace(
     reads a tensor's value (then it runs for real, with a note); `False` always runs for real.
     `checkpoint=True` recomputes each repeated block's activations in backward
     (`torch.utils.checkpoint`); `optimizer_impl` is "for-loop", "foreach" or "fused" (default:
-    PyTorch's choice on the setting's device). A predicted run records two blocks of each run
-    of identical blocks and replays their records for the others (the same trace, in a
-    fraction of the time), and other speed tricks answer ops without dispatching them
-    (ampscope.tricks); `exact=True` (or its older name `every_block=True`) turns them all off
-    and dispatches every op: the same trace, slower. `values=True` also records what the
-    values say (`Trace.values`: inf/NaN, activations near the format's limit, 16-bit updates
-    that round away, judged by the checks AMP303, AMP304, AMP401): a real run, so `predict`
-    None means False then (`predict=True` records no values). `gpu` (a name of
-    `hardware.table()` or an `Accelerator`) is the GPU an emulated cuda setting's virtual
-    device is: what the model's code sees (name, memory, compute capability) and the kernels
-    chosen by capability (SDPA's); default: an H100.
+    PyTorch's choice on the setting's device). `exact=True` (or its older name
+    `every_block=True`) takes none of a predicted run's speed tricks (ampscope.tricks; each in
+    docs/api.md) and dispatches every op: the same trace, slower. `values=True` also records
+    what the values say (`Trace.values`: inf/NaN, activations near the format's limit, 16-bit
+    updates that round away, judged by the checks AMP303, AMP304, AMP401): a real run, so
+    `predict` None means False then (`predict=True` records no values). `gpu` (a name of
+    `hardware.table()` or an `Accelerator`) is the GPU an emulated cuda setting's virtual device
+    is: what the model's code sees (name, memory, compute capability) and the kernels chosen by
+    capability (SDPA's); default: an H100.
 
     The model — parameters, buffers, gradients, hooks, training flag — and torch's global state
     (autocast, matmul precision, default dtype, RNG) are exactly as before afterwards, also when

@@ -1,10 +1,5 @@
-"""`watch`: trace one optimizer step of the user's own training loop, as it runs.
-
-The step is told apart by the optimizer's step hooks: step N is everything from the moment
-step N-1's `optimizer.step()` returns to the moment step N's returns (for N = 1: from `watch`
-on). Before step N only one optimizer post-hook is installed (it counts steps); around step N
-the `capture` recorders; after it nothing at all.
-"""
+"""`watch`: trace one optimizer step of the user's own training loop, as it runs; which step
+is which, and what is installed when: docs/api.md ("`ampscope.watch`")."""
 
 from __future__ import annotations
 

@@ -34,20 +34,12 @@ from ampscope.cli.parser import (
 )
 from ampscope.defaults import DEFAULT_MODEL, DEFAULT_SETTING
 from ampscope.errors import AmpscopeError, DtypeMismatchError
+from ampscope.tricks import exact_path
 
 # Nothing imported here imports torch: `--help`, `--version` and argument errors answer at once;
 # the commands (cli/commands.py) import the library inside each function.
 __all__ = ["DEFAULT_MODEL", "DEFAULT_SETTING", "default_setting", "main", "one_line", "run",
            "_parser", "_values_after_dashes"]
-
-
-def _exact_path(exact: bool) -> contextlib.AbstractContextManager[None]:
-    """The command's runs on the exact path (--exact): imported only when asked, as torch."""
-    if not exact:
-        return contextlib.nullcontext()
-    from ampscope.tricks import exact_path
-
-    return exact_path()
 
 
 @contextlib.contextmanager
@@ -137,7 +129,7 @@ def main(argv: Sequence[str] | None = None, *, freeze_imports: bool = False) -> 
         resolve_hardware(args)
         startup.preload(args, freeze=freeze_imports)
         command = getattr(commands, f"cmd_{args.command}", commands.registered_command)
-        with _verbose(args.verbose), _exact_path(getattr(args, "exact", False)):
+        with _verbose(args.verbose), exact_path(getattr(args, "exact", False)):
             if not exports.to_stdout(args):
                 return command(args)
             # JSON (or CSV) alone on stdout: whatever user code prints goes to stderr.

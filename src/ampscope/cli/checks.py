@@ -29,8 +29,11 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
             raise AmpscopeError("--nproc must be at least 1")
         if args.timeout is not None and not args.timeout > 0:
             raise AmpscopeError("--timeout must be a positive number of seconds")
-    if args.command == "run":
-        _check_run_timing(args)
+    # `run --step-time` before the script runs, not after (`--gpu` and `--peak-flops` apply
+    # without it: they name the GPU a cuda run's step is predicted on).
+    step_time = args.step_time if args.command == "run" else None
+    if step_time is not None and not 0 < step_time < math.inf:
+        raise AmpscopeError("the step time must be a positive number of seconds")
     total = getattr(args, "total_batch", None)
     if total is not None and total < 1:
         raise AmpscopeError("--total-batch must be a positive number of tokens")
@@ -44,13 +47,6 @@ def check_flags(argv: list[str], args: argparse.Namespace) -> None:
             value = getattr(args, flag, None)
             if value is not None and not value >= 0:
                 raise AmpscopeError(f"--{flag.replace('_', '-')} must be 0 or more; got {value}")
-
-
-def _check_run_timing(args: argparse.Namespace) -> None:
-    """`run --step-time` before the script runs, not after. (`--gpu` and `--peak-flops` apply
-    without it: they name the GPU a cuda run's step is predicted on.)"""
-    if args.step_time is not None and not 0 < args.step_time < math.inf:
-        raise AmpscopeError("the step time must be a positive number of seconds")
 
 
 # Options of train and bench that only make sense above zero, or at zero and above.

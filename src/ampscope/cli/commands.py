@@ -189,9 +189,8 @@ def _run_ranks(args: argparse.Namespace, script_args: list[str]):
 
 def _predicted_ranks(args: argparse.Namespace, script_args: list[str]):
     """`run --nproc N --predict`: one rank of each role and rank N-1 (or every rank) predicted;
-    the report, the
-    traces indexed by rank (a rank not run shows the one it is taken to be), its JSON, and the
-    run rank each other rank is taken to be (None: not known)."""
+    the report, the traces indexed by rank (a rank not run shows the one it is taken to be),
+    its JSON, and the run rank each other rank is taken to be (None: not known)."""
     from ampscope.script.predicted_ranks import DEFAULT_TIMEOUT, predict_ranks, predicted_dict
     from ampscope.script.ranks import report_dict
 
@@ -217,8 +216,7 @@ def _step_reports(result, *, memory: bool = True, flops: bool = True,
 
 
 def _page(traces: list, reports, *, matrix=None, **more) -> str:
-    """The HTML report of `traces` with `reports`' sections; `distributed` (a
-    DistributedReport) adds its ranks, `same_as` the run rank each other rank is taken to be."""
+    """The HTML report of `traces` with `reports`' sections (`more`: as for `report_html`)."""
     from ampscope.analysis.compare import build_matrix
     from ampscope.render.html import report_html
 

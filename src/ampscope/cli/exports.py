@@ -1,9 +1,8 @@
 """The exports, each registered once: the flag, how it writes the part of a command's result
 it reads (`_show(args, render, json=…, csv=…, perfetto=…, report=…)`), the commands that take
 it with each one's help line (`reports`: every registered report's, render/report_kinds.py), and
-whether '-' means stdout. The parser adds the flags from here, `check_outputs` refuses an
-unwritable path before the run, and `write_exports` writes them in this order, through
-`write_atomic`, saying where on stderr. Torch-free: the parser reads it.
+whether '-' means stdout; who reads it: docs/architecture.md ("Registries"). `write_exports`
+writes them in this order, saying where on stderr. Torch-free: the parser reads it.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def _plans(args: argparse.Namespace, seq: int | str, console) -> int:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from ampscope.api.fit import fit
-    from ampscope.render.fit import probe_line
+    from ampscope.render.fit import probe_line, render_fit
 
     if args.seq == "auto":
         seq: int | str = "auto"
@@ -82,6 +82,4 @@ def cmd_fit(args: argparse.Namespace) -> int:
     report = fit(args.model, gpu=args.gpu, memory_size=args.memory, setting=args.setting,
                  seq=seq, optimizer=args.optimizer, variants=not args.no_variants,
                  on_probe=lambda p: console.print(probe_line(p)))
-    from ampscope.render.fit import render_fit
-
     return _show(args, lambda: render_fit(report), json=report.to_dict)

@@ -1,16 +1,8 @@
-"""A command's heavy imports, made first with the garbage collector paused.
-
-A command that runs a model imports torch and ampscope's API and, for a Hugging Face model,
-transformers (which imports torchao, and with it torch._dynamo and sympy, when torchao is
-installed): some 350,000 objects that live as long as the process. While they are imported,
-the cyclic collector keeps running full collections over everything imported so far; six of
-them cost about half a second of `ampscope memory llama-3-8b` on a 2-core machine, as much as
-the predicted train step itself. Importing makes next to no garbage, so `preload` imports what
-the command will need with the collector paused. The console script, which owns its process,
-then also freezes what was imported (`gc.freeze`): the collections that run later, while the
-model is built and the report written, skip it instead of walking it again. `main()` called
-from Python (tests, a notebook) pauses but never freezes: the caller's objects are not ours
-to make permanent.
+"""A command's heavy imports, made first with the garbage collector paused: what they cost
+otherwise, and why the console script alone then freezes them, in docs/cli.md (the paragraph
+on `cli/startup.py`). Importing makes next to no garbage, so pausing the collector loses
+nothing; `main()` called from Python never freezes: the caller's objects are not ours to make
+permanent.
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""Capture on every rank of a DDP or FSDP2 job; rank 0 gathers.
-
-    with ampscope.distributed.capture(model) as run:   # in your torchrun script, every rank
-        loss = model(x).sum(); loss.backward(); optimizer.step()
-    if run.report is not None:                         # rank 0: every rank's collectives
-        print(run.report.to_dict())                    # and bytes held
-
-Each rank records its own step with the ordinary `Capture` (the c10d collectives are aten-level
-ops like any other, so the dispatch mode sees them with their dtypes and shapes), counts what it
-holds after the step — its shard of every parameter, gradient and optimizer state (a DTensor's
-local tensor under FSDP2) — and sends that, with its JSON-able trace, to rank 0 through
-`torch.distributed.gather_object`.
-"""
+"""Capture on every rank of a DDP or FSDP2 job; rank 0 gathers. How, with an example:
+docs/distributed.md ("Inside your own job")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Run one step on N real processes (`launch`) or predict rank 0 of N (`predict`).
 
-`launch` starts the ranks with `torch.multiprocessing` (spawn) and `env://` initialisation
-rather than shelling out to `torchrun`: the parent keeps control of every child (a deadline on
-the whole job, the children killed by their pid when it passes, a child's traceback re-raised
-here), nothing depends on a `torchrun` executable on PATH, and the result comes back as a file
-rank 0 writes. Spawn rather than fork: a forked child inherits torch's thread pools and CUDA
-state, which deadlocks or fails; a spawned one starts clean, on every platform.
-
-`predict` runs in this process on fake tensors under PyTorch's fake process group
-(`torch.testing._internal.distributed.fake_pg`): every collective is dispatched with its real
-shapes and dtypes and returns at once, so rank 0 of 512 runs as fast as rank 0 of 2.
+Why `launch` spawns its ranks with `torch.multiprocessing` rather than `torchrun`, and how
+`predict` runs rank 0 of any N in this process on PyTorch's fake process group:
+docs/distributed.md ("Launching: why `torch.multiprocessing` and not `torchrun`", "Predicting
+at scale").
 """
 
 from __future__ import annotations
@@ -50,14 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _report_from(data: dict, trace: dict) -> DistributedReport:
-    return DistributedReport(
-        model=data["model"]["name"], parameters=data["model"]["parameters"],
-        setting=SettingRecord.from_dict(data["setting"]), parallel=Parallel.from_dict(data["parallel"]),
-        backend=data["backend"], mode=data["mode"], notes=data["notes"],
-        ranks=[RankReport.from_dict(r) for r in data["ranks"]], trace=Trace.from_dict(trace))
 
 
 def _worker(rank: int, job: dict, port: int, result: str) -> None:
@@ -141,8 +127,14 @@ def launch(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", b
                 if process.is_alive():
                     process.kill()
                     process.join(5)
-        data = json.loads(result.read_text())
-    return _report_from(data["report"], data["trace"])
+        written = json.loads(result.read_text())
+    data = written["report"]  # rank 0's report and trace, as its to_dict()s wrote them
+    return DistributedReport(
+        model=data["model"]["name"], parameters=data["model"]["parameters"],
+        setting=SettingRecord.from_dict(data["setting"]), parallel=Parallel.from_dict(data["parallel"]),
+        backend=data["backend"], mode=data["mode"], notes=data["notes"],
+        ranks=[RankReport.from_dict(r) for r in data["ranks"]],
+        trace=Trace.from_dict(written["trace"]))
 
 
 def predict(model: str, parallel: Parallel, *, setting: str | Setting = "fp32", batch: int = 1,

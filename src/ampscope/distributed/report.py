@@ -4,17 +4,15 @@ Pure functions over plain records, like everything under analysis/: the collecti
 off the trace's ops (the c10d ops the dispatcher saw: `c10d._allgather_base_`,
 `c10d._reduce_scatter_base_`, `c10d.allreduce_`, and the `_c10d_functional.*` ones).
 
-Two byte counts per collective:
-- `payload_bytes`: the unsharded buffer — an all-gather's output, a reduce-scatter's input, an
-  all-reduce's tensor. This is the figure FSDP and DDP sizes are quoted in.
-- `wire_bytes`: what one rank sends with the ring algorithms, the usual bus-bandwidth factors
-  for a group of N: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N, all-to-all
-  (N-1)/N, broadcast 1 of the payload. Tree or NVLS algorithms send differently; the payload
-  is exact, the wire figure is the textbook estimate.
+Two byte counts per collective, `payload_bytes` (the unsharded buffer: the figure FSDP and
+DDP sizes are quoted in) and `wire_bytes` (what one rank sends with the ring algorithms, the
+textbook estimate), each defined in docs/distributed.md ("What is counted"); all-to-all sends
+(N-1)/N of its payload, broadcast all of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -43,21 +41,12 @@ def _wire_factor(kind: str, n: int) -> Fraction:
     return Fraction(1)
 
 
-_itemsizes: dict[str, int] = {}
-
-
 def itemsize(dtype: str) -> int:
-    size = _itemsizes.get(dtype)
-    if size is None:
-        size = _itemsizes[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return size
+    return getattr(torch, dtype).itemsize
 
 
 def _nbytes(meta) -> int:
-    n = 1
-    for s in meta.shape:
-        n *= s
-    return n * itemsize(meta.dtype)
+    return math.prod(meta.shape) * itemsize(meta.dtype)
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,6 @@ from ampscope.torchcompat.fake import fake_mode_suspended
 from ampscope.tricks import Trick, TrickFailed, enabled
 
 
-def compressed_allreduce(dtype: torch.dtype, bucket):
-    """DDP's `fp16_compress_hook` / `bf16_compress_hook` with the dtype as the hook's state:
-    all-reduce each gradient bucket in `dtype`, then copy back. (torch's own bf16 hook refuses
-    to run without NCCL; the cast is the same.) Annotation-free: DDP checks annotations by
-    identity, which postponed annotations would fail."""
-    return compress_hook(dtype, bucket)
-
-
 class ShardTrickFailed(TrickFailed):
     """`fully_shard` raised while the `fsdp-shard` trick answered FSDP2's chunking: the caller
     runs the rank again on the exact path, on a fresh copy of the model (this one is sharded
@@ -68,7 +60,10 @@ def wrap(model: nn.Module, parallel: Parallel, mesh=None, *, predicted: bool = F
         return model
     ddp = nn.parallel.DistributedDataParallel(model)
     if parallel.reduce_dtype not in (None, torch.float32):
-        ddp.register_comm_hook(parallel.reduce_dtype, compressed_allreduce)
+        # DDP's fp16/bf16_compress_hook with the dtype as the hook's state (torch's own bf16
+        # hook refuses to run without NCCL; the cast is the same). Its bucket and return are
+        # unannotated, as DDP wants: it compares them with its own types, not strings.
+        ddp.register_comm_hook(parallel.reduce_dtype, compress_hook)
     return ddp
 
 
@@ -123,8 +118,7 @@ def ddp_allreduce(model: nn.Module, parallel: Parallel) -> Collective:
     every gradient, in the hook's dtype when a compress hook is set."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     dtype = parallel.reduce_dtype or (grads[0].dtype if grads else torch.float32)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    payload = sum(g.numel() for g in grads) * itemsize
+    payload = sum(g.numel() for g in grads) * dtype.itemsize
     n = parallel.world_size
     return Collective(-1, "c10d.allreduce_.default", "all_reduce", "backward", None,
                       dtype_name(dtype), payload, payload * 2 * (n - 1) // n)

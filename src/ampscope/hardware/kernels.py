@@ -6,16 +6,10 @@ figures here: what fraction of those peaks real kernels reach, the GEMM tile sha
 and wave quantization, what a kernel launch and PyTorch's eager dispatch cost, how fast the
 fused attention kernels run, and the interconnect a collective crosses.
 
-How they were chosen: from hardware principles and published *kernel-level* measurements
-(one GEMM, one copy kernel, one attention kernel, one collective benchmark, or a library's own
-tuning model), never fitted to a published whole-model step time (GPT-2's or any other). Where
-no kernel-level figure was found, the value is an assumption and its source says so; the GPU
-check (docs/performance.md) measures each of them on the day a GPU is available.
-
-Every figure can be overridden per accelerator in the user's hardware.toml (user.py), under
-`kernels`: `[a100] kernels = { gemm_bfloat16 = 0.9, launch_s = 3e-6 }`; the source then reads
-as that file. `params(acc)` returns the figures for one accelerator: the defaults, then the
-accelerator's own published ones (`BY_ACCELERATOR`), then the user's.
+How they were chosen (never fitted to a whole-model step time), how hardware.toml overrides
+them (user.py) and how the GPU check measures them: docs/performance.md ("The parameters and
+their sources", "Measured on a GPU"). `params(acc)` returns the figures for one accelerator:
+the defaults, then the accelerator's own published ones (`BY_ACCELERATOR`), then the user's.
 
 Nothing here imports torch.
 """

@@ -24,12 +24,6 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, released apart before 3.11
     import tomli as tomllib
 
-# --- the user's figures --------------------------------------------------------------------
-#
-# A GPU that is not in `KNOWN`, or a figure a user measured or wants to plan with, comes from a
-# TOML file merged over the table (`table()`), or from `--peak-flops` / `--memory` on the
-# command line (`with_figures`). What the user gives is cited as such in `sources`.
-
 # Short dtype names people write ("bf16=989e12"), beside the names of `DTYPES`.
 DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "tf32": "tf32", "bf16": "bfloat16",
                  "fp16": "float16", "fp8": "float8"} | {d: d for d in DTYPES}

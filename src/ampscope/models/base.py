@@ -1,9 +1,6 @@
-"""What a workload needs to drive a model: `LoadedModel`.
-
-A model spec ("gpt2", "llama-3.2-1b", "hf:./ckpt", "mypkg.models:build") resolves to a
-`LoadedModel`: the `nn.Module` plus the few conventions that differ between model families —
-how to make a batch of token ids (nanochat trains on int32 ids, samples with int64), how to get
-a loss, how to sample. The capture engine never needs to know which family it traces.
+"""What a workload needs to drive a model: `LoadedModel`, the `nn.Module` plus the few
+conventions that differ between model families (each field: docs/api.md, "`LoadedModel`"), so
+that the capture engine never needs to know which family it traces.
 """
 
 from __future__ import annotations
@@ -93,11 +90,6 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        """Parameters counted once per storage: tied weights (wte/lm_head) count once."""
-        seen: set[int] = set()
-        total = 0
-        for p in self.module.parameters():  # parameters() already skips tied duplicates
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        return total
+        """Parameters counted once per storage: tied weights (wte/lm_head) count once, as
+        `parameters()` yields each Parameter once."""
+        return sum(p.numel() for p in self.module.parameters())

@@ -3,10 +3,8 @@ parameter count, description), what builds the model (a module under `ampscope.m
 `load(name, *, device=, target_device=)`) and the preset's configuration, as plain data, which
 that module reads (`Presets`). Nothing here imports torch, so listing builds nothing.
 
-A named model can be asked for with some of its preset's fields changed:
-`gpt2[n_layer=4]`, `gpt2-hf[attn_implementation=eager]` (`split_spec`). The fields are those of
-the family's config (GPT-2's `GPTConfig`, a zoo entry's config.json); values are Python literals
-(`4`, `0.1`, `True`) or plain words (`eager`).
+A named model can be asked for with some of its preset's fields changed, `gpt2[n_layer=4]`
+(`split_spec`; which fields and values: docs/models.md, "Changing a preset's fields").
 
 The counts are what building each model on the meta device gives (`registry.list_models`);
 tests/test_models_registry.py holds every entry equal to it.

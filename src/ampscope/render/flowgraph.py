@@ -1,11 +1,8 @@
 """The dtype flow diagram (analysis/diagram.py) drawn as SVG, for the HTML report.
 
-One node per step, top to bottom; the edge into a node is coloured by the dtype flowing along
-it; a diamond on an edge marks the casts autocast inserted for that step; a node whose output
-leaves in another dtype than its inputs has a thick border in the new dtype's colour; a residual
-add gets the residual stream as a second edge on a lane to the left. Each section (the steps
-before the blocks, one block drawn once, the steps after) is its own SVG, so the HTML page can
-put a repeated block inside a collapsible `<details>`.
+What it draws: docs/report.md ("Dtype flow"). Each section (the steps before the blocks, one
+block drawn once, the steps after) is its own SVG, so the HTML page can put a repeated block
+inside a collapsible `<details>`.
 
 The SVG is drawn by hand (no matplotlib): a few dozen rectangles and lines, computed here and
 written by the template render/templates/flowgraph.svg.j2 with autoescaping on.

@@ -1,18 +1,9 @@
 """HTML: the self-contained report page (`ampscope report`, and `--report PATH` of `run` and
 `trace`, with a Ranks section for a distributed run) and the notebook fragments (`_repr_html_`
 of Trace, Matrix and every report of render/report_kinds.py with a section), from the same section
-templates.
-
-The markup is in jinja2 templates (render/templates/, shipped with the package) rendered with
-autoescaping on: everything that comes from the model or the user (module, class and parameter
-names, source paths, finding text, setting names) is escaped wherever a template puts it; only
-the templates' own macros and the SVG of render/plots.py and render/flowgraph.py go in as
-markup. The functions here only gather what each section shows.
-
-The page loads nothing: no script, no web font, no image file, no stylesheet link. Plots are
-inline SVG (render/plots.py with matplotlib, render/flowgraph.py by hand), collapsing uses
-`<details>`, and a Content-Security-Policy that allows no source at all backs that up in the
-browser.
+templates (render/templates/, rendered with autoescaping on); the functions here only gather
+what each section shows. Why the page loads nothing and what is escaped: docs/report.md
+("Self-contained and safe to open").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Notebook display: the HTML view of a trace or a report in Jupyter.
-
-Jupyter shows an object as HTML when its class has a `_repr_html_` method. Records and reports
-sit below this layer and must not import it, so `register()` gives each class in `VIEWS` its
-view: the trace's, the matrix's, and the section of every report registered with one
-(render/report_kinds.py). Importing this module changes nothing: the package root calls
-`register()` on the first use of any of its names (`ampscope.trace`, ...), and code that imports
-the records and reports from their own modules, without those names, calls it itself.
+"""Notebook display: the HTML view of a trace or a report in Jupyter (`_repr_html_`), given
+to each class in `VIEWS` by `register()`: the trace's, the matrix's, and the section of every
+report registered with one (render/report_kinds.py). Importing this module changes nothing;
+why, and who calls `register()`: docs/report.md ("In a notebook").
 """
 
 from __future__ import annotations

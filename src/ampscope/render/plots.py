@@ -1,12 +1,8 @@
-"""Plots for the HTML report: matplotlib figures rendered to inline SVG strings.
-
-Figures are built with `matplotlib.figure.Figure` and drawn by the SVG canvas directly, never
-through pyplot: no global figure state, and the user's backend (a notebook's inline backend,
-say) is left alone. matplotlib is imported when a plot is drawn, not with ampscope.
-
-Text stays text in the SVG (`svg.fonttype: none`): smaller, searchable, and escaped by
-matplotlib's SVG writer like any XML text. The page carries the `<svg>` element only, without
-the metadata and the URLs in it.
+"""Plots for the HTML report: matplotlib figures rendered to inline SVG strings, never through
+pyplot (docs/report.md: the user's matplotlib is left alone). matplotlib is imported when a plot
+is drawn, not with ampscope. Text stays text in the SVG (`svg.fonttype: none`): smaller,
+searchable, and escaped by matplotlib's SVG writer like any XML text. The page carries the
+`<svg>` element only, without the metadata and the URLs in it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The reports, each registered once and looked up by name (as torchtitan's `register_train_spec`).
 
 A `ReportKind` names all one kind of report has, each field commented below; its class's
-`to_dict()` is the JSON `--json` writes, described by `schemas/NAME.schema.json`. Parts are named
-"module:attribute" and imported only when used, so the parser reads this module without torch,
-and each layer loads only what it may import (render: the class and the body; api and the
-package root: the function; cli: the function, the view and the arguments).
+`to_dict()` is the JSON `--json` writes, described by `schemas/NAME.schema.json`. Why parts are
+"module:attribute" strings, imported only when used: docs/architecture.md ("Registries").
 """
 
 from __future__ import annotations

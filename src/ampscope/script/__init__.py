@@ -1,20 +1,8 @@
-"""`ampscope run`: the user's own script, unmodified, traced the way `python -m cProfile` runs it.
-
-The script runs as `__main__` with its own `sys.argv`, its folder first on `sys.path` (as
-`python train.py` puts it), under a `Capture` that adopts the first module the script calls
-outside any other as the model. After `steps` optimizer steps the script goes on to the end
-of that step (`scaler.update()`, the LR scheduler, `zero_grad`, logging run and are traced) and
-is stopped as its model's next forward pass begins, by an exception the script's own
-`except Exception:` cannot catch, so its later code (more steps, evaluation, checkpointing)
-never runs; a script that never steps is stopped after `max_forwards` forward passes of its
-model. On a device this machine lacks, the script runs on the virtual device
-(runtime/virtual_device.py), so its device checks, `torch.cuda` calls and
-`torch.autocast("cuda")` regions behave as on the target. With `predict`, it runs on fake
-tensors: its model is never materialised, whatever its size.
-
-A run ends as under `python`, stopped or not: the script's atexit handlers run, its log
-handlers and open files are flushed and closed (script/ending.py, script/written_files.py). The files
-it wrote are listed in the trace's notes; a predicted run writes no checkpoint of fake tensors.
+"""`ampscope run`: the user's own script, unmodified, traced the way `python -m cProfile` runs it:
+as `__main__` under a `Capture` that adopts the first module it calls outside any other as the
+model, stopped after its steps (or `max_forwards` passes), on the virtual device where this
+machine lacks its device, on fake tensors with `predict`; it ends as under `python`. What it
+sees and how a run ends: docs/cli.md ("`ampscope run`", "How a run ends").
 
 The package:
 
@@ -115,8 +103,7 @@ def run_script(target: str, argv: Sequence[str] = (), *, module: bool = False,
 
     The script runs in a spawned child process, whose trace comes back as JSON; its output goes
     where the caller's goes. `in_process=True` runs it here, as the CLI does, and restores this
-    process's state afterwards (torch's global settings, `sys.argv`, `sys.path`, the working
-    folder, environment, streams, signal handlers, the root logger), also when it raised."""
+    process's state afterwards, also when it raised (what is restored: docs/api.md)."""
     if steps < 1:
         raise AmpscopeError("--steps must be at least 1: the run stops after that many "
                             "optimizer steps")

@@ -1,14 +1,10 @@
 """`run_script` in a child process: the script gets a process of its own, as under `python`.
 
-Whatever the script does to its process (`os._exit`, a fork whose child returns, signal
-handlers, torch's global settings, imports that register operators once per process) stays
-there. The child is spawned, not forked: a fresh interpreter with nothing of the caller's
-state. It runs the script in its own process (`in_process=True`) and writes the trace (or the
-one-line error) as JSON to a file the parent reads back as a `Trace`.
-
-The child's output goes where the caller's goes: to the same terminal or file descriptors when
-`sys.stdout`/`sys.stderr` are the process's own, and otherwise (a caller that redirected them,
-a notebook) through pipes, copied into the caller's current streams as it comes.
+Why a process of its own, spawned, and where its output goes: docs/api.md ("Where it runs";
+imports that register operators once per process stay there too). The child runs the script
+with `in_process=True` and writes the trace (or the one-line error) as JSON to a file the
+parent reads back as a `Trace`; its output reaches a caller that redirected its streams (a
+notebook) through pipes, copied into the caller's current streams as it comes.
 """
 
 from __future__ import annotations

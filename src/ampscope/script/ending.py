@@ -9,10 +9,9 @@ stopped after `--steps`.
   the run unwinds with `ScriptExited` (which the script's `except Exception:` cannot catch)
   and is reported with its status. A child process (a DataLoader worker, a forked rank) exits
   at once, as it always does.
-- **status.** The status the script ended with (`sys.exit(n)`, `os._exit(n)`, 1 for an
-  exception it did not catch) is carried on its run's trace or error (`with_status`), and
-  `run_status` says what `ampscope run` exits with: the script's own, as under `python`, or
-  ampscope's (0, or 2 for ampscope's own error).
+- **status.** The status the script ended with is carried on its run's trace or error
+  (`with_status`), and `run_status` says what `ampscope run` exits with (docs/cli.md, "Exit
+  codes").
 - **fork.** A process the script forked, which returns from the script instead of exiting
   (`sys.exit(0)` in the child), must not go on into the caller's code: `leave_if_forked`
   ends it with the status it was leaving with.

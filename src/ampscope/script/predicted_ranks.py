@@ -1,23 +1,9 @@
 """`ampscope run --nproc N --predict`: a torchrun-style script as ranks of an N-rank job, each
 predicted on fake tensors (as `run --predict`: fake weights, real data) in a child process of
-its own, for any N from 1 to 4096.
-
-Each rank that runs gets torchrun's environment for rank k of an N-rank job on machines of
-eight (LOCAL_RANK = k % 8, LOCAL_WORLD_SIZE = min(N, 8), GROUP_RANK = k // 8), and every
-process group it makes is PyTorch's fake one (runtime/process_group.py's `FakeGroups`): a
-collective returns at once with its real shapes and dtypes, so no peer has to run and the
-ranks run one after another or side by side, as the cores allow.
-
-Which ranks run: rank 0 and rank N-1 (the last rank is where an uneven shard differs). Rank 0
-says each rank's role (`Trace.rank_roles`): the ranks whose shard of every parameter has the
-same shape, as DTensor lays each one out by its mesh coordinates. The first rank of each role
-runs too (up to 16 roles), and where every rank run has the record of its role's first rank
-(parameter names, dtypes and shapes, what they hold, the collectives of their steps, the peak),
-every other rank is taken to be the first of its role. Without roles (no DTensor: DDP), or
-where a rank's record is not its role's (a script that gives ranks different data), the records
-of ranks 0 and N-1 are compared: equal, every other rank is taken to be the same as rank 0;
-different, every rank runs when N <= 16, and otherwise the two are reported and the others said
-not to have run. `all_ranks=True` runs every rank (to check the claim).
+its own, for any N from 1 to 4096, every process group it makes PyTorch's fake one
+(runtime/process_group.py's `FakeGroups`): no peer has to run, so the ranks run one after
+another or side by side, as the cores allow. Each rank's environment, which ranks run and which
+each other rank is taken to be: docs/distributed.md ("`ampscope run --nproc N --predict`").
 """
 
 from __future__ import annotations

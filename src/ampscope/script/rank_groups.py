@@ -8,11 +8,9 @@ group of its own, ended with everything they started, as torchrun ends its worke
   reused meanwhile). A terminal's Ctrl-C no longer reaches the ranks directly: ampscope
   receives it and passes it on (`end_groups`).
 - **SIGTERM and SIGHUP.** Sent to ampscope during the job (a scheduler's cancel, a closed
-  terminal), they are handled as torchrun handles them: every rank's group is sent the same
-  signal, then killed after a short grace, the job's temporary folder is removed, one line says
-  so on stderr, and ampscope ends with 128 + the signal's number, the status a shell gives a
-  process that signal ended (as Ctrl-C ends it with 130). Without this, the signal's default
-  action ended ampscope at once, with no word, leaving every rank running.
+  terminal), they are handled as torchrun handles them (docs/cli.md, "Exit codes": 143 and
+  129). Without this, the signal's default action ended ampscope at once, with no word, leaving
+  every rank running.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """`ampscope run --nproc N`: a torchrun-style script, unmodified, as N real ranks on this
 machine, each traced as `ampscope run` traces one process.
 
-Each rank is a spawned child (script/child.py) with the environment torchrun gives a rank of a
-one-machine job (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
-ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, and OMP_NUM_THREADS=1 unless
-set). Its process groups run on gloo whatever backend the script names
-(runtime/process_group.py); on the virtual device `torch.cuda.device_count()` is N, so
-`torch.cuda.set_device(LOCAL_RANK)` works, and every "cuda:k" is the CPU. Every rank's virtual
-cuda device is the GPU asked for (`gpu`, `--gpu`), as a single-process run's is.
+Each rank is a spawned child (script/child.py) with torchrun's environment, its process groups
+on gloo (runtime/process_group.py) and its virtual cuda device the GPU asked for (`gpu`,
+`--gpu`); what each sees, and the one line a failure or the deadline gives: docs/distributed.md
+("`ampscope run --nproc`").
 
-The parent holds a deadline on the whole job, as `distributed.launch` does: when it passes, or
-as soon as one rank fails, every rank's process group is killed, with whatever the ranks
-started (a rank left waiting in a collective for a dead peer would otherwise wait out gloo's
-timeout; a helper process or DataLoader worker would outlive it). SIGTERM or SIGHUP sent to
-ampscope ends them too, and ampscope with 128 + the signal (script/rank_groups.py). The failure is one
-line naming the rank and the script's error line; at the deadline, one line naming, per rank
-still running, the collective it waits in (kind, dtype and bytes, the script's line) or the
-last it left: each rank writes that state to a file of the job's folder as it enters and
-leaves a collective (runtime/collective_watch.py).
+When the job's deadline passes, or as soon as one rank fails, every rank's process group is
+killed, with whatever the ranks started (a rank left waiting in a collective for a dead peer
+would otherwise wait out gloo's timeout; a helper process or DataLoader worker would outlive
+it). SIGTERM or SIGHUP sent to ampscope ends them too, and ampscope with 128 + the signal
+(script/rank_groups.py). Each rank writes the collective it is in to a file of the job's folder
+as it enters and leaves one (runtime/collective_watch.py), read at the deadline.
 
 Namesakes, the same concern at another layer: `render/ranks.py`."""
 

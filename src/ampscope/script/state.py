@@ -1,12 +1,10 @@
 """What a script run in the caller's process may change there, saved before and put back after.
 
-`run_script(..., in_process=True)` runs the user's script as `__main__` in the caller's own
-interpreter. Whatever the script sets for its own process (anomaly detection, deterministic
-algorithms, cudnn flags, the thread count, a default device, environment variables, the working
-folder, signal handlers, `sys.stdout`, the root logger) would otherwise stay set in the caller
-after the call returns. `ProcessState.save()` reads all of it through public APIs, and
-`restore()` puts back each value that differs, one at a time, so one that cannot be set (a
-setting this torch build lacks) never keeps the others from coming back.
+Whatever a script run with `run_script(..., in_process=True)` sets for its own process would
+otherwise stay set in the caller (the list: docs/api.md, "Where it runs"). `ProcessState.save()`
+reads all of it through public APIs, and `restore()` puts back each value that differs, one at
+a time, so one that cannot be set (a setting this torch build lacks) never keeps the others
+from coming back.
 
 Tests compare the whole of it against tests/helpers.py's `torch_state()` after runs that fail in
 every way (tests/test_state.py).

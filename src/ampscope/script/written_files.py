@@ -1,18 +1,11 @@
 """The files a script writes, watched while it runs.
 
-Three jobs, one place:
-
-- **What it wrote.** Every file the script opens for writing (Python's `open`, which `np.save`,
-  `json.dump`, loggers and `torch.distributed.checkpoint` use) and every file a C-level saver
-  writes (`torch.save`, safetensors' `save_file`/`save_model`, which Hugging Face's Trainer
-  uses) is listed as created, replaced, appended to or modified, so a user who did not expect a
-  checkpoint to be overwritten sees it in the report.
-- **What it left open.** The file objects it opened are kept (weakly) so that, when the run
-  stops, the ones still open are flushed and closed as the interpreter would at exit: a log it
-  wrote before `--steps` stopped it is on disk, complete.
-- **What a predicted run must not write.** A save of fake tensors (predict mode) would write a
-  file without weights over the user's last real checkpoint: it is not performed, and is
-  listed with the size it would have had, by dtype.
+Three jobs, one place: what it wrote (through Python's `open`, which `np.save`, `json.dump`,
+loggers and `torch.distributed.checkpoint` use, and the C-level savers `open` does not see),
+what it left open, and what a predicted run must not write; what the notes then say, and why,
+in docs/cli.md (the paragraph "The script's files are its own"). The file objects it opened are
+kept (weakly) so that, when the run stops, the ones still open are flushed and closed as the
+interpreter would at exit: a log it wrote before `--steps` stopped it is on disk, complete.
 
 The savers are looked up when the run starts: a script that imports safetensors or
 `torch.distributed.checkpoint` itself gets the watched functions, as they are module attributes.

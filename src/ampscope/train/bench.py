@@ -1,22 +1,7 @@
-"""The precision ladder: the same training steps under one setting after another, timed.
-
-Build GPT-2 and watch each step: fp32, then TF32 matmuls, then bf16 autocast, then
-torch.compile, then flash attention, each rung faster. `bench` runs that ladder on this machine
-with the reference trainer (`loop.train`), so every rung trains the same model from the same
-seed on the same batches, and reports ms/step, tokens/s, speedup, MFU, peak memory and the
-loss at the last step (the same batch on every rung, so the losses compare).
-
-A rung is a setting with optional parts, `SETTING[+compile][+flash]`:
-
-    fp32, fp32+tf32, fp32+amp-bf16, bf16, ...   the precision setting (precision/setting.py)
-    +compile                                    torch.compile the model
-    +flash                                      attention pinned to FlashAttention
-
-Rungs without `+flash` pin attention to the math kernel, which materialises the T×T score
-matrix as a hand-written attention does: so the flash rung shows what the kernel buys, as in
-the ladder people learn from. A rung that cannot run here is n/a with the reason: TF32 off
-CUDA (or before Ampere), FlashAttention on CUDA in fp32 or before sm80, bf16 on a GPU without
-it, a device this machine lacks.
+"""The precision ladder: the same training steps under one setting after another, timed, each
+rung trained by the reference trainer (`loop.train`) from the same seed on the same batches.
+A rung's form (`SETTING[+compile][+flash]`), why a rung without `+flash` pins the math kernel,
+and when a rung is n/a: docs/training.md ("The precision ladder: `ampscope bench`").
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Checkpoints in safetensors, complete enough to resume a run bit for bit.
 
-A checkpoint is a folder `OUT/step-000100/` with three files:
-
-    model.safetensors      the model's state dict (tied weights stored once), loadable by
-                           anyone with `safetensors.torch.load_model`
-    optimizer.safetensors  every optimizer state tensor as `state.<param index>.<name>`
-                           (AdamW: step, exp_avg, exp_avg_sq); the param groups (lr, betas,
-                           weight decay...) as JSON in the file's metadata
-    trainer.safetensors    the RNG states (CPU, and each CUDA device) as uint8 tensors; in
-                           the metadata: the step, the data loader's position, the GradScaler's
-                           state, the run's config and its loss history
+A checkpoint is a folder `OUT/step-000100/` of three files, `model.safetensors`,
+`optimizer.safetensors` and `trainer.safetensors`, each listed with what it holds in
+docs/training.md ("Checkpoints and exact resume").
 
 Exact resume needs all of it: the same weights and Adam moments, the same step (the learning
 rate schedule and Adam's bias correction depend on it), the same next batch, and the same

@@ -36,9 +36,6 @@ class TrainConfig:
     sample_tokens: int = 100  # generated after training; 0: none
     prompt: str = "\n"
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
 class StepLog:

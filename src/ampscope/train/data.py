@@ -1,14 +1,9 @@
 """Training data with no download: an embedded corpus, a train/validation split, a loader.
 
-The default corpus is the documentation that ships inside every CPython: `pydoc_data.topics`
-holds the long help texts `help("if")`, `help("FORMATTING")`, ... show, some 79 topics and
-460 KB of English prose with code in it (Python 3.11). It is on every machine Python runs on,
-so `ampscope train` works offline and anyone can reproduce a loss curve; it changes a little
-between Python versions, so loss figures are comparable within one version.
-
-`DataLoaderLite` is nanoGPT's (build-nanogpt's) loader: it walks the token stream in order,
-batch after batch, inputs and targets shifted by one token, and wraps around at the end. Its
-position is two integers, which a checkpoint saves to resume exactly.
+The default corpus is the documentation that ships inside every CPython (`pydoc_data.topics`;
+what it holds, and why that one: docs/training.md, "Data and tokenizer, with no download"), and
+`DataLoaderLite` is build-nanogpt's loader, whose position is two integers a checkpoint saves
+(docs/training.md, "What the trainer does").
 """
 
 from __future__ import annotations

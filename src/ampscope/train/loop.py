@@ -1,18 +1,7 @@
 """The reference trainer: one training loop, readable top to bottom, like nanoGPT's train.py.
 
-`train(config)` builds the model and the data, then runs the classic GPT recipe:
-
-- micro-batches of B sequences of T tokens from `DataLoaderLite`, targets shifted by one,
-  accumulated to `total_batch` tokens per optimizer step;
-- the forward pass and the loss under the setting's autocast, backward and the optimizer
-  outside it; with fp16 autocast a GradScaler scales the loss so that small gradients do not
-  flush to zero in fp16, and unscales them before clipping;
-- AdamW with weight decay on the 2-D parameters only (matmul weights and embeddings decay;
-  biases and norm gains do not, as in nanoGPT and GPT-3);
-- gradient clipping to a global norm of 1.0;
-- linear warmup, then cosine (or linear) decay to `min_lr_ratio` of the peak learning rate;
-- validation loss every `eval_every` steps, checkpoints every `save_every` steps, and a sample
-  of generated text at the end.
+`train(config)` builds the model and the data, then runs the classic GPT recipe, each part and
+why in docs/training.md ("What the trainer does").
 
 The library never prints: `log` receives a `StepLog` after every step and an `EvalLog` after
 every evaluation, and the CLI draws them. Torch's global state (matmul precision, autocast,
@@ -328,7 +317,7 @@ class _Run:
         path = checkpoint.save(
             checkpoint.checkpoint_dir(config.out, step), model=self.model,
             optimizer=self.optimizer, scaler=self.scaler, step=step,
-            loader=self.train_loader.state(), config=config.to_dict(),
+            loader=self.train_loader.state(), config=dataclasses.asdict(config),
             history={"steps": [dataclasses.asdict(s) for s in result.steps],
                      "evals": [dataclasses.asdict(e) for e in result.evals]})
         result.checkpoint = str(path)

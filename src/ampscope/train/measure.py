@@ -2,10 +2,8 @@
 
 Timing an accelerator needs `torch.cuda.synchronize()` on both sides: kernels are queued
 asynchronously, and without it a step "ends" when its last kernel is launched, not run.
-Peak memory is `torch.cuda.max_memory_allocated` on CUDA (the tensors' bytes, what the caching
-allocator handed out) and the process's peak resident set size on the CPU, the only peak a
-CPU process has; Linux lets a process reset that peak (`/proc/self/clear_refs`), so each run
-of a ladder gets its own figure.
+Which peak memory is measured where, and how a CPU's is reset for each rung: docs/training.md
+(the bench's "peak memory").
 
 Namesakes, the same concern at another layer: `api/measure.py`."""
 

