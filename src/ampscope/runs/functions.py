@@ -56,7 +56,6 @@ BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch
 # (str | None) is declared.
 PENDING: Any = object()
 _PRIM_DEVICE = torch.ops.prim.device.default
-_graph_task_id = graph_task_id  # -1 outside a backward pass
 
 _name_cache: dict[Callable, str] = {}
 log = logging.getLogger(__name__)
@@ -80,7 +79,6 @@ def func_name(func: Callable) -> str:
     return name
 
 
-# Ops that are no computation: the profiler range `Optimizer.step` opens.
 # An op record while the run goes on: OpCall's fields in order (records.OP_ROW).
 _AUTOCAST_CAST, _INPUTS, _OUTPUTS = (OP_ROW.at(f) for f in ("autocast_cast", "inputs", "outputs"))
 # A user-level call's record: FunctionCall's fields in order (records.FUNCTION_ROW).
@@ -269,7 +267,7 @@ class FunctionRecorder(TorchFunctionMode):
         ops_before = self.ops_seen
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
-        backward = _graph_task_id() != -1
+        backward = graph_task_id() != -1  # -1 outside a backward pass
         phase = Phase.BACKWARD if backward or name in BACKWARD_CALLS else self._phase.now()
         module = self._tracker.current_in(backward)
         outer_phase, self.current_phase = self.current_phase, phase

@@ -27,13 +27,9 @@ from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.distributed import shard_shapes
 
 
-def parameter_names(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every name it goes by, first name first."""
-    return parameters_and_names(model)[1]
-
-
 def parameters_and_names(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[str]]]:
-    """`list(model.parameters())` and `parameter_names(model)`, from one walk of the model."""
+    """`list(model.parameters())` and id(parameter) -> every name it goes by (first name
+    first), from one walk of the model."""
     params: list[nn.Parameter] = []
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -46,12 +42,8 @@ def parameters_and_names(model: nn.Module) -> tuple[list[nn.Parameter], dict[int
     return params, names
 
 
-def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
-               params: list[nn.Parameter] | None = None) -> list[ParameterRecord]:
-    """One record per parameter; `names` is `parameter_names(model)` and `params`
-    `list(model.parameters())`, when the caller has them."""
-    names = parameter_names(model) if names is None else names
-    params = list(model.parameters()) if params is None else params
+def parameters(names: dict[int, list[str]], params: list[nn.Parameter]) -> list[ParameterRecord]:
+    """One record per parameter of `parameters_and_names`."""
     return [
         ParameterRecord(
             name=names[id(p)][0],
@@ -117,11 +109,9 @@ def buffers(model: nn.Module) -> list[BufferRecord]:
     return records
 
 
-def optimizer_state(
-    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module,
-    names: dict[int, list[str]] | None = None,
-) -> list[OptimizerStateRecord]:
-    names = parameter_names(model) if names is None else names
+def optimizer_state(optimizers: Iterable[torch.optim.Optimizer],
+                    names: dict[int, list[str]]) -> list[OptimizerStateRecord]:
+    """`names`: the parameters' (`parameters_and_names`)."""
     rows = []  # thousands on a large model: built at once (from_rows)
     for optimizer in optimizers:
         for group in optimizer.param_groups:

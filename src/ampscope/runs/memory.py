@@ -328,7 +328,7 @@ class StorageTracker:
             if self._unpacking and not self.saved_unknown and saving_through_hooks():
                 self.saved_unknown = True
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if task != self._graph_task:
             self._graph_task, self._walked = task, {}
         # A new pass, or a graph with several roots.
@@ -399,7 +399,6 @@ class StorageTracker:
         return from_rows(StorageRecord, rows)
 
 
-_graph_task_id = graph_task_id
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage of a plain tensor; of one that wraps others (`stored_tensors`), its first
     inner tensor's (a DTensor's local shard's)."""

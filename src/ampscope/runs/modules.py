@@ -187,7 +187,6 @@ class ModuleTracker:
     def add_names(self, names: dict[nn.Module, str]) -> None:
         self._names.update(names)
 
-    # -- queries used while ops run
     # -- the calls recorded so far, for the replay engine (runs/windows.py)
     def call_count(self) -> int:
         return len(self._calls)
@@ -207,13 +206,9 @@ class ModuleTracker:
         """The innermost module call running in the forward pass, None outside any."""
         return self._forward_stack[-1] if self._forward_stack else None
 
-    def current(self) -> str | None:
-        """Qualified name of the innermost running module; None outside any module."""
-        stack = self._backward_stack if in_backward() else self._forward_stack
-        return stack[-1].name if stack else None
-
     def current_in(self, backward: bool) -> str | None:
-        """`current()`, told whether a backward pass runs."""
+        """Qualified name of the innermost module running in the backward pass (`backward`)
+        or the forward pass; None outside any module."""
         stack = self._backward_stack if backward else self._forward_stack
         return stack[-1].name if stack else None
 

@@ -389,7 +389,7 @@ class Capture:
     def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records. `names`:
-        the parameters' (`inventory.parameter_names`); `params`: the model's parameters."""
+        the parameters' (`inventory.parameters_and_names`); `params`: the model's parameters."""
         storages = self._storages
         for p in params:
             if p.grad is not None:
@@ -430,11 +430,11 @@ class Capture:
         if self.options.setting is None:  # known by now: `finish` runs on a model
             trace.setting = observed_setting(model, self.options.device, trace,
                                              self._matmul_precision, self.options.gpu)
-        trace.parameters = inventory.parameters(model, names, params)
+        trace.parameters = inventory.parameters(names, params)
         if self.options.rank_roles:
             trace.rank_roles = inventory.job_roles(params)
         trace.buffers = inventory.buffers(model)
-        trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
+        trace.optimizer_state = inventory.optimizer_state(self._optimizers, names)
         trace.storages = self._storage_records(outputs or {}, names, params)
         trace.held = inventory.held_state(model, self._arguments, params)
         self._arguments = {}
