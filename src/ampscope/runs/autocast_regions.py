@@ -149,19 +149,15 @@ class RegionRecorder:
         return __init__
 
     def _entering(self, original: Callable) -> Callable:
-        recorder = self
-
         def __enter__(region):
             out = original(region)  # entered first: a region torch refuses is none
-            recorder.entered(region, sys._getframe(1))
+            self.entered(region, sys._getframe(1))
             return out
         return __enter__
 
     def _leaving(self, original: Callable) -> Callable:
-        recorder = self
-
         def __exit__(region, exc_type, exc_val, exc_tb):
-            recorder.left(region)
+            self.left(region)
             return original(region, exc_type, exc_val, exc_tb)
         return __exit__
 

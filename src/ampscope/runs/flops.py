@@ -100,8 +100,8 @@ def register_flop_formula(*ops: OpOverloadPacket | str,
         for op in ops:
             packet, why = _resolved(op, count)
             if packet is None:
-                _skipped[_name(op)] = why
-                log.debug("FLOP formula %s skipped for %s: %s", count.__name__, _name(op), why)
+                _skipped[str(op)] = why
+                log.debug("FLOP formula %s skipped for %s: %s", count.__name__, str(op), why)
                 continue
             if packet in _registered:
                 raise ValueError(f"{packet} has a FLOP formula already "
@@ -119,7 +119,7 @@ def unregister_flop_formula(*ops: OpOverloadPacket | str) -> None:
         packet = torch_flops.aten_op(op) if isinstance(op, str) else op
         if packet is not None:
             _registered.pop(packet, None)
-        _skipped.pop(_name(op), None)
+        _skipped.pop(str(op), None)
     _changed()
 
 
@@ -132,10 +132,6 @@ def _changed() -> None:
     """A formula was registered or removed: what was looked up may have changed."""
     _formulas.clear()
     _counted.clear()
-
-
-def _name(op: OpOverloadPacket | str) -> str:
-    return op if isinstance(op, str) else str(op)
 
 
 def _resolved(op: OpOverloadPacket | str, count: Callable) -> tuple[OpOverloadPacket | None, str]:

@@ -333,12 +333,11 @@ class InferenceAsNoGrad:
 
     def __enter__(self) -> InferenceAsNoGrad:
         cls = torch.autograd.grad_mode.inference_mode
-        watcher = self
 
         def __enter__(ctx) -> None:
             ctx.ampscope_grad_was = torch.is_grad_enabled()
             if ctx.mode:
-                watcher.used = True
+                self.used = True
                 torch.set_grad_enabled(False)
 
         def __exit__(ctx, *exc) -> None:

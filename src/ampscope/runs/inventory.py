@@ -136,7 +136,7 @@ def named_tensors(named: Mapping[str, object], role: str | None = None) -> list[
 
 # What nn.Module itself keeps in a module's __dict__ (hooks, children, parameters, buffers):
 # never the model's own state.
-_MODULE_OWN = frozenset(vars(nn.Module()))
+_MODULE_OWN = module_state.module_fields()
 _DEPTH = 4  # cache.layers[0].keys: an object, its list, an entry, the entry's tensor
 
 

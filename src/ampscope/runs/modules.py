@@ -221,23 +221,22 @@ class ModuleTracker:
         """Record `module.forward(...)` called directly (as samplers do), which runs no hook,
         like `module(...)`; `on_call` stands for the module's own forward pre-hooks. Returns
         what undoes it."""
-        tracker = self
         original = module.forward
 
         @functools.wraps(original)  # its signature names the model's inputs
         def forward(*args, **kwargs):
-            stack = tracker._forward_stack
+            stack = self._forward_stack
             if stack and stack[-1].module_id == id(module):  # module(...): its hooks ran
                 return original(*args, **kwargs)
-            tracker._forward_pre(module, args)
+            self._forward_pre(module, args)
             if on_call is not None:
                 on_call(module, args, kwargs)
             try:
                 output = original(*args, **kwargs)
             except BaseException:
-                tracker._forward_post(module, args, None)
+                self._forward_post(module, args, None)
                 raise
-            tracker._forward_post(module, args, kwargs, output)
+            self._forward_post(module, args, kwargs, output)
             return output
 
         return patch(module, "forward", forward)

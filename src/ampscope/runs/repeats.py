@@ -43,7 +43,6 @@ from ampscope.patches import patch
 from ampscope.runs.alike import PLAIN_VALUES, attribute_ids, repeated_runs
 from ampscope.runs.blockio import (
     grad_and_autocast_state,
-    is_fake,
     plain_spec,
     saved_storages,
     shared_with_first,
@@ -63,6 +62,7 @@ from ampscope.runs.tensor_meta import described, no_torch_function, tensor_key
 from ampscope.runs.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree
+from ampscope.torchcompat.fake import FakeTensor
 
 
 class _Run:
@@ -77,10 +77,9 @@ class _Run:
     def wrap(self, k: int) -> Callable[[], None]:
         block = self.blocks[k]
         original = block.forward
-        run = self
 
         def forward(*args, **kwargs):
-            return run.call(k, original, args, kwargs)
+            return self.call(k, original, args, kwargs)
 
         return patch(block, "forward", forward)
 
@@ -120,7 +119,7 @@ class _Run:
         with bookkeeping(self.names[k]), no_torch_function():
             leaves, spec = pytree.tree_flatten((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            fake = all(is_fake(t) for t in tensors) and tensors
+            fake = all(isinstance(t, FakeTensor) for t in tensors) and tensors
             inputs = [replay.storages.entry_of(t) for t in tensors]
             state = grad_and_autocast_state()
             attributes = attribute_ids(block)
@@ -285,7 +284,7 @@ class _Run:
             tensors = []
             for leaf, key in zip(leaves, template.leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
-                    if not is_fake(leaf) or tensor_key(leaf) != key:
+                    if not isinstance(leaf, FakeTensor) or tensor_key(leaf) != key:
                         return _NOT_REPLAYED
                     tensors.append(leaf)
                 elif not isinstance(leaf, PLAIN_VALUES) or leaf != key or type(leaf) is not type(key):

@@ -365,15 +365,9 @@ class ValueRecorder(UncompiledDispatchMode):
 def _nonfinite_constant(args: tuple, kwargs: dict) -> bool:
     """A float argument that is inf or NaN (masked_fill's -inf, full's -inf): the op's
     non-finite output is the program's constant, not a value out of range."""
-    return any(_nonfinite_float(v) for v in (*args, *kwargs.values()))
-
-
-def _nonfinite_float(v) -> bool:
-    if type(v) is float:
-        return not math.isfinite(v)
-    if type(v) in (list, tuple):
-        return any(type(x) is float and not math.isfinite(x) for x in v)
-    return False
+    return any(type(x) is float and not math.isfinite(x)
+               for v in (*args, *kwargs.values())
+               for x in (v if type(v) in (list, tuple) else (v,)))
 
 
 def _has_master(state: dict | None, p: torch.Tensor) -> bool:
