@@ -1,23 +1,13 @@
 """Fake `_foreach_` ops dispatched over one list entry of each kind.
 
 An optimizer's foreach ops (and `clip_grad_norm_`'s) take one list entry per parameter: 723 for
-a 70B Llama, whose AdamW step is about ten such ops. On fake tensors (a predicted run) the op
-costs nothing but its meta kernel, which works out each entry's result from that entry alone,
-at tens of microseconds an entry: most of a predicted step's optimizer time. Entries whose
-tensors have the same metadata (the query weights of every layer, their gradients, their Adam
-moments) get results with the same metadata, so the op runs on the first entry of each kind and
-the other entries' results are made like it, without a kernel. The recorders above see the op
-with every entry, as it would run: its record, FLOPs and the storages its results make (each
-result is its own fake tensor, freed when the caller lets it go) are the same.
-
-An op is thinned only when that holds by construction: its per-entry arguments are lists of
-tensors or numbers, the rest are shared by every entry (a number, a 0-dim tensor), it returns a
-list of tensors or nothing, no entry holds a fake constant (a CPU scalar whose value fake mode
-follows, like Adam's `step` counters, which the optimizer reads back), and the results of the
-entries it ran are new tensors of their own. Otherwise it runs as usual. Over DTensors (a
-predicted FSDP2 or tensor-parallel rank's optimizer) only in-place ops are thinned, where each
-entry's DTensors lie alike and none holds a pending reduction: their local op then issues no
-collective that a skipped entry would have.
+a 70B Llama, whose AdamW step is about ten such ops. On fake tensors the meta kernel works out
+each entry's result from that entry alone, at tens of microseconds an entry: most of a
+predicted step's optimizer time. Entries whose tensors have the same metadata get results with
+the same metadata, so the op runs on the first entry of each kind and the other entries'
+results are made like it, without a kernel; the recorders above see the op with every entry,
+as it would run. Which entries are alike, which ops are left whole, and why DTensors are
+thinned in place only: docs/how-it-works.md#foreach-ops-over-one-entry-of-each-kind.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def func_name(func: Callable) -> str:
         if own and getattr(torch, own, None) is func and (
                 name.rsplit(".", 1)[-1] != own or name.startswith("_VariableFunctionsClass.")):
             # PyTorch's own lookup names some functions by another (torch.mm as torch.spmm),
-            # and knows others (torch._foreach_norm) only by the class that holds them
+            # and knows others (torch's foreach norm) only by the class that holds them
             name = f"torch.{own}"
         name = name.replace("torch.Tensor.", "Tensor.").replace(TENSOR_BASE_PREFIX, "Tensor.")
         if name.startswith("TensorBase."):

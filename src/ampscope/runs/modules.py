@@ -1,10 +1,6 @@
-"""Which module is running, forward and backward, and a `ModuleCall` record for each call.
-
-Built on public PyTorch hooks, the same ones `torch.distributed._tools.mod_tracker.ModTracker`
-uses: global module forward hooks for the forward pass, and `register_multi_grad_hook` on each
-module's outputs (its backward starts) and inputs (its backward ends). ModTracker itself keeps
-only a set of class-path names; we need qualified names in the traced model, call records with
-dtypes and an innermost-module stack for attributing ops.
+"""Which module is running, forward and backward, and a `ModuleCall` record for each call, from
+public PyTorch hooks: docs/how-it-works.md#module-tracking-forward-and-backward says which, and
+why not PyTorch's `ModTracker`.
 
 Namesakes, the same concern at another layer: `torchcompat/modules.py`."""
 
