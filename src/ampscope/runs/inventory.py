@@ -66,19 +66,16 @@ def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def job_roles(params: Iterable[torch.Tensor]) -> list[int]:
-    """`rank_roles` over the job of this process's default process group; [] without one."""
+    """For each rank of the job of this process's default process group, the lowest rank whose
+    shard of every one of `params` has the same shape (its role): ranks of one role hold alike,
+    run the same ops on the same shapes, and send the same collectives. [] without a process
+    group, where no parameter is a DTensor, or where DTensor's own computation of a shard's
+    shape is not on this build."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return []
-    return rank_roles(params, dist.get_world_size())
-
-
-def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
-    """For each rank of a `world_size`-rank job, the lowest rank whose shard of every one of
-    `params` has the same shape (its role): ranks of one role hold alike, run the same ops on
-    the same shapes, and send the same collectives. [] where no parameter is a DTensor or
-    DTensor's own computation of a shard's shape is not on this build."""
+    world_size = dist.get_world_size()
     layouts: dict[tuple, dict[int, tuple[int, ...]]] = {}
     for p in params:
         layout = dtensor_layout(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ampscope.precision import main_dtype
 from ampscope.precision.matmul import ran_with
 from ampscope.records import Phase, SettingRecord, Trace, dtype_name
 from ampscope.torchcompat.distributed import fsdp_mixed_precision
@@ -21,14 +22,9 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
     first module that has one) is sharded with one.
     `device`: the device the run stood for (a virtual one), else that of the parameters;
     `gpu`, the GPU a virtual one was (SettingRecord.gpu)."""
-    counts: dict[torch.dtype, int] = {}
-    found = "cpu"
-    for p in model.parameters():
-        if p.is_floating_point():
-            if not counts:
-                found = p.device.type
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    main = max(counts, key=counts.__getitem__) if counts else None
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    found = floating[0].device.type if floating else "cpu"
+    main = main_dtype(model, floating)
     compute, reduce = _fsdp_policy(model)
     under_autocast = [c for c in trace.calls if c.autocast]
     step = [c for c in under_autocast if c.phase != Phase.EVALUATION] or under_autocast

@@ -104,9 +104,7 @@ def library_line(frame: FrameType | None) -> str | None:
     own frames): "torch/nn/init.py:119"; None where that code is the user's."""
     while frame is not None:
         code = frame.f_code
-        kind = _kind_cache.get(code.co_filename)
-        if kind is None:
-            kind = _kind(code)
+        kind = _kind(code)
         if kind == AMPSCOPE or code.co_name == "__torch_function__":
             frame = frame.f_back
             continue
