@@ -1,11 +1,7 @@
 """User-level calls: what user code called — `F.linear`, `x.float()` — with the dtypes it passed,
 above autocast (`FunctionRecorder`, a TorchFunctionMode), and `torch.inference_mode()` blocks
-run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`).
-
-The op recorder (runs/ops.py) reads the call in progress from the `FunctionRecorder` it is
-given at construction, through the `UserCalls` protocol, the whole channel between the two: an
-aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself a
-cast while autocast is on.
+run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`). The op recorder
+(runs/ops.py) reads the call in progress through the `UserCalls` protocol.
 """
 
 from __future__ import annotations
@@ -159,15 +155,14 @@ class UserCalls(Protocol):
 
 
 class FunctionRecorder(TorchFunctionMode):
-    def __init__(self, tracker: ModuleTracker, phase: PhaseClock,
-                 names: dict[int, tuple[weakref.ref, str]] | None = None):
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock):
         super().__init__()
         # One row per recorded call: FunctionCall's fields in order (built by `records`).
         self.rows: list[tuple] = []
-        # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
-        # model inputs (added by the session) and the outputs of recorded calls (as the index
-        # of the row of the call that made them, put in words only when asked).
-        self.origins: dict[int, tuple[weakref.ref, str | int]] = dict(names or {})
+        # Where tensors came from, for explaining a failure: parameters, buffers and model
+        # inputs (added by the session) and the outputs of recorded calls (as the index of the
+        # row of the call that made them, put in words only when asked).
+        self.origins: dict[int, tuple[weakref.ref, str | int]] = {}
         self.failure: FailedCall | None = None
         self.op_log: list[tuple] | None = None  # the OpRecorder's rows, set by it
         self.step = 0  # calls of the model so far, counted by the session

@@ -1,8 +1,6 @@
-"""The tensor inventory: parameters (with gradient dtypes), buffers, optimizer state, inputs.
-
-Taken at the end of a capture, while the run's own tensors are still in the model. Tied
-parameters (wte/lm_head) are listed once, under their first name, with the other names in
-`tied_to`.
+"""The tensor inventory: parameters (with gradient dtypes), buffers, optimizer state, inputs,
+taken at the end of a capture, while the run's own tensors are still in the model (tied
+parameters: docs/how-it-works.md#tied-weights).
 """
 
 from __future__ import annotations

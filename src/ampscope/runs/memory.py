@@ -309,14 +309,11 @@ class StorageTracker:
     def _walk(self, root) -> None:
         """Mark the storages of every tensor saved in the autograd graph behind `root`.
 
-        Read from the nodes themselves (torchcompat.autograd.saved_tensors: the tensors autograd
-        holds, unpacked neither by autograd nor by a hook, where the build allows), not by
-        `saved_tensors_hooks`: with hooks, autograd would unpack every saved tensor through a
-        detach (a fake dispatch per tensor in a predicted run), keep the op's own output in a
-        reference cycle through its grad_fn, and stop checking saved tensors' versions. A node
-        whose tensors were saved through hooks that refuse to unpack them here (activation
-        checkpointing's, on a build that can only unpack) holds no activation of its own: the
-        hooks keep what they need elsewhere."""
+        Read from the nodes themselves (torchcompat.autograd.saved_tensors, unpacked neither by
+        autograd nor by a hook where the build allows), not by `saved_tensors_hooks`:
+        docs/memory.md#method says why. A node whose tensors were saved through hooks that
+        refuse to unpack them here (activation checkpointing's, on a build that can only
+        unpack) holds no activation of its own: the hooks keep what they need elsewhere."""
         walked, live = self._walked, self._live
         stack = [root]
         while stack:
@@ -349,20 +346,16 @@ class StorageTracker:
             if created is not None and created >= len(ops):
                 # Regrown (on_resize) after the last op: counted as live at it.
                 created = len(ops) - 1 if ops else None
-            if created is None:
-                module = phase = name = None
-                if category is None:
-                    category = _ACTIVATION if saved else _TEMPORARY
-            else:
+            module = phase = name = None
+            if created is not None:
                 op = ops[created]
                 module, phase, name = op.module, op.phase, op.op
-                if category is None:
-                    if op.autocast_cast:
-                        category = StorageCategory.AUTOCAST_CAST
-                    elif created in fp8_made:
-                        category = fp8_made[created]
-                    else:
-                        category = _ACTIVATION if saved else _TEMPORARY
+                if category is None and op.autocast_cast:
+                    category = StorageCategory.AUTOCAST_CAST
+                elif category is None:
+                    category = fp8_made.get(created)
+            if category is None:
+                category = _ACTIVATION if saved else _TEMPORARY
             append((i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
                     tuple(dict.fromkeys(names)) if names else (), module, phase, name, saved))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []

@@ -212,7 +212,7 @@ class ModuleTracker:
         return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
 
     def watch_direct_calls(self, module: nn.Module,
-                           on_call: Callable[[nn.Module, tuple, dict], None] | None = None
+                           on_call: Callable[[nn.Module, tuple, dict], None]
                            ) -> Callable[[], None]:
         """Record `module.forward(...)` called directly (as samplers do), which runs no hook,
         like `module(...)`; `on_call` stands for the module's own forward pre-hooks. Returns
@@ -225,8 +225,7 @@ class ModuleTracker:
             if stack and stack[-1].module_id == id(module):  # module(...): its hooks ran
                 return original(*args, **kwargs)
             self._forward_pre(module, args)
-            if on_call is not None:
-                on_call(module, args, kwargs)
+            on_call(module, args, kwargs)
             try:
                 output = original(*args, **kwargs)
             except BaseException:
@@ -238,7 +237,7 @@ class ModuleTracker:
         return patch(module, "forward", forward)
 
     def enter_running(self, module: nn.Module,
-                      on_call: Callable[[nn.Module, tuple, dict], None] | None = None) -> bool:
+                      on_call: Callable[[nn.Module, tuple, dict], None]) -> bool:
         """Record a call of `module` that is already running: a script called
         `model.forward(...)` directly before the model was known, so neither a hook nor the
         `watch_direct_calls` wrapper saw it start. The call is opened now, with the arguments
@@ -253,8 +252,7 @@ class ModuleTracker:
         local = frame.f_locals
         args = tuple(local[n] for n in named if n in local)
         self._forward_pre(module, args)
-        if on_call is not None:
-            on_call(module, args, {})
+        on_call(module, args, {})
 
         def on_event(f, event: str, arg):
             if event == "return":  # also as an exception leaves it (arg None)

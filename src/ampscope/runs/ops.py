@@ -54,7 +54,6 @@ from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
 
-_CAST_OPS = frozenset({private_ops.TO_COPY})
 _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 log = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class _OpFacts:
         # arrives that way, so AccumulateGrad's and the user's could not be told apart from
         # autograd's own.
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
-        self.cast = func in _CAST_OPS
+        self.cast = func is private_ops.TO_COPY
         self.flops = flop_formula(func)
         # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
         self.precision = matmul.precision_kind(self.name)

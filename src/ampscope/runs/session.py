@@ -149,7 +149,7 @@ class Capture:
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
         self._names: dict[int, tuple[weakref.ref, str]] = {}
-        self._functions = FunctionRecorder(tracker, clock, {})
+        self._functions = FunctionRecorder(tracker, clock)
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self.options.op_check
         self._ops.device = self.options.device

@@ -1,8 +1,5 @@
-"""Where in user code a torch call came from ("model.py:61").
-
-A call seen by the function mode is attributed to the innermost stack frame that is neither
-PyTorch's nor ampscope's own machinery. ampscope's reference models are user code in this
-sense: their `.float()` is exactly what a finding must point at.
+"""Where in user code a torch call came from ("model.py:61"): the innermost stack frame that is
+neither PyTorch's nor ampscope's own machinery (docs/how-it-works.md#source-locations).
 """
 
 from __future__ import annotations
