@@ -9,26 +9,20 @@ Two sources, one convention (a multiply-add is 2 FLOPs, elementwise work 0):
   or asserts on them, and the fused RNN ops (oneDNN's LSTM layer, cuDNN's RNN). Where both
   have one, torch's counts unless the registration's `replaces_torch()` says otherwise.
 
-Registering (modelled on torch's own `@register_flop_formula`). An op is named by its packet
-(`torch.ops.aten.mm`) or its aten name ("mkldnn_rnn_layer"); an underscored op by a constant
-of `ampscope.torchcompat` (`rnn.CUDNN_RNN_NAME`), the only place such a name may be written.
-Each op is checked as it is registered, so a formula is feature-detected, never a crash: one
-this build lacks, or whose arguments no longer fit the formula, is skipped (`skipped()` says
-why). Fitting: each positional parameter has an argument of the op's schema at its place, of
-the same name unless the parameter is positional-only (before `/`: read by place); the op has
-no more positional arguments than the formula takes unless it takes `*args`; the op's
-keyword-only ones (`out=`, `scale=`) reach `**kwargs`. A release that reorders or renames an
-argument a formula reads turns the formula off rather than feeding it the wrong value.
+Registering: CONTRIBUTING.md#where-to-add-things says how to name the ops and what a formula
+reads. Each op is checked as it is registered, so a formula is feature-detected, never a crash
+(`skipped()` says why one was left out). Fitting: each positional parameter has an argument of
+the op's schema at its place, of the same name unless the parameter is positional-only (before
+`/`: read by place); the op has no more positional arguments than the formula takes unless it
+takes `*args`; the op's keyword-only ones (`out=`, `scale=`) reach `**kwargs`. A release that
+reorders or renames an argument a formula reads turns the formula off rather than feeding it
+the wrong value. Counts are cached by shapes and non-tensor arguments, so a formula reads no
+more (no `out_val`). A parameter whose schema argument has a default needs one too (the
+dispatcher may leave it out). Register at import, before anything runs: the op recorder keeps
+what it looked up per op.
 
-A formula gets the op's arguments as the op was called (tensors, not the shapes torch's own
-get; no `out_val`) and reads only shapes and non-tensor arguments: counts are cached by them. A
-parameter whose schema argument has a default needs one too (the dispatcher may leave it out).
-Register at import, before anything runs: the op recorder keeps what it looked up per op.
-
-What is counted. Every op that reaches the op recorder (runs/ops.py, a dispatch mode) is
-counted, once: a composite (`linear`, `lstm.input`) decomposes before the mode sees it, so
-only its parts are counted, and ops a kernel runs inside itself are not seen, so a fused op is
-counted alone. RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without
+What is counted: every op that reaches the op recorder (runs/ops.py), once (CONTRIBUTING.md).
+RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without
 projections, one call per layer and direction) and cuDNN's RNN (`_cudnn_rnn`, all layers in
 one call; also what the CUDA emulation runs, runtime/rnn_kernels.py) do their matmuls inside
 the kernel, so torch counts them 0; the formulas below count them. Every other RNN path (GRU

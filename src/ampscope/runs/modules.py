@@ -69,7 +69,7 @@ def _on_gradients(tensors: list[torch.Tensor], hook: Callable,
 
 def _quiet(hook: Callable) -> Callable:
     """`hook` run with torch functions off: the dtypes, shapes and flags it reads are no user
-    calls for a TorchFunctionMode to see (see `tensors.no_torch_function`)."""
+    calls for a TorchFunctionMode to see (see runs/tensor_meta.py)."""
 
     @functools.wraps(hook)
     def quiet(*args, **kwargs):
@@ -322,38 +322,26 @@ class ModuleTracker:
         outputs = tensors_in(output)
         call.inputs, call.outputs = metas_of(input_tensors), metas_of(outputs)
         if torch.is_grad_enabled():
+            # The backward hooks reach the tracker through a weak reference: autograd may keep a
+            # hook after the step, and it must not keep the tracker (and all its records) alive.
+            tracker, name = weakref.ref(self), self._name(module)
             inputs = {id(t) for t in input_tensors}
-            if outputs and all(id(t) in inputs for t in outputs):
-                # It returned its input (nn.Identity, Dropout(p=0)): its backward runs no op,
-                # and the gradient it would wait for is the one the module before it produces.
-                needing_grad = [t for t in outputs if t.requires_grad]
-                if needing_grad:
-                    _on_gradients(needing_grad,
-                                  self._backward_start_hook(module, call.depth, enter=False),
-                                  "any")
-                return
+            # A module that returned its input (nn.Identity, Dropout(p=0)): its backward runs no
+            # op, and the gradient it would wait for is the one the module before it produces.
+            returned_input = bool(outputs) and all(id(t) in inputs for t in outputs)
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
             inputs_needing_grad = [t for t in input_tensors
                                    if t.requires_grad and t.grad_fn is not None]
-            if inputs_needing_grad:
-                _on_gradients(inputs_needing_grad, self._backward_end_hook(module), "all")
+            if inputs_needing_grad and not returned_input:
+                _on_gradients(inputs_needing_grad, _BackwardEnd(tracker, name), "all")
             needing_grad = [t for t in outputs if t.requires_grad]
             if needing_grad:
-                _on_gradients(needing_grad, self._backward_start_hook(module, call.depth), "any")
+                _on_gradients(needing_grad, _BackwardStart(tracker, name, type(module).__name__,
+                                                           call.depth, not returned_input), "any")
 
     # -- backward
-    # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
-    # after the step, and it must not keep the tracker (and all its records) alive.
-    def _backward_start_hook(self, module: nn.Module, depth: int, *,
-                             enter: bool = True) -> _BackwardStart:
-        return _BackwardStart(weakref.ref(self), self._name(module), type(module).__name__, depth,
-                              enter)
-
-    def _backward_end_hook(self, module: nn.Module) -> _BackwardEnd:
-        return _BackwardEnd(weakref.ref(self), self._name(module))
-
     def open_backward(self, call: OpenCall, enter: bool) -> None:
         """A module's backward call begins (its output's gradient arrived)."""
         self._queue_end_of_backward()

@@ -1,9 +1,7 @@
 """The aten ops that really ran: `OpRecorder` (a TorchDispatchMode) sits below autocast and
 autograd and sees every op, including the `_to_copy` casts autocast inserted and every backward
-and optimizer op, each recorded under the user-level call it ran in (runs/functions.py).
-
-An aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself
-a cast (`F.linear` under autocast casts its input, weight and bias) while autocast is on.
+and optimizer op, each recorded under the user-level call it ran in (runs/functions.py), which
+tells which `_to_copy` is autocast's (docs/how-it-works.md#how-autocast-casts-are-recognised).
 
 Namesakes, the same concern at another layer: `torchcompat/ops.py`."""
 
@@ -208,9 +206,7 @@ class OpRecorder(UncompiledDispatchMode):
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if facts.recorded:
-            # The function mode above would see every `.dtype` and `.shape` read while the op
-            # is recorded as a call (a Python round trip each, most of the recording's cost):
-            # none is the user's.
+            # Its reads are no user's calls (runs/tensor_meta.py): most of the recording's cost.
             with no_torch_function():
                 self._record(func, facts, types, args, kwargs, out)
         return out

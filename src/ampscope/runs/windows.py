@@ -26,9 +26,7 @@ _copy_call = FUNCTION_ROW.replacer("index", "module", "step")
 
 class Recorders(Protocol):
     """The capture's recorders a window reads and appends to, through their public methods
-    only: the rows (`rows`, records.OP_ROW/FUNCTION_ROW), the module calls
-    (`call_count`, `calls_between`, `add_call`) and the storages (`created_count`,
-    `created_between`, `start_log`/`stop_log`, `replayed`, `made_by_replay`, `date_free`)."""
+    only."""
 
     tracker: ModuleTracker
     functions: FunctionRecorder
