@@ -201,10 +201,9 @@ class FunctionRecorder(TorchFunctionMode):
 
     def step_begin(self, name: str, device: str, frame: FrameType | None) -> None:
         """A PyTorch optimizer's `step()` begins: it is recorded as one call, `name`, made at
-        the user's line that `frame` stands under, and its ops are that call's. The torch calls
-        its implementation makes (in AdamW's for-loop, a dozen per parameter, each `p.grad` read
-        among them) are PyTorch's own code, not the user's: the recorder leaves the mode stack
-        until `step_end`, so that none of them makes a round trip through it."""
+        the user's line that `frame` stands under, and its ops are that call's. The recorder
+        leaves the mode stack until `step_end`: the torch calls inside are PyTorch's own
+        (docs/how-it-works.md#what-each-recorder-sees says why)."""
         if self._step_depth is not None:
             return
         depth = _take_off_stack(self)

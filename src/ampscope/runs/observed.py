@@ -25,7 +25,12 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
     floating = [p for p in model.parameters() if p.is_floating_point()]
     found = floating[0].device.type if floating else "cpu"
     main = main_dtype(model, floating)
-    compute, reduce = _fsdp_policy(model)
+    compute = reduce = None
+    for module in model.modules():  # the root's policy first, where fully_shard wrapped it
+        policy = fsdp_mixed_precision(module)
+        if policy is not None and policy[0] is not None:
+            compute, reduce = policy
+            break
     under_autocast = [c for c in trace.calls if c.autocast]
     step = [c for c in under_autocast if c.phase != Phase.EVALUATION] or under_autocast
     return SettingRecord(name="as-run", device=device or found,
@@ -37,13 +42,3 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
                          fsdp_param_dtype=dtype_name(compute) if compute else None,
                          fsdp_reduce_dtype=dtype_name(reduce) if compute and reduce else None,
                          gpu=gpu)
-
-
-def _fsdp_policy(model: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """The compute and reduce dtypes of the first FSDP2 MixedPrecisionPolicy in `model` that
-    sets a compute dtype (the root's, where `fully_shard` wrapped it); (None, None) without."""
-    for module in model.modules():
-        policy = fsdp_mixed_precision(module)
-        if policy is not None and policy[0] is not None:
-            return policy
-    return None, None

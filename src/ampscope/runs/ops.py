@@ -73,12 +73,9 @@ class _OpFacts:
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
         self.name = str(func)  # "aten.addmm.default", what the records hold
-        # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
-        # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
-        # unpacking an op's output goes through Python dispatch only because a mode is active
-        # (DebugMode leaves those out too); with fake tensors (predict mode) every detach
-        # arrives that way, so AccumulateGrad's and the user's could not be told apart from
-        # autograd's own.
+        # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach, which changes no
+        # dtype and reaches a mode or not by how the step runs
+        # (docs/how-it-works.md#what-each-recorder-sees says why).
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
         self.cast = func is private_ops.TO_COPY
         self.flops = flop_formula(func)

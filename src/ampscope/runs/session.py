@@ -309,10 +309,8 @@ class Capture:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
         self._clock.step_begun()
-        # PyTorch's own optimizers (AdamW, or a subclass that keeps its step; not the user's,
-        # Muon, a subclass that overrides it) step as one call (FunctionRecorder.step_begin).
-        # Not a step given a closure (LBFGS; Lightning steps this way): the user's forward and
-        # backward run inside it, and their calls are recorded as always.
+        # A PyTorch optimizer's own step, given no closure, is one call
+        # (FunctionRecorder.step_begin; docs/how-it-works.md#what-each-recorder-sees).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
         pytorch_step = getattr(type(optimizer).step, "__module__", "").startswith("torch.")
         if closure is None and pytorch_step:

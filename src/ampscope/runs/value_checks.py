@@ -62,7 +62,6 @@ _GARBAGE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_
 _FLUSH = 4096  # 0-d results read back at once
 _CANDIDATES = 1000  # ops kept that made a non-finite value (the first per phase is reported)
 _FINITE = -1  # the slot of a tensor with no element
-_INF = math.inf
 
 
 class _Facts:
@@ -309,7 +308,7 @@ class ValueRecorder(UncompiledDispatchMode):
         low, high = self._values[slot], self._values[slot + 1]
         if low != low or high != high:
             return "NaN"
-        kinds = [k for k, on in (("+inf", high == _INF), ("-inf", low == -_INF)) if on]
+        kinds = [k for k, on in (("+inf", high == math.inf), ("-inf", low == -math.inf)) if on]
         return " and ".join(kinds)
 
     def _max_abs(self, slot: int) -> float:
