@@ -23,7 +23,6 @@ from ampscope.runs.tensor_meta import (
 )
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.fake import FakeTensor, required_storage_length
-from ampscope.torchcompat.ops import FOREACH_PREFIX
 
 NOT_THINNED = object()
 
@@ -51,10 +50,6 @@ class _Shape:
 
 
 _shapes: dict[int, _Shape] = {}
-
-
-def is_foreach(func: OpOverload) -> bool:
-    return func.__name__.startswith(FOREACH_PREFIX)
 
 
 def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
@@ -129,11 +124,8 @@ def _kind(entry: tuple, in_place: bool) -> tuple | object | None:
         if isinstance(v, torch.Tensor):
             local = local_tensor(v)
             if local is not v:
-                # A DTensor (FSDP2's and tensor parallelism's optimizer step): thinned only in
-                # place, where a skipped entry would make no result, and only where all of the
-                # entry's DTensors lie alike and none holds a pending reduction — a pointwise op
-                # then runs on the local shards without a collective, which a skipped entry
-                # would otherwise have issued.
+                # A DTensor (FSDP2's and tensor parallelism's optimizer step): in place only,
+                # the entry's DTensors alike and none Partial (the module's docstring says why).
                 layout = dtensor_layout(v)
                 if not in_place or layout is None or spec not in (None, layout) or any(
                         p.is_partial() for p in layout[1]):

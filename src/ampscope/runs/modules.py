@@ -112,11 +112,6 @@ class OpenCall:
         self.outputs: tuple[TensorMeta, ...] = ()
         self.module_id = 0  # id() of the module called, to tell module(...) from .forward(...)
 
-    def close(self) -> ModuleCall:
-        return ModuleCall(
-            self.index, self.name, self.type, self.phase, self.depth, self.inputs, self.outputs
-        )
-
 
 # The backward hooks of one module call (two per call: a step makes thousands). Objects with
 # slots rather than closures wrapped by `_quiet`: `functools.wraps` alone cost more than the
@@ -209,7 +204,8 @@ class ModuleTracker:
         return stack[-1].name if stack else None
 
     def records(self) -> list[ModuleCall]:
-        return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
+        return [ModuleCall(c.index, c.name, c.type, c.phase, c.depth, c.inputs, c.outputs)
+                for c in sorted(self._calls, key=lambda c: c.index)]
 
     def watch_direct_calls(self, module: nn.Module,
                            on_call: Callable[[nn.Module, tuple, dict], None]

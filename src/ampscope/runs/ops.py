@@ -91,7 +91,7 @@ class _OpFacts:
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
         self.trick = _OP_TRICKS.index(
-            Trick.FOREACH if foreach.is_foreach(func)
+            Trick.FOREACH if func.__name__.startswith(private_ops.FOREACH_PREFIX)
             else Trick.SHORTCUTS if func in shortcuts.OPS else Trick.FAKE_CACHE)
 
 
@@ -142,10 +142,8 @@ class OpRecorder(UncompiledDispatchMode):
         self.check: Callable[[OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (runs/memory.py).
         self.storages: StorageTracker | None = None
-        # On fake tensors, the speed tricks that may answer ops (`use_tricks`): foreach ops
-        # over one entry of each kind (runs/foreach.py), per-parameter ops FakeTensorMode
-        # never caches (runs/shortcuts.py), ops whose FakeTensorMode cache entry is known
-        # (runs/fake_cache.py), and C++ reads of a fake tensor's device.
+        # On fake tensors, the speed tricks that may answer ops (`use_tricks`; runs/__init__.py
+        # lists them), and C++ reads of a fake tensor's device.
         self.tricks: frozenset[Trick] = frozenset()
         self._answering = (False,) * len(_OP_TRICKS)  # by _OpFacts.trick: is it on?
         self.prim_device: bool | None = False  # None: decided on the first fake device read

@@ -75,10 +75,8 @@ def _constant(t) -> object:
             copy = t.clone()
         fake = new_fake(mode, tuple(copy.shape), copy.stride(), copy.dtype, copy.device,
                         constant=copy)
-        # Entered in the converter's books as its own conversion enters it: an op on
-        # constants runs on the copies and converts what it returns. An in-place op
-        # (`step += 1`) returns the copy, which must convert back to this very fake tensor; a
-        # view of it must convert to a view of this fake tensor's storage; and an op that
-        # makes such a view no constant must find this fake tensor to stop following it too.
+        # Entered in the converter's books as its own conversion enters it (the module's
+        # docstring says why); an op that makes a view of it no constant must find this fake
+        # tensor to stop following it too.
         remember_constant(mode, copy, fake)
         return fake
