@@ -179,10 +179,6 @@ def _replaces_torchs_attention() -> bool:
     return not torch_flops.counts_grouped_query_attention()
 
 
-def _shape(t) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _sdpa_forward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
     """scores = q·kᵀ and out = scores·v, for every query head: 2·B·Hq·Sq·Sk·(D + Dv). A GQA
     key/value head serves Hq/Hkv query heads; each of them multiplies it again."""
@@ -203,7 +199,7 @@ def _sdpa_backward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[in
                        replaces_torch=_replaces_torchs_attention)
 def attention_flops(query, key, value, *args, **kwargs) -> int:
     """A fused attention kernel, (query, key, value) first."""
-    return _sdpa_forward(_shape(query), _shape(key), _shape(value))
+    return _sdpa_forward(tuple(query.shape), tuple(key.shape), tuple(value.shape))
 
 
 # The backwards' gradient is `grad_out` or `grad_out_`: read by place (positional-only).
@@ -211,7 +207,7 @@ def attention_flops(query, key, value, *args, **kwargs) -> int:
                        replaces_torch=_replaces_torchs_attention)
 def attention_backward_flops(grad_out, /, query, key, value, *args, **kwargs) -> int:
     """A fused attention kernel's backward, (grad_out, query, key, value) first."""
-    return _sdpa_backward(_shape(query), _shape(key), _shape(value))
+    return _sdpa_backward(tuple(query.shape), tuple(key.shape), tuple(value.shape))
 
 
 # -- RNNs -----------------------------------------------------------------------------------
