@@ -1,8 +1,7 @@
 """The recorders: what one run did, captured as plain records while it runs.
 
-- `environment.py`: `RunEnvironment`, what one run happens in (the setting applied, the
-  virtual device, the fake mode, the capture), assembled once and in one order, and
-  `exact_retry`, the one fallback to the exact path;
+- `environment.py`: `RunEnvironment`, what one run happens in, assembled once and in one
+  order, and `exact_retry`, the one fallback to the exact path;
 - `session.py`: `Capture`, every recorder at once around one run → a `Trace`;
 - `modules.py`: module calls (forward and backward) and the phase clock;
 - `functions.py`: user-level calls (a TorchFunctionMode), above autocast;
@@ -22,9 +21,8 @@ The speed tricks of a predicted run (ampscope.tricks; each has an exact path):
 
 - `repeats.py`: identical blocks recorded twice and replayed for the others, with `alike.py`
   (which blocks are identical), `blockio.py` (what a block call takes and leaves),
-  `windows.py` (one recorded block call's records, appended again under another block's names,
-  through the recorders' public methods) and `replayed.py` (what the recorded blocks leave for
-  the replayed ones, and the autograd Function a replayed block runs as);
+  `windows.py` (one recorded block call's records, appended again under another block's names)
+  and `replayed.py` (the autograd Function a replayed block runs as);
 - `foreach.py`: foreach ops dispatched over one list entry of each kind;
 - `shortcuts.py`: per-parameter ops FakeTensorMode never caches, answered as it would;
 - `fake_cache.py`: other ops answered from FakeTensorMode's own cache, by a cheaper key.

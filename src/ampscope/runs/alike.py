@@ -1,11 +1,6 @@
 """Which of a model's blocks are alike: structurally identical, so that one recorded call can
-stand for another's (runs/repeats.py replays them).
-
-Blocks are alike when they have the same classes, parameter and buffer shapes, strides, dtypes
-and `requires_grad`, the same plain attributes (a configuration object compared by value, an
-activation made per layer by what it calls), no hooks and no `forward` of their own. One
-integer attribute may differ: the block's index (`layer_idx`), and only where the classes'
-code never reads it except to pass it on or to subscript with it.
+stand for another's (runs/repeats.py replays them). What "alike" takes, and what it cannot see:
+docs/how-it-works.md#repeated-blocks-traced-once, "Which blocks".
 """
 
 from __future__ import annotations

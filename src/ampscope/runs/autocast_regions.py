@@ -21,6 +21,7 @@ Namesakes, the same concern at other layers: `records/autocast_regions.py` (the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -54,15 +55,12 @@ _WRAPPERS = frozenset({*(os.path.join(_TORCH_DIR, *parts, "autocast_mode.py")
                        contextlib.__file__})
 # On a virtual device, the tensors' real device types that stand for the target's.
 _BACKING = frozenset({"cpu", "meta"})
-_floating: dict[str, bool] = {}
 
 
+@functools.cache
 def _is_floating(name: str) -> bool:
-    known = _floating.get(name)
-    if known is None:
-        dtype = getattr(torch, name, None)
-        known = _floating[name] = isinstance(dtype, torch.dtype) and dtype.is_floating_point
-    return known
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
 @dataclass(eq=False)
@@ -149,19 +147,15 @@ class RegionRecorder:
         return __init__
 
     def _entering(self, original: Callable) -> Callable:
-        recorder = self
-
         def __enter__(region):
             out = original(region)  # entered first: a region torch refuses is none
-            recorder.entered(region, sys._getframe(1))
+            self.entered(region, sys._getframe(1))
             return out
         return __enter__
 
     def _leaving(self, original: Callable) -> Callable:
-        recorder = self
-
         def __exit__(region, exc_type, exc_val, exc_tb):
-            recorder.left(region)
+            self.left(region)
             return original(region, exc_type, exc_val, exc_tb)
         return __exit__
 

@@ -12,7 +12,6 @@ import torch
 from ampscope.runs.memory import saved_tensors, storage_of
 from ampscope.torchcompat.autograd import reads_saved_raw, saving_through_hooks
 from ampscope.torchcompat.dispatch import pytree, pytree_children
-from ampscope.torchcompat.fake import FakeTensor
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -37,10 +36,6 @@ def shared_with_first(tensors: list, first: list[weakref.ref]) -> list[bool]:
     """Per tensor: whether block 0 was given the very same tensor (a rotary table, a mask)."""
     given = [r() for r in first]
     return [any(t is g for g in given) for t in tensors]
-
-
-def is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, FakeTensor)
 
 
 def saved_storages(out, inputs: list) -> set[int] | None:

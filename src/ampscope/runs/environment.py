@@ -161,11 +161,10 @@ class RunEnvironment:
         return Capture(model, CaptureOptions(**options))
 
     @contextlib.contextmanager
-    def recording(self, capture: Capture | None = None) -> Iterator[None]:
+    def recording(self, capture: Capture) -> Iterator[None]:
         """`capture` recording, and the virtual device over it (its memory calls answered by
         the capture's storage tracker)."""
-        with capture.recording() if capture is not None else contextlib.nullcontext(), \
-                self.device_active(capture):
+        with capture.recording(), self.device_active(capture):
             yield
 
     def device_active(self, capture: Capture | None = None

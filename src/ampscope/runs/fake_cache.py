@@ -1,32 +1,14 @@
-"""Fake ops answered from FakeTensorMode's own cache, found by a cheaper key.
+"""Fake ops answered from FakeTensorMode's own cache, found by a cheaper key: `CachedAnswers`,
+one per op recorder, under the same switch as foreach thinning.
 
-FakeTensorMode keeps the metadata of an op's results in a cache, keyed by the op, a few global
-settings and every argument's full metadata. Building that key costs it about 35 µs an op,
-and the whole dispatch about 120 µs, where making the results from the entry costs 20: on a
-70B Llama's predicted step, the ops that still reach FakeTensorMode (the four dispatched
-decoder layers, the head and the loss, the first entry of each foreach kind) spent a quarter
-of the run there. Those layers run the same ops on the same metadata, so most calls ask the
-cache what an earlier call already asked.
-
-`CachedAnswers` (one per op recorder, under the same switch as foreach thinning) keys each call
-by what FakeTensorMode's key holds, read more cheaply: the op; the default dtype and device,
-inference mode, the mode stack's depth and whether a proxy mode traces; each fake tensor's
-dtype, shape, strides, storage offset, storage size, device, `requires_grad`, conjugate,
-negative and inference bits; each other argument's type and value. The first call of a key
-builds FakeTensorMode's own key for it. When the mode's cache (its class's, which outlives a
-run: a `fit` or a `matrix` makes several in one process) holds an entry for that key already,
-the call is answered from it; otherwise it runs through the modes as usual, and the entry the
-mode made of it is taken, when it made one (it does not for ops it will not cache: views that
-decompose, in-place views, random or data-dependent ops, fake constants). Later calls of the
-key get their results from that entry as FakeTensorMode's cache hit makes them: a new tensor
-with the entry's metadata (made as `precision.predict.new_fake` makes one, when it is a single
-plain tensor: most answers), a view on the argument's storage, or the argument an in-place op
-returns (by FakeTensorMode's own code).
-
-Only a call whose every other mode below the recorder declares it passes the op through
-unchanged (`passes_through(func)`: the norm-statistics mode for all but the norms) is answered
-this way; a call holding a tensor that is not a fake tensor of the mode, a fake constant, or
-any other kind of argument always goes through the modes.
+FakeTensorMode keys its cache by the op, a few global settings and every argument's full
+metadata: about 35 µs of a 120 µs dispatch, where making the results from the entry costs 20.
+On a 70B Llama's predicted step the ops that still reach it (the four dispatched decoder layers,
+the head and the loss, the first entry of each foreach kind) spent a quarter of the run there,
+and those layers ask the cache what an earlier call already asked. What the cheaper key holds,
+which calls are answered (only those FakeTensorMode would answer from its cache, and only where
+every mode below the recorder `passes_through(func)`) and how each answer is made:
+docs/how-it-works.md#other-ops-answered-from-faketensormodes-own-cache.
 """
 
 from __future__ import annotations

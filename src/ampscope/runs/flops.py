@@ -9,26 +9,20 @@ Two sources, one convention (a multiply-add is 2 FLOPs, elementwise work 0):
   or asserts on them, and the fused RNN ops (oneDNN's LSTM layer, cuDNN's RNN). Where both
   have one, torch's counts unless the registration's `replaces_torch()` says otherwise.
 
-Registering (modelled on torch's own `@register_flop_formula`). An op is named by its packet
-(`torch.ops.aten.mm`) or its aten name ("mkldnn_rnn_layer"); an underscored op by a constant
-of `ampscope.torchcompat` (`rnn.CUDNN_RNN_NAME`), the only place such a name may be written.
-Each op is checked as it is registered, so a formula is feature-detected, never a crash: one
-this build lacks, or whose arguments no longer fit the formula, is skipped (`skipped()` says
-why). Fitting: each positional parameter has an argument of the op's schema at its place, of
-the same name unless the parameter is positional-only (before `/`: read by place); the op has
-no more positional arguments than the formula takes unless it takes `*args`; the op's
-keyword-only ones (`out=`, `scale=`) reach `**kwargs`. A release that reorders or renames an
-argument a formula reads turns the formula off rather than feeding it the wrong value.
+Registering: CONTRIBUTING.md#where-to-add-things says how to name the ops and what a formula
+reads. Each op is checked as it is registered, so a formula is feature-detected, never a crash
+(`skipped()` says why one was left out). Fitting: each positional parameter has an argument of
+the op's schema at its place, of the same name unless the parameter is positional-only (before
+`/`: read by place); the op has no more positional arguments than the formula takes unless it
+takes `*args`; the op's keyword-only ones (`out=`, `scale=`) reach `**kwargs`. A release that
+reorders or renames an argument a formula reads turns the formula off rather than feeding it
+the wrong value. Counts are cached by shapes and non-tensor arguments, so a formula reads no
+more (no `out_val`). A parameter whose schema argument has a default needs one too (the
+dispatcher may leave it out). Register at import, before anything runs: the op recorder keeps
+what it looked up per op.
 
-A formula gets the op's arguments as the op was called (tensors, not the shapes torch's own
-get; no `out_val`) and reads only shapes and non-tensor arguments: counts are cached by them. A
-parameter whose schema argument has a default needs one too (the dispatcher may leave it out).
-Register at import, before anything runs: the op recorder keeps what it looked up per op.
-
-What is counted. Every op that reaches the op recorder (runs/ops.py, a dispatch mode) is
-counted, once: a composite (`linear`, `lstm.input`) decomposes before the mode sees it, so
-only its parts are counted, and ops a kernel runs inside itself are not seen, so a fused op is
-counted alone. RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without
+What is counted: every op that reaches the op recorder (runs/ops.py), once (CONTRIBUTING.md).
+RNNs: oneDNN's LSTM layer on the CPU (`mkldnn_rnn_layer`, float32 LSTMs without
 projections, one call per layer and direction) and cuDNN's RNN (`_cudnn_rnn`, all layers in
 one call; also what the CUDA emulation runs, runtime/rnn_kernels.py) do their matmuls inside
 the kernel, so torch counts them 0; the formulas below count them. Every other RNN path (GRU
@@ -100,8 +94,8 @@ def register_flop_formula(*ops: OpOverloadPacket | str,
         for op in ops:
             packet, why = _resolved(op, count)
             if packet is None:
-                _skipped[_name(op)] = why
-                log.debug("FLOP formula %s skipped for %s: %s", count.__name__, _name(op), why)
+                _skipped[str(op)] = why
+                log.debug("FLOP formula %s skipped for %s: %s", count.__name__, str(op), why)
                 continue
             if packet in _registered:
                 raise ValueError(f"{packet} has a FLOP formula already "
@@ -119,7 +113,7 @@ def unregister_flop_formula(*ops: OpOverloadPacket | str) -> None:
         packet = torch_flops.aten_op(op) if isinstance(op, str) else op
         if packet is not None:
             _registered.pop(packet, None)
-        _skipped.pop(_name(op), None)
+        _skipped.pop(str(op), None)
     _changed()
 
 
@@ -132,10 +126,6 @@ def _changed() -> None:
     """A formula was registered or removed: what was looked up may have changed."""
     _formulas.clear()
     _counted.clear()
-
-
-def _name(op: OpOverloadPacket | str) -> str:
-    return op if isinstance(op, str) else str(op)
 
 
 def _resolved(op: OpOverloadPacket | str, count: Callable) -> tuple[OpOverloadPacket | None, str]:
@@ -189,10 +179,6 @@ def _replaces_torchs_attention() -> bool:
     return not torch_flops.counts_grouped_query_attention()
 
 
-def _shape(t) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
 def _sdpa_forward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[int, ...]) -> int:
     """scores = q·kᵀ and out = scores·v, for every query head: 2·B·Hq·Sq·Sk·(D + Dv). A GQA
     key/value head serves Hq/Hkv query heads; each of them multiplies it again."""
@@ -213,7 +199,7 @@ def _sdpa_backward(query: tuple[int, ...], key: tuple[int, ...], value: tuple[in
                        replaces_torch=_replaces_torchs_attention)
 def attention_flops(query, key, value, *args, **kwargs) -> int:
     """A fused attention kernel, (query, key, value) first."""
-    return _sdpa_forward(_shape(query), _shape(key), _shape(value))
+    return _sdpa_forward(tuple(query.shape), tuple(key.shape), tuple(value.shape))
 
 
 # The backwards' gradient is `grad_out` or `grad_out_`: read by place (positional-only).
@@ -221,7 +207,7 @@ def attention_flops(query, key, value, *args, **kwargs) -> int:
                        replaces_torch=_replaces_torchs_attention)
 def attention_backward_flops(grad_out, /, query, key, value, *args, **kwargs) -> int:
     """A fused attention kernel's backward, (grad_out, query, key, value) first."""
-    return _sdpa_backward(_shape(query), _shape(key), _shape(value))
+    return _sdpa_backward(tuple(query.shape), tuple(key.shape), tuple(value.shape))
 
 
 # -- RNNs -----------------------------------------------------------------------------------

@@ -1,23 +1,13 @@
 """Fake `_foreach_` ops dispatched over one list entry of each kind.
 
 An optimizer's foreach ops (and `clip_grad_norm_`'s) take one list entry per parameter: 723 for
-a 70B Llama, whose AdamW step is about ten such ops. On fake tensors (a predicted run) the op
-costs nothing but its meta kernel, which works out each entry's result from that entry alone,
-at tens of microseconds an entry: most of a predicted step's optimizer time. Entries whose
-tensors have the same metadata (the query weights of every layer, their gradients, their Adam
-moments) get results with the same metadata, so the op runs on the first entry of each kind and
-the other entries' results are made like it, without a kernel. The recorders above see the op
-with every entry, as it would run: its record, FLOPs and the storages its results make (each
-result is its own fake tensor, freed when the caller lets it go) are the same.
-
-An op is thinned only when that holds by construction: its per-entry arguments are lists of
-tensors or numbers, the rest are shared by every entry (a number, a 0-dim tensor), it returns a
-list of tensors or nothing, no entry holds a fake constant (a CPU scalar whose value fake mode
-follows, like Adam's `step` counters, which the optimizer reads back), and the results of the
-entries it ran are new tensors of their own. Otherwise it runs as usual. Over DTensors (a
-predicted FSDP2 or tensor-parallel rank's optimizer) only in-place ops are thinned, where each
-entry's DTensors lie alike and none holds a pending reduction: their local op then issues no
-collective that a skipped entry would have.
+a 70B Llama, whose AdamW step is about ten such ops. On fake tensors the meta kernel works out
+each entry's result from that entry alone, at tens of microseconds an entry: most of a
+predicted step's optimizer time. Entries whose tensors have the same metadata get results with
+the same metadata, so the op runs on the first entry of each kind and the other entries'
+results are made like it, without a kernel; the recorders above see the op with every entry,
+as it would run. Which entries are alike, which ops are left whole, and why DTensors are
+thinned in place only: docs/how-it-works.md#foreach-ops-over-one-entry-of-each-kind.
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ from ampscope.runs.tensor_meta import (
 )
 from ampscope.torchcompat.dispatch import OpOverload, op_schema
 from ampscope.torchcompat.fake import FakeTensor, required_storage_length
-from ampscope.torchcompat.ops import FOREACH_PREFIX
 
 NOT_THINNED = object()
 
@@ -61,10 +50,6 @@ class _Shape:
 
 
 _shapes: dict[int, _Shape] = {}
-
-
-def is_foreach(func: OpOverload) -> bool:
-    return func.__name__.startswith(FOREACH_PREFIX)
 
 
 def thinned_call(func: OpOverload, args: tuple, kwargs: dict):
@@ -139,11 +124,8 @@ def _kind(entry: tuple, in_place: bool) -> tuple | object | None:
         if isinstance(v, torch.Tensor):
             local = local_tensor(v)
             if local is not v:
-                # A DTensor (FSDP2's and tensor parallelism's optimizer step): thinned only in
-                # place, where a skipped entry would make no result, and only where all of the
-                # entry's DTensors lie alike and none holds a pending reduction — a pointwise op
-                # then runs on the local shards without a collective, which a skipped entry
-                # would otherwise have issued.
+                # A DTensor (FSDP2's and tensor parallelism's optimizer step): in place only,
+                # the entry's DTensors alike and none Partial (the module's docstring says why).
                 layout = dtensor_layout(v)
                 if not in_place or layout is None or spec not in (None, layout) or any(
                         p.is_partial() for p in layout[1]):

@@ -1,11 +1,7 @@
 """User-level calls: what user code called — `F.linear`, `x.float()` — with the dtypes it passed,
 above autocast (`FunctionRecorder`, a TorchFunctionMode), and `torch.inference_mode()` blocks
-run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`).
-
-The op recorder (runs/ops.py) reads the call in progress from the `FunctionRecorder` it is
-given at construction, through the `UserCalls` protocol, the whole channel between the two: an
-aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself a
-cast while autocast is on.
+run as `no_grad` blocks while a run is recorded (`InferenceAsNoGrad`). The op recorder
+(runs/ops.py) reads the call in progress through the `UserCalls` protocol.
 """
 
 from __future__ import annotations
@@ -56,7 +52,6 @@ BACKWARD_CALLS = frozenset({"Tensor.backward", "torch.autograd.backward", "torch
 # (str | None) is declared.
 PENDING: Any = object()
 _PRIM_DEVICE = torch.ops.prim.device.default
-_graph_task_id = graph_task_id  # -1 outside a backward pass
 
 _name_cache: dict[Callable, str] = {}
 log = logging.getLogger(__name__)
@@ -71,7 +66,7 @@ def func_name(func: Callable) -> str:
         if own and getattr(torch, own, None) is func and (
                 name.rsplit(".", 1)[-1] != own or name.startswith("_VariableFunctionsClass.")):
             # PyTorch's own lookup names some functions by another (torch.mm as torch.spmm),
-            # and knows others (torch._foreach_norm) only by the class that holds them
+            # and knows others (torch's foreach norm) only by the class that holds them
             name = f"torch.{own}"
         name = name.replace("torch.Tensor.", "Tensor.").replace(TENSOR_BASE_PREFIX, "Tensor.")
         if name.startswith("TensorBase."):
@@ -80,7 +75,6 @@ def func_name(func: Callable) -> str:
     return name
 
 
-# Ops that are no computation: the profiler range `Optimizer.step` opens.
 # An op record while the run goes on: OpCall's fields in order (records.OP_ROW).
 _AUTOCAST_CAST, _INPUTS, _OUTPUTS = (OP_ROW.at(f) for f in ("autocast_cast", "inputs", "outputs"))
 # A user-level call's record: FunctionCall's fields in order (records.FUNCTION_ROW).
@@ -161,15 +155,14 @@ class UserCalls(Protocol):
 
 
 class FunctionRecorder(TorchFunctionMode):
-    def __init__(self, tracker: ModuleTracker, phase: PhaseClock,
-                 names: dict[int, tuple[weakref.ref, str]] | None = None):
+    def __init__(self, tracker: ModuleTracker, phase: PhaseClock):
         super().__init__()
         # One row per recorded call: FunctionCall's fields in order (built by `records`).
         self.rows: list[tuple] = []
-        # Where tensors came from, for explaining a failure: parameters and buffers (`names`),
-        # model inputs (added by the session) and the outputs of recorded calls (as the index
-        # of the row of the call that made them, put in words only when asked).
-        self.origins: dict[int, tuple[weakref.ref, str | int]] = dict(names or {})
+        # Where tensors came from, for explaining a failure: parameters, buffers and model
+        # inputs (added by the session) and the outputs of recorded calls (as the index of the
+        # row of the call that made them, put in words only when asked).
+        self.origins: dict[int, tuple[weakref.ref, str | int]] = {}
         self.failure: FailedCall | None = None
         self.op_log: list[tuple] | None = None  # the OpRecorder's rows, set by it
         self.step = 0  # calls of the model so far, counted by the session
@@ -208,10 +201,9 @@ class FunctionRecorder(TorchFunctionMode):
 
     def step_begin(self, name: str, device: str, frame: FrameType | None) -> None:
         """A PyTorch optimizer's `step()` begins: it is recorded as one call, `name`, made at
-        the user's line that `frame` stands under, and its ops are that call's. The torch calls
-        its implementation makes (in AdamW's for-loop, a dozen per parameter, each `p.grad` read
-        among them) are PyTorch's own code, not the user's: the recorder leaves the mode stack
-        until `step_end`, so that none of them makes a round trip through it."""
+        the user's line that `frame` stands under, and its ops are that call's. The recorder
+        leaves the mode stack until `step_end`: the torch calls inside are PyTorch's own
+        (docs/how-it-works.md#what-each-recorder-sees says why)."""
         if self._step_depth is not None:
             return
         depth = _take_off_stack(self)
@@ -269,7 +261,7 @@ class FunctionRecorder(TorchFunctionMode):
         ops_before = self.ops_seen
         # Phase and module as the call starts: `loss.backward()` starts in the forward phase by
         # the clock, but it and everything it dispatches (the ones_like seed) are backward.
-        backward = _graph_task_id() != -1
+        backward = graph_task_id() != -1  # -1 outside a backward pass
         phase = Phase.BACKWARD if backward or name in BACKWARD_CALLS else self._phase.now()
         module = self._tracker.current_in(backward)
         outer_phase, self.current_phase = self.current_phase, phase
@@ -335,12 +327,11 @@ class InferenceAsNoGrad:
 
     def __enter__(self) -> InferenceAsNoGrad:
         cls = torch.autograd.grad_mode.inference_mode
-        watcher = self
 
         def __enter__(ctx) -> None:
             ctx.ampscope_grad_was = torch.is_grad_enabled()
             if ctx.mode:
-                watcher.used = True
+                self.used = True
                 torch.set_grad_enabled(False)
 
         def __exit__(ctx, *exc) -> None:

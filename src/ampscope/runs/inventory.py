@@ -1,8 +1,6 @@
-"""The tensor inventory: parameters (with gradient dtypes), buffers, optimizer state, inputs.
-
-Taken at the end of a capture, while the run's own tensors are still in the model. Tied
-parameters (wte/lm_head) are listed once, under their first name, with the other names in
-`tied_to`.
+"""The tensor inventory: parameters (with gradient dtypes), buffers, optimizer state, inputs,
+taken at the end of a capture, while the run's own tensors are still in the model (tied
+parameters: docs/how-it-works.md#tied-weights).
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ from ampscope.torchcompat import modules as module_state
 from ampscope.torchcompat.distributed import shard_shapes
 
 
-def parameter_names(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every name it goes by, first name first."""
-    return parameters_and_names(model)[1]
-
-
 def parameters_and_names(model: nn.Module) -> tuple[list[nn.Parameter], dict[int, list[str]]]:
-    """`list(model.parameters())` and `parameter_names(model)`, from one walk of the model."""
+    """`list(model.parameters())` and id(parameter) -> every name it goes by (first name
+    first), from one walk of the model."""
     params: list[nn.Parameter] = []
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -46,12 +40,8 @@ def parameters_and_names(model: nn.Module) -> tuple[list[nn.Parameter], dict[int
     return params, names
 
 
-def parameters(model: nn.Module, names: dict[int, list[str]] | None = None,
-               params: list[nn.Parameter] | None = None) -> list[ParameterRecord]:
-    """One record per parameter; `names` is `parameter_names(model)` and `params`
-    `list(model.parameters())`, when the caller has them."""
-    names = parameter_names(model) if names is None else names
-    params = list(model.parameters()) if params is None else params
+def parameters(names: dict[int, list[str]], params: list[nn.Parameter]) -> list[ParameterRecord]:
+    """One record per parameter of `parameters_and_names`."""
     return [
         ParameterRecord(
             name=names[id(p)][0],
@@ -74,19 +64,16 @@ def local_shape(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def job_roles(params: Iterable[torch.Tensor]) -> list[int]:
-    """`rank_roles` over the job of this process's default process group; [] without one."""
+    """For each rank of the job of this process's default process group, the lowest rank whose
+    shard of every one of `params` has the same shape (its role): ranks of one role hold alike,
+    run the same ops on the same shapes, and send the same collectives. [] without a process
+    group, where no parameter is a DTensor, or where DTensor's own computation of a shard's
+    shape is not on this build."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return []
-    return rank_roles(params, dist.get_world_size())
-
-
-def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
-    """For each rank of a `world_size`-rank job, the lowest rank whose shard of every one of
-    `params` has the same shape (its role): ranks of one role hold alike, run the same ops on
-    the same shapes, and send the same collectives. [] where no parameter is a DTensor or
-    DTensor's own computation of a shard's shape is not on this build."""
+    world_size = dist.get_world_size()
     layouts: dict[tuple, dict[int, tuple[int, ...]]] = {}
     for p in params:
         layout = dtensor_layout(p)
@@ -106,22 +93,15 @@ def rank_roles(params: Iterable[torch.Tensor], world_size: int) -> list[int]:
 
 
 def buffers(model: nn.Module) -> list[BufferRecord]:
-    records = []
-    for module_name, module in model.named_modules():
-        for name, b in module_state.buffers(module).items():
-            if b is None:
-                continue
-            full = f"{module_name}.{name}" if module_name else name
-            persistent = name not in module_state.non_persistent_buffers(module)
-            records.append(BufferRecord(full, dtype_name(b.dtype), tuple(b.shape), persistent))
-    return records
+    return [BufferRecord(f"{module_name}.{name}" if module_name else name, dtype_name(b.dtype),
+                         tuple(b.shape), name not in module_state.non_persistent_buffers(module))
+            for module_name, module in model.named_modules()
+            for name, b in module_state.buffers(module).items() if b is not None]
 
 
-def optimizer_state(
-    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module,
-    names: dict[int, list[str]] | None = None,
-) -> list[OptimizerStateRecord]:
-    names = parameter_names(model) if names is None else names
+def optimizer_state(optimizers: Iterable[torch.optim.Optimizer],
+                    names: dict[int, list[str]]) -> list[OptimizerStateRecord]:
+    """`names`: the parameters' (`parameters_and_names`)."""
     rows = []  # thousands on a large model: built at once (from_rows)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -136,17 +116,14 @@ def optimizer_state(
 
 def named_tensors(named: Mapping[str, object], role: str | None = None) -> list[InputRecord]:
     """Records for named model inputs or outputs; `role` None means infer input/target."""
-    records = []
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor):
-            r = role or ("target" if name in TARGET_NAMES else "input")
-            records.append(InputRecord(name, r, dtype_name(value.dtype), tuple(value.shape)))
-    return records
+    return [InputRecord(name, role or ("target" if name in TARGET_NAMES else "input"),
+                        dtype_name(value.dtype), tuple(value.shape))
+            for name, value in named.items() if isinstance(value, torch.Tensor)]
 
 
 # What nn.Module itself keeps in a module's __dict__ (hooks, children, parameters, buffers):
 # never the model's own state.
-_MODULE_OWN = frozenset(vars(nn.Module()))
+_MODULE_OWN = module_state.module_fields()
 _DEPTH = 4  # cache.layers[0].keys: an object, its list, an entry, the entry's tensor
 
 

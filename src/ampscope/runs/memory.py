@@ -1,42 +1,13 @@
 """`StorageTracker`: every storage a step allocates, when it was made and freed, and what it is.
 
-Memory belongs to storages, not tensors: a view (`x.t()`, `x.view(...)`) shares its base's
-storage, tied weights are one storage under two names, and `.contiguous()` of a transpose is a
-new one. `Tensor.untyped_storage()` returns the same Python object for a storage as long as the
-storage lives (for fake tensors too, whose storages have sizes but no memory), so the tracker
-keys storages by that object's id and learns of each free from a weak reference to it.
-
-What the tracker sees:
-
-- **before the step** (`register`): the model's parameters and buffers (the run's working
-  copies) and the model's first inputs, by name;
-- **each aten op** (`on_op`, from `OpRecorder`): an output whose storage has not been seen is a
-  new allocation at that op's index. Its free is noted, by the weak reference's callback, as the
-  index of the last op recorded before it — the storage was live through that op;
-- **autograd's saved tensors**: when a backward pass runs its first op, every tensor saved in
-  the graph is still held by its node; the tracker walks the graph from that node and marks
-  the storages of the saved tensors `saved` (see `_walk` for why not `saved_tensors_hooks`);
-- **at the end** (`records`): what each storage is, by this precedence (first match wins):
-
-  1. `parameter`, `buffer`, `input`: named before the step;
-  2. `gradient`: some parameter's `.grad` at the end;
-  3. `optimizer_state`: a tensor in some optimizer's `state` (AdamW's moments and its `step`
-     counters, one 4-byte float32 scalar per parameter);
-  4. `output`: a named result of the workload (the loss, the logits, the sampled tokens);
-  5. `autocast_cast`: made by a cast that autocast inserted — weights' casts and activations'
-     casts alike, saved for backward or not (`saved` tells): the memory autocast adds;
-  6. `fp8_cast`: made by a cast into a float8 dtype (fp8 training: inputs, weights, gradients);
-  7. `fp8_scale`: the scale such a cast was made with (records/fp8.py tells them);
-  8. `activation`: saved for backward;
-  9. `temporary`: everything else.
-
-A storage resized in place (`UntypedStorage.resize_`, which passes no dispatcher: FSDP2 frees
-each unsharded parameter with `resize_(0)` after use and regrows it before the next) is followed
-by `watch_resizes`: each size it takes is a life of its own, a record from the op after the
-resize to the op before the next one, with the dtype and shape it was first seen with.
-
-Storages made outside any recorded op (inside a kernel, or by C++ without dispatching) are not
-seen; neither are the allocator's own reserves (see docs/memory.md).
+Memory belongs to storages, not tensors: the tracker keys each by its `untyped_storage()`
+object (the same object while the storage lives, for fake tensors too) and learns of its free
+from a weak reference to it. It is told of the model's tensors before the step (`register`)
+and of each aten op's results (`on_op`), walks autograd's saved tensors as a backward pass
+begins (`_walk`), follows storages resized in place (`watch_resizes`) and gives each storage
+its category at the end (`records`): docs/memory.md#method says what is seen when, and the
+categories' precedence. Storages made outside any recorded op (inside a kernel, or by C++
+without dispatching) are not seen; neither are the allocator's own reserves.
 
 Namesakes, the same concern at another layer: `analysis/memory.py`, `render/memory.py`."""
 
@@ -328,7 +299,7 @@ class StorageTracker:
             if self._unpacking and not self.saved_unknown and saving_through_hooks():
                 self.saved_unknown = True
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if task != self._graph_task:
             self._graph_task, self._walked = task, {}
         # A new pass, or a graph with several roots.
@@ -338,14 +309,11 @@ class StorageTracker:
     def _walk(self, root) -> None:
         """Mark the storages of every tensor saved in the autograd graph behind `root`.
 
-        Read from the nodes themselves (torchcompat.autograd.saved_tensors: the tensors autograd
-        holds, unpacked neither by autograd nor by a hook, where the build allows), not by
-        `saved_tensors_hooks`: with hooks, autograd would unpack every saved tensor through a
-        detach (a fake dispatch per tensor in a predicted run), keep the op's own output in a
-        reference cycle through its grad_fn, and stop checking saved tensors' versions. A node
-        whose tensors were saved through hooks that refuse to unpack them here (activation
-        checkpointing's, on a build that can only unpack) holds no activation of its own: the
-        hooks keep what they need elsewhere."""
+        Read from the nodes themselves (torchcompat.autograd.saved_tensors, unpacked neither by
+        autograd nor by a hook where the build allows), not by `saved_tensors_hooks`:
+        docs/memory.md#method says why. A node whose tensors were saved through hooks that
+        refuse to unpack them here (activation checkpointing's, on a build that can only
+        unpack) holds no activation of its own: the hooks keep what they need elsewhere."""
         walked, live = self._walked, self._live
         stack = [root]
         while stack:
@@ -378,20 +346,16 @@ class StorageTracker:
             if created is not None and created >= len(ops):
                 # Regrown (on_resize) after the last op: counted as live at it.
                 created = len(ops) - 1 if ops else None
-            if created is None:
-                module = phase = name = None
-                if category is None:
-                    category = _ACTIVATION if saved else _TEMPORARY
-            else:
+            module = phase = name = None
+            if created is not None:
                 op = ops[created]
                 module, phase, name = op.module, op.phase, op.op
-                if category is None:
-                    if op.autocast_cast:
-                        category = StorageCategory.AUTOCAST_CAST
-                    elif created in fp8_made:
-                        category = fp8_made[created]
-                    else:
-                        category = _ACTIVATION if saved else _TEMPORARY
+                if category is None and op.autocast_cast:
+                    category = StorageCategory.AUTOCAST_CAST
+                elif category is None:
+                    category = fp8_made.get(created)
+            if category is None:
+                category = _ACTIVATION if saved else _TEMPORARY
             append((i, entry.nbytes, meta.dtype, meta.shape, created, entry.freed, category,
                     tuple(dict.fromkeys(names)) if names else (), module, phase, name, saved))
         self._seen, self._live, self._walked, self.log = [], {}, {}, []
@@ -399,7 +363,6 @@ class StorageTracker:
         return from_rows(StorageRecord, rows)
 
 
-_graph_task_id = graph_task_id
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage of a plain tensor; of one that wraps others (`stored_tensors`), its first
     inner tensor's (a DTensor's local shard's)."""

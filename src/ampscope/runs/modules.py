@@ -1,10 +1,6 @@
-"""Which module is running, forward and backward, and a `ModuleCall` record for each call.
-
-Built on public PyTorch hooks, the same ones `torch.distributed._tools.mod_tracker.ModTracker`
-uses: global module forward hooks for the forward pass, and `register_multi_grad_hook` on each
-module's outputs (its backward starts) and inputs (its backward ends). ModTracker itself keeps
-only a set of class-path names; we need qualified names in the traced model, call records with
-dtypes and an innermost-module stack for attributing ops.
+"""Which module is running, forward and backward, and a `ModuleCall` record for each call, from
+public PyTorch hooks: docs/how-it-works.md#module-tracking-forward-and-backward says which, and
+why not PyTorch's `ModTracker`.
 
 Namesakes, the same concern at another layer: `torchcompat/modules.py`."""
 
@@ -73,7 +69,7 @@ def _on_gradients(tensors: list[torch.Tensor], hook: Callable,
 
 def _quiet(hook: Callable) -> Callable:
     """`hook` run with torch functions off: the dtypes, shapes and flags it reads are no user
-    calls for a TorchFunctionMode to see (see `tensors.no_torch_function`)."""
+    calls for a TorchFunctionMode to see (see runs/tensor_meta.py)."""
 
     @functools.wraps(hook)
     def quiet(*args, **kwargs):
@@ -115,11 +111,6 @@ class OpenCall:
         self.depth, self.inputs = depth, inputs
         self.outputs: tuple[TensorMeta, ...] = ()
         self.module_id = 0  # id() of the module called, to tell module(...) from .forward(...)
-
-    def close(self) -> ModuleCall:
-        return ModuleCall(
-            self.index, self.name, self.type, self.phase, self.depth, self.inputs, self.outputs
-        )
 
 
 # The backward hooks of one module call (two per call: a step makes thousands). Objects with
@@ -187,7 +178,6 @@ class ModuleTracker:
     def add_names(self, names: dict[nn.Module, str]) -> None:
         self._names.update(names)
 
-    # -- queries used while ops run
     # -- the calls recorded so far, for the replay engine (runs/windows.py)
     def call_count(self) -> int:
         return len(self._calls)
@@ -207,48 +197,43 @@ class ModuleTracker:
         """The innermost module call running in the forward pass, None outside any."""
         return self._forward_stack[-1] if self._forward_stack else None
 
-    def current(self) -> str | None:
-        """Qualified name of the innermost running module; None outside any module."""
-        stack = self._backward_stack if in_backward() else self._forward_stack
-        return stack[-1].name if stack else None
-
     def current_in(self, backward: bool) -> str | None:
-        """`current()`, told whether a backward pass runs."""
+        """Qualified name of the innermost module running in the backward pass (`backward`)
+        or the forward pass; None outside any module."""
         stack = self._backward_stack if backward else self._forward_stack
         return stack[-1].name if stack else None
 
     def records(self) -> list[ModuleCall]:
-        return [c.close() for c in sorted(self._calls, key=lambda c: c.index)]
+        return [ModuleCall(c.index, c.name, c.type, c.phase, c.depth, c.inputs, c.outputs)
+                for c in sorted(self._calls, key=lambda c: c.index)]
 
     def watch_direct_calls(self, module: nn.Module,
-                           on_call: Callable[[nn.Module, tuple, dict], None] | None = None
+                           on_call: Callable[[nn.Module, tuple, dict], None]
                            ) -> Callable[[], None]:
         """Record `module.forward(...)` called directly (as samplers do), which runs no hook,
         like `module(...)`; `on_call` stands for the module's own forward pre-hooks. Returns
         what undoes it."""
-        tracker = self
         original = module.forward
 
         @functools.wraps(original)  # its signature names the model's inputs
         def forward(*args, **kwargs):
-            stack = tracker._forward_stack
+            stack = self._forward_stack
             if stack and stack[-1].module_id == id(module):  # module(...): its hooks ran
                 return original(*args, **kwargs)
-            tracker._forward_pre(module, args)
-            if on_call is not None:
-                on_call(module, args, kwargs)
+            self._forward_pre(module, args)
+            on_call(module, args, kwargs)
             try:
                 output = original(*args, **kwargs)
             except BaseException:
-                tracker._forward_post(module, args, None)
+                self._forward_post(module, args, None)
                 raise
-            tracker._forward_post(module, args, kwargs, output)
+            self._forward_post(module, args, kwargs, output)
             return output
 
         return patch(module, "forward", forward)
 
     def enter_running(self, module: nn.Module,
-                      on_call: Callable[[nn.Module, tuple, dict], None] | None = None) -> bool:
+                      on_call: Callable[[nn.Module, tuple, dict], None]) -> bool:
         """Record a call of `module` that is already running: a script called
         `model.forward(...)` directly before the model was known, so neither a hook nor the
         `watch_direct_calls` wrapper saw it start. The call is opened now, with the arguments
@@ -263,8 +248,7 @@ class ModuleTracker:
         local = frame.f_locals
         args = tuple(local[n] for n in named if n in local)
         self._forward_pre(module, args)
-        if on_call is not None:
-            on_call(module, args, {})
+        on_call(module, args, {})
 
         def on_event(f, event: str, arg):
             if event == "return":  # also as an exception leaves it (arg None)
@@ -334,38 +318,26 @@ class ModuleTracker:
         outputs = tensors_in(output)
         call.inputs, call.outputs = metas_of(input_tensors), metas_of(outputs)
         if torch.is_grad_enabled():
+            # The backward hooks reach the tracker through a weak reference: autograd may keep a
+            # hook after the step, and it must not keep the tracker (and all its records) alive.
+            tracker, name = weakref.ref(self), self._name(module)
             inputs = {id(t) for t in input_tensors}
-            if outputs and all(id(t) in inputs for t in outputs):
-                # It returned its input (nn.Identity, Dropout(p=0)): its backward runs no op,
-                # and the gradient it would wait for is the one the module before it produces.
-                needing_grad = [t for t in outputs if t.requires_grad]
-                if needing_grad:
-                    _on_gradients(needing_grad,
-                                  self._backward_start_hook(module, call.depth, enter=False),
-                                  "any")
-                return
+            # A module that returned its input (nn.Identity, Dropout(p=0)): its backward runs no
+            # op, and the gradient it would wait for is the one the module before it produces.
+            returned_input = bool(outputs) and all(id(t) in inputs for t in outputs)
             # Leaf inputs are left out: an "all"-mode multi-grad hook on a leaf is kept alive by
             # autograd after the step (with the gradients it buffered). A module fed a leaf is
             # closed by the end-of-backward callback instead.
             inputs_needing_grad = [t for t in input_tensors
                                    if t.requires_grad and t.grad_fn is not None]
-            if inputs_needing_grad:
-                _on_gradients(inputs_needing_grad, self._backward_end_hook(module), "all")
+            if inputs_needing_grad and not returned_input:
+                _on_gradients(inputs_needing_grad, _BackwardEnd(tracker, name), "all")
             needing_grad = [t for t in outputs if t.requires_grad]
             if needing_grad:
-                _on_gradients(needing_grad, self._backward_start_hook(module, call.depth), "any")
+                _on_gradients(needing_grad, _BackwardStart(tracker, name, type(module).__name__,
+                                                           call.depth, not returned_input), "any")
 
     # -- backward
-    # Backward hooks reach the tracker through a weak reference: autograd may keep a hook
-    # after the step, and it must not keep the tracker (and all its records) alive.
-    def _backward_start_hook(self, module: nn.Module, depth: int, *,
-                             enter: bool = True) -> _BackwardStart:
-        return _BackwardStart(weakref.ref(self), self._name(module), type(module).__name__, depth,
-                              enter)
-
-    def _backward_end_hook(self, module: nn.Module) -> _BackwardEnd:
-        return _BackwardEnd(weakref.ref(self), self._name(module))
-
     def open_backward(self, call: OpenCall, enter: bool) -> None:
         """A module's backward call begins (its output's gradient arrived)."""
         self._queue_end_of_backward()

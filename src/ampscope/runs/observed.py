@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ampscope.precision import main_dtype
 from ampscope.precision.matmul import ran_with
 from ampscope.records import Phase, SettingRecord, Trace, dtype_name
 from ampscope.torchcompat.distributed import fsdp_mixed_precision
@@ -21,15 +22,15 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
     first module that has one) is sharded with one.
     `device`: the device the run stood for (a virtual one), else that of the parameters;
     `gpu`, the GPU a virtual one was (SettingRecord.gpu)."""
-    counts: dict[torch.dtype, int] = {}
-    found = "cpu"
-    for p in model.parameters():
-        if p.is_floating_point():
-            if not counts:
-                found = p.device.type
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    main = max(counts, key=counts.__getitem__) if counts else None
-    compute, reduce = _fsdp_policy(model)
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    found = floating[0].device.type if floating else "cpu"
+    main = main_dtype(model, floating)
+    compute = reduce = None
+    for module in model.modules():  # the root's policy first, where fully_shard wrapped it
+        policy = fsdp_mixed_precision(module)
+        if policy is not None and policy[0] is not None:
+            compute, reduce = policy
+            break
     under_autocast = [c for c in trace.calls if c.autocast]
     step = [c for c in under_autocast if c.phase != Phase.EVALUATION] or under_autocast
     return SettingRecord(name="as-run", device=device or found,
@@ -41,13 +42,3 @@ def observed_setting(model: nn.Module, device: str | None, trace: Trace,
                          fsdp_param_dtype=dtype_name(compute) if compute else None,
                          fsdp_reduce_dtype=dtype_name(reduce) if compute and reduce else None,
                          gpu=gpu)
-
-
-def _fsdp_policy(model: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """The compute and reduce dtypes of the first FSDP2 MixedPrecisionPolicy in `model` that
-    sets a compute dtype (the root's, where `fully_shard` wrapped it); (None, None) without."""
-    for module in model.modules():
-        policy = fsdp_mixed_precision(module)
-        if policy is not None and policy[0] is not None:
-            return policy
-    return None, None

@@ -1,9 +1,7 @@
 """The aten ops that really ran: `OpRecorder` (a TorchDispatchMode) sits below autocast and
 autograd and sees every op, including the `_to_copy` casts autocast inserted and every backward
-and optimizer op, each recorded under the user-level call it ran in (runs/functions.py).
-
-An aten `_to_copy` is an autocast cast when it runs inside a user-level call that is not itself
-a cast (`F.linear` under autocast casts its input, weight and bias) while autocast is on.
+and optimizer op, each recorded under the user-level call it ran in (runs/functions.py), which
+tells which `_to_copy` is autocast's (docs/how-it-works.md#how-autocast-casts-are-recognised).
 
 Namesakes, the same concern at another layer: `torchcompat/ops.py`."""
 
@@ -54,7 +52,6 @@ from ampscope.torchcompat.dynamo import UncompiledDispatchMode
 from ampscope.torchcompat.fake import FakeTensor
 from ampscope.tricks import Trick, enabled, fell_back
 
-_CAST_OPS = frozenset({private_ops.TO_COPY})
 _PRIM_DEVICE = torch.ops.prim.device.default
 _META = torch.device("meta")
 log = logging.getLogger(__name__)
@@ -76,14 +73,11 @@ class _OpFacts:
     def __init__(self, func) -> None:
         self.op = func  # held: the facts are looked up by the op's id
         self.name = str(func)  # "aten.addmm.default", what the records hold
-        # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach — a detach changes
-        # no dtype, and which detaches reach a mode depends on how it runs. Autograd saving or
-        # unpacking an op's output goes through Python dispatch only because a mode is active
-        # (DebugMode leaves those out too); with fake tensors (predict mode) every detach
-        # arrives that way, so AccumulateGrad's and the user's could not be told apart from
-        # autograd's own.
+        # Not recorded: no computation (see _SKIPPED_NAMESPACES), or a detach, which changes no
+        # dtype and reaches a mode or not by how the step runs
+        # (docs/how-it-works.md#what-each-recorder-sees says why).
         self.recorded = func.namespace not in _SKIPPED_NAMESPACES and func is not _DETACH
-        self.cast = func in _CAST_OPS
+        self.cast = func is private_ops.TO_COPY
         self.flops = flop_formula(func)
         # Which float32 precision setting governs it: "matmul", "conv", "rnn" or None.
         self.precision = matmul.precision_kind(self.name)
@@ -97,7 +91,7 @@ class _OpFacts:
         # _OP_TRICKS: the recorder's per-op test is then a tuple lookup (an Enum member
         # hashes in Python).
         self.trick = _OP_TRICKS.index(
-            Trick.FOREACH if foreach.is_foreach(func)
+            Trick.FOREACH if func.__name__.startswith(private_ops.FOREACH_PREFIX)
             else Trick.SHORTCUTS if func in shortcuts.OPS else Trick.FAKE_CACHE)
 
 
@@ -148,10 +142,8 @@ class OpRecorder(UncompiledDispatchMode):
         self.check: Callable[[OpOverload, tuple], None] | None = None
         # Told of each op's results, to follow the storages they allocate (runs/memory.py).
         self.storages: StorageTracker | None = None
-        # On fake tensors, the speed tricks that may answer ops (`use_tricks`): foreach ops
-        # over one entry of each kind (runs/foreach.py), per-parameter ops FakeTensorMode
-        # never caches (runs/shortcuts.py), ops whose FakeTensorMode cache entry is known
-        # (runs/fake_cache.py), and C++ reads of a fake tensor's device.
+        # On fake tensors, the speed tricks that may answer ops (`use_tricks`; runs/__init__.py
+        # lists them), and C++ reads of a fake tensor's device.
         self.tricks: frozenset[Trick] = frozenset()
         self._answering = (False,) * len(_OP_TRICKS)  # by _OpFacts.trick: is it on?
         self.prim_device: bool | None = False  # None: decided on the first fake device read
@@ -209,9 +201,7 @@ class OpRecorder(UncompiledDispatchMode):
         if out is foreach.NOT_THINNED:
             out = func(*args, **kwargs)
         if facts.recorded:
-            # The function mode above would see every `.dtype` and `.shape` read while the op
-            # is recorded as a call (a Python round trip each, most of the recording's cost):
-            # none is the user's.
+            # Its reads are no user's calls (runs/tensor_meta.py): most of the recording's cost.
             with no_torch_function():
                 self._record(func, facts, types, args, kwargs, out)
         return out

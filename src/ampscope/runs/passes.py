@@ -1,23 +1,14 @@
 """What each forward pass of the model was for: a training micro-step, an evaluation, sampling.
 
-A script calls its model for more than training: it estimates the loss under `torch.no_grad()`
-before its first step, samples a few tokens to show progress, runs a validation batch. Only the
-passes that train belong to the optimizer step: its tokens, its FLOPs, its gradient
-accumulation. A pass is a training pass when the backward pass reaches its output (a hook on
-the output's autograd node fires): the gradients it produces are the ones the optimizer steps
-on. Every other pass ran without a gradient, or its output was never backpropagated: it is a
-sampling pass when a sampling op (`multinomial`, `argmax`, `topk`) ran on the way to the next
-pass, and an evaluation pass otherwise. A pass that was backpropagated but whose gradients were
-cleared before any optimizer step read them is discarded: no `optimizer.step()` began after
-it, no GradScaler checked its gradients (a step it skipped on an overflow is still a step), and
-when a later pass began the model's parameters held no gradient (`zero_grad()`, which sets
-them to None, or `p.grad = None`). llm.c runs such a pass to dump reference tensors before it
-trains; counting it would double the first step's tokens and FLOPs.
-
-In a run that trained, the ops, user-level calls and module calls of the other passes (a
-discarded pass's backward too) get the phase "evaluation" when the run is finished, so that every report that counts the step (FLOPs,
-MFU, tokens, the 6·N·D check, the first forward pass's shapes) counts the training passes only.
-A run that never trained (inference, sampling) keeps its passes in the forward phase.
+Only the passes that train belong to the optimizer step: its tokens, its FLOPs, its gradient
+accumulation. A pass trains when the backward pass reaches its output (a hook on the output's
+autograd node fires); any other samples when a sampling op (`multinomial`, `argmax`, `topk`)
+ran on the way to the next pass, and evaluates otherwise. A backpropagated pass whose gradients
+were cleared before any optimizer step read them is discarded: no `optimizer.step()` began
+after it, no GradScaler checked its gradients (a step it skipped on an overflow is still a
+step), and when a later pass began the model's parameters held none. In a run that trained,
+the other passes' ops, calls and module calls (a discarded pass's backward too) get the phase
+"evaluation" when the run is finished: docs/how-it-works.md#phases tells why.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Repeated blocks traced once: in a predicted run, the records of a model's identical blocks
 are recorded from two of them and replayed for the others, which never dispatch an op.
 
-A transformer's N blocks run the same ops on the same metadata; on fake tensors each op costs
-its dispatch and nothing else, so a step costs about N times one block. Here, within each run of
-at least five structurally identical consecutive children (runs/alike.py) of a `ModuleList`
-or `Sequential`:
-
-- blocks 0 and 1, and the last two, run and are recorded as usual. Block 1's forward and the
-  second-to-last block's backward are recorded as *windows*: the op, call and module records
-  they appended, the storages they made, and the storages that were freed while they ran;
-- every block in between whose call matches block 1's (same argument structure, the same
-  tensor metadata, the same tensors shared with block 0, the same plain values, the same grad
-  and autocast state, no gradients yet) does not run. Its forward appends block 1's records,
-  renamed to its own modules and parameters, makes fake tensors for its outputs, and returns
-  them from an autograd Function (runs/replayed.py) whose backward appends the
-  second-to-last block's backward records and returns fake gradients for its inputs and
-  parameters;
-- storages follow their twin: one a replayed block made that block 1's twin kept past its
-  forward is freed when that twin is (an autocast cast dropped with autocast's cache), unless
-  the backward replay frees it first, where the recorded backward freed its own twin. Storages
-  from outside a window that it freed (the block's input, the gradient of its output) are
-  dated where the window freed them.
-
-Nothing is assumed without being checked: a block is replayed only when its structure matches
-(runs/alike.py) and its call does, and a window (runs/windows.py) is used only when
-everything it made and freed is accounted for. The recorded blocks are then compared with one
-another (block 1's forward with the second-to-last block's, block 1's backward with the
-second-to-last block's): when they differ, `ReplayDoubt` is raised and the caller runs the step
-again without replaying. docs/how-it-works.md tells the rest.
+Within each run of at least five structurally identical consecutive children (runs/alike.py) of
+a `ModuleList` or `Sequential`, blocks 0 and 1 and the last two run as usual; block 1's forward
+and the second-to-last block's backward are recorded as windows (runs/windows.py), and every
+block between them whose call matches block 1's appends them under its own names from an
+autograd Function (runs/replayed.py). A window is used only when everything it made and freed
+is accounted for; when the recorded twins differ after all, `ReplayDoubt` is raised and the
+caller runs the step again without replaying. docs/how-it-works.md#repeated-blocks-traced-once
+tells how, and why it is exact.
 """
 
 from __future__ import annotations
@@ -43,7 +24,6 @@ from ampscope.patches import patch
 from ampscope.runs.alike import PLAIN_VALUES, attribute_ids, repeated_runs
 from ampscope.runs.blockio import (
     grad_and_autocast_state,
-    is_fake,
     plain_spec,
     saved_storages,
     shared_with_first,
@@ -63,6 +43,7 @@ from ampscope.runs.tensor_meta import described, no_torch_function, tensor_key
 from ampscope.runs.windows import Window
 from ampscope.torchcompat.autograd import graph_task_id
 from ampscope.torchcompat.dispatch import pytree
+from ampscope.torchcompat.fake import FakeTensor
 
 
 class _Run:
@@ -77,10 +58,9 @@ class _Run:
     def wrap(self, k: int) -> Callable[[], None]:
         block = self.blocks[k]
         original = block.forward
-        run = self
 
         def forward(*args, **kwargs):
-            return run.call(k, original, args, kwargs)
+            return self.call(k, original, args, kwargs)
 
         return patch(block, "forward", forward)
 
@@ -120,7 +100,7 @@ class _Run:
         with bookkeeping(self.names[k]), no_torch_function():
             leaves, spec = pytree.tree_flatten((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            fake = all(is_fake(t) for t in tensors) and tensors
+            fake = all(isinstance(t, FakeTensor) for t in tensors) and tensors
             inputs = [replay.storages.entry_of(t) for t in tensors]
             state = grad_and_autocast_state()
             attributes = attribute_ids(block)
@@ -285,7 +265,7 @@ class _Run:
             tensors = []
             for leaf, key in zip(leaves, template.leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
-                    if not is_fake(leaf) or tensor_key(leaf) != key:
+                    if not isinstance(leaf, FakeTensor) or tensor_key(leaf) != key:
                         return _NOT_REPLAYED
                     tensors.append(leaf)
                 elif not isinstance(leaf, PLAIN_VALUES) or leaf != key or type(leaf) is not type(key):

@@ -100,33 +100,29 @@ class Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, context: ReplayContext, *tensors):
         with bookkeeping(context.name):
-            return Replayed._forward(ctx, context, tensors)
-
-    @staticmethod
-    def _forward(ctx, context: ReplayContext, tensors: tuple):
-        template = context.p.forward
-        # (the replay checked the template; the tensors go at the end of this forward)
-        assert template is not None and context.tensors is not None
-        replay = context.replay
-        with no_torch_function():
-            outputs = [fake_from(context.tensors[0] if context.tensors else tensors[0], d)
-                       for d in template.out_leaves if isinstance(d, tuple)]
-            inputs = context.inputs = [replay.storages.entry_of(t) for t in context.tensors]
-            made = template.window.append_renamed(
-                replay, context.name, template.fates,
-                real={("out", i): t for i, t in enumerate(outputs)},
-                pins=[(inputs[i], offset) for i, offset in template.input_frees])
-        context.made = made
-        ctx.context = context
-        held = [*context.tensors, *context.all_params, *context.buffers]
-        ctx.save_for_backward(*[held[i] for i in template.saved_inputs])
-        context.tensors = None
-        not_differentiable = [t for t, d in zip(outputs, [d for d in template.out_leaves
-                                                          if isinstance(d, tuple)], strict=True)
-                              if not d[4]]
-        if not_differentiable:
-            ctx.mark_non_differentiable(*not_differentiable)
-        return tuple(outputs) if len(outputs) != 1 else outputs[0]
+            template = context.p.forward
+            # (the replay checked the template; the tensors go at the end of this forward)
+            assert template is not None and context.tensors is not None
+            replay = context.replay
+            descriptions = [d for d in template.out_leaves if isinstance(d, tuple)]
+            with no_torch_function():
+                outputs = [fake_from(context.tensors[0] if context.tensors else tensors[0], d)
+                           for d in descriptions]
+                inputs = context.inputs = [replay.storages.entry_of(t) for t in context.tensors]
+                made = template.window.append_renamed(
+                    replay, context.name, template.fates,
+                    real={("out", i): t for i, t in enumerate(outputs)},
+                    pins=[(inputs[i], offset) for i, offset in template.input_frees])
+            context.made = made
+            ctx.context = context
+            held = [*context.tensors, *context.all_params, *context.buffers]
+            ctx.save_for_backward(*[held[i] for i in template.saved_inputs])
+            context.tensors = None
+            not_differentiable = [t for t, d in zip(outputs, descriptions, strict=True)
+                                  if not d[4]]
+            if not_differentiable:
+                ctx.mark_non_differentiable(*not_differentiable)
+            return tuple(outputs) if len(outputs) != 1 else outputs[0]
 
     @staticmethod
     def backward(ctx, *grad_outputs):

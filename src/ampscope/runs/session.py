@@ -149,7 +149,7 @@ class Capture:
         tracker.phase = clock
         tracker.on_root_forward = self._on_root_forward
         self._names: dict[int, tuple[weakref.ref, str]] = {}
-        self._functions = FunctionRecorder(tracker, clock, {})
+        self._functions = FunctionRecorder(tracker, clock)
         self._ops = OpRecorder(tracker, clock, self._functions, self._names)
         self._ops.check = self.options.op_check
         self._ops.device = self.options.device
@@ -309,10 +309,8 @@ class Capture:
         if not any(o is optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
         self._clock.step_begun()
-        # PyTorch's own optimizers (AdamW, or a subclass that keeps its step; not the user's,
-        # Muon, a subclass that overrides it) step as one call (FunctionRecorder.step_begin).
-        # Not a step given a closure (LBFGS; Lightning steps this way): the user's forward and
-        # backward run inside it, and their calls are recorded as always.
+        # A PyTorch optimizer's own step, given no closure, is one call
+        # (FunctionRecorder.step_begin; docs/how-it-works.md#what-each-recorder-sees).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
         pytorch_step = getattr(type(optimizer).step, "__module__", "").startswith("torch.")
         if closure is None and pytorch_step:
@@ -389,7 +387,7 @@ class Capture:
     def _storage_records(self, outputs: Mapping[str, object], names: dict[int, list[str]],
                          params: list[nn.Parameter]) -> list[StorageRecord]:
         """Name what the step's storages are at its end, then take their records. `names`:
-        the parameters' (`inventory.parameter_names`); `params`: the model's parameters."""
+        the parameters' (`inventory.parameters_and_names`); `params`: the model's parameters."""
         storages = self._storages
         for p in params:
             if p.grad is not None:
@@ -430,11 +428,11 @@ class Capture:
         if self.options.setting is None:  # known by now: `finish` runs on a model
             trace.setting = observed_setting(model, self.options.device, trace,
                                              self._matmul_precision, self.options.gpu)
-        trace.parameters = inventory.parameters(model, names, params)
+        trace.parameters = inventory.parameters(names, params)
         if self.options.rank_roles:
             trace.rank_roles = inventory.job_roles(params)
         trace.buffers = inventory.buffers(model)
-        trace.optimizer_state = inventory.optimizer_state(self._optimizers, model, names)
+        trace.optimizer_state = inventory.optimizer_state(self._optimizers, names)
         trace.storages = self._storage_records(outputs or {}, names, params)
         trace.held = inventory.held_state(model, self._arguments, params)
         self._arguments = {}

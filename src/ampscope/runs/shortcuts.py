@@ -1,26 +1,14 @@
 """Fake results of per-parameter ops FakeTensorMode answers slowly and never from its cache,
 made without its dispatch.
 
-An optimizer's Python loop runs some ops once per parameter: AdamW makes each parameter's step
-counter (`torch.tensor(0.0)`) when its state is created, and reads each counter back with
-`.item()` twice a step; the autograd engine detaches each gradient as it stores it. On a 70B
-Llama that is about 3,700 ops, at 30 to 150 µs each through FakeTensorMode, which keeps none
-of them in its cache (ops it does cache, such as the moments' `zeros_like`, are answered from
-it: runs/fake_cache.py). In a predicted run (as foreach ops are thinned, and by the same
-switch) the op recorder answers them itself:
-
-- `.item()` of a fake constant (a CPU scalar whose value fake mode follows, like Adam's step
-  counters): the constant's value, read as FakeTensorMode's constant propagation reads it.
-- `torch.tensor(0.0)` under fake mode (`lift_fresh` of a real scalar: each Adam step counter):
-  the fake constant FakeTensorMode's constant propagation makes: a copy of the value, wrapped
-  as the mode's converter wraps it, without the cache lookup the mode tries and gives up on
-  first.
-- `detach` of a fake tensor that holds no constant (autograd's, storing each parameter's
-  gradient; `nn.Parameter` around a fake working copy), and `_unsafe_view` of one (a reshape
-  autograd does not track as a view: 150 µs a call): the meta kernel's alias of the input,
-  wrapped with the input's device, as FakeTensorMode runs and wraps it.
-
-The recorders see these ops as any other: the op, its inputs and its result are the same.
+An optimizer's Python loop makes each parameter's step counter (`torch.tensor(0.0)`, a
+`lift_fresh`) and reads it back with `.item()` twice a step; the autograd engine detaches each
+gradient as it stores it. On a 70B Llama that is about 3,700 ops, at 30 to 150 µs each through
+FakeTensorMode (ops it does cache are answered from it: runs/fake_cache.py). In a predicted run
+(by the switch that thins foreach ops) the op recorder answers them itself (`answer`), each as
+FakeTensorMode would, a lift without the cache lookup the mode tries and gives up on first:
+docs/how-it-works.md#per-parameter-ops-answered-without-faketensormode has the table. The
+recorders see these ops as any other: the op, its inputs and its result are the same.
 """
 
 from __future__ import annotations
@@ -87,10 +75,8 @@ def _constant(t) -> object:
             copy = t.clone()
         fake = new_fake(mode, tuple(copy.shape), copy.stride(), copy.dtype, copy.device,
                         constant=copy)
-        # Entered in the converter's books as its own conversion enters it: an op on
-        # constants runs on the copies and converts what it returns. An in-place op
-        # (`step += 1`) returns the copy, which must convert back to this very fake tensor; a
-        # view of it must convert to a view of this fake tensor's storage; and an op that
-        # makes such a view no constant must find this fake tensor to stop following it too.
+        # Entered in the converter's books as its own conversion enters it (the module's
+        # docstring says why); an op that makes a view of it no constant must find this fake
+        # tensor to stop following it too.
         remember_constant(mode, copy, fake)
         return fake

@@ -1,8 +1,5 @@
-"""Where in user code a torch call came from ("model.py:61").
-
-A call seen by the function mode is attributed to the innermost stack frame that is neither
-PyTorch's nor ampscope's own machinery. ampscope's reference models are user code in this
-sense: their `.float()` is exactly what a finding must point at.
+"""Where in user code a torch call came from ("model.py:61"): the innermost stack frame that is
+neither PyTorch's nor ampscope's own machinery (docs/how-it-works.md#source-locations).
 """
 
 from __future__ import annotations
@@ -104,9 +101,7 @@ def library_line(frame: FrameType | None) -> str | None:
     own frames): "torch/nn/init.py:119"; None where that code is the user's."""
     while frame is not None:
         code = frame.f_code
-        kind = _kind_cache.get(code.co_filename)
-        if kind is None:
-            kind = _kind(code)
+        kind = _kind(code)
         if kind == AMPSCOPE or code.co_name == "__torch_function__":
             frame = frame.f_back
             continue

@@ -134,16 +134,12 @@ def data_dtypes(tensors: list[torch.Tensor]) -> tuple[str | None, ...]:
     protocol: a float8 training tensor's `_data`); () when there is none among them."""
     if PLAIN_TENSORS.issuperset(map(type, tensors)):  # plain, parameters or fake (nearly always)
         return ()
-    found: list[str | None] | None = None
-    for i, t in enumerate(tensors):
-        if type(t) in PLAIN_TENSORS:
-            continue
-        inner = next(iter(inner_tensors(t)), None)
-        if inner is not None and inner.dtype != t.dtype:
-            if found is None:
-                found = [None] * len(tensors)
-            found[i] = dtype_name(inner.dtype)
-    return tuple(found) if found is not None else ()
+    found: list[str | None] = []
+    for t in tensors:
+        inner = None if type(t) in PLAIN_TENSORS else next(iter(inner_tensors(t)), None)
+        found.append(dtype_name(inner.dtype) if inner is not None and inner.dtype != t.dtype
+                     else None)
+    return tuple(found) if any(found) else ()
 
 
 def tensor_key(t: torch.Tensor) -> tuple:

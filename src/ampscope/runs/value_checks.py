@@ -62,7 +62,6 @@ _GARBAGE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_
 _FLUSH = 4096  # 0-d results read back at once
 _CANDIDATES = 1000  # ops kept that made a non-finite value (the first per phase is reported)
 _FINITE = -1  # the slot of a tensor with no element
-_INF = math.inf
 
 
 class _Facts:
@@ -309,7 +308,7 @@ class ValueRecorder(UncompiledDispatchMode):
         low, high = self._values[slot], self._values[slot + 1]
         if low != low or high != high:
             return "NaN"
-        kinds = [k for k, on in (("+inf", high == _INF), ("-inf", low == -_INF)) if on]
+        kinds = [k for k, on in (("+inf", high == math.inf), ("-inf", low == -math.inf)) if on]
         return " and ".join(kinds)
 
     def _max_abs(self, slot: int) -> float:
@@ -365,15 +364,9 @@ class ValueRecorder(UncompiledDispatchMode):
 def _nonfinite_constant(args: tuple, kwargs: dict) -> bool:
     """A float argument that is inf or NaN (masked_fill's -inf, full's -inf): the op's
     non-finite output is the program's constant, not a value out of range."""
-    return any(_nonfinite_float(v) for v in (*args, *kwargs.values()))
-
-
-def _nonfinite_float(v) -> bool:
-    if type(v) is float:
-        return not math.isfinite(v)
-    if type(v) in (list, tuple):
-        return any(type(x) is float and not math.isfinite(x) for x in v)
-    return False
+    return any(type(x) is float and not math.isfinite(x)
+               for v in (*args, *kwargs.values())
+               for x in (v if type(v) in (list, tuple) else (v,)))
 
 
 def _has_master(state: dict | None, p: torch.Tensor) -> bool:

@@ -26,9 +26,7 @@ _copy_call = FUNCTION_ROW.replacer("index", "module", "step")
 
 class Recorders(Protocol):
     """The capture's recorders a window reads and appends to, through their public methods
-    only: the rows (`rows`, records.OP_ROW/FUNCTION_ROW), the module calls
-    (`call_count`, `calls_between`, `add_call`) and the storages (`created_count`,
-    `created_between`, `start_log`/`stop_log`, `replayed`, `made_by_replay`, `date_free`)."""
+    only."""
 
     tracker: ModuleTracker
     functions: FunctionRecorder
@@ -153,27 +151,26 @@ class Window:
         that follow their twins, or as the `real` tensors given for its outputs and
         gradients), and date the frees in `pins` ((entry, offset) pairs). Returns the entries
         made, one per storage the window made."""
-        window = self
         ops, functions = replay.ops, replay.functions
         tracker, storages = replay.tracker, replay.storages
-        rename = renamer(window.prefix, prefix)
+        rename = renamer(self.prefix, prefix)
         r_start, f_start = len(ops.rows), len(functions.rows)
-        shift_f = f_start - window.f0
+        shift_f = f_start - self.f0
         step = functions.step
-        for r in functions.rows[window.f0:window.f1]:
+        for r in functions.rows[self.f0:self.f1]:
             functions.rows.append(_copy_call(r, r[_F_INDEX] + shift_f, rename(r[_F_MODULE]), step))
-        for c in window.calls:
+        for c in self.calls:
             tracker.add_call(rename(c.name), c.type, c.phase, c.depth, c.inputs, c.outputs)
         rows = ops.rows
-        shift = r_start - window.r0
-        for r in rows[window.r0:window.r1]:
+        shift = r_start - self.r0
+        for r in rows[self.r0:self.r1]:
             caller, names = r[_CALLER], r[_NAMES]
             rows.append(_copy_op(r, r[_INDEX] + shift, rename(r[_MODULE]),
                                  None if caller is None else caller + shift_f,
                                  tuple(map(rename, names)) if any(names) else names))
-        functions.ops_seen += window.r1 - window.r0
+        functions.ops_seen += self.r1 - self.r0
         made = []
-        for e, fate in zip(window.created(replay), fates, strict=True):
+        for e, fate in zip(self.created(replay), fates, strict=True):
             created = e.created + shift
             if isinstance(fate, tuple) and fate[0] != "freed":
                 tensor = real.get(fate)
