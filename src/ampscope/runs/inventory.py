@@ -93,10 +93,15 @@ def job_roles(params: Iterable[torch.Tensor]) -> list[int]:
 
 
 def buffers(model: nn.Module) -> list[BufferRecord]:
-    return [BufferRecord(f"{module_name}.{name}" if module_name else name, dtype_name(b.dtype),
-                         tuple(b.shape), name not in module_state.non_persistent_buffers(module))
-            for module_name, module in model.named_modules()
-            for name, b in module_state.buffers(module).items() if b is not None]
+    records = []
+    for module_name, module in model.named_modules():
+        for name, b in module_state.buffers(module).items():
+            if b is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            persistent = name not in module_state.non_persistent_buffers(module)
+            records.append(BufferRecord(full, dtype_name(b.dtype), tuple(b.shape), persistent))
+    return records
 
 
 def optimizer_state(optimizers: Iterable[torch.optim.Optimizer],
@@ -116,9 +121,12 @@ def optimizer_state(optimizers: Iterable[torch.optim.Optimizer],
 
 def named_tensors(named: Mapping[str, object], role: str | None = None) -> list[InputRecord]:
     """Records for named model inputs or outputs; `role` None means infer input/target."""
-    return [InputRecord(name, role or ("target" if name in TARGET_NAMES else "input"),
-                        dtype_name(value.dtype), tuple(value.shape))
-            for name, value in named.items() if isinstance(value, torch.Tensor)]
+    records = []
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor):
+            r = role or ("target" if name in TARGET_NAMES else "input")
+            records.append(InputRecord(name, r, dtype_name(value.dtype), tuple(value.shape)))
+    return records
 
 
 # What nn.Module itself keeps in a module's __dict__ (hooks, children, parameters, buffers):
