@@ -294,8 +294,8 @@ class _Search:
     def probe(self, family: Family, depth: int, batch: int) -> Probe:
         """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
         tp, checkpoint = family
-        return _probe(self.lm, self.setting, self.parallel, self.mesh(tp), depth, batch,
-                      self.seq, self.optimizer, checkpoint, self.acc)
+        return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth, batch,
+                      self.seq, self.optimizer, checkpoint, self.acc, self.mesh(tp))
 
     def mesh(self, tp: int):
         """The (dp, tp) mesh on this process's fake process group, both kept for all its
@@ -347,14 +347,15 @@ def _mesh(dp: int, tp: int):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth: int,
+def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
            batch: int, seq: int, optimizer: str, checkpoint: bool,
-           acc: Accelerator | None = None) -> Probe:
+           acc: Accelerator | None = None, mesh=None) -> Probe:
     """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch` on
-    `mesh` (`_mesh`); on `acc`, its step timed here (what the rules need, not its ops)."""
+    `mesh` (made here when None: `_mesh`); on `acc`, its step timed here (what the rules
+    need of it, not its ops, goes back)."""
     from ampscope.distributed.step import rank_step
 
-    dp, tp = mesh.shape
+    mesh = _mesh(dp, tp) if mesh is None else mesh
 
     def parallelize(module: nn.Module) -> None:  # each block split over the tp group
         from torch.distributed.tensor.parallel import parallelize_module
@@ -461,8 +462,8 @@ def derived_plan(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False
     batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] and not whole else (batch,)
     with _fake_group(gpus):
         mesh = _mesh(gpus // tp, tp)
-        probes = [_probe(lm, base, parallel, mesh, d, b, seq, optimizer, checkpoint, acc)
-                  for d in depths for b in batches]
+        probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint,
+                         acc, mesh) for d in depths for b in batches]
     time = derived_time(probes, depth, batch) if acc is not None else None
     rule = Rule(probes, rounded=base.device == "cuda")
     return (rule.phase_peaks(depth, batch), time,
