@@ -45,7 +45,7 @@ from ampscope.analysis.plans import (
 from ampscope.analysis.step_time import step_time
 from ampscope.api.fit import memory_budget
 from ampscope.api.preparation import resolved
-from ampscope.distributed.block_forward import Unlike, unlike_blocks
+from ampscope.distributed.block_forward import Unlike, check_alike, unlike_blocks
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
@@ -93,7 +93,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     depth = len(blocks)
     if depth == 0:
         raise AmpscopeError(f"{probe_lm.name} has no repeated blocks (no ModuleList) to shard")
-    _check_alike(probe_lm.name, blocks)
+    check_alike(probe_lm.name, blocks)
     if seq > probe_lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
                             f"{probe_lm.max_seq_len}")
@@ -186,6 +186,7 @@ class _Search:
         self.depths = PROBE_DEPTHS[::-1] if depth > PROBE_DEPTHS[-1] and not whole else (depth,)
         self.workers = 1
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._held: tuple[int, contextlib.ExitStack, dict] | None = None  # (pid, group, meshes)
 
     def __enter__(self) -> _Search:
         _SEARCH[:] = [self]
@@ -199,6 +200,8 @@ class _Search:
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
+        if self._held is not None and self._held[0] == os.getpid():
+            self._held[1].close()  # (a worker's ends with the worker)
         _SEARCH.clear()
 
     def run(self, families: list[Family], on_probe: Callable[[str], None] | None,
@@ -291,9 +294,18 @@ class _Search:
     def probe(self, family: Family, depth: int, batch: int) -> Probe:
         """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
         tp, checkpoint = family
-        with _fake_group(self.gpus):
-            return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth,
-                          batch, self.seq, self.optimizer, checkpoint, self.acc)
+        return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth, batch,
+                      self.seq, self.optimizer, checkpoint, self.acc, self.mesh(tp))
+
+    def mesh(self, tp: int):
+        """The (dp, tp) mesh on this process's fake process group, both kept for all its
+        probes: DTensor's sharding cache matches meshes by their ranks, so a fresh group per
+        probe must empty it (`_fake_group`); kept, it answers a later probe's ops exactly."""
+        if self._held is None or self._held[0] != os.getpid():
+            self._held = (os.getpid(), contextlib.ExitStack(), {})
+            self._held[1].enter_context(_fake_group(self.gpus))
+        meshes = self._held[2]
+        return meshes[tp] if tp in meshes else meshes.setdefault(tp, _mesh(self.gpus // tp, tp))
 
     def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
         """The family's largest micro-batch from `start` (every batch from its probes' two,
@@ -328,17 +340,22 @@ def _probes_job(jobs: list[tuple[Family, int, int]]) -> list[Probe]:
     return [_SEARCH[0].probe(*job) for job in jobs]
 
 
-def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
-           batch: int, seq: int, optimizer: str, checkpoint: bool,
-           acc: Accelerator | None = None) -> Probe:
-    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch`; on
-    `acc`, its step timed here (what the rules need of it, not its ops, goes back)."""
+def _mesh(dp: int, tp: int):
+    """The (dp, tp) mesh (made outside the fake mode: DeviceMesh reads real values)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
+           batch: int, seq: int, optimizer: str, checkpoint: bool,
+           acc: Accelerator | None = None, mesh=None) -> Probe:
+    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch` on
+    `mesh` (made here when None: `_mesh`); on `acc`, its step timed here (what the rules
+    need of it, not its ops, goes back)."""
     from ampscope.distributed.step import rank_step
 
-    # The mesh is made outside the fake mode: DeviceMesh reads real values when it is built.
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = _mesh(dp, tp) if mesh is None else mesh
 
     def parallelize(module: nn.Module) -> None:  # each block split over the tp group
         from torch.distributed.tensor.parallel import parallelize_module
@@ -380,24 +397,6 @@ def _full_depth(module: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
         yield
     finally:
         del largest[kept:]
-
-
-def _check_alike(name: str, blocks: list[nn.Module]) -> None:
-    """Refuse a model whose blocks differ in their modules, parameters or buffers (shapes,
-    dtypes, whether a parameter trains): the depth rule takes the first blocks for all."""
-    def signature(block: nn.Module) -> tuple:
-        return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
-                tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
-                      for n, t in block.named_parameters()),
-                tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
-
-    first = signature(blocks[0])
-    for k, block in enumerate(blocks[1:], start=1):
-        if signature(block) != first:
-            raise AmpscopeError(
-                f"{name}'s block {k} differs from block 0 (its modules, parameters or "
-                "buffers): its plans cannot be derived from its first blocks; `ampscope run "
-                "--nproc N --predict --gpu NAME SCRIPT` traces a script's plan whole")
 
 
 def _blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -462,8 +461,9 @@ def derived_plan(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False
     depths = PROBE_DEPTHS if alike else (depth if whole else full,)
     batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] and not whole else (batch,)
     with _fake_group(gpus):
+        mesh = _mesh(gpus // tp, tp)
         probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint,
-                         acc) for d in depths for b in batches]
+                         acc, mesh) for d in depths for b in batches]
     time = derived_time(probes, depth, batch) if acc is not None else None
     rule = Rule(probes, rounded=base.device == "cuda")
     return (rule.phase_peaks(depth, batch), time,
