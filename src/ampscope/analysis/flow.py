@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, replace
+from itertools import groupby
 from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
@@ -127,27 +128,14 @@ def collapse_blocks(rows: list[Row], key: Callable[[Any], tuple] = flow_key) -> 
     what must be equal, besides the name within the block, for blocks to merge.
     """
     out: list[Row] = []
-    i = 0
-    while i < len(rows):
-        head = split_block(rows[i].name)
-        if head is None:
-            out.append(rows[i])
-            i += 1
+    # Runs of rows of one container (None: a row outside any block), then its blocks' rows.
+    for container, run in groupby(rows, key=lambda r: (split_block(r.name) or (None,))[0]):
+        if container is None:
+            out.extend(run)
             continue
-        container = head[0]
-        # Gather the blocks of this container that follow one another: [(index, rows)]
-        blocks: list[tuple[int, list[Row]]] = []
-        j = i
-        while j < len(rows):
-            parts = split_block(rows[j].name)
-            if parts is None or parts[0] != container:
-                break
-            if not blocks or blocks[-1][0] != parts[1]:
-                blocks.append((parts[1], []))
-            blocks[-1][1].append(rows[j])
-            j += 1
+        blocks = [(index, list(members))
+                  for index, members in groupby(run, key=lambda r: block_parts(r.name)[1])]
         out.extend(_merge_identical(container, blocks, key))
-        i = j
     return out
 
 
@@ -183,11 +171,9 @@ def _merge_identical(container: str, blocks: list[tuple[int, list[Row]]],
 def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tuple[int, list[R]]]:
     """Consecutive steps with identical keys -> (count, first step)."""
     out: list[tuple[int, list[R]]] = []
-    for step in steps:
-        if out and [key(r) for r in out[-1][1]] == [key(r) for r in step]:
-            out[-1] = (out[-1][0] + 1, out[-1][1])
-        else:
-            out.append((1, step))
+    for _, run in groupby(steps, key=lambda step: [key(r) for r in step]):
+        same = list(run)
+        out.append((len(same), same[0]))
     return out
 
 
