@@ -7,6 +7,7 @@ names), and carries the kind of cause behind it.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from itertools import groupby
 from typing import cast
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
@@ -281,12 +282,7 @@ def activation_findings(trace: Trace, changes: list[DtypeChange]) -> list[Findin
             if (d := next((m.dtype for m in c.outputs if m.dtype in FLOATS), None))]
     if not flow:
         return []
-    runs: list[list[tuple[ModuleCall, str]]] = []
-    for c, d in flow:
-        if runs and runs[-1][-1][1] == d:
-            runs[-1].append((c, d))
-        else:
-            runs.append([(c, d)])
+    runs = [list(run) for _, run in groupby(flow, key=lambda cd: cd[1])]
     first = runs[1] if len(runs) > 1 else runs[0]
     # The finding's cause: the first change into a new dtype that has one, else the entry.
     found = (_entry_cause(changes, run[0][0], run[0][1]) for run in [*runs[1:], runs[0]])
