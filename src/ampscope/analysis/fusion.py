@@ -114,6 +114,3 @@ def fuse(timed: list[OpTime], ops: Sequence[OpCall], storages: Sequence[StorageR
                               bound if share else "none", t.flops, round(nbytes * share),
                               t.mode, 0.0, memory * share)
     return len(runs)
-
-
-__all__ = ["fuse", "fused_runs", "kernel_bytes", "made_by"]

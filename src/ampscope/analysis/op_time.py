@@ -283,8 +283,3 @@ def _attention_rate(op: OpCall, mode: str, acc: Accelerator) -> float:
             return acc.peak_flops["tf32"] / 3
         return rate(acc, "float32")
     return rate(acc, mode)
-
-
-__all__ = ["BOUNDS", "Link", "OpTime", "attention_kind", "collective_kind", "collective_seconds",
-           "gemm_shape", "link_for", "matmul_mode", "matmul_seconds", "memory_seconds",
-           "op_bytes", "op_time", "rate", "tensor_bytes"]

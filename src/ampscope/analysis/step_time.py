@@ -207,7 +207,3 @@ def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float,
         notes.append("Traced emulated on another device: the ops are the target's, their "
                       "kernels' choice as the emulation made it.")
     return notes
-
-
-__all__ = ["OVERLAPPED", "SCHEMA", "TOP_MODULES", "StepTime", "exposed_seconds", "step_ops",
-           "step_time"]

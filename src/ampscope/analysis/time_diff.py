@@ -101,6 +101,3 @@ def time_diff(a: StepTime, b: StepTime) -> TimeDiff:
         by_phase=tuple(Moved(k, a.by_phase.get(k, 0.0), b.by_phase.get(k, 0.0))
                        for k in PHASES),
         modules=tuple(m for m in modules[:TOP_MOVED] if m.delta))
-
-
-__all__ = ["TOP_MOVED", "Moved", "TimeDiff", "block_modules", "time_diff"]
