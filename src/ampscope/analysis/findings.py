@@ -156,8 +156,7 @@ def _quantity(cast: int, having: int, total: int, type_: str) -> str:
     return f"{cast} of {having} {type_}s"
 
 
-def autocast_policy_findings(changes: list[DtypeChange],
-                             trace: Trace | None = None) -> list[Finding]:
+def autocast_policy_findings(changes: list[DtypeChange], trace: Trace) -> list[Finding]:
     """One finding per user-level function autocast cast for: which dtype, which list.
 
     Autocast casts for an ATen op, which may be one of several a function runs: on CUDA,
@@ -165,7 +164,7 @@ def autocast_policy_findings(changes: list[DtypeChange],
     list (on the CPU, cross_entropy itself is). Where the function's other ops ran in another
     dtype (the recorded ops of `trace` tell), the finding names the op the cast was for and
     those others, so that it agrees with the ops listed."""
-    by_call = _compute_ops_by_call(trace) if trace is not None else {}
+    by_call = _compute_ops_by_call(trace)
     findings = []
     for (function, out, list_), cs in group(by_cause(changes, "autocast-policy"),
                                             lambda c: (c.function, c.output, c.detail)).items():
@@ -210,17 +209,14 @@ def _compute_ops_by_call(trace: Trace) -> dict[int, list]:
     return by_call
 
 
-def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace | None,
+def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace,
                   by_call: dict[int, list]) -> tuple[list[str], dict[str, list[str]]]:
     """The ops autocast's casts in `cs` were for (the first computing op after each cast, in
     its call), and the call's other computing ops that ran in another dtype, by dtype."""
-    if trace is None:
-        return [], {}
-    ops = {o.index: o for o in trace.ops}
     targets: dict[str, None] = {}
     others: dict[str, dict[str, None]] = defaultdict(dict)
     for c in cs:
-        cast_op = ops[c.op_index]
+        cast_op = trace.ops[c.op_index]
         computing = by_call.get(cast_op.caller, []) if cast_op.caller is not None else []
         after = next((o for o in computing if o.index > c.op_index), None)
         if after is not None:
