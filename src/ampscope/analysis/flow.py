@@ -177,17 +177,13 @@ def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tupl
     return out
 
 
-def module_flow(calls: Sequence[ModuleCall], phase: str = "forward",
-                notes: Mapping[str, str] | None = None, unit: str = "steps") -> list[FlowRow]:
-    """Rows of module input → output dtypes for one phase, blocks and steps collapsed; `notes`
+def module_flow(calls: Sequence[ModuleCall], notes: Mapping[str, str] | None = None,
+                unit: str = "steps") -> list[FlowRow]:
+    """Rows of module input → output dtypes in forward, blocks and steps collapsed; `notes`
     (module name → note) for modules whose dtypes outside do not say it all (an fp8 matmul);
     `unit` names what collapsed forward passes are ("× 4 steps"; `repeat_unit`)."""
     notes = notes or {}
-    selected = [c for c in calls if c.phase == phase]
-    if phase == "forward":
-        steps = _steps(selected)
-    else:
-        steps = [selected] if selected else []
+    steps = _steps([c for c in calls if c.phase == "forward"])
     rows: list[FlowRow] = []
     for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
         note = f"× {count} {unit}" if count > 1 else ""
@@ -207,12 +203,12 @@ def dtype_changes(rows: list[FlowRow]) -> list[FlowRow]:
     ]
 
 
-def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
-    """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
+def op_flow(ops: Sequence[OpCall], phase: str) -> list[FlowRow]:
+    """Rows of aten ops (module, op, dtypes) of one phase, repeated blocks collapsed."""
     rows = [
         FlowRow(module_label(o.module), o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
                 _op_note(o))
-        for o in ops if phase is None or o.phase == phase
+        for o in ops if o.phase == phase
     ]
     return collapse_blocks(rows)
 
