@@ -79,13 +79,11 @@ def step_ops(trace: Trace) -> list:
     return [o for o in trace.ops if o.phase in PHASES]
 
 
-def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = None,
-              world_size: int = 1, kernel_params: KernelParams | None = None) -> StepTime:
-    """The predicted time of the traced step on `accelerator` (docs/performance.md). `tokens`:
-    the step's tokens (default: `summary.tokens_of`); `world_size`: the group size of a
-    collective whose record lacks one; `kernel_params`: the model's figures (default:
-    `hardware.kernels.params(accelerator)`, with the user's hardware.toml over them)."""
-    figures = kernel_params or params(accelerator)
+def step_time(trace: Trace, accelerator: Accelerator, *, world_size: int = 1) -> StepTime:
+    """The predicted time of the traced step on `accelerator` (docs/performance.md), with the
+    figures of `hardware.kernels.params(accelerator)` (the user's hardware.toml over them);
+    `world_size`: the group size of a collective whose record lacks one."""
+    figures = params(accelerator)
     step = step_ops(trace)
     with gc_paused():  # tens of thousands of small records: no full collection among them
         timed = _timed(step, accelerator, figures, world_size)
@@ -114,7 +112,7 @@ def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = No
             by_module[label] = by_module.get(label, 0.0) + t.seconds
     top = dict(sorted(by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES])
     seconds = sum(by_phase.values())
-    count = tokens if tokens is not None else tokens_of(trace)
+    count = tokens_of(trace)
     return StepTime(
         model=trace.model.name, setting=trace.setting.name, accelerator=accelerator.name,
         seconds=seconds, by_bound=by_bound, by_phase=by_phase, by_module=top, ops=timed,
