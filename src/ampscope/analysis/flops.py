@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from itertools import dropwhile, takewhile
 from typing import Any
 
 from ampscope import hardware
@@ -160,14 +161,8 @@ def _first_forward(trace: Trace) -> list[OpCall]:
     train = next((p for p in trace.passes if p.kind == PassKind.TRAIN), None)
     if train is not None:
         ops = ops[train.first_op:train.end_op]
-    out: list[OpCall] = []
-    for o in ops:
-        if o.phase != "forward":
-            if out:
-                break
-            continue
-        out.append(o)
-    return out
+    started = dropwhile(lambda o: o.phase != "forward", ops)
+    return list(takewhile(lambda o: o.phase == "forward", started))
 
 
 def _rows(trace: Trace) -> list[FlopRow]:
