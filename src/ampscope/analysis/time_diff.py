@@ -10,7 +10,7 @@ so a change every block makes reads as one row."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ampscope.analysis.flops import PHASES
 from ampscope.analysis.op_time import BOUNDS
@@ -33,9 +33,6 @@ class Moved:
     def delta(self) -> float:
         return self.b - self.a
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "a": self.a, "b": self.b}
-
 
 @dataclass(frozen=True)
 class TimeDiff:
@@ -56,12 +53,8 @@ class TimeDiff:
         return self.a / self.b if self.b else 0.0
 
     def to_dict(self) -> dict:
-        return {"accelerator": self.accelerator, "a": self.a, "b": self.b,
-                "tokens_per_second_a": self.tokens_per_second_a,
-                "tokens_per_second_b": self.tokens_per_second_b,
-                "by_bound": [m.to_dict() for m in self.by_bound],
-                "by_phase": [m.to_dict() for m in self.by_phase],
-                "modules": [m.to_dict() for m in self.modules]}
+        """Every field in declaration order; the tuples of `Moved` as lists of dicts."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def block_modules(predicted: StepTime) -> dict[str, float]:
