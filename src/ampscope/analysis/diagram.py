@@ -91,11 +91,6 @@ def _casts_by_call(trace: Trace) -> dict[int, tuple[tuple[str, str, str], ...]]:
     return {k: tuple(v) for k, v in casts.items()}
 
 
-def _first_step_calls(trace: Trace) -> list[FunctionCall]:
-    """Forward calls made before the model's second call (sampling calls it once a token)."""
-    return [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
-
-
 def _fp8_step(call: FunctionCall, ops: list[OpCall]) -> DiagramStep | None:
     """The fp8 matmul of a converted layer as its `linear` step; None for the recipe's other
     calls in it."""
@@ -114,8 +109,10 @@ def build_diagram(trace: Trace) -> Diagram:
         for op in trace.ops:
             if op.caller is not None and op.module in fp8:
                 ops_by_call[op.caller].append(op)
+    # The forward calls made before the model's second call (sampling calls it once a token).
+    first_step = [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
     steps = [_fp8_step(call, ops_by_call[call.index]) if call.module in fp8
-             else _step(call, casts.get(call.index, ())) for call in _first_step_calls(trace)]
+             else _step(call, casts.get(call.index, ())) for call in first_step]
     sections = [DiagramSection(block, block or "", tuple(run))
                 for block, run in groupby(filter(None, steps), key=_block)]
     return Diagram(
