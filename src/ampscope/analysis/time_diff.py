@@ -1,11 +1,7 @@
 """Why one of two traces is faster: their predicted steps (analysis/step_time.py) side by side,
 the time moved between bounds (compute, memory, launch, communication) and phases, and the
 modules whose time moved most. `ampscope diff` shows it as "Why one is faster" and writes it
-as the diff's `timing` (schema `ampscope.diff/1`).
-
-Modules are compared by their own ops' time over the whole step; the blocks of a repeated stack
-(`transformer.h.0`, `transformer.h.1`, …) are summed under one name (`transformer.h.0–11.attn`)
-so a change every block makes reads as one row."""
+as the diff's `timing` (schema `ampscope.diff/1`)."""
 
 from __future__ import annotations
 
@@ -58,7 +54,8 @@ class TimeDiff:
 
 
 def block_modules(predicted: StepTime) -> dict[str, float]:
-    """Seconds of each module's own ops over the step, a repeated stack's blocks summed."""
+    """Seconds of each module's own ops over the step, a repeated stack's blocks summed under
+    one name (`transformer.h.0–11.attn`) so that a change every block makes reads as one row."""
     seconds: dict[str, float] = {}
     indices: dict[str, list[int]] = {}
     for op in predicted.ops:
