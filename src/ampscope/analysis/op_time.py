@@ -156,10 +156,7 @@ def attention_kind(op: OpCall) -> str | None:
     """"flash", "efficient", "cudnn", "flex" or "math" for an attention op with FLOPs."""
     if "attention" not in op.op or not op.flops:
         return None
-    for kind in ("flash", "efficient", "cudnn", "flex"):
-        if kind in op.op:
-            return kind
-    return "math"
+    return next((k for k in ("flash", "efficient", "cudnn", "flex") if k in op.op), "math")
 
 
 def matmul_mode(op: OpCall) -> str:
