@@ -18,7 +18,6 @@ from ampscope.torchcompat.ops import TO_COPY_NAME
 FLOATS = frozenset({"float64", "float32", "bfloat16", "float16"})
 CAUSES = ("autocast-policy", "explicit-cast", "parameter-dtype", "buffer-dtype", "type-promotion",
           "op-defined")
-_CAST_OP = TO_COPY_NAME
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -74,7 +73,7 @@ def _round_trip_casts(ops: Iterable[OpCall], calls_out: dict[int, str | None]) -
     cast X → Y followed by a cast Y → X, where X is what the call returns. Op index -> Y."""
     by_caller: dict[int, list[OpCall]] = defaultdict(list)
     for o in ops:
-        if o.op == _CAST_OP and o.caller is not None and o.inputs and o.outputs:
+        if o.op == TO_COPY_NAME and o.caller is not None and o.inputs and o.outputs:
             by_caller[o.caller].append(o)
     found: dict[int, str] = {}
     for caller, casts in by_caller.items():

@@ -1,16 +1,9 @@
-"""Settings side by side: one row per module (repeated blocks collapsed), one cell per setting.
-
-The traces of one model and workload under several settings are aligned on the module calls of
-their first step (module names do not depend on the setting), so a cell holds what that module
-did in that setting; a cell that differs from the first setting's is marked. Below the modules,
-the whole-run facts: inputs, outputs, parameters, gradients, optimizer state, autocast casts,
-and, where a setting's step was predicted on a GPU (api/gpu_time.py decides which), its
-predicted step time, bound, tokens/s and MFU.
-
-The first setting asked for is the baseline even when it fails: its column says so, and no
-other setting's cell is compared with anything (`differs` is None), rather than with the
-second setting's cells as if that were the first.
-"""
+"""Settings side by side: one row per module (repeated blocks collapsed), one cell per setting,
+then the whole-run facts and, where a setting's step was predicted on a GPU (api/gpu_time.py
+decides which), its predicted step. How the traces align on their first step's module calls,
+which rows there are and what is marked: docs/cli.md, "ampscope matrix". The first setting
+asked for is the baseline even when it fails: then no cell is compared with anything
+(`differs` is None), rather than with the second setting's as if that were the first."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import groupby
 
 from ampscope.analysis.flow import block_parts, split_block
 from ampscope.analysis.fp8 import fp8_matmul_note, fp8_modules
@@ -55,16 +56,12 @@ class Diagram:
     outputs: tuple[tuple[str, str], ...]
 
 
-def _short(func: str) -> str:
-    return func.rsplit(".", 1)[-1]
-
-
 def _floats(dtypes) -> set[str]:
     return {d for d in dtypes if d in _FLOATS}
 
 
 def _step(call: FunctionCall, casts: tuple[tuple[str, str, str], ...]) -> DiagramStep | None:
-    name = _short(call.func)
+    name = call.func.rsplit(".", 1)[-1]
     ins = tuple(m.dtype for m in call.inputs)
     out = call.outputs[0].dtype if call.outputs else "—"
     changes = bool(_floats(ins)) and out in _FLOATS and _floats(ins) != {out}
@@ -94,11 +91,6 @@ def _casts_by_call(trace: Trace) -> dict[int, tuple[tuple[str, str, str], ...]]:
     return {k: tuple(v) for k, v in casts.items()}
 
 
-def _first_step_calls(trace: Trace) -> list[FunctionCall]:
-    """Forward calls made before the model's second call (sampling calls it once a token)."""
-    return [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
-
-
 def _fp8_step(call: FunctionCall, ops: list[OpCall]) -> DiagramStep | None:
     """The fp8 matmul of a converted layer as its `linear` step; None for the recipe's other
     calls in it."""
@@ -117,20 +109,12 @@ def build_diagram(trace: Trace) -> Diagram:
         for op in trace.ops:
             if op.caller is not None and op.module in fp8:
                 ops_by_call[op.caller].append(op)
+    # The forward calls made before the model's second call (sampling calls it once a token).
+    first_step = [c for c in trace.calls if c.phase == "forward" and c.step <= 1]
     steps = [_fp8_step(call, ops_by_call[call.index]) if call.module in fp8
-             else _step(call, casts.get(call.index, ())) for call in _first_step_calls(trace)]
-    sections: list[DiagramSection] = []
-    current: tuple[str | None, list[DiagramStep]] = (None, [])
-    for step in filter(None, steps):
-        parts = split_block(step.module) if step.module else None
-        block = f"{parts[0]}.{parts[1]}" if parts else None
-        if block != current[0]:
-            if current[1]:
-                sections.append(DiagramSection(current[0], current[0] or "", tuple(current[1])))
-            current = (block, [])
-        current[1].append(step)
-    if current[1]:
-        sections.append(DiagramSection(current[0], current[0] or "", tuple(current[1])))
+             else _step(call, casts.get(call.index, ())) for call in first_step]
+    sections = [DiagramSection(block, block or "", tuple(run))
+                for block, run in groupby(filter(None, steps), key=_block)]
     return Diagram(
         inputs=tuple((i.name, i.dtype) for i in trace.inputs),
         sections=tuple(_collapse(sections)),
@@ -138,40 +122,37 @@ def build_diagram(trace: Trace) -> Diagram:
     )
 
 
-def _relative(step: DiagramStep, block: str | None) -> tuple:
-    module = step.module[len(block) + 1:] if block and step.module.startswith(block + ".") else (
+def _block(step: DiagramStep) -> str | None:
+    """The block a step ran in ("transformer.h.3"), None outside the blocks."""
+    parts = split_block(step.module) if step.module else None
+    return f"{parts[0]}.{parts[1]}" if parts else None
+
+
+def _relative(step: DiagramStep, block: str) -> tuple:
+    module = step.module[len(block) + 1:] if step.module.startswith(block + ".") else (
         "" if step.module == block else step.module)
     return (step.func, module, step.inputs, step.output, step.casts, step.note)
+
+
+def _signature(section: DiagramSection) -> tuple | None:
+    """What consecutive blocks must share to be drawn once: their container, and their steps
+    with module names relative to the block. None outside the blocks."""
+    if section.block is None:
+        return None
+    return (block_parts(section.block)[0],
+            [_relative(step, section.block) for step in section.steps])
 
 
 def _collapse(sections: list[DiagramSection]) -> list[DiagramSection]:
     """Consecutive blocks of one container with identical steps are drawn once."""
     out: list[DiagramSection] = []
-    run: list[DiagramSection] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        first, last = run[0], run[-1]
-        assert first.block is not None and last.block is not None  # (run holds blocks only)
-        label = first.block
-        if len(run) > 1:
-            container = block_parts(first.block)[0]
-            label = (f"{container}.{block_parts(first.block)[1]}–{block_parts(last.block)[1]}"
-                     f"  (× {len(run)}, drawn once)")
-        out.append(DiagramSection(first.block, label, first.steps))
-        run.clear()
-
-    for s in sections:
-        same = run and s.block and run[-1].block and \
-            block_parts(s.block)[0] == block_parts(run[-1].block)[0] and \
-            [_relative(x, s.block) for x in s.steps] == [_relative(x, run[-1].block)
-                                                         for x in run[-1].steps]
-        if not same:
-            flush()
-        if s.block is None:
-            out.append(s)
-        else:
-            run.append(s)
-    flush()
+    for signature, group in groupby(sections, key=_signature):
+        run = list(group)
+        first, last = run[0].block, run[-1].block
+        if signature is None or len(run) == 1 or first is None or last is None:
+            out.extend(run)
+            continue
+        container, low, _ = block_parts(first)
+        out.append(DiagramSection(first, f"{container}.{low}–{block_parts(last)[1]}"
+                                         f"  (× {len(run)}, drawn once)", run[0].steps))
     return out

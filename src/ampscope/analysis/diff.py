@@ -2,24 +2,10 @@
 
 `diff_traces(a, b)` compares two traces of one model — two settings, two devices, or two saved
 JSON files read back with `Trace.from_dict` — and returns a `TraceDiff`. It is pure: records in,
-report out.
-
-How things are matched:
-
-- Module calls by (phase, name, occurrence of that name in the phase), so the second call of a
-  module in A meets the second call in B. Changed calls, and calls only one trace made, become
-  rows; repeated identical blocks and sampling steps collapse as in `flow.module_flow`
-  (`transformer.h.0–11.attn`), so a row stands for `repeats` calls.
-- Ops per (phase, module) as multisets of (op, in dtypes, out dtypes): what both traces ran
-  alike cancels out; what is left over under the same op name is a dtype change, the rest ran
-  in one trace only. The `_to_copy` casts that autocast inserted are counted apart, per
-  (phase, module, tensor cast, from, to), where the tensor is the parameter or buffer it cast
-  (from the op's `input_names`), or None for an activation.
-- Tensors by name: parameters (dtype), gradients (`grad_dtype`), buffers, optimizer state
-  (param, key), inputs, targets and outputs.
-
-JSON (`TraceDiff.to_dict()`, schema `ampscope.diff/1`): every field, with examples, in
-docs/json-schema.md.
+report out. How module calls (by phase, name and occurrence), ops (what both ran alike cancels
+out), autocast's casts (counted apart, per module and tensor cast) and tensors (by name) are
+matched: docs/cli.md, "ampscope diff"; the JSON (`TraceDiff.to_dict()`, schema
+`ampscope.diff/1`), every field with examples: docs/json-schema.md.
 
 `timing` (None unless both steps were predicted on one GPU: `diff_traces(..., predicted=)`)
 says why one is faster (analysis/time_diff.py).
@@ -117,11 +103,8 @@ class DiffSummary:
 
     @property
     def identical(self) -> bool:
-        counts = (self.modules_changed, self.modules_only_a, self.modules_only_b,
-                  self.ops_changed, self.ops_only_a, self.ops_only_b, self.casts_appeared,
-                  self.casts_disappeared, self.tensors_changed, self.tensors_only_a,
-                  self.tensors_only_b)
-        return not any(counts)
+        # Every count but casts_a and casts_b, which count each trace's casts, not differences.
+        return not any(n for name, n in vars(self).items() if name not in ("casts_a", "casts_b"))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ names), and carries the kind of cause behind it.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from itertools import groupby
 from typing import cast
 
 from ampscope.analysis.causes import FLOATS, DtypeChange, by_cause, dtype_changes, group
@@ -155,8 +156,7 @@ def _quantity(cast: int, having: int, total: int, type_: str) -> str:
     return f"{cast} of {having} {type_}s"
 
 
-def autocast_policy_findings(changes: list[DtypeChange],
-                             trace: Trace | None = None) -> list[Finding]:
+def autocast_policy_findings(changes: list[DtypeChange], trace: Trace) -> list[Finding]:
     """One finding per user-level function autocast cast for: which dtype, which list.
 
     Autocast casts for an ATen op, which may be one of several a function runs: on CUDA,
@@ -164,7 +164,7 @@ def autocast_policy_findings(changes: list[DtypeChange],
     list (on the CPU, cross_entropy itself is). Where the function's other ops ran in another
     dtype (the recorded ops of `trace` tell), the finding names the op the cast was for and
     those others, so that it agrees with the ops listed."""
-    by_call = _compute_ops_by_call(trace) if trace is not None else {}
+    by_call = _compute_ops_by_call(trace)
     findings = []
     for (function, out, list_), cs in group(by_cause(changes, "autocast-policy"),
                                             lambda c: (c.function, c.output, c.detail)).items():
@@ -209,17 +209,14 @@ def _compute_ops_by_call(trace: Trace) -> dict[int, list]:
     return by_call
 
 
-def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace | None,
+def _cast_targets(cs: list[DtypeChange], out: str, trace: Trace,
                   by_call: dict[int, list]) -> tuple[list[str], dict[str, list[str]]]:
     """The ops autocast's casts in `cs` were for (the first computing op after each cast, in
     its call), and the call's other computing ops that ran in another dtype, by dtype."""
-    if trace is None:
-        return [], {}
-    ops = {o.index: o for o in trace.ops}
     targets: dict[str, None] = {}
     others: dict[str, dict[str, None]] = defaultdict(dict)
     for c in cs:
-        cast_op = ops[c.op_index]
+        cast_op = trace.ops[c.op_index]
         computing = by_call.get(cast_op.caller, []) if cast_op.caller is not None else []
         after = next((o for o in computing if o.index > c.op_index), None)
         if after is not None:
@@ -281,12 +278,7 @@ def activation_findings(trace: Trace, changes: list[DtypeChange]) -> list[Findin
             if (d := next((m.dtype for m in c.outputs if m.dtype in FLOATS), None))]
     if not flow:
         return []
-    runs: list[list[tuple[ModuleCall, str]]] = []
-    for c, d in flow:
-        if runs and runs[-1][-1][1] == d:
-            runs[-1].append((c, d))
-        else:
-            runs.append([(c, d)])
+    runs = [list(run) for _, run in groupby(flow, key=lambda cd: cd[1])]
     first = runs[1] if len(runs) > 1 else runs[0]
     # The finding's cause: the first change into a new dtype that has one, else the entry.
     found = (_entry_cause(changes, run[0][0], run[0][1]) for run in [*runs[1:], runs[0]])

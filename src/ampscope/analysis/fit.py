@@ -166,19 +166,8 @@ class FitReport:
         return self.batch_limit is not None and self.batch == self.batch_limit
 
     def to_dict(self) -> dict:
-        return {
-            "schema": SCHEMA, "model": self.model, "accelerator": self.accelerator,
-            "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
-            "setting": self.setting, "optimizer": self.optimizer, "seq": self.seq,
-            "seq_auto": self.seq_auto, "batch": self.batch, "peak_bytes": self.peak_bytes,
-            "peak_phase": self.peak_phase, "at_limit": [asdict(s) for s in self.at_limit],
-            "probes": [asdict(p) for p in self.probes],
-            "variants": [asdict(v) for v in self.variants], "notes": list(self.notes),
-            "batch_limit": self.batch_limit, "step_seconds": self.step_seconds,
-            "tokens_per_second": self.tokens_per_second, "mfu": self.mfu, "bound": self.bound,
-            "reserved_bytes": self.reserved_bytes, "held": self.held,
-            "margin_bytes": self.margin_bytes,
-        }
+        """Every field in declaration order, after the schema; the lists as lists of dicts."""
+        return {"schema": SCHEMA, **asdict(self)}
 
 
 # -- the search -------------------------------------------------------------------------------

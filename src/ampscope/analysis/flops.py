@@ -10,12 +10,9 @@ saw them:
   position embeddings (a lookup); the attention term counts the full T×T score matrix, so it is
   also given with causal halving (6·L·H·Q·T).
 
-L, H, Q and T are read off the attention ops of the first forward pass (query shape
-(B, H, T, Q), one call per layer), so they hold for any model that uses
-`scaled_dot_product_attention`, built-in or not.
-
-MFU uses the counted FLOPs (PyTorch's convention: full attention), split by the dtype each
-matmul ran in, against that dtype's peak (see hardware.mfu).
+L, H, Q and T are read off the first forward pass's attention ops, so they hold for any model
+that calls `scaled_dot_product_attention`; MFU holds each matmul dtype's counted FLOPs to its
+own peak (hardware.mfu). Both as the command shows them: docs/cli.md, "ampscope flops".
 
 Namesakes, the same concern at another layer: `render/flops.py`, `runs/flops.py`,
 `torchcompat/flops.py`."""
@@ -24,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from itertools import dropwhile, takewhile
 from typing import Any
 
 from ampscope import hardware
@@ -160,14 +158,8 @@ def _first_forward(trace: Trace) -> list[OpCall]:
     train = next((p for p in trace.passes if p.kind == PassKind.TRAIN), None)
     if train is not None:
         ops = ops[train.first_op:train.end_op]
-    out: list[OpCall] = []
-    for o in ops:
-        if o.phase != "forward":
-            if out:
-                break
-            continue
-        out.append(o)
-    return out
+    started = dropwhile(lambda o: o.phase != "forward", ops)
+    return list(takewhile(lambda o: o.phase == "forward", started))
 
 
 def _rows(trace: Trace) -> list[FlopRow]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, replace
+from itertools import groupby
 from typing import Any, ClassVar, Protocol, TypeVar, overload
 
 from ampscope.records import ModuleCall, OpCall, TensorMeta, module_label
@@ -127,27 +128,14 @@ def collapse_blocks(rows: list[Row], key: Callable[[Any], tuple] = flow_key) -> 
     what must be equal, besides the name within the block, for blocks to merge.
     """
     out: list[Row] = []
-    i = 0
-    while i < len(rows):
-        head = split_block(rows[i].name)
-        if head is None:
-            out.append(rows[i])
-            i += 1
+    # Runs of rows of one container (None: a row outside any block), then its blocks' rows.
+    for container, run in groupby(rows, key=lambda r: (split_block(r.name) or (None,))[0]):
+        if container is None:
+            out.extend(run)
             continue
-        container = head[0]
-        # Gather the blocks of this container that follow one another: [(index, rows)]
-        blocks: list[tuple[int, list[Row]]] = []
-        j = i
-        while j < len(rows):
-            parts = split_block(rows[j].name)
-            if parts is None or parts[0] != container:
-                break
-            if not blocks or blocks[-1][0] != parts[1]:
-                blocks.append((parts[1], []))
-            blocks[-1][1].append(rows[j])
-            j += 1
+        blocks = [(index, list(members))
+                  for index, members in groupby(run, key=lambda r: block_parts(r.name)[1])]
         out.extend(_merge_identical(container, blocks, key))
-        i = j
     return out
 
 
@@ -183,25 +171,19 @@ def _merge_identical(container: str, blocks: list[tuple[int, list[Row]]],
 def collapse_steps(steps: list[list[R]], key: Callable[[R], tuple]) -> list[tuple[int, list[R]]]:
     """Consecutive steps with identical keys -> (count, first step)."""
     out: list[tuple[int, list[R]]] = []
-    for step in steps:
-        if out and [key(r) for r in out[-1][1]] == [key(r) for r in step]:
-            out[-1] = (out[-1][0] + 1, out[-1][1])
-        else:
-            out.append((1, step))
+    for _, run in groupby(steps, key=lambda step: [key(r) for r in step]):
+        same = list(run)
+        out.append((len(same), same[0]))
     return out
 
 
-def module_flow(calls: Sequence[ModuleCall], phase: str = "forward",
-                notes: Mapping[str, str] | None = None, unit: str = "steps") -> list[FlowRow]:
-    """Rows of module input → output dtypes for one phase, blocks and steps collapsed; `notes`
+def module_flow(calls: Sequence[ModuleCall], notes: Mapping[str, str] | None = None,
+                unit: str = "steps") -> list[FlowRow]:
+    """Rows of module input → output dtypes in forward, blocks and steps collapsed; `notes`
     (module name → note) for modules whose dtypes outside do not say it all (an fp8 matmul);
     `unit` names what collapsed forward passes are ("× 4 steps"; `repeat_unit`)."""
     notes = notes or {}
-    selected = [c for c in calls if c.phase == phase]
-    if phase == "forward":
-        steps = _steps(selected)
-    else:
-        steps = [selected] if selected else []
+    steps = _steps([c for c in calls if c.phase == "forward"])
     rows: list[FlowRow] = []
     for count, step in collapse_steps(steps, key=lambda c: (c.name, dtypes(c.inputs), dtypes(c.outputs))):
         note = f"× {count} {unit}" if count > 1 else ""
@@ -221,12 +203,12 @@ def dtype_changes(rows: list[FlowRow]) -> list[FlowRow]:
     ]
 
 
-def op_flow(ops: Sequence[OpCall], phase: str | None = None) -> list[FlowRow]:
-    """Rows of aten ops (module, op, dtypes), repeated blocks collapsed."""
+def op_flow(ops: Sequence[OpCall], phase: str) -> list[FlowRow]:
+    """Rows of aten ops (module, op, dtypes) of one phase, repeated blocks collapsed."""
     rows = [
         FlowRow(module_label(o.module), o.op, dtypes(o.inputs), dtypes(o.outputs), 0, 1,
                 _op_note(o))
-        for o in ops if phase is None or o.phase == phase
+        for o in ops if o.phase == phase
     ]
     return collapse_blocks(rows)
 

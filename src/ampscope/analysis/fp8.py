@@ -141,8 +141,11 @@ def roles_in_words(roles: dict[tuple[str, str], Counter]) -> str:
     return "; ".join(parts)
 
 
-def _by_phase(counts: Counter, phase: str) -> str:
-    return ", ".join(f"{n} {what}" for (p, what), n in counts.items() if p == phase)
+def _by_phase(counts: Counter) -> str:
+    """"forward 12 float8_e4m3fn; backward 6 float8_e5m2": (phase, what) counts, by phase."""
+    return "; ".join(
+        f"{phase} " + ", ".join(f"{n} {what}" for (p, what), n in counts.items() if p == phase)
+        for phase in ("forward", "backward") if any(p == phase for p, _ in counts))
 
 
 def fp8_findings(trace: Trace) -> list[Finding]:
@@ -154,16 +157,12 @@ def fp8_findings(trace: Trace) -> list[Finding]:
     emulated = (" (emulated: the operands hold real fp8 values, the matmul runs on them in higher "
                 "precision)" if trace.setting.fp8 and (trace.setting.device == "cpu"
                                                         or trace.setting.emulated) else "")
-    matmuls = "; ".join(f"{phase} {_by_phase(step.matmuls, phase)}"
-                        for phase in ("forward", "backward")
-                        if any(p == phase for p, _ in step.matmuls))
+    matmuls = _by_phase(step.matmuls)
     findings = [Finding(
         f"{len(step.converted)} of {n_linear} Linear layers run their matmuls in fp8{recipe}: "
         f"{matmuls}{emulated}.", FP8_CAUSE)]
     if step.casts:
-        casts = "; ".join(f"{phase} {_by_phase(step.casts, phase)}"
-                          for phase in ("forward", "backward")
-                          if any(p == phase for p, _ in step.casts))
+        casts = _by_phase(step.casts)
         scales = ", ".join(f"{n} {g}" for g, n in step.granularity.items())
         scale_dtype = "/".join(step.scale_dtypes) or "no"
         roles = f"{roles_in_words(step.roles)} ({casts})" if step.roles else casts

@@ -1,28 +1,10 @@
 """What `torch.compile` (Inductor) makes of a step's ops on a GPU: fused kernels, and their time.
 
 ampscope runs compiled code eagerly and records its ops one by one, marked `compiled`
-(runtime/compiled.py). Inductor would run them as fewer, larger kernels: it keeps matmuls,
-convolutions and fused attention as library kernels (cuBLAS, cuDNN, FlashAttention, "extern
-kernels") and generates a kernel for each run of the pointwise and reduction ops between them,
-which reads its inputs from memory once and writes only the results used after it (the
-intermediates stay in registers). The rule here, applied to a step's op times:
-
-- **A fused kernel** is a maximal run of consecutive compiled ops of one phase that have no
-  FLOPs (a matmul-class op has them, and stays its own kernel), are no collective and do not
-  read a value back to the host (`_local_scalar_dense`). Views inside a run cost nothing and do
-  not end it.
-- **Its bytes**: the inputs it reads from outside (an input is inside when an earlier op of the
-  run produced a tensor of its dtype and shape), and the outputs that live past its last op
-  (their storage is freed after it, or never: saved for backward, or read by the next kernel).
-- **Its time**: max(those bytes at the achievable bandwidth, the host's launch of one Inductor
-  kernel, `compiled_host_s`) + one launch gap, spread over its ops by their eager seconds (so
-  the time stays with the modules that spend it).
-
-Known differences from Inductor: it may split a run where reductions over different axes meet,
-fuse a bias add into a matmul's epilogue (max-autotune), recompute cheap ops in backward instead
-of saving them, and a compiled call has its own fixed cost (guards, about 35 µs a graph), none
-of them modelled; CUDA graphs (`mode="reduce-overhead"`) would remove the host's launch cost.
-"""
+(runtime/compiled.py); Inductor would run each run of pointwise and reduction ops between its
+library kernels (matmuls, convolutions, fused attention) as one generated kernel. The rule
+here, applied to a step's op times (what a fused kernel is, the bytes it moves, its time), and
+what it leaves out of Inductor: docs/performance.md, "Compiled code"."""
 
 from __future__ import annotations
 
@@ -73,7 +55,7 @@ def made_by(storages: Sequence[StorageRecord]) -> dict[int, list[StorageRecord]]
 
 
 def kernel_bytes(run: Sequence[OpCall], made: Mapping[int, list[StorageRecord]]) -> int:
-    """Bytes one fused kernel moves (module docstring): inputs from outside the run, outputs
+    """Bytes one fused kernel moves (docs/performance.md): inputs from outside the run, outputs
     whose storage lives past its last op (`made`: the step's storages, `made_by`; empty for a
     trace without them, whose every output is counted)."""
     inside: Counter = Counter()
@@ -114,6 +96,3 @@ def fuse(timed: list[OpTime], ops: Sequence[OpCall], storages: Sequence[StorageR
                               bound if share else "none", t.flops, round(nbytes * share),
                               t.mode, 0.0, memory * share)
     return len(runs)
-
-
-__all__ = ["fuse", "fused_runs", "kernel_bytes", "made_by"]

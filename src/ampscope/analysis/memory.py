@@ -2,10 +2,8 @@
 where it happens, the live bytes over the step, and the formulas people use beside the counts.
 
 Everything here reads `Trace.storages` (runs/memory.py): one record per storage, so views
-and tied weights count once. A storage is live from the op that made it through the op after
-which it was freed (`StorageRecord.created`..`freed`, inclusive); the live bytes "at op k" are
-those of every storage live through op k, which includes op k's inputs and outputs together.
-See docs/memory.md for the method and what it does not model.
+and tied weights count once, live from `created` through `freed` (inclusive). What the live
+bytes "at op k" are, the method and what it does not model: docs/memory.md.
 
 Namesakes, the same concern at another layer: `render/memory.py`, `runs/memory.py`."""
 

@@ -1,28 +1,8 @@
 """How long one op takes on an accelerator: the pieces of the step-time model, each checkable by
-hand (tests/test_step_time.py works them out), and one op's time from its record.
-
-- `matmul_seconds`: a GEMM of (m×k)·(k×n), `batch` of them, in a math mode, with tile and wave
-  quantization: the output is cut into tiles (hardware/kernels.py: 256×128 on Tensor Cores,
-  128×128 on CUDA cores), one tile an SM at a time, so the time is whole waves of
-  SM-count tiles, each tile at the SM's share of the achievable rate. A GEMM with fewer tiles
-  than SMs splits K over the idle SMs (split-K, slices of at least `SPLIT_K_MIN`).
-- `memory_seconds`: bytes at the achievable fraction of the memory bandwidth.
-- `collective_seconds`: a ring collective over a link: all-reduce moves 2(n−1)/n of the payload
-  through each GPU's link in 2(n−1) steps, all-gather, reduce-scatter and all-to-all (n−1)/n in
-  n−1 steps, broadcast the payload in n−1 pipelined steps; plus NCCL's base latency once and
-  the link's latency a step. The link is NVLink where the group's ranks lie on one node
-  (global rank // `gpus_per_node` the same for its lowest and highest), the network where they
-  do not: a 2-D mesh's FSDP group, one rank a node, crosses it however few its ranks. A record
-  without its group's ranks (an older trace, a build that hides them) is placed by its size.
-- `op_time`: one op's seconds = max(compute, memory, host) + launch. Compute is its FLOPs at the
-  rate of its math mode (a matmul: the dtype `flops.matmul_dtype` gives, TF32 when
-  `fp32_precision` is "tf32"; a fused attention kernel: its kind's fraction of that rate; other
-  FLOPs at the CUDA-core float32 rate); memory is the bytes its inputs and outputs hold; host is
-  the eager dispatch, which runs ahead of the GPU and shows only where it exceeds the kernel;
-  launch is the gap between kernels. A view moves nothing and launches nothing: 0. Its bound is
-  "communication" for a collective, else "launch" where host and launch outweigh the kernel,
-  else the larger of compute and memory.
-"""
+hand (tests/test_step_time.py works them out), and one op's time from its record. The model
+(tile and wave quantization, split-K, ring collectives and the link they cross, max(compute,
+memory, host) + launch, a view's 0 s) and the sources of its figures: docs/performance.md,
+"The method"."""
 
 from __future__ import annotations
 
@@ -176,10 +156,7 @@ def attention_kind(op: OpCall) -> str | None:
     """"flash", "efficient", "cudnn", "flex" or "math" for an attention op with FLOPs."""
     if "attention" not in op.op or not op.flops:
         return None
-    for kind in ("flash", "efficient", "cudnn", "flex"):
-        if kind in op.op:
-            return kind
-    return "math"
+    return next((k for k in ("flash", "efficient", "cudnn", "flex") if k in op.op), "math")
 
 
 def matmul_mode(op: OpCall) -> str:
@@ -237,7 +214,7 @@ class OpTime:
 
 def op_time(op: OpCall, acc: Accelerator, params: KernelParams, *,
             world_size: int = 1) -> OpTime:
-    """The predicted time of one recorded op on `acc` (see the module docstring)."""
+    """The predicted time of one recorded op on `acc` (docs/performance.md, "One op")."""
     phase = str(op.phase)
     name = _name(op)
     if is_view_op(op.op) or name in _ALLOCATIONS:
@@ -283,8 +260,3 @@ def _attention_rate(op: OpCall, mode: str, acc: Accelerator) -> float:
             return acc.peak_flops["tf32"] / 3
         return rate(acc, "float32")
     return rate(acc, mode)
-
-
-__all__ = ["BOUNDS", "Link", "OpTime", "attention_kind", "collective_kind", "collective_seconds",
-           "gemm_shape", "link_for", "matmul_mode", "matmul_seconds", "memory_seconds",
-           "op_bytes", "op_time", "rate", "tensor_bytes"]

@@ -1,28 +1,10 @@
 """How long one traced step takes on a target accelerator, and where the time goes.
 
-`step_time(trace, accelerator)` costs every op of the step (analysis/op_time.py: compute,
-memory, launch and host overhead, collectives by bytes, group and link) with the parameters of
-hardware/kernels.py, and adds them up as an eager PyTorch step runs: one op after another on
-one stream, so the step is the sum of its ops, except for the collectives FSDP2 and DDP overlap.
-
-**Which ops are the step.** Exactly those `flops.flop_report` counts for it: every op of the
-forward, backward and optimizer phases; an evaluation or sampling pass of a run that trained
-is not part of the step (its FLOPs are not either).
-
-**The overlap rule (FSDP2, DDP).** FSDP2 prefetches the next block's all-gather while the
-current block computes, and reduce-scatters a block's gradients while the previous block's
-backward runs; DDP all-reduces gradient buckets during backward. So in the forward and backward
-phases, all-gathers, reduce-scatters (and, in backward, all-reduces) overlap that phase's
-compute: the phase's first such collective is exposed (nothing runs before it), so is
-backward's last one (nothing runs after it), and the rest cost only what the phase's other ops
-cannot hide: max(0, their sum − the phase's other time). Every other collective (a tensor-
-parallel all-reduce in forward, anything in the optimizer) is on the critical path in full.
-Within a phase no kernel overlaps another (no streams beyond the collectives' are modelled).
-
-`StepTime` is the result: seconds, by bound, phase and module, per op, tokens/s, MFU
-(hardware.mfu, each dtype's FLOPs against its own peak), the notes that say what was assumed,
-and the parameters with their sources; `to_dict()` is its JSON.
-"""
+`step_time(trace, accelerator)` costs every op of the step (analysis/op_time.py) with the
+parameters of hardware/kernels.py and adds them up as an eager PyTorch step runs: one op after
+another on one stream, except the collectives FSDP2 and DDP overlap (`exposed_seconds`). Which
+ops are the step (those `flops.flop_report` counts), the overlap rule and what `StepTime`
+holds: docs/performance.md, "The method"."""
 
 from __future__ import annotations
 
@@ -97,13 +79,11 @@ def step_ops(trace: Trace) -> list:
     return [o for o in trace.ops if o.phase in PHASES]
 
 
-def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = None,
-              world_size: int = 1, kernel_params: KernelParams | None = None) -> StepTime:
-    """The predicted time of the traced step on `accelerator` (module docstring). `tokens`:
-    the step's tokens (default: `summary.tokens_of`); `world_size`: the group size of a
-    collective whose record lacks one; `kernel_params`: the model's figures (default:
-    `hardware.kernels.params(accelerator)`, with the user's hardware.toml over them)."""
-    figures = kernel_params or params(accelerator)
+def step_time(trace: Trace, accelerator: Accelerator, *, world_size: int = 1) -> StepTime:
+    """The predicted time of the traced step on `accelerator` (docs/performance.md), with the
+    figures of `hardware.kernels.params(accelerator)` (the user's hardware.toml over them);
+    `world_size`: the group size of a collective whose record lacks one."""
+    figures = params(accelerator)
     step = step_ops(trace)
     with gc_paused():  # tens of thousands of small records: no full collection among them
         timed = _timed(step, accelerator, figures, world_size)
@@ -132,7 +112,7 @@ def step_time(trace: Trace, accelerator: Accelerator, *, tokens: int | None = No
             by_module[label] = by_module.get(label, 0.0) + t.seconds
     top = dict(sorted(by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES])
     seconds = sum(by_phase.values())
-    count = tokens if tokens is not None else tokens_of(trace)
+    count = tokens_of(trace)
     return StepTime(
         model=trace.model.name, setting=trace.setting.name, accelerator=accelerator.name,
         seconds=seconds, by_bound=by_bound, by_phase=by_phase, by_module=top, ops=timed,
@@ -207,7 +187,3 @@ def _notes(trace: Trace, timed: list[OpTime], acc: Accelerator, hidden: float,
         notes.append("Traced emulated on another device: the ops are the target's, their "
                       "kernels' choice as the emulation made it.")
     return notes
-
-
-__all__ = ["OVERLAPPED", "SCHEMA", "TOP_MODULES", "StepTime", "exposed_seconds", "step_ops",
-           "step_time"]

@@ -1,16 +1,12 @@
 """Why one of two traces is faster: their predicted steps (analysis/step_time.py) side by side,
 the time moved between bounds (compute, memory, launch, communication) and phases, and the
 modules whose time moved most. `ampscope diff` shows it as "Why one is faster" and writes it
-as the diff's `timing` (schema `ampscope.diff/1`).
-
-Modules are compared by their own ops' time over the whole step; the blocks of a repeated stack
-(`transformer.h.0`, `transformer.h.1`, …) are summed under one name (`transformer.h.0–11.attn`)
-so a change every block makes reads as one row."""
+as the diff's `timing` (schema `ampscope.diff/1`)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ampscope.analysis.flops import PHASES
 from ampscope.analysis.op_time import BOUNDS
@@ -33,9 +29,6 @@ class Moved:
     def delta(self) -> float:
         return self.b - self.a
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "a": self.a, "b": self.b}
-
 
 @dataclass(frozen=True)
 class TimeDiff:
@@ -56,16 +49,13 @@ class TimeDiff:
         return self.a / self.b if self.b else 0.0
 
     def to_dict(self) -> dict:
-        return {"accelerator": self.accelerator, "a": self.a, "b": self.b,
-                "tokens_per_second_a": self.tokens_per_second_a,
-                "tokens_per_second_b": self.tokens_per_second_b,
-                "by_bound": [m.to_dict() for m in self.by_bound],
-                "by_phase": [m.to_dict() for m in self.by_phase],
-                "modules": [m.to_dict() for m in self.modules]}
+        """Every field in declaration order; the tuples of `Moved` as lists of dicts."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def block_modules(predicted: StepTime) -> dict[str, float]:
-    """Seconds of each module's own ops over the step, a repeated stack's blocks summed."""
+    """Seconds of each module's own ops over the step, a repeated stack's blocks summed under
+    one name (`transformer.h.0–11.attn`) so that a change every block makes reads as one row."""
     seconds: dict[str, float] = {}
     indices: dict[str, list[int]] = {}
     for op in predicted.ops:
@@ -101,6 +91,3 @@ def time_diff(a: StepTime, b: StepTime) -> TimeDiff:
         by_phase=tuple(Moved(k, a.by_phase.get(k, 0.0), b.by_phase.get(k, 0.0))
                        for k in PHASES),
         modules=tuple(m for m in modules[:TOP_MOVED] if m.delta))
-
-
-__all__ = ["TOP_MOVED", "Moved", "TimeDiff", "block_modules", "time_diff"]

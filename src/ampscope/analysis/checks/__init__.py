@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -107,15 +107,13 @@ def silenced(diagnostic: Diagnostic, line: str | None) -> bool:
     return diagnostic.id in named or diagnostic.name in named
 
 
-def check_trace(trace: Trace, *, ignore: Collection[str] = (),
+def check_trace(trace: Trace, *,
                 line_of: Callable[[str], str | None] | None = None) -> list[Diagnostic]:
-    """Every rule's diagnostics on `trace`, most severe first, without the rules in `ignore`
-    (ids or names) and those silenced in the source (`line_of("train.py:12")` gives a source
-    line's text; the API passes the files the run read)."""
+    """Every rule's diagnostics on `trace`, most severe first, without those silenced in the
+    source (`line_of("train.py:12")` gives a source line's text; the API passes the files the
+    run read)."""
     found = []
     for r in sorted(RULES.values(), key=lambda r: r.id):
-        if r.id in ignore or r.name in ignore:
-            continue
         for d in r.diagnostics(trace):
             if d.source is not None and line_of is not None and silenced(d, line_of(d.source)):
                 continue

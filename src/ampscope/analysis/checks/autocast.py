@@ -39,15 +39,17 @@ def _ops_and_casts(regions: list[AutocastRegion]) -> tuple[int, int]:
     return sum(r.ops for r in regions), sum(r.casts for r in regions)
 
 
-def _enclosing(trace: Trace, region: AutocastRegion) -> AutocastRegion | None:
-    """The nearest region around `region` for the same device type, if any."""
+def _around(trace: Trace, region: AutocastRegion) -> Iterator[AutocastRegion]:
+    """The regions `region` was entered in, the nearest first."""
     at = region.parent
     while at is not None:
-        outer = trace.autocast_regions[at]
-        if outer.device_type == region.device_type:
-            return outer
-        at = outer.parent
-    return None
+        yield trace.autocast_regions[at]
+        at = trace.autocast_regions[at].parent
+
+
+def _enclosing(trace: Trace, region: AutocastRegion) -> AutocastRegion | None:
+    """The nearest region around `region` for the same device type, if any."""
+    return next((o for o in _around(trace, region) if o.device_type == region.device_type), None)
 
 
 def _on(region: AutocastRegion) -> bool:
@@ -76,7 +78,7 @@ def wrong_device(trace: Trace) -> Iterator[Hit]:
                    f"dtype=torch.{first.dtype}) (here \"{devices[0]}\")")
         else:
             outer = [r for r in trace.autocast_regions if r.device_type in devices and r.enabled
-                     and any(_inside(trace, e, r) for e in regions)]
+                     and any(r in _around(trace, e) for e in regions)]
             if not outer:
                 continue  # off for a device nothing ran on, inside no autocast: nothing to undo
             message = (f"{first.label} at {first.source} turns off {first.device_type} "
@@ -96,15 +98,6 @@ def wrong_device(trace: Trace) -> Iterator[Hit]:
              + ("" if first.enabled or not first.enabled_asked else
                 f" (torch turned the region off: no {first.device_type} device here)")),
             consequence, fix, first.source)
-
-
-def _inside(trace: Trace, region: AutocastRegion, outer: AutocastRegion) -> bool:
-    at = region.parent
-    while at is not None:
-        if at == outer.index:
-            return True
-        at = trace.autocast_regions[at].parent
-    return False
 
 
 @rule("AMP802", "autocast-nothing-cast", "note",

@@ -45,7 +45,6 @@ def fp32_without_tf32(trace: Trace) -> Iterator[Hit]:
 
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
-_FUSED = FUSED_ATTENTION_NAMES
 
 
 @rule("AMP702", "attention-math-fallback", "warning",
@@ -58,7 +57,7 @@ def attention_math_fallback(trace: Trace) -> Iterator[Hit]:
     if not calls:
         return
     fused = {o.caller for o in trace.ops if o.caller is not None
-             and any(o.op.startswith(f"aten.{name}.") for name in _FUSED)}
+             and any(o.op.startswith(f"aten.{name}.") for name in FUSED_ATTENTION_NAMES)}
     math = [c for c in calls if c.index not in fused]
     if not math:
         return
