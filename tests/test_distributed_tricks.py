@@ -97,7 +97,8 @@ def test_a_tensor_parallel_probe_with_the_tricks_equals_the_exact_path(monkeypat
 
     def probe():
         with parallel_plans._fake_group(4):
-            return parallel_plans._probe(lm, base, parallel, 2, 2, 3, 2, 32, "adamw", True)
+            return parallel_plans._probe(lm, base, parallel, parallel_plans._mesh(2, 2), 3, 2, 32,
+                                         "adamw", True)
 
     quick = probe()
     assert seen["chunks"] > 0 and seen["dtensor foreach"] > 0

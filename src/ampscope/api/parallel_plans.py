@@ -294,8 +294,8 @@ class _Search:
     def probe(self, family: Family, depth: int, batch: int) -> Probe:
         """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
         tp, checkpoint = family
-        return _probe(self.lm, self.setting, self.parallel, self.gpus // tp, tp, depth, batch,
-                      self.seq, self.optimizer, checkpoint, self.acc, self.mesh(tp))
+        return _probe(self.lm, self.setting, self.parallel, self.mesh(tp), depth, batch,
+                      self.seq, self.optimizer, checkpoint, self.acc)
 
     def mesh(self, tp: int):
         """The (dp, tp) mesh on this process's fake process group, both kept for all its
@@ -305,7 +305,9 @@ class _Search:
             self._held = (os.getpid(), contextlib.ExitStack(), {})
             self._held[1].enter_context(_fake_group(self.gpus))
         meshes = self._held[2]
-        return meshes[tp] if tp in meshes else meshes.setdefault(tp, _mesh(self.gpus // tp, tp))
+        if tp not in meshes:
+            meshes[tp] = _mesh(self.gpus // tp, tp)
+        return meshes[tp]
 
     def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
         """The family's largest micro-batch from `start` (every batch from its probes' two,
@@ -347,15 +349,14 @@ def _mesh(dp: int, tp: int):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, dp: int, tp: int, depth: int,
-           batch: int, seq: int, optimizer: str, checkpoint: bool,
-           acc: Accelerator | None = None, mesh=None) -> Probe:
+def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth: int, batch: int,
+           seq: int, optimizer: str, checkpoint: bool, acc: Accelerator | None = None) -> Probe:
     """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch` on
-    `mesh` (made here when None: `_mesh`); on `acc`, its step timed here (what the rules
-    need of it, not its ops, goes back)."""
+    the (dp, tp) `mesh` (`_mesh`); on `acc`, its step timed here (what the rules need of it,
+    not its ops, goes back)."""
     from ampscope.distributed.step import rank_step
 
-    mesh = _mesh(dp, tp) if mesh is None else mesh
+    dp, tp = mesh.shape
 
     def parallelize(module: nn.Module) -> None:  # each block split over the tp group
         from torch.distributed.tensor.parallel import parallelize_module
@@ -462,8 +463,8 @@ def derived_plan(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False
     batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] and not whole else (batch,)
     with _fake_group(gpus):
         mesh = _mesh(gpus // tp, tp)
-        probes = [_probe(lm, base, parallel, gpus // tp, tp, d, b, seq, optimizer, checkpoint,
-                         acc, mesh) for d in depths for b in batches]
+        probes = [_probe(lm, base, parallel, mesh, d, b, seq, optimizer, checkpoint, acc)
+                  for d in depths for b in batches]
     time = derived_time(probes, depth, batch) if acc is not None else None
     rule = Rule(probes, rounded=base.device == "cuda")
     return (rule.phase_peaks(depth, batch), time,
