@@ -42,7 +42,7 @@ import accelerate_estimate  # a sibling script, found by the path above
 def zoo_config(name: str) -> tuple[str, dict]:
     """The zoo entry's transformers config class and arguments, as ampscope builds it."""
     fields = {k: v for k, v in catalog.entry(name).config.items() if k != "model_type"}
-    config_class = type(hf.zoo_config(name)).__name__  # the class of its model_type
+    config_class = type(hf.ZOO[name]).__name__  # the class of its model_type
     return config_class, {**fields, "attn_implementation": hf.ATTN_IMPLEMENTATION}
 
 

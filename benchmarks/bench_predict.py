@@ -42,7 +42,7 @@ from ampscope.runtime.predict import gc_paused
 
 def bare_step(name: str, seq: int) -> None:
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf.zoo_config(name))
+        model = transformers.AutoModelForCausalLM.from_config(hf.ZOO[name])
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, gc_paused():
         for module in model.modules():
