@@ -285,7 +285,9 @@ class Emulation:
     """Everything an emulated run changes, for its duration: the target's autocast policy, the
     dtypes its norm kernels keep their statistics in (`runtime/norm_stats.py`) and, where the
     device's entry in hardware/device_types.py says so, the attention kernels its GPU would
-    pick (`runtime/attention_choice.py`) and cuDNN's RNN kernels (`runtime/rnn_kernels.py`).
+    pick (`runtime/attention_choice.py`), CUDA's float16 GEMM and integer `histc`
+    (`runtime/half_matmul.py`, `runtime/integer_histc.py`) and cuDNN's RNN kernels
+    (`runtime/rnn_kernels.py`).
     `gpu`: the GPU whose attention kernel choice is made (its compute capability: the one the
     virtual device reports); None: the H100 of attention_choice.py."""
 
@@ -303,6 +305,7 @@ class Emulation:
     def __enter__(self) -> Emulation:
         from ampscope.runtime.attention_kernels import cuda_attention
         from ampscope.runtime.half_matmul import half_matmuls
+        from ampscope.runtime.integer_histc import integer_histc
         from ampscope.runtime.norm_stats import TargetNormStats
 
         with self._stack as stack:
@@ -315,6 +318,8 @@ class Emulation:
                 self.attention = stack.enter_context(cuda_attention(self.gpu))
                 # The GPU's float16 GEMM: float32 accumulation, one rounding (half_matmul.py).
                 stack.enter_context(half_matmuls())
+                # Integer histc, which the CPU refuses (a MoE layer's tokens per expert).
+                stack.enter_context(integer_histc())
             if entry.rnn == "cudnn":
                 from ampscope.runtime.rnn_kernels import cuda_rnn
 
