@@ -180,3 +180,29 @@ def test_a_safetensors_index_out_of_the_folder_is_refused(tmp_path):
         json.dumps({"weight_map": {"lm_head.weight": "../x.safetensors"}}))
     with pytest.raises(AmpscopeError, match="'../x.safetensors' outside the folder"):
         resolve(f"hf:{folder}")
+
+
+GEMMA2 = dict(model_type="gemma2", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=32,
+              max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_a_model_without_sdpa_gets_the_attention_transformers_picks_itself(tmp_path, caplog,
+                                                                             weights):
+    """Gemma 2 has no SDPA path in transformers, which builds it with its eager attention when
+    not told: ampscope builds it so too (from a config, and from weights) and says it with -v,
+    where a Llama keeps SDPA."""
+    llama = resolve(f"hf:{folder_with_config(tmp_path / 'llama')}").module
+    assert llama.config._attn_implementation == "sdpa"
+    gemma = transformers.AutoConfig.for_model(**GEMMA2)
+    transformers_own = transformers.AutoModelForCausalLM.from_config(gemma)
+    if transformers_own.config._attn_implementation != "eager":
+        pytest.skip("this transformers builds Gemma 2 with SDPA")
+    folder = tmp_path / "gemma2"
+    (transformers_own if weights else gemma).save_pretrained(folder)
+    with caplog.at_level(logging.INFO, logger="ampscope"):
+        built = resolve(f"hf:{folder}").module
+    assert built.config._attn_implementation == "eager"
+    assert "Gemma2ForCausalLM does not support" in caplog.text
+    assert "built with its eager attention" in caplog.text

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -42,8 +43,12 @@ if TYPE_CHECKING:
 
         def generate(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor: ...
 
-# The attention kernel every HF model is built with: the same one nanoGPT and nanochat call.
+# The attention kernel every HF model is built with where it has one: the same one nanoGPT
+# and nanochat call.
 ATTN_IMPLEMENTATION = "sdpa"
+
+log = logging.getLogger(__name__)
+_Built = TypeVar("_Built")  # what `_with_attention`'s `make` builds
 
 
 def transformers_module():
@@ -77,15 +82,17 @@ ZOO: Presets[PretrainedConfig] = Presets("hf", _zoo_config)
 
 
 def build_from_config(config: PretrainedConfig, *, device: str | torch.device,
-                      attn_implementation: str = ATTN_IMPLEMENTATION) -> nn.Module:
-    """Random-weight causal LM from `config` on `device` (meta allocates nothing)."""
+                      attn_implementation: str | None = None) -> nn.Module:
+    """Random-weight causal LM from `config` on `device` (meta allocates nothing), with
+    `attn_implementation` (None: `_with_attention`'s)."""
     transformers = transformers_module()
     on_meta = torch.device(device).type == "meta"
     try:
         with quiet_transformers(), torch.device(device), _no_init(on_meta):
-            module = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn_implementation, **dtype_kwargs(torch.float32)
-            )
+            module = _with_attention(
+                lambda attention: transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation=attention, **dtype_kwargs(torch.float32)),
+                attn_implementation)
     except ValueError as e:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
         raise AmpscopeError(
             f"cannot build a causal LM from {type(config).__name__}: {first_line(e)}"
@@ -93,6 +100,22 @@ def build_from_config(config: PretrainedConfig, *, device: str | torch.device,
     if on_meta:
         module.tie_weights()  # what the skipped init_weights would have done besides initialising
     return module
+
+
+def _with_attention(make: Callable[[str], _Built], chosen: str | None) -> _Built:
+    """`make(attn_implementation)` with `chosen`; with None, SDPA where the model has it (the
+    kernel nanoGPT and nanochat call), else the eager attention every transformers model has
+    (Gemma 2 has no SDPA path: transformers refuses it with a ValueError, and picks eager
+    itself when not told)."""
+    if chosen is not None:
+        return make(chosen)
+    try:
+        return make(ATTN_IMPLEMENTATION)
+    except ValueError as refused:
+        built = make("eager")
+        # "Gemma2ForCausalLM does not support an attention implementation through ... yet"
+        log.info("%s: built with its eager attention", first_line(refused).split(". ")[0])
+        return built
 
 
 def _no_init(on_meta: bool) -> contextlib.AbstractContextManager:
@@ -113,7 +136,7 @@ def load(name: str, *, device: str | torch.device = "cpu",
          target_device: str | None = None) -> LoadedModel:
     """Build zoo entry `name` with random weights (no device-dependent choice to make for
     `target_device`)."""
-    attention = split_spec(name)[1].get("attn_implementation", ATTN_IMPLEMENTATION)
+    attention = split_spec(name)[1].get("attn_implementation")
     return hf_loaded_model(build_from_config(ZOO[name], device=device,
                                              attn_implementation=attention), name=name)
 
@@ -166,14 +189,17 @@ def load_pretrained(folder: Path, config: PretrainedConfig, *, label: str,
     transformers = transformers_module()
     try:
         with quiet_transformers():
-            module, info = transformers.AutoModelForCausalLM.from_pretrained(
-                folder,
-                config=config,
-                local_files_only=True,
-                attn_implementation=ATTN_IMPLEMENTATION,
-                output_loading_info=True,
-                **dtype_kwargs(torch.float32),
-                **options,
+            module, info = _with_attention(
+                lambda attention: transformers.AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    config=config,
+                    local_files_only=True,
+                    attn_implementation=attention,
+                    output_loading_info=True,
+                    **dtype_kwargs(torch.float32),
+                    **options,
+                ),
+                None,
             )
     except SafetensorError as e:  # a damaged file, or one that is not safetensors at all
         raise AmpscopeError(
