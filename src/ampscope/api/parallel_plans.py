@@ -101,10 +101,11 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     # A tensor-parallel group spans at most one machine of eight, as NVLink does.
     tps = [t for t in (1, 2, 4, 8) if gpus % t == 0]
     splittable = [t for t in tps if t == 1 or tensor_parallel_plan(probe_lm.module, t)[0]]
-    if len(splittable) < len(tps):
-        why = tensor_parallel_plan(probe_lm.module, tps[-1])[1]
-        notes.append(f"Tensor parallelism of {', '.join(str(t) for t in tps if t not in splittable)}"
-                     f" is not offered: {why}")
+    refused = [t for t in tps if t not in splittable]
+    if refused:  # why the smallest degree is refused (a larger one may fail sooner)
+        why = tensor_parallel_plan(probe_lm.module, refused[0])[1]
+        notes.append(f"Tensor parallelism of {', '.join(map(str, refused))} is not offered: "
+                     f"{why}")
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place). Its blocks are kept for the check.
     _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))

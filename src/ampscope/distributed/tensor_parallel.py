@@ -6,7 +6,8 @@ slice of the hidden layer), attention's output and the MLP's down projection by 
 features (`RowwiseParallel`: each rank's partial sums, all-reduced). That needs the block's
 code to size its heads from its projections' outputs (Hugging Face's Llama-family attention
 reshapes with `-1` heads), and the head counts to divide by tp; a block that names its
-projections otherwise is not split.
+projections otherwise, or that holds weights over a projection's whole output (a norm over
+all heads), is not split.
 """
 
 from __future__ import annotations
@@ -51,4 +52,27 @@ def tensor_parallel_plan(model: nn.Module, tp: int) -> tuple[dict | None, str]:
         width = module.out_features if leaf in _COLUMNWISE else module.in_features
         if width % tp:
             return None, f"{name}'s {width} features do not divide by {tp}"
+    whole = _acts_on_all_features(blocks[0], head_dim)
+    if whole is not None:
+        return None, whole
     return plan, ""
+
+
+def _acts_on_all_features(block: nn.Module, head_dim: int) -> str | None:
+    """Why a module beside the column-wise projections would see their split outputs whole,
+    or None: one with a weight of as many values as a projection has output features (OLMo
+    2's q_norm and k_norm normalise over all heads at once; Qwen 3's, over one head's
+    `head_dim`, split fine)."""
+    for parent_name, parent in block.named_modules():
+        children = dict(parent.named_children())
+        widths = {child.out_features for leaf, child in children.items()
+                  if leaf in _COLUMNWISE and isinstance(child, nn.Linear)}
+        for leaf, child in children.items():
+            if leaf in _COLUMNWISE + _ROWWISE:
+                continue
+            for weight, value in child.named_parameters():
+                if value.numel() in widths and value.numel() != head_dim:
+                    name = ".".join(p for p in (parent_name, leaf, weight) if p)
+                    return (f"{name} holds {value.numel()} values, one per output feature of "
+                            "a projection tensor parallelism splits: it would need them whole")
+    return None
