@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ampscope import tricks
 from ampscope.api import parallel_plans
 from ampscope.api.preparation import resolved
+from ampscope.distributed.fake_world import fake_world, mesh_2d
 from ampscope.distributed.launch import predict
 from ampscope.distributed.parallel import Parallel
 from ampscope.models import registry
@@ -96,9 +97,9 @@ def test_a_tensor_parallel_probe_with_the_tricks_equals_the_exact_path(monkeypat
     parallel_plans._truncate(lm.module, 3)
 
     def probe():
-        with parallel_plans._fake_group(4):
-            return parallel_plans._probe(lm, base, parallel, parallel_plans._mesh(2, 2), 3, 2, 32,
-                                         "adamw", True)
+        with fake_world(4):
+            return parallel_plans._probe(lm, base, parallel, mesh_2d(2, 2), 3, 2, 32, "adamw",
+                                         True)
 
     quick = probe()
     assert seen["chunks"] > 0 and seen["dtensor foreach"] > 0

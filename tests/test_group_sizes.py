@@ -57,9 +57,9 @@ def _run_world() -> Iterator[None]:
 
 def _plans_world() -> Iterator[None]:
     """A fake world of 8 ranks as `fit --gpus` makes one for its probes."""
-    from ampscope.api.parallel_plans import _fake_group
+    from ampscope.distributed.fake_world import fake_world
 
-    with _fake_group(WORLD):
+    with fake_world(WORLD):
         yield
 
 
@@ -115,9 +115,9 @@ def _world_of(how: str, size: int) -> Iterator[None]:
             dist.init_process_group("nccl", rank=0, world_size=size)
             yield
     else:
-        from ampscope.api.parallel_plans import _fake_group
+        from ampscope.distributed.fake_world import fake_world
 
-        with _fake_group(size):
+        with fake_world(size):
             yield
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from ampscope.analysis.plans import places
 from ampscope.api.parallel_plans import derived_peaks, plans, traced_peaks, traced_plan
 from ampscope.api.preparation import resolved
-from ampscope.distributed.block_forward import unlike_blocks
+from ampscope.distributed.block_forward import unlike_blocks, unlike_lead
 from ampscope.models import registry
 from ampscope.precision import on_device
 
@@ -67,9 +68,28 @@ def uneven():
 
 def even():
     return Model([1] * 8)
+
+
+class WideBlock(Block):
+    def __init__(self, width):
+        super().__init__(width, 1)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def led():
+    """A first block unlike the five after it, as a dense layer before mixture-of-experts
+    ones."""
+    model = Model([1] * 6)
+    model.blocks[0] = WideBlock(64)
+    return model
 '''
 
 UNEVEN, EVEN = "plans_blocks_model:uneven", "plans_blocks_model:even"
+LED = "plans_blocks_model:led"
 BUDGET = 64 * 2**20
 SEARCH = dict(memory_size="64MiB", setting="bf16", seq=64)
 
@@ -154,3 +174,33 @@ def test_blocks_the_meta_device_cannot_run_are_compared_on_fake_tensors(models, 
         unlike = block_forward.unlike_blocks(lm, setting, 16)
         assert len(failed) == 8  # every block: its meta run refused, its fake run listed
         assert (unlike.blocks if unlike is not None else None) == expected
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_first_blocks_unlike_the_others_are_kept_in_every_probe(models, checkpoint):
+    """Block 0 has four times the others' hidden width: every probe keeps it and adds 2 and 3
+    of the others, and the derived plan at all 6 blocks and an unprobed batch equals the plan
+    traced whole, to the byte."""
+    lm = registry.resolve(LED, device="meta", target_device="cuda")
+    assert unlike_lead(lm.name, list(lm.module.blocks), 3) == 1
+    led = plans(LED, 2, **SEARCH)
+    assert led.probe_depths == [3, 4] and led.depth == 6
+    assert any(n.startswith(f"{LED}'s block 0 differs from its other 5 blocks")
+               for n in led.notes)
+    options = dict(checkpoint=checkpoint, depth=6, batch=7, setting="bf16", seq=64)
+    assert derived_peaks(LED, 2, **options) == traced_peaks(LED, 2, **options)
+
+
+def test_the_first_blocks_kept_in_every_probe_are_placed_outside_the_blocks():
+    """The depth rule's places: with one block kept ahead (`lead`), block 1 is the first of the
+    three it extends and block 0's ops count as before the blocks in forward and after them in
+    backward, where they run last; the root's ops keep their places."""
+    modules = ["wte", "blocks.0.up", "blocks.1.up", "blocks.2.up", "blocks.3.up", "head",
+               "head", "blocks.3.up", "blocks.2.up", "blocks.1.up", "blocks.0.up", "wte"]
+    phases = ["forward"] * 6 + ["backward"] * 6
+    assert places(modules, phases, "blocks", 3, lead=1) == [
+        "before", "before", "first", "middle", "last", "after",
+        "before", "last", "middle", "first", "after", "after"]
+    assert places(modules, phases, "blocks", 4) == [
+        "before", "first", "middle", "middle", "last", "after",
+        "before", "last", "middle", "middle", "first", "after"]

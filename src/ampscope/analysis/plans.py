@@ -311,17 +311,18 @@ class Rule:
 
 
 def places(modules: Sequence[str | None], phases: Sequence[str], blocks: str,
-           depth: int) -> list[str]:
+           depth: int, lead: int = 0) -> list[str]:
     """Where each op of a step runs, for the depth rule: "first", "middle" or "last" (of the
-    `depth` blocks, the children of the ModuleList named `blocks`), or, for an op outside
-    them, "before", "between" or "after" the blocks' ops of its phase."""
+    `depth` blocks after the first `lead`, the children of the ModuleList named `blocks`), or,
+    for an op outside them (the first `lead` blocks' too), "before", "between" or "after" the
+    blocks' ops of its phase."""
     index: list[int | None] = []
     head = blocks + "."
     for module in modules:
         j = None
         if module is not None and module.startswith(head):
             first = module[len(head):].split(".", 1)[0]
-            j = int(first) if first.isdigit() else None
+            j = int(first) - lead if first.isdigit() and int(first) >= lead else None
         index.append(j)
     spans: dict[str, tuple[int, int]] = {}
     for k, (phase, j) in enumerate(zip(phases, index, strict=True)):

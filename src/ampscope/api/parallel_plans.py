@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ampscope import hardware, workloads
@@ -45,7 +44,8 @@ from ampscope.analysis.plans import (
 from ampscope.analysis.step_time import step_time
 from ampscope.api.fit import memory_budget
 from ampscope.api.preparation import resolved
-from ampscope.distributed.block_forward import Unlike, check_alike, unlike_blocks
+from ampscope.distributed.block_forward import Unlike, unlike_blocks, unlike_lead
+from ampscope.distributed.fake_world import fake_world, mesh_2d
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
@@ -93,7 +93,10 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     depth = len(blocks)
     if depth == 0:
         raise AmpscopeError(f"{probe_lm.name} has no repeated blocks (no ModuleList) to shard")
-    check_alike(probe_lm.name, blocks)
+    # The first blocks may differ from the rest (dense layers before MoE ones): every probe
+    # keeps them, and the depth rule extends the rest, `alike` of them.
+    lead = unlike_lead(probe_lm.name, blocks, PROBE_DEPTHS[-1])
+    alike_blocks = depth - lead
     if seq > probe_lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
                             f"{probe_lm.max_seq_len}")
@@ -108,13 +111,18 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
                      f"{why}")
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place). Its blocks are kept for the check.
-    _truncate(probe_lm.module, min(depth, PROBE_DEPTHS[-1]))
+    _truncate(probe_lm.module, lead + min(alike_blocks, PROBE_DEPTHS[-1]))
+    if lead:
+        first = "block 0 differs" if lead == 1 else f"blocks 0-{lead - 1} differ"
+        notes.append(f"{probe_lm.name}'s {first} from its other {alike_blocks} blocks (modules "
+                     "or parameters): every plan's probes keep "
+                     f"{'it' if lead == 1 else 'them'}, and the rules extend the others.")
     families = [(tp, checkpoint) for tp in splittable for checkpoint in (False, True)]
     unlike: list[Unlike] = []
 
     def alike() -> bool:  # run while the workers trace: the first blocks stand for all?
         with _full_depth(probe_lm.module, blocks):
-            found = exact_retry(lambda: unlike_blocks(probe_lm, base, seq),
+            found = exact_retry(lambda: unlike_blocks(probe_lm, base, seq, lead),
                                 what="the blocks' forward is compared")
         unlike.extend([found] if found is not None else [])
         return found is None
@@ -122,18 +130,20 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     acc = hardware.by_name(gpu) if gpu is not None else None
     allocator = config_for(base.device)  # PYTORCH_CUDA_ALLOC_CONF's options (None off cuda)
     notes += allocator.notes if allocator is not None else ()
-    search_args = (probe_lm, base, parallel, gpus, depth, seq, optimizer, budget, acc, allocator)
-    with _Search(*search_args) as search:
+    search_args = (probe_lm, base, parallel, gpus, alike_blocks, seq, optimizer, budget, acc,
+                   allocator)
+    with _Search(*search_args, lead=lead) as search:
         # (A model of at most PROBE_DEPTHS[-1] blocks is traced whole anyway.)
         found = search.run(families, on_probe,
-                           check=alike if depth > PROBE_DEPTHS[-1] else None)
+                           check=alike if alike_blocks > PROBE_DEPTHS[-1] else None)
     if found is None:
         # No rule takes the first blocks for unlike ones: the micro-batch rule alone (exact).
         said = unlike[0].said()
         (on_probe or (lambda _: None))(f"  {said}: each plan is traced at all {depth} blocks")
         notes.append(f"{said[0].upper()}{said[1:]}: each plan was traced at all {depth} "
                      "blocks, not derived from its first blocks.")
-        with _full_depth(probe_lm.module, blocks), _Search(*search_args, whole=True) as search:
+        with _full_depth(probe_lm.module, blocks), \
+                _Search(*search_args, whole=True, lead=lead) as search:
             found = search.run(families, on_probe)
         assert found is not None  # (no check: always plans)
     if not any(p.fits for p in found):
@@ -143,7 +153,8 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         accelerator=accelerator, memory_bytes=budget,
         setting=base.name, mp_policy=parallel.policy_dict(), seq=seq,
         optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
-        notes=notes, batch_limit=BATCH_LIMIT, probe_depths=sorted(search.depths))
+        notes=notes, batch_limit=BATCH_LIMIT,
+        probe_depths=sorted(lead + d for d in search.depths))
 
 
 def check_arguments(gpus: int, seq: int) -> None:
@@ -178,8 +189,10 @@ class _Search:
 
     def __init__(self, lm: LoadedModel, setting: Setting, parallel: Parallel, gpus: int, depth: int,
                  seq: int, optimizer: str, budget: int, acc: Accelerator | None = None,
-                 allocator: AllocatorConfig | None = None, *, whole: bool = False) -> None:
-        self.lm, self.setting, self.gpus, self.depth = lm, setting, gpus, depth
+                 allocator: AllocatorConfig | None = None, *, whole: bool = False,
+                 lead: int = 0) -> None:
+        # `depth`: the model's blocks after its first `lead`, which every probe keeps.
+        self.lm, self.setting, self.gpus, self.depth, self.lead = lm, setting, gpus, depth, lead
         self.seq, self.optimizer, self.budget, self.acc = seq, optimizer, budget, acc
         self.allocator, self.parallel = allocator, parallel
         # Deepest first: its ops include every op of the shallower probe, whose shapes the
@@ -296,18 +309,18 @@ class _Search:
         """Rank 0 of the family traced at `depth` blocks and micro-batch `batch`."""
         tp, checkpoint = family
         return _probe(self.lm, self.setting, self.parallel, self.mesh(tp), depth, batch,
-                      self.seq, self.optimizer, checkpoint, self.acc)
+                      self.seq, self.optimizer, checkpoint, self.acc, self.lead)
 
     def mesh(self, tp: int):
         """The (dp, tp) mesh on this process's fake process group, both kept for all its
         probes: DTensor's sharding cache matches meshes by their ranks, so a fresh group per
-        probe must empty it (`_fake_group`); kept, it answers a later probe's ops exactly."""
+        probe must empty it (`fake_world`); kept, it answers a later probe's ops exactly."""
         if self._held is None or self._held[0] != os.getpid():
             self._held = (os.getpid(), contextlib.ExitStack(), {})
-            self._held[1].enter_context(_fake_group(self.gpus))
+            self._held[1].enter_context(fake_world(self.gpus))
         meshes = self._held[2]
         if tp not in meshes:
-            meshes[tp] = _mesh(self.gpus // tp, tp)
+            meshes[tp] = mesh_2d(self.gpus // tp, tp)
         return meshes[tp]
 
     def plan(self, family: Family, probes: list[Probe], start: int) -> Plan:
@@ -343,16 +356,10 @@ def _probes_job(jobs: list[tuple[Family, int, int]]) -> list[Probe]:
     return [_SEARCH[0].probe(*job) for job in jobs]
 
 
-def _mesh(dp: int, tp: int):
-    """The (dp, tp) mesh (made outside the fake mode: DeviceMesh reads real values)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-
-
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth: int, batch: int,
-           seq: int, optimizer: str, checkpoint: bool, acc: Accelerator | None = None) -> Probe:
-    """Rank 0's traced step of the model's first `depth` blocks at micro-batch `batch` on
+           seq: int, optimizer: str, checkpoint: bool, acc: Accelerator | None = None,
+           lead: int = 0) -> Probe:
+    """Rank 0's traced step of the model's first `lead` + `depth` blocks at micro-batch `batch` on
     the (dp, tp) `mesh` (`_mesh`); on `acc`, its step timed here (what the rules need of it,
     not its ops, goes back)."""
     from ampscope.distributed.step import rank_step
@@ -371,7 +378,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth
         # A fresh copy each time: a speed trick's failure (never the user's) leaves the first
         # sharded in part.
         lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
-        _truncate(lm.module, depth)
+        _truncate(lm.module, lead + depth)
         data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
         return lm, rank_step(lm, parallel, setting, data, optimizer=optimizer, predict=True,
                              mesh=mesh["dp"], checkpoint=checkpoint,
@@ -384,7 +391,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth
     time = None if acc is None else probe_time(
         step_time(trace, acc, world_size=dp * tp), matmul_flops(trace))
     return Probe(depth, batch, trace.storages, phases,
-                 places([o.module for o in trace.ops], phases, _blocks(lm.module)[0], depth),
+                 places([o.module for o in trace.ops], phases, _blocks(lm.module)[0], depth, lead),
                  time)
 
 
@@ -410,25 +417,6 @@ def _blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
 def _truncate(module: nn.Module, depth: int) -> None:
     """Keep the model's first `depth` repeated blocks (the full model's own): a probe's model."""
     del _blocks(module)[1][depth:]
-
-
-@contextlib.contextmanager
-def _fake_group(world: int) -> Iterator[None]:
-    """PyTorch's fake process group of `world` ranks, this process rank 0, for the probes.
-    DTensor's sharding cache is emptied on both sides: it matches meshes by their ranks, so an
-    earlier world's mesh (and its process groups' names) would come back in this one."""
-    from ampscope.torchcompat.distributed import fake_store, forget_meshes
-
-    if dist.is_initialized():
-        raise AmpscopeError("a process group is already initialised here; search plans from a "
-                            "process of its own")
-    forget_meshes()
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        forget_meshes()
 
 
 def traced_peaks(model: str, gpus: int, **options) -> dict[str, int]:
@@ -457,14 +445,16 @@ def derived_plan(model: str, gpus: int, *, tp: int = 1, checkpoint: bool = False
     lm = registry.resolve(model, device="meta", target_device=base.device)
     parallel = Parallel("fsdp", gpus, **parse_mp_policy(mp_policy))
     acc = hardware.by_name(gpu) if gpu is not None else None
-    full = len(workloads.repeated_blocks(lm.module))
+    blocks = workloads.repeated_blocks(lm.module)
+    lead = unlike_lead(lm.name, blocks, PROBE_DEPTHS[-1])
+    full, depth = len(blocks) - lead, depth - lead  # (the blocks after the first `lead`)
     # As the search: the first blocks for all where every block runs alike, else all of them.
-    alike = not whole and full > PROBE_DEPTHS[-1] and unlike_blocks(lm, base, seq) is None
+    alike = not whole and full > PROBE_DEPTHS[-1] and unlike_blocks(lm, base, seq, lead) is None
     depths = PROBE_DEPTHS if alike else (depth if whole else full,)
     batches = PROBE_BATCHES if batch >= PROBE_BATCHES[0] and not whole else (batch,)
-    with _fake_group(gpus):
-        mesh = _mesh(gpus // tp, tp)
-        probes = [_probe(lm, base, parallel, mesh, d, b, seq, optimizer, checkpoint, acc)
+    with fake_world(gpus):
+        mesh = mesh_2d(gpus // tp, tp)
+        probes = [_probe(lm, base, parallel, mesh, d, b, seq, optimizer, checkpoint, acc, lead)
                   for d in depths for b in batches]
     time = derived_time(probes, depth, batch) if acc is not None else None
     rule = Rule(probes, rounded=base.device == "cuda")

@@ -9,7 +9,9 @@ the shapes and dtypes they make; any block whose list differs from block 0's is 
 model runs on fake tensors, each block on meta tensors of its inputs' shapes, where an op
 already run on the same shapes is not run again: on llama-3-70b (80 blocks) at seq 8192 the
 check takes about 0.6 s of CPU, against 3.4 s on fake tensors throughout. Before it,
-`check_alike` refuses blocks whose modules, parameters or buffers differ.
+`unlike_lead` finds the first blocks whose modules, parameters or buffers differ from the
+others' (DeepSeek-V3's dense layers before its mixture-of-experts ones), which every probe
+keeps and the comparison leaves out, and refuses blocks that differ otherwise.
 """
 
 from __future__ import annotations
@@ -38,18 +40,19 @@ Signature = tuple[tuple[str, tuple], ...]  # (op, its tensors' (shape, dtype)) i
 
 @dataclasses.dataclass(frozen=True)
 class Unlike:
-    """The blocks whose forward differs from block 0's, and the first difference of the
-    first of them."""
+    """The blocks whose forward differs from block `reference`'s (the first of those the
+    depth rule takes for all), and the first difference of the first of them."""
 
     blocks: list[int]
     first: str
+    reference: int = 0
 
     def said(self) -> str:
         """"blocks 6, 7 run unlike block 0 though the parameters match (block 6's op 10, …)"."""
         many = len(self.blocks) > 1
         return (f"block{'s' if many else ''} {_spans(self.blocks)} run{'' if many else 's'} "
-                f"unlike block 0 though the parameters match (block {self.blocks[0]}'s "
-                f"{self.first})")
+                f"unlike block {self.reference} though the parameters match (block "
+                f"{self.blocks[0]}'s {self.first})")
 
 
 class _Ops(TorchDispatchMode):
@@ -145,28 +148,37 @@ def _remade(made: tuple):
     return kind(_remade(p) for p in parts)
 
 
-def check_alike(name: str, blocks: list[nn.Module]) -> None:
-    """Refuse a model whose blocks differ in their modules, parameters or buffers (shapes,
-    dtypes, whether a parameter trains): the depth rule takes the first blocks for all."""
+def unlike_lead(name: str, blocks: list[nn.Module], deepest: int) -> int:
+    """How many first blocks differ from the others in their modules, parameters or buffers
+    (shapes, dtypes, whether a parameter trains): 0 where every block is alike; k where the
+    blocks after the first k are alike and more than `deepest` (the probes' deepest), as
+    DeepSeek-V3's dense layers come before its mixture-of-experts ones. The search keeps those
+    k in every probe and takes a few of the others for all. Any other model whose blocks
+    differ is refused."""
     def signature(block: nn.Module) -> tuple:
         return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
                 tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                       for n, t in block.named_parameters()),
                 tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()))
 
-    first = signature(blocks[0])
-    for k, block in enumerate(blocks[1:], start=1):
-        if signature(block) != first:
-            raise AmpscopeError(
-                f"{name}'s block {k} differs from block 0 (its modules, parameters or "
-                "buffers): its plans cannot be derived from its first blocks; `ampscope run "
-                "--nproc N --predict --gpu NAME SCRIPT` traces a script's plan whole")
+    signatures = [signature(block) for block in blocks]
+    lead = len(blocks) - 1
+    while lead > 0 and signatures[lead - 1] == signatures[-1]:
+        lead -= 1
+    if lead and len(blocks) - lead <= deepest:
+        k = next(k for k, s in enumerate(signatures) if s != signatures[0])
+        raise AmpscopeError(
+            f"{name}'s block {k} differs from block 0 (its modules, parameters or "
+            "buffers): its plans cannot be derived from its first blocks; `ampscope run "
+            "--nproc N --predict --gpu NAME SCRIPT` traces a script's plan whole")
+    return lead
 
 
-def unlike_blocks(lm: LoadedModel, setting: Setting, seq: int) -> Unlike | None:
-    """The blocks of `lm` whose forward runs other ops or shapes than block 0's (None: every
-    block runs alike). The model is left as it was: its weights are the run's fake working
-    copies only while it runs, and its blocks' forwards are its own again after."""
+def unlike_blocks(lm: LoadedModel, setting: Setting, seq: int, lead: int = 0) -> Unlike | None:
+    """The blocks of `lm` after its first `lead` (`unlike_lead`) whose forward runs other ops
+    or shapes than block `lead`'s (None: those blocks run alike). The model is left as it was:
+    its weights are the run's fake working copies only while it runs, and its blocks'
+    forwards are its own again after."""
     blocks = workloads.repeated_blocks(lm.module)
     ops = _Ops()
     memo: dict = {}  # the blocks' meta ops, shared
@@ -182,10 +194,11 @@ def unlike_blocks(lm: LoadedModel, setting: Setting, seq: int) -> Unlike | None:
             with torch.no_grad(), setting.autocast():
                 lm.loss(data)
     signatures: list[Signature] = [tuple(ops.ops.get(k, ())) for k in range(len(blocks))]
-    differ = [k for k in range(1, len(blocks)) if signatures[k] != signatures[0]]
+    differ = [k for k in range(lead + 1, len(blocks)) if signatures[k] != signatures[lead]]
     if not differ:
         return None
-    return Unlike(differ, _first_difference(signatures[0], signatures[differ[0]], differ[0]))
+    return Unlike(differ, _first_difference(signatures[lead], signatures[differ[0]], lead),
+                  lead)
 
 
 def _on_meta(block: nn.Module, k: int, ops: _Ops, memo: dict) -> Callable:
@@ -263,15 +276,15 @@ def _device(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def _first_difference(first: Signature, other: Signature, k: int) -> str:
-    """Block k's first op unlike block 0's, short: `op 10, aten.repeat: [1, 64, 1024] bf16,
-    block 0's [1, 64, 64] bf16`."""
+def _first_difference(first: Signature, other: Signature, reference: int) -> str:
+    """A block's first op unlike block `reference`'s (`first`), short: `op 10, aten.repeat:
+    [1, 64, 1024] bf16, block 0's [1, 64, 64] bf16`."""
     for n, (a, b) in enumerate(zip(first, other, strict=False)):
         if a != b:
-            said = (f"op {n + 1}, {_op(b[0])}: {_shapes(b[1])}, block 0's "
+            said = (f"op {n + 1}, {_op(b[0])}: {_shapes(b[1])}, block {reference}'s "
                     + (f"{_shapes(a[1])}" if a[0] == b[0] else f"{_op(a[0])}: {_shapes(a[1])}"))
             return said if len(said) <= 120 else said[:119] + "…"
-    return f"{len(other)} ops, block 0 {len(first)}"
+    return f"{len(other)} ops, block {reference} {len(first)}"
 
 
 def _op(name: str) -> str:

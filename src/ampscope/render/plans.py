@@ -105,6 +105,7 @@ def render_plans(report: PlansReport) -> RenderableType:
     reserved = any(p.reserved_bytes is not None for p in report.plans)
     table = _table(report, timed, reserved)
     depths = report.probe_depths
+    shallow, deep = (depths or [2, 3])[0], (depths or [2, 3])[-1]
     at = (f"at its {report.depth} blocks" if depths == [report.depth]
           else f"at {' and '.join(map(str, depths or [2, 3]))} blocks")
     extended = "" if depths == [report.depth] else "the full depth and "
@@ -121,9 +122,12 @@ def render_plans(report: PlansReport) -> RenderableType:
     if timed:
         how.append(
             f" Its step on {where} is each probe's ops timed (analysis/step_time, collectives "
-            "included), taken affine in the depth (a block: 3 blocks' time less 2 blocks') and in "
-            "the micro-batch: the depth exactly, the batch approximately (a matmul's wave "
-            "quantization and a launch-bound op are not affine in it); plans rank by tokens/s.")
+            "included), taken affine "
+            + (f"in the depth (a block: {deep} blocks' time less {shallow} blocks') and in the "
+               "micro-batch: the depth exactly, the batch approximately" if extended else
+               "in the micro-batch, approximately")
+            + " (a matmul's wave quantization and a launch-bound op are not affine in it); "
+            "plans rank by tokens/s.")
     took = Text(f"Searched in {report.seconds:.1f} s.", style="dim")
     parts: list[RenderableType] = [head, context, Text(""), table, Text(""), how, took]
     if any(not p.fits and p.searched_from > 1 for p in report.plans):
