@@ -15,18 +15,14 @@ The rules:
   batch, and with them the live bytes at every op, in CUDA's 512-byte blocks too. The probes'
   storages must pair up (the same count, each made and freed at the same op) or the plan is
   not derived.
-- **Depth, per phase and place.** A model of L identical blocks holds, at any op, what any
-  depth holds plus what each block adds (its shards of parameters, gradients and optimizer
-  state, and the activations saved by the blocks already run): affine in L at each place of
-  the step. The places: within each phase (forward, backward, optimizer), the ops before the
-  blocks, in the first block, in the last block, after the blocks (and between blocks, the
-  root's own ops). A middle block's ops hold what the same op of the first or the last block
-  holds, plus or minus one block's share per block between: never more than both, so the
-  phase's peak is the largest of the places' peaks, each affine in L and fixed by the probes
-  at 2 and 3 blocks. Alike parameters do not make alike blocks (one may keep wider
-  activations): the search runs the whole forward once and compares each block's ops and
-  shapes with block 0's (distributed/block_forward.py); where they differ, the plan is traced
-  at the model's full depth and only the micro-batch rule applies.
+- **Depth, per phase and place.** At each place of the step (within each phase: before the
+  blocks, the first block, the last, after them, between them) the live bytes are affine in
+  the depth L, fixed by the probes at 2 and 3 blocks. The middle blocks' peak lies in the one
+  next to the first or the last block, which grow as those do: the 3-block probe's middle
+  block, plus per block the larger growth. It can be above both (mixture-of-experts blocks
+  under checkpointing: tests/test_plans_moe.py). The phase's peak is the largest place's.
+  Where the blocks' forwards differ (distributed/block_forward.py), the plan is traced at
+  the model's full depth and only the micro-batch rule applies. Why: docs/fit.md.
 
 tests/test_plans.py traces plans at their full depth and other micro-batches and compares, to
 the byte.
@@ -223,10 +219,14 @@ class Rule:
         if (depth, batch) not in self._peaks:
             at = {d: self._at_batch(d, batch) for d in self.depths}
             peaks: dict[str, int] = {}
-            for key in at[self.depths[0]]:
-                if key in at[self.depths[-1]]:  # (a place of both depths)
+            for key in at[self.depths[-1]]:
+                if key in at[self.depths[0]]:  # (a place of both depths)
                     value = self._at_depth({d: at[d][key] for d in self.depths}, depth)
-                    peaks[key[0]] = max(peaks.get(key[0], 0), value)
+                elif key[1] == "middle" and depth >= self.depths[-1]:
+                    value = self._middle(at, key[0], depth)
+                else:
+                    continue
+                peaks[key[0]] = max(peaks.get(key[0], 0), value)
             self._peaks[depth, batch] = peaks
         return dict(self._peaks[depth, batch])  # (a copy: the caller's to change)
 
@@ -254,6 +254,15 @@ class Rule:
         gap = max(*gaps.values(), self._at_depth(gaps, depth))
         self._reserved[depth, batch] = self.peak(depth, batch)[0] + gap
         return self._reserved[depth, batch]
+
+    def _middle(self, at: dict[int, dict[tuple[str, str], int]], phase: str, depth: int) -> int:
+        """The middle blocks' peak in `phase` at `depth` blocks: the deeper probe's one middle
+        block's, and per block more the larger growth of the first and last blocks' places —
+        the middle blocks next to them, where the middle's peak lies (module docstring)."""
+        low, high = self.depths
+        slopes = [(at[high][phase, p] - at[low][phase, p]) // (high - low)
+                  for p in ("first", "last") if (phase, p) in at[low] and (phase, p) in at[high]]
+        return at[high][phase, "middle"] + (depth - high) * max(slopes, default=0)
 
     def _at_depth(self, by_depth: dict[int, int], depth: int) -> int:
         """A figure of each probe depth at `depth`: on their line (one depth: its own)."""
@@ -298,14 +307,9 @@ class Rule:
         # Over the sizes alone: a record each would be most of the cost.
         _, live = lives_bytes(zip(sizes, made, freed, strict=True), len(low.phases),
                               cuda_block_size if self.rounded else None)
-        # A middle block's ops are never above the first's and the last's (see above) where
-        # the blocks run alike and the rule extends the depth; traced at one depth (the
-        # model's own, as when its blocks are unlike) every op counts.
-        middle = len(self.depths) == 1
         peaks: dict[tuple[str, str], int] = {}
         for key, value in zip(zip(low.phases, low.places, strict=True), live, strict=True):
-            if middle or key[1] != "middle":
-                peaks[key] = max(peaks.get(key, 0), value)
+            peaks[key] = max(peaks.get(key, 0), value)
         self._places[depth, batch] = peaks
         return peaks
 
