@@ -17,6 +17,7 @@ from ampscope.api.preparation import resolved
 from ampscope.distributed.fake_world import fake_world, mesh_2d
 from ampscope.distributed.launch import predict
 from ampscope.distributed.parallel import Parallel
+from ampscope.distributed.probe_depth import truncate
 from ampscope.models import registry
 from ampscope.runs import foreach
 from ampscope.torchcompat import distributed as compat
@@ -94,7 +95,7 @@ def test_a_tensor_parallel_probe_with_the_tricks_equals_the_exact_path(monkeypat
     base = resolved("cuda:bf16")
     lm = registry.resolve("llama-3.2-1b", device="meta", target_device=base.device)
     parallel = Parallel("fsdp", 4)
-    parallel_plans._truncate(lm.module, 3)
+    truncate(lm.module, 3)
 
     def probe():
         with fake_world(4):

@@ -51,3 +51,92 @@ def test_the_search_answers_with_the_plans_it_can_trace(tmp_path, capsys, model_
     said = [n for n in report["notes"] if n.startswith("Tensor parallelism of 2")]
     assert bool(said) != tensor_parallel
     assert not said or "self_attn.q_norm.weight" in said[0]
+
+
+# A Llama-named block whose attention scales its query projection's output in place, as Llama
+# 4's text model does: under tensor parallelism that output is a view of a DTensor's local
+# shard, which autograd refuses to change in place.
+TP_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Config:
+    vocab_size = 256
+    block_size = 64
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.head_dim = width // heads
+        self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.v_proj, self.o_proj = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x)
+        q.mul_(self.head_dim ** -0.5)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in (q, self.k_proj(x), self.v_proj(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm, self.self_attn = nn.LayerNorm(width), Attention(width, 4)
+        self.gate_proj, self.up_proj = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down_proj = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.norm(x))
+        return x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = Config()
+        self.wte = nn.Embedding(256, 64)
+        self.blocks = nn.ModuleList(Block(64) for _ in range(2))
+        self.head = nn.Linear(64, 256, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build():
+    return Model()
+'''
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_degree_whose_rank_fails_under_tensor_parallelism_is_left_out(tmp_path, monkeypatch,
+                                                                        in_place):
+    """The model's own error under tensor parallelism drops that degree, with the error and
+    its line in a note; the FSDP plans answer. Scaled out of place, the same model splits."""
+    from ampscope.api.parallel_plans import plans
+
+    source = TP_MODEL if in_place else TP_MODEL.replace("q.mul_(", "q = q.mul(")
+    name = f"tp_model_{'in_place' if in_place else 'out_of_place'}"  # (one module each)
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = plans(f"{name}:build", 4, memory_size="1GiB", setting="bf16", seq=32)
+    assert {p.tp for p in report.plans} == ({1} if in_place else {1, 2, 4})
+    failed = [n for n in report.notes if "its rank failed under it" in n]
+    if in_place:
+        line = 1 + source.splitlines().index("        q.mul_(self.head_dim ** -0.5)")
+        assert [n.split(":")[0] for n in failed] == ["Tensor parallelism of 2 is not offered",
+                                                     "Tensor parallelism of 4 is not offered"]
+        assert all(f"RuntimeError at {name}.py:{line}: Output 0 of" in n for n in failed)
+    else:
+        assert not failed

@@ -19,7 +19,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,9 +47,10 @@ from ampscope.api.preparation import resolved
 from ampscope.distributed.block_forward import Unlike, unlike_blocks, unlike_lead
 from ampscope.distributed.fake_world import fake_world, mesh_2d
 from ampscope.distributed.parallel import Parallel, parse_mp_policy
+from ampscope.distributed.probe_depth import blocks_of, full_depth, truncate
 from ampscope.distributed.report import DistributedReport
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
-from ampscope.errors import AmpscopeError
+from ampscope.errors import AmpscopeError, first_line
 from ampscope.hardware.cuda_allocator import AllocatorConfig, config_for
 from ampscope.hardware.known import Accelerator
 from ampscope.models import registry
@@ -58,6 +59,7 @@ from ampscope.precision import Setting, on_device
 from ampscope.render.plans import plan_line
 from ampscope.render.style import format_bytes
 from ampscope.runs.environment import exact_retry
+from ampscope.runtime.user_frames import user_line
 from ampscope.torchcompat.distributed import no_fake_collectives
 
 # The largest micro-batch the search answers (the rule is exact past it, but no probe ran
@@ -111,7 +113,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
                      f"{why}")
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place). Its blocks are kept for the check.
-    _truncate(probe_lm.module, lead + min(alike_blocks, PROBE_DEPTHS[-1]))
+    truncate(probe_lm.module, lead + min(alike_blocks, PROBE_DEPTHS[-1]))
     if lead:
         first = "block 0 differs" if lead == 1 else f"blocks 0-{lead - 1} differ"
         notes.append(f"{probe_lm.name}'s {first} from its other {alike_blocks} blocks (modules "
@@ -121,7 +123,7 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     unlike: list[Unlike] = []
 
     def alike() -> bool:  # run while the workers trace: the first blocks stand for all?
-        with _full_depth(probe_lm.module, blocks):
+        with full_depth(probe_lm.module, blocks):
             found = exact_retry(lambda: unlike_blocks(probe_lm, base, seq, lead),
                                 what="the blocks' forward is compared")
         unlike.extend([found] if found is not None else [])
@@ -136,16 +138,18 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         # (A model of at most PROBE_DEPTHS[-1] blocks is traced whole anyway.)
         found = search.run(families, on_probe,
                            check=alike if alike_blocks > PROBE_DEPTHS[-1] else None)
+    notes += search.notes
     if found is None:
         # No rule takes the first blocks for unlike ones: the micro-batch rule alone (exact).
         said = unlike[0].said()
         (on_probe or (lambda _: None))(f"  {said}: each plan is traced at all {depth} blocks")
         notes.append(f"{said[0].upper()}{said[1:]}: each plan was traced at all {depth} "
                      "blocks, not derived from its first blocks.")
-        with _full_depth(probe_lm.module, blocks), \
+        with full_depth(probe_lm.module, blocks), \
                 _Search(*search_args, whole=True, lead=lead) as search:
             found = search.run(families, on_probe)
         assert found is not None  # (no check: always plans)
+        notes += search.notes
     if not any(p.fits for p in found):
         raise AmpscopeError(_no_fit(probe_lm.name, gpus, budget, accelerator, base, seq, found))
     return PlansReport(
@@ -201,6 +205,7 @@ class _Search:
         self.workers = 1
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._held: tuple[int, contextlib.ExitStack, dict] | None = None  # (pid, group, meshes)
+        self.notes: list[str] = []  # the tensor-parallel degrees whose ranks failed, and why
 
     def __enter__(self) -> _Search:
         _SEARCH[:] = [self]
@@ -229,7 +234,15 @@ class _Search:
         if rows is None:
             return None
         found = [row for group in rows for row in group]
-        plans = {family: plan for family, plan, _, _ in found}
+        failed = {f: why for f, why, _, _ in found if isinstance(why, str)}
+        for tp in sorted({f[0] for f in failed}):
+            which = [f for f in failed if f[0] == tp]
+            how = "" if len(which) > 1 else " with" if which[0][1] else " without"
+            self.notes.append(f"Tensor parallelism of {tp}{how}{' checkpointing' if how else ''}"
+                              f" is not offered: its rank failed under it: {failed[which[0]]}")
+        found = [row for row in found if not isinstance(row[1], str)]
+        families = [f for f in families if any(f == row[0] for row in found)]
+        plans: dict[Family, Plan] = {family: plan for family, plan, _, _ in found}
         ceiling = {family: rate for family, _, _, rate in found}
         say(f"  {sum(n for _, _, n, _ in found)} ranks traced at micro-batches 2 and 3")
         again = [f for f in families if not plans[f].fits and could_win(
@@ -289,12 +302,20 @@ class _Search:
                 self._pool = None
         return [job(a) for a in args]
 
-    def family_plan(self, family: Family) -> tuple[Family, Plan, int, float | None]:
+    def family_plan(self, family: Family) -> tuple[Family, Plan | str, int, float | None]:
         """The family's plan from its probes at micro-batch 2, and 3 where 2 fits; with the
         number of ranks traced, and, where it does not fit and its probes were timed, its
-        tokens/s at micro-batch 2 (no smaller batch runs faster: `run`)."""
+        tokens/s at micro-batch 2 (no smaller batch runs faster: `run`). A tensor-parallel
+        family whose rank the model's code cannot run split (Llama 4's text model changes a
+        DTensor's local view in place) gives why instead: the others still answer."""
         low, high = PROBE_BATCHES
-        probes = [self.probe(family, d, low) for d in self.depths]
+        try:
+            probes = [self.probe(family, d, low) for d in self.depths]
+        except Exception as e:
+            if family[0] == 1:
+                raise
+            line = user_line(e)
+            return family, f"{type(e).__name__}{f' at {line}' if line else ''}: {first_line(e)}", 0, None
         plan = self.plan(family, probes, low)
         rate = None
         if plan.fits:
@@ -348,7 +369,7 @@ class _Search:
 _SEARCH: list[_Search] = []
 
 
-def _families_job(families: list[Family]) -> list[tuple[Family, Plan, int, float | None]]:
+def _families_job(families: list[Family]) -> list[tuple[Family, Plan | str, int, float | None]]:
     return [_SEARCH[0].family_plan(f) for f in families]
 
 
@@ -378,7 +399,7 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth
         # A fresh copy each time: a speed trick's failure (never the user's) leaves the first
         # sharded in part.
         lm = dataclasses.replace(model, module=copy.deepcopy(model.module))
-        _truncate(lm.module, lead + depth)
+        truncate(lm.module, lead + depth)
         data = lm.make_batch(batch, seq, "train", torch.Generator().manual_seed(0))
         return lm, rank_step(lm, parallel, setting, data, optimizer=optimizer, predict=True,
                              mesh=mesh["dp"], checkpoint=checkpoint,
@@ -391,32 +412,8 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth
     time = None if acc is None else probe_time(
         step_time(trace, acc, world_size=dp * tp), matmul_flops(trace))
     return Probe(depth, batch, trace.storages, phases,
-                 places([o.module for o in trace.ops], phases, _blocks(lm.module)[0], depth, lead),
+                 places([o.module for o in trace.ops], phases, blocks_of(lm.module)[0], depth, lead),
                  time)
-
-
-@contextlib.contextmanager
-def _full_depth(module: nn.Module, blocks: list[nn.Module]) -> Iterator[None]:
-    """The model's largest ModuleList holding `blocks` again (the probes' model keeps only
-    the first ones), and as it was afterwards."""
-    largest = _blocks(module)[1]
-    kept = len(largest)
-    largest.extend(blocks[kept:])
-    try:
-        yield
-    finally:
-        del largest[kept:]
-
-
-def _blocks(module: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's largest ModuleList (its repeated blocks) and its path, as ops name it."""
-    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=lambda item: len(item[1]))
-
-
-def _truncate(module: nn.Module, depth: int) -> None:
-    """Keep the model's first `depth` repeated blocks (the full model's own): a probe's model."""
-    del _blocks(module)[1][depth:]
 
 
 def traced_peaks(model: str, gpus: int, **options) -> dict[str, int]:
