@@ -313,3 +313,35 @@ def save_bpe_tokenizer(folder: Path, texts: list[str], *, vocab_size: int,
         vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False))
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# A nanoGPT-style language model's source over blocks a test defines (width 64, a vocabulary
+# of 256): `Model(blocks)`, for a `module:factory` model the test writes to a file.
+LM_SOURCE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Config:
+    vocab_size = 256
+    block_size = 64
+
+
+class Model(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.config = Config()
+        self.wte = nn.Embedding(256, 64)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(64, 256, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+'''

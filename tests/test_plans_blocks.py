@@ -16,20 +16,12 @@ from ampscope.api.preparation import resolved
 from ampscope.distributed.block_forward import unlike_blocks, unlike_lead
 from ampscope.models import registry
 from ampscope.precision import on_device
+from tests.helpers import LM_SOURCE
 
 # Each block: LayerNorm and two width × width Linears, whatever its `copies` (a plain
 # attribute, not a parameter); `copies` of the up-projection's output go through ReLU, which
 # keeps its output for backward: `copies` times the width of activations.
-MODEL = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class Config:
-    vocab_size = 256
-    block_size = 64
-
+MODEL = LM_SOURCE + '''
 
 class Block(nn.Module):
     def __init__(self, width, copies):
@@ -44,30 +36,12 @@ class Block(nn.Module):
         return x + self.down(h.unflatten(-1, (self.copies, -1)).mean(-2))
 
 
-class Model(nn.Module):
-    def __init__(self, copies):
-        super().__init__()
-        self.config = Config()
-        self.wte = nn.Embedding(256, 64)
-        self.blocks = nn.ModuleList(Block(64, c) for c in copies)
-        self.head = nn.Linear(64, 256, bias=False)
-
-    def forward(self, idx, targets=None):
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def uneven():
-    return Model([1] * 6 + [16] * 2)
+    return Model([Block(64, c) for c in [1] * 6 + [16] * 2])
 
 
 def even():
-    return Model([1] * 8)
+    return Model([Block(64, 1) for _ in range(8)])
 
 
 class WideBlock(Block):
@@ -83,9 +57,7 @@ class WideBlock(Block):
 def led():
     """A first block unlike the five after it, as a dense layer before mixture-of-experts
     ones."""
-    model = Model([1] * 6)
-    model.blocks[0] = WideBlock(64)
-    return model
+    return Model([WideBlock(64)] + [Block(64, 1) for _ in range(5)])
 '''
 
 UNEVEN, EVEN = "plans_blocks_model:uneven", "plans_blocks_model:even"

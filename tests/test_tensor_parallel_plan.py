@@ -12,6 +12,7 @@ import torch
 
 from ampscope.cli import main
 from ampscope.distributed.tensor_parallel import tensor_parallel_plan
+from tests.helpers import LM_SOURCE
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,16 +57,7 @@ def test_the_search_answers_with_the_plans_it_can_trace(tmp_path, capsys, model_
 # A Llama-named block whose attention scales its query projection's output in place, as Llama
 # 4's text model does: under tensor parallelism that output is a view of a DTensor's local
 # shard, which autograd refuses to change in place.
-TP_MODEL = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class Config:
-    vocab_size = 256
-    block_size = 64
-
+TP_MODEL = LM_SOURCE + '''
 
 class Attention(nn.Module):
     def __init__(self, width, heads):
@@ -96,26 +88,8 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.config = Config()
-        self.wte = nn.Embedding(256, 64)
-        self.blocks = nn.ModuleList(Block(64) for _ in range(2))
-        self.head = nn.Linear(64, 256, bias=False)
-
-    def forward(self, idx, targets=None):
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def build():
-    return Model()
+    return Model([Block(64) for _ in range(2)])
 '''
 
 
