@@ -102,23 +102,10 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
     if seq > probe_lm.max_seq_len:
         raise AmpscopeError(f"seq {seq} exceeds {probe_lm.name}'s context length "
                             f"{probe_lm.max_seq_len}")
-    notes: list[str] = []
-    # A tensor-parallel group spans at most one machine of eight, as NVLink does.
-    tps = [t for t in (1, 2, 4, 8) if gpus % t == 0]
-    splittable = [t for t in tps if t == 1 or tensor_parallel_plan(probe_lm.module, t)[0]]
-    refused = [t for t in tps if t not in splittable]
-    if refused:  # why the smallest degree is refused (a larger one may fail sooner)
-        why = tensor_parallel_plan(probe_lm.module, refused[0])[1]
-        notes.append(f"Tensor parallelism of {', '.join(map(str, refused))} is not offered: "
-                     f"{why}")
+    splittable, notes = _offered(probe_lm, gpus, lead, alike_blocks)
     # The probes' model: the first blocks of the one built here, copied for each probe (a
     # probe shards and changes its copy in place). Its blocks are kept for the check.
     truncate(probe_lm.module, lead + min(alike_blocks, PROBE_DEPTHS[-1]))
-    if lead:
-        first = "block 0 differs" if lead == 1 else f"blocks 0-{lead - 1} differ"
-        notes.append(f"{probe_lm.name}'s {first} from its other {alike_blocks} blocks (modules "
-                     "or parameters): every plan's probes keep "
-                     f"{'it' if lead == 1 else 'them'}, and the rules extend the others.")
     families = [(tp, checkpoint) for tp in splittable for checkpoint in (False, True)]
     unlike: list[Unlike] = []
 
@@ -159,6 +146,27 @@ def plans(model: str, gpus: int, *, gpu: str | None = None, memory_size: str | N
         optimizer=optimizer, plans=ranked(found), seconds=time.monotonic() - started,
         notes=notes, batch_limit=BATCH_LIMIT,
         probe_depths=sorted(lead + d for d in search.depths))
+
+
+def _offered(lm: LoadedModel, gpus: int, lead: int, alike_blocks: int
+             ) -> tuple[list[int], list[str]]:
+    """The tensor-parallel degrees the search offers (1 always), and its notes on the model's
+    blocks: the degrees they cannot be split by, and why; the first blocks every probe keeps."""
+    notes: list[str] = []
+    # A tensor-parallel group spans at most one machine of eight, as NVLink does.
+    tps = [t for t in (1, 2, 4, 8) if gpus % t == 0]
+    splittable = [t for t in tps if t == 1 or tensor_parallel_plan(lm.module, t)[0]]
+    refused = [t for t in tps if t not in splittable]
+    if refused:  # why the smallest degree is refused (a larger one may fail sooner)
+        why = tensor_parallel_plan(lm.module, refused[0])[1]
+        notes.append(f"Tensor parallelism of {', '.join(map(str, refused))} is not offered: "
+                     f"{why}")
+    if lead:
+        first = "block 0 differs" if lead == 1 else f"blocks 0-{lead - 1} differ"
+        notes.append(f"{lm.name}'s {first} from its other {alike_blocks} blocks (modules or "
+                     f"parameters): every plan's probes keep {'it' if lead == 1 else 'them'}, "
+                     "and the rules extend the others.")
+    return splittable, notes
 
 
 def check_arguments(gpus: int, seq: int) -> None:

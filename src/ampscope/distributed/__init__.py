@@ -11,7 +11,9 @@
   `tensor_parallel.py`: how a Llama-family block splits across a tensor-parallel group;
   `verdicts.py`: whether each rank's peak fits a GPU's memory (the report's notes);
   `block_forward.py`: whether a model's repeated blocks run alike (`fit --gpus` takes its
-  first blocks for all only where they do).
+  first blocks for all only where they do); `probe_depth.py`: a model cut to its first
+  blocks for a probe, and made whole again; `fake_world.py`: the probes' fake process group
+  of N ranks and their (dp, tp) meshes.
 
 See docs/distributed.md.
 """

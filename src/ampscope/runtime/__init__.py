@@ -8,7 +8,8 @@ runs on (precision/ says what a setting is and applies it).
 - `attention_choice.py` / `attention_kernels.py`: which SDPA backend a GPU would pick, and its
   ops run on CPU tensors;
 - `half_matmul.py`: float16 matmuls as a GPU computes them (float32 accumulation, one
-  rounding), at float32's speed on a CPU without float16 arithmetic;
+  rounding), at float32's speed on a CPU without float16 arithmetic; `integer_histc.py`:
+  `histc` of integer tensors as CUDA counts them, which the CPU's kernel refuses;
 - `rnn_choice.py` / `rnn_kernels.py`: whether a GPU runs an RNN call through cuDNN, and
   cuDNN's RNN ops run on CPU tensors;
 - `norm_stats.py`: normalization statistics in the dtypes the target device keeps them;
