@@ -319,11 +319,11 @@ class _Search:
         low, high = PROBE_BATCHES
         try:
             probes = [self.probe(family, d, low) for d in self.depths]
-        except Exception as e:
+        except Exception as e:  # whatever the model's code raises split: said, as the CLI says it
             if family[0] == 1:
                 raise
-            line = user_line(e)
-            return family, f"{type(e).__name__}{f' at {line}' if line else ''}: {first_line(e)}", 0, None
+            at = f" at {user_line(e)}" if user_line(e) else ""
+            return family, f"{type(e).__name__}{at}: {first_line(e)}", 0, None
         plan = self.plan(family, probes, low)
         rate = None
         if plan.fits:
@@ -388,9 +388,9 @@ def _probes_job(jobs: list[tuple[Family, int, int]]) -> list[Probe]:
 def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth: int, batch: int,
            seq: int, optimizer: str, checkpoint: bool, acc: Accelerator | None = None,
            lead: int = 0) -> Probe:
-    """Rank 0's traced step of the model's first `lead` + `depth` blocks at micro-batch `batch` on
-    the (dp, tp) `mesh` (`_mesh`); on `acc`, its step timed here (what the rules need of it,
-    not its ops, goes back)."""
+    """Rank 0's traced step of the model's first `lead` + `depth` blocks at micro-batch
+    `batch` on the (dp, tp) `mesh` (`mesh_2d`); on `acc`, its step timed here (what the rules
+    need of it, not its ops, goes back)."""
     from ampscope.distributed.step import rank_step
 
     dp, tp = mesh.shape
@@ -420,7 +420,8 @@ def _probe(model: LoadedModel, setting: Setting, parallel: Parallel, mesh, depth
     time = None if acc is None else probe_time(
         step_time(trace, acc, world_size=dp * tp), matmul_flops(trace))
     return Probe(depth, batch, trace.storages, phases,
-                 places([o.module for o in trace.ops], phases, blocks_of(lm.module)[0], depth, lead),
+                 places([o.module for o in trace.ops], phases, blocks_of(lm.module)[0], depth,
+                        lead),
                  time)
 
 

@@ -14,9 +14,10 @@ they are equal, the data's own minimum and maximum, widened by one each way wher
 equal too; values outside [min, max] not counted; a value x in bin (x − min) · bins // (max −
 min), in 64-bit integers, the maximum in the last bin. Any other tensor goes to PyTorch's own
 kernel through `histc.out`, which this leaves registered: the same counts and errors. The meta
-kernel gives fake tensors (a predicted run) the result's shape and dtype. Both first run PyTorch's
-own kernel of their device on an empty floating tensor: bad bins or bounds fail in its words. The trace records the one `histc` the script called: the ops the
-kernel calls run below the recorders' dispatch modes (tests/test_integer_histc.py).
+kernel gives fake tensors (a predicted run) the result's shape and dtype. Both first run
+PyTorch's own kernel of their device on an empty floating tensor: bad bins or bounds fail in
+its words. The trace records the one `histc` the script called: the ops the kernel calls run
+below the recorders' dispatch modes (tests/test_integer_histc.py).
 """
 
 from __future__ import annotations
