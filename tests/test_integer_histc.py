@@ -54,7 +54,9 @@ def test_bad_arguments_fail_in_pytorchs_own_words(bins, low, high):
 
 
 def test_a_fake_tensor_gets_the_counts_shape_and_dtype():
-    with integer_histc(), FakeTensorMode() as mode:
+    with integer_histc() as fake_too, FakeTensorMode() as mode:
+        if not fake_too:
+            pytest.skip("this torch refuses to replace PyTorch's meta kernel of histc")
         fake = mode.from_tensor(torch.zeros(10, dtype=torch.int32))
         counts = torch.histc(fake, bins=6, min=0, max=5)
     assert (tuple(counts.shape), counts.dtype) == ((6,), torch.int32)
@@ -73,6 +75,9 @@ def test_an_emulated_cuda_moe_layer_counts_its_experts_tokens_as_on_the_gpu(tmp_
     ids on CUDA (of float ids on the CPU). The emulated run records that one op, as the script
     called it, and none of the kernel's own."""
     transformers = pytest.importorskip("transformers")
+    with integer_histc() as fake_too:
+        if predict and not fake_too:
+            pytest.skip("this torch refuses to replace PyTorch's meta kernel of histc")
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
                                         vocab_size=64, max_position_embeddings=64,

@@ -14,9 +14,9 @@ they are equal, the data's own minimum and maximum, widened by one each way wher
 equal too; values outside [min, max] not counted; a value x in bin (x − min) · bins // (max −
 min), in 64-bit integers, the maximum in the last bin. Any other tensor goes to PyTorch's own
 kernel through `histc.out`, which this leaves registered: the same counts and errors. The meta
-kernel gives fake tensors (a predicted run) the result's shape and dtype. Both first run
-PyTorch's own kernel of their device on an empty floating tensor: bad bins or bounds fail in
-its words. The trace records the one `histc` the script called: the ops the kernel calls run
+kernel gives fake tensors (a predicted run) the result's shape and dtype, where the build lets
+it replace PyTorch's (not torch 2.9: docs/compatibility.md). Both first run PyTorch's own
+kernel of their device on an empty floating tensor: bad bins or bounds fail in its words. The trace records the one `histc` the script called: the ops the kernel calls run
 below the recorders' dispatch modes (tests/test_integer_histc.py).
 """
 
@@ -66,17 +66,26 @@ def _meta_histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float
     return input.new_empty((bins,))
 
 
-def _register(library: torch.library.Library) -> None:
+def _register(library: torch.library.Library, fake: list[bool]) -> None:
     library.impl("histc", _cpu_histc, "CPU")
-    library.impl("histc", _meta_histc, "Meta")
+    # Some builds (torch 2.9) refuse to replace a meta kernel PyTorch registered from Python
+    # ("there's already a kernel registered from python"): there a fake tensor's integer histc
+    # fails as on PyTorch's own fake CPU tensors, and the rest of the run is unchanged.
+    try:
+        library.impl("histc", _meta_histc, "Meta")
+        fake.append(True)
+    except RuntimeError:
+        fake.append(False)
 
 
 @contextlib.contextmanager
-def integer_histc() -> Iterator[None]:
-    """While active, `torch.histc` counts integer CPU tensors (and fake ones) as CUDA does.
-    Process-wide, like any dispatcher registration: not for concurrent threads."""
-    library = overriding_library(_register)
+def integer_histc() -> Iterator[bool]:
+    """While active, `torch.histc` counts integer CPU tensors (and fake ones, where this build
+    lets it: the value given) as CUDA does. Process-wide, like any dispatcher registration:
+    not for concurrent threads."""
+    fake: list[bool] = []
+    library = overriding_library(lambda lib: _register(lib, fake))
     try:
-        yield
+        yield fake[0]
     finally:
         destroy_library(library)
