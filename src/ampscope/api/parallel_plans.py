@@ -245,11 +245,11 @@ class _Search:
         failed = {f: why for f, why, _, _ in found if isinstance(why, str)}
         for tp in sorted({f[0] for f in failed}):
             which = [f for f in failed if f[0] == tp]
-            how = "" if len(which) > 1 else " with" if which[0][1] else " without"
-            self.notes.append(f"Tensor parallelism of {tp}{how}{' checkpointing' if how else ''}"
-                              f" is not offered: its rank failed under it: {failed[which[0]]}")
+            how = "" if len(which) > 1 else f" with{'' if which[0][1] else 'out'} checkpointing"
+            self.notes.append(f"Tensor parallelism of {tp}{how} is not offered: its rank failed "
+                              f"under it: {failed[which[0]]}")
         found = [row for row in found if not isinstance(row[1], str)]
-        families = [f for f in families if any(f == row[0] for row in found)]
+        families = [f for f in families if f not in failed]
         plans: dict[Family, Plan] = {family: plan for family, plan, _, _ in found}
         ceiling = {family: rate for family, _, _, rate in found}
         say(f"  {sum(n for _, _, n, _ in found)} ranks traced at micro-batches 2 and 3")
@@ -322,7 +322,8 @@ class _Search:
         except Exception as e:  # whatever the model's code raises split: said, as the CLI says it
             if family[0] == 1:
                 raise
-            at = f" at {user_line(e)}" if user_line(e) else ""
+            line = user_line(e)  # the model's line that raised
+            at = f" at {line}" if line else ""
             return family, f"{type(e).__name__}{at}: {first_line(e)}", 0, None
         plan = self.plan(family, probes, low)
         rate = None

@@ -104,10 +104,10 @@ def render_plans(report: PlansReport) -> RenderableType:
     timed = any(p.step_seconds is not None for p in report.plans)
     reserved = any(p.reserved_bytes is not None for p in report.plans)
     table = _table(report, timed, reserved)
-    depths = report.probe_depths
-    shallow, deep = (depths or [2, 3])[0], (depths or [2, 3])[-1]
+    depths = report.probe_depths or [2, 3]
+    shallow, deep = depths[0], depths[-1]
     at = (f"at its {report.depth} blocks" if depths == [report.depth]
-          else f"at {' and '.join(map(str, depths or [2, 3]))} blocks")
+          else f"at {' and '.join(map(str, depths))} blocks")
     extended = "" if depths == [report.depth] else "the full depth and "
     how = Text(
         f"Each plan's rank 0 was traced on fake tensors and PyTorch's fake process group {at}, "
